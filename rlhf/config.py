@@ -1,0 +1,295 @@
+"""Typed, validated pipeline configuration.
+
+Every field is documented where it is declared (Prefect renders these models as the flow's parameter form).
+YAML is loaded with :func:`load_config`; ``key.sub=value`` overrides are applied before validation, and any
+error (unknown key, wrong type, impossible value) is raised as one :class:`ConfigError` sentence naming the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlhf.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrackingConfig(_Section):
+    uri: str = Field("sqlite:///mlruns/mlflow.db", description="MLflow tracking URI (SQLite file or a server URL).")
+    artifact_location: str = Field(
+        "mlruns/artifacts", description="Where new experiments store artifacts (a local folder or an object-store URI)."
+    )
+    experiment: str = Field("rlhf-ppo", description="MLflow experiment name.")
+    log_checkpoints: bool = Field(True, description="Log every model checkpoint as an MLflow artifact.")
+
+
+class RuntimeConfig(_Section):
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    bf16: bool = Field(True, description="Use bf16 autocast on CUDA devices that support it (ignored on CPU).")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; None keeps torch's default.")
+    trust_remote_code: bool = Field(False, description="Allow model/tokenizer code from the hub. Off by default.")
+    output_dir: str = Field("outputs", description="Root folder for checkpoints and prepared data.")
+    progress: bool = Field(True, description="Show progress bars in the terminal.")
+
+
+class SyntheticTaskConfig(_Section):
+    seed: int = Field(0, description="Seed of the generated task (prompts, demonstrations, pairs).")
+    n_sft: int = Field(4000, ge=16, description="Number of SFT demonstrations.")
+    n_train_pairs: int = Field(4000, ge=16, description="Number of training preference pairs.")
+    n_eval_pairs: int = Field(500, ge=8, description="Number of held-out preference pairs.")
+    label_noise: float = Field(
+        0.1, ge=0.0, lt=0.5, description="Probability that a training pair's label is flipped (human-like noise)."
+    )
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "local"] = Field(
+        "synthetic", description="'synthetic': the built-in task; 'local': a JSONL or Parquet file (see `path`)."
+    )
+    path: str | None = Field(None, description="Local JSONL/Parquet file with prompt, chosen, rejected columns.")
+    eval_path: str | None = Field(None, description="Optional separate held-out file; else `eval_fraction` is split.")
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out fraction when there is no eval file.")
+    split_seed: int = Field(0, description="Seed of the deterministic train/eval split.")
+    synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> DataConfig:
+        if self.source == "local" and not self.path:
+            raise ValueError("data.path must name a JSONL or Parquet file when data.source is 'local'")
+        return self
+
+
+class BootstrapModelConfig(_Section):
+    vocab_size: int = Field(512, ge=64, description="Byte-level BPE vocabulary trained on the task text.")
+    n_layer: int = Field(2, ge=1, description="GPT-2 layers.")
+    n_head: int = Field(4, ge=1, description="GPT-2 attention heads.")
+    n_embd: int = Field(128, ge=16, description="GPT-2 hidden size (a multiple of n_head).")
+    n_positions: int = Field(128, ge=16, description="Maximum sequence length.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> BootstrapModelConfig:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"sft.bootstrap.n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        return self
+
+
+class SFTConfig(_Section):
+    model: str | None = Field(
+        None,
+        description="Existing SFT checkpoint (local path or hub id): skips training. None bootstraps a tiny GPT-2 "
+        "and its tokenizer from the task's demonstrations.",
+    )
+    revision: str | None = Field(None, description="Hub revision of `model`.")
+    bootstrap: BootstrapModelConfig = Field(default_factory=BootstrapModelConfig)
+    steps: int = Field(600, ge=1, description="SFT optimizer steps when bootstrapping.")
+    batch_size: int = Field(64, ge=1, description="SFT batch size.")
+    lr: float = Field(3e-3, gt=0, description="SFT peak learning rate (AdamW, cosine decay).")
+    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+
+
+class RewardConfig(_Section):
+    epochs: float = Field(2.0, gt=0, description="Passes over the training pairs.")
+    batch_size: int = Field(32, ge=1, description="Pairs per optimizer step.")
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW, linear decay).")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Fraction of steps of linear warm-up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    use_margin: bool = Field(True, description="Subtract the data's margin column in the loss when present.")
+    center_coef: float = Field(0.01, ge=0, description="Reward-centring coefficient c * mean((r_c + r_r)^2).")
+    eval_every: int = Field(50, ge=1, description="Evaluate on held-out pairs every N steps; best is kept.")
+    max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response.")
+
+
+class PPOConfig(_Section):
+    total_episodes: int = Field(8192, ge=1, description="Prompt/response pairs sampled over the whole run.")
+    batch_size: int = Field(64, ge=1, description="Rollout batch: episodes per PPO update.")
+    num_mini_batches: int = Field(4, ge=1, description="Minibatches per PPO epoch; must divide batch_size.")
+    num_ppo_epochs: int = Field(4, ge=1, description="Optimisation epochs over each rollout batch.")
+    lr: float = Field(3e-4, gt=0, description="Policy learning rate (AdamW).")
+    value_lr: float = Field(3e-4, gt=0, description="Value-model learning rate (AdamW).")
+    kl_coef: float = Field(0.05, ge=0, description="Initial KL penalty coefficient.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator in the reward.")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
+    cliprange_value: float = Field(0.2, gt=0, description="Value clip range.")
+    vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    whiten_rewards: bool = Field(False, description="Whiten per-token rewards before GAE.")
+    max_new_tokens: int = Field(24, ge=1, description="Maximum response tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use the same one).")
+    top_k: int | None = Field(None, ge=1, description="Top-k sampling; None disables.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; None disables.")
+    missing_eos_penalty: float | None = Field(
+        1.0, description="Subtracted from the score of a response without a stop token; None disables."
+    )
+    max_prompt_tokens: int = Field(64, ge=1, description="Prompts are left-truncated to this many tokens.")
+    stop_tokens: list[int | str] = Field(
+        default_factory=list, description="Extra stop tokens (ids or single-token strings); EOS always stops."
+    )
+    missing_eos_mode: Literal["subtract", "replace"] = Field(
+        "subtract", description="'subtract': score - missing_eos_penalty; 'replace': score = missing_eos_penalty."
+    )
+    min_response_length: int | None = Field(None, ge=1, description="Responses shorter than this are penalised.")
+    min_length_penalty: float | None = Field(None, description="Penalty for short responses (same modes as EOS).")
+    score_clip: float | None = Field(None, gt=0, description="Clip reward-model scores to [-c, c]; None disables.")
+    kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="Constant or adaptive KL coefficient.")
+    kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target sequence KL (Ziegler et al.).")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in episodes.")
+    whiten_advantages: bool = Field(True, description="Whiten advantages (masked mean 0, std 1) before the loss.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 disables).")
+    target_kl: float | None = Field(
+        None, gt=0, description="Stop the PPO epochs of an update early once approximate KL passes this."
+    )
+    lr_schedule: Literal["constant", "linear"] = Field("linear", description="Learning-rate schedule of both models.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per minibatch optimizer step.")
+    forward_batch_size: int | None = Field(
+        None, ge=1, description="Rows per no-grad forward pass (reference, reward, value); None: the whole batch."
+    )
+    save_every: int = Field(10, ge=1, description="Save the full trainer state every N updates (resume point).")
+    record_rollouts: bool = Field(True, description="Write the per-sample rollout records of each update to Parquet.")
+    log_every: int = Field(1, ge=1, description="Log statistics every N updates.")
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> PPOConfig:
+        if self.batch_size % self.num_mini_batches:
+            raise ValueError(
+                f"ppo.num_mini_batches ({self.num_mini_batches}) must divide ppo.batch_size ({self.batch_size})"
+            )
+        if self.mini_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"ppo.gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide the minibatch size "
+                f"(ppo.batch_size / ppo.num_mini_batches = {self.mini_batch_size})"
+            )
+        if self.total_episodes < self.batch_size:
+            raise ValueError(
+                f"ppo.total_episodes ({self.total_episodes}) must be at least ppo.batch_size ({self.batch_size})"
+            )
+        return self
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.batch_size // self.num_mini_batches
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_episodes // self.batch_size
+
+
+class EvalConfig(_Section):
+    n_prompts: int = Field(256, ge=1, description="Held-out prompts to generate for.")
+    batch_size: int = Field(64, ge=1, description="Generation batch size.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Response length; None uses ppo.max_new_tokens.")
+    temperature: float | None = Field(None, gt=0, description="Sampling temperature; None uses ppo.temperature.")
+    seed: int = Field(1234, description="Generation seed (the same for the SFT and PPO policies).")
+
+
+class PipelineConfig(_Section):
+    """The whole pipeline: one YAML file (conf/default.yaml) maps onto this model."""
+
+    seed: int = Field(0, description="Global seed for model init, sampling and shuffling.")
+    run_name: str | None = Field(None, description="Name of the MLflow parent run; None picks one.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        msg = f"{source}: unknown key '{key}'"
+    elif kind == "value_error":
+        msg = f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
+    else:
+        got = first.get("input")
+        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
+        msg = f"{source}: {key}: {first['msg']}{got_text}"
+    more = len(err.errors()) - 1
+    return msg + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'ppo.kl_coef=0.1'`` -> (['ppo', 'kl_coef'], 0.1); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override '{text}' has an empty key")
+    return parts, yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides to a raw config dict (validation happens afterwards)."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{'.'.join(parts[: i + 1])}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def build_config(raw: dict[str, Any], source: str = "config") -> PipelineConfig:
+    """Validate a raw dict; any problem becomes one ConfigError sentence naming the key."""
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load a YAML file (None: the defaults) and apply ``key.sub=value`` overrides."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {err}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, not {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    return build_config(raw, source)
+
+
+def section_digest(section: BaseModel | dict[str, Any]) -> str:
+    """Stable content digest of a config section (part of the stage cache keys)."""
+    data = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into dotted keys (MLflow params)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else k)
+        else:
+            out[key] = node
+
+    walk(cfg.model_dump(mode="json"), prefix)
+    return out

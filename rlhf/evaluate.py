@@ -1,0 +1,169 @@
+"""Evaluation generation: the PPO policy against the SFT policy on held-out prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from rlhf import models
+from rlhf.batching import pad_left
+from rlhf.checkpoints import atomic_dir, write_manifest
+from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
+from rlhf.ppo.rollout import GenerationSettings, policy_forward, sample_responses
+from rlhf.ppo.state import reward_scores, same_vocabulary, stop_token_ids
+
+GoldFn = Callable[[str, str], float]
+LogFn = Callable[[dict[str, float], int], None]
+
+
+@dataclass
+class EvalResult:
+    folder: str
+    digest: str
+    summary: dict[str, float]
+
+    @property
+    def completions(self) -> Path:
+        return Path(self.folder) / "completions.parquet"
+
+
+def eval_prompts(eval_file: str | Path, n: int) -> list[str]:
+    """The first `n` distinct prompts of the held-out split, in file order."""
+    return list(dict.fromkeys(pd.read_parquet(eval_file)["prompt"].tolist()))[:n]
+
+
+@torch.no_grad()
+def _generate_and_score(
+    policy,
+    reference,
+    reward,
+    tok,
+    reward_tok,
+    prompts: list[str],
+    cfg: EvalConfig,
+    settings: GenerationSettings,
+    max_prompt_tokens: int,
+    runtime: RuntimeConfig,
+    device: torch.device,
+) -> pd.DataFrame:
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
+    same_tok = same_vocabulary(tok, reward_tok)
+    rows = []
+    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc="eval", disable=not runtime.progress):
+        batch_prompts = prompts[start : start + cfg.batch_size]
+        ids = [x[-max_prompt_tokens:] for x in tok(batch_prompts, add_special_tokens=False)["input_ids"]]
+        query, query_mask = (t.to(device) for t in pad_left(ids, tok.pad_token_id))
+        with models.autocast(device, runtime.bf16):
+            resp = sample_responses(policy, query, query_mask, settings, generator)
+            qr = torch.cat([query, resp.tokens], 1)
+            qr_mask = torch.cat([query_mask, resp.mask], 1)
+            p = query.shape[1]
+            logp = policy_forward(policy, qr, qr_mask, p, settings.temperature).logprobs.float()
+            ref_logp = policy_forward(reference, qr, qr_mask, p, settings.temperature).logprobs.float()
+            scores = reward_scores(reward, reward_tok, tok, same_tok, batch_prompts, qr, qr_mask, resp, None, device)
+        mask = resp.mask.float()
+        texts = tok.batch_decode(resp.tokens.masked_fill(resp.mask == 0, tok.pad_token_id), skip_special_tokens=True)
+        for i, prompt in enumerate(batch_prompts):
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "response": texts[i],
+                    "score": float(scores[i]),
+                    "kl": float(((logp[i] - ref_logp[i]) * mask[i]).sum()),
+                    "length": int(mask[i].sum()),
+                    "stopped": bool(resp.contains_stop[i]),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def evaluate_policies(
+    cfg: EvalConfig,
+    ppo_cfg: PPOConfig,
+    runtime: RuntimeConfig,
+    policy_path: str,
+    sft_path: str,
+    reward_path: str,
+    eval_file: str | Path,
+    out_dir: str | Path,
+    gold_fn: GoldFn | None,
+    log: LogFn,
+) -> EvalResult:
+    """Generate with the PPO and SFT policies (same prompts, same seed) and compare them."""
+    device = models.resolve_device(runtime.device)
+    trc = runtime.trust_remote_code
+    tok = models.load_tokenizer(policy_path, trust_remote_code=trc)
+    reward_tok = models.load_tokenizer(reward_path, trust_remote_code=trc)
+    reference = models.load_causal_lm(sft_path, device, trust_remote_code=trc).eval()
+    reward = models.load_reward_model(reward_path, device, trust_remote_code=trc).eval()
+    settings = GenerationSettings(
+        cfg.max_new_tokens or ppo_cfg.max_new_tokens,
+        cfg.temperature or ppo_cfg.temperature,
+        ppo_cfg.top_k,
+        ppo_cfg.top_p,
+        stop_token_ids(tok, ppo_cfg.stop_tokens),
+        tok.pad_token_id,
+    )
+    prompts = eval_prompts(eval_file, cfg.n_prompts)
+    frames = {}
+    for name, path in (("sft", sft_path), ("ppo", policy_path)):
+        policy = reference if name == "sft" else models.load_causal_lm(path, device, trust_remote_code=trc).eval()
+        frames[name] = _generate_and_score(
+            policy,
+            reference,
+            reward,
+            tok,
+            reward_tok,
+            prompts,
+            cfg,
+            settings,
+            ppo_cfg.max_prompt_tokens,
+            runtime,
+            device,
+        )
+    sft, ppo = frames["sft"], frames["ppo"]
+    table = pd.DataFrame(
+        {
+            "prompt": prompts,
+            "sft_response": sft["response"],
+            "ppo_response": ppo["response"],
+            "sft_score": sft["score"],
+            "ppo_score": ppo["score"],
+            "ppo_kl": ppo["kl"],
+            "sft_length": sft["length"],
+            "ppo_length": ppo["length"],
+        }
+    )
+    summary = {
+        "eval/n_prompts": float(len(prompts)),
+        "eval/ppo_score": float(ppo["score"].mean()),
+        "eval/sft_score": float(sft["score"].mean()),
+        "eval/win_rate_rm": float(np.mean(ppo["score"] > sft["score"])),
+        "eval/kl": float(ppo["kl"].mean()),
+        "eval/ppo_length": float(ppo["length"].mean()),
+        "eval/sft_length": float(sft["length"].mean()),
+        "eval/ppo_stop_rate": float(ppo["stopped"].mean()),
+        "eval/sft_stop_rate": float(sft["stopped"].mean()),
+    }
+    if gold_fn is not None:
+        table["sft_gold"] = [gold_fn(p, r) for p, r in zip(prompts, sft["response"], strict=True)]
+        table["ppo_gold"] = [gold_fn(p, r) for p, r in zip(prompts, ppo["response"], strict=True)]
+        summary.update(
+            {
+                "eval/ppo_gold": float(table["ppo_gold"].mean()),
+                "eval/sft_gold": float(table["sft_gold"].mean()),
+                "eval/win_rate_gold": float(np.mean(table["ppo_gold"] > table["sft_gold"])),
+                "eval/tie_rate_gold": float(np.mean(table["ppo_gold"] == table["sft_gold"])),
+            }
+        )
+    log(summary, 0)
+    with atomic_dir(out_dir) as tmp:
+        table.to_parquet(tmp / "completions.parquet", index=False)
+        manifest = write_manifest(tmp, stage="evaluate", summary=summary)
+    return EvalResult(str(out_dir), manifest["digest"], summary)

@@ -1,0 +1,171 @@
+"""The one place models and tokenizers are built or loaded.
+
+Every stage loads checkpoints through the ``Auto*`` classes from a path or hub id, exactly as it would load
+``gpt2``; the tiny bootstrap model is saved with ``save_pretrained`` and loaded the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+from transformers.utils import logging as hf_logging
+
+hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
+hf_logging.disable_progress_bar()
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"runtime.device is '{name}' but CUDA is not available on this machine")
+    return device
+
+
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on CUDA devices that support it; a no-op elsewhere."""
+    if device.type == "cuda" and bf16 and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer (GPT-2 style) on the task's text, offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None
+    )
+
+
+def build_tiny_gpt2(
+    tokenizer: PreTrainedTokenizerBase, n_layer: int, n_head: int, n_embd: int, n_positions: int, seed: int
+) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def _load_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision:
+        kwargs["revision"] = revision
+    return kwargs
+
+
+def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load a tokenizer; one without a pad token pads with its EOS token (masks, not ids, mark padding here)."""
+    tok = AutoTokenizer.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(
+    name: str, device: torch.device, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
+    return model.to(device)
+
+
+def load_reward_model(
+    name: str, device: torch.device, revision: str | None = None, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """A sequence classifier with one output (a fresh scalar head when `name` is a causal LM checkpoint)."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        name, num_labels=1, **_load_kwargs(revision, trust_remote_code)
+    )
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model.to(device)
+
+
+def is_local_checkpoint(name: str) -> bool:
+    return Path(name).is_dir()
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding. Shape: (b, t) -> (b, t)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _score_head(model: PreTrainedModel) -> nn.Module:
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise ValueError(f"{type(model).__name__} has no scalar head named 'score' or 'classifier'")
+
+
+def token_scores(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The scalar head at every position (value estimates; a reward model reads the last real one).
+
+    Shape: (b, t) -> (b, t).
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    return _score_head(model)(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Reward-model score at the last real (non-pad) token of each row. Shape: (b, t) -> (b,)."""
+    per_token = token_scores(model, input_ids, attention_mask)
+    last = last_real_index(attention_mask)
+    return per_token.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def last_real_index(attention_mask: Tensor) -> Tensor:
+    """Index of the last 1 in each row of a mask (works for left and right padding). Shape: (b, t) -> (b,)."""
+    t = attention_mask.shape[1]
+    positions = torch.arange(t, device=attention_mask.device).expand_as(attention_mask)
+    return (positions * attention_mask.long()).argmax(dim=1)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

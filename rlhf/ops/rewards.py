@@ -1,0 +1,102 @@
+"""Score shaping and per-token rewards (Ziegler et al. 2019; Huang et al. 2024, details 4 and 5)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlhf.ops.kl import kl_per_token
+
+PENALTY_MODES: tuple[str, ...] = ("subtract", "replace")
+
+
+class ShapedScores(NamedTuple):
+    scores: Tensor  # (b,) shaped scores
+    missing_stop: Tensor  # (b,) bool, the response has no stop token
+    too_short: Tensor  # (b,) bool, the response is shorter than min_length (all False without min_length)
+
+
+class TokenRewards(NamedTuple):
+    rewards: Tensor  # (b, t) non_score_rewards plus the score at the last real token
+    non_score_rewards: Tensor  # (b, t) -kl_coef * kl
+    kl: Tensor  # (b, t) per-token KL estimate, 0 at padding
+
+
+def _apply_penalty(scores: Tensor, flag: Tensor, penalty: float | None, mode: str) -> Tensor:
+    if penalty is None:
+        return scores
+    if mode == "subtract":
+        return torch.where(flag, scores - penalty, scores)
+    return torch.where(flag, torch.full_like(scores, penalty), scores)
+
+
+def shape_scores(
+    scores: Tensor,
+    response_lengths: Tensor,
+    contains_stop: Tensor,
+    *,
+    clip: float | None = None,
+    missing_stop_penalty: float | None = None,
+    missing_stop_mode: str = "subtract",
+    min_length: int | None = None,
+    min_length_penalty: float | None = None,
+    min_length_mode: str = "subtract",
+) -> ShapedScores:
+    """Shape reward-model scores before they become rewards.
+
+    In order: clip to ``[-clip, clip]``; then for responses without a stop token, ``"subtract"`` gives
+    ``score - missing_stop_penalty`` and ``"replace"`` sets the score to ``missing_stop_penalty`` as given (e.g.
+    ``-1.0``); then likewise for responses with ``length < min_length`` (so with both in ``"replace"`` mode the
+    length penalty wins). A penalty of ``None`` changes nothing; the flags are returned either way.
+
+    Shape: scores, response_lengths and contains_stop (b,); outputs (b,).
+    """
+    for name, mode in (("missing_stop_mode", missing_stop_mode), ("min_length_mode", min_length_mode)):
+        if mode not in PENALTY_MODES:
+            raise ValueError(f"Unknown {name} {mode!r}; allowed values are {', '.join(PENALTY_MODES)}.")
+    if clip is not None and clip <= 0:
+        raise ValueError(f"Score clip must be positive, got {clip}.")
+
+    missing_stop = ~contains_stop.bool()
+    if min_length is None:
+        too_short = torch.zeros_like(missing_stop)
+    else:
+        too_short = response_lengths < min_length
+
+    shaped = scores if clip is None else scores.clamp(-clip, clip)
+    shaped = _apply_penalty(shaped, missing_stop, missing_stop_penalty, missing_stop_mode)
+    shaped = _apply_penalty(shaped, too_short, min_length_penalty, min_length_mode)
+    return ShapedScores(scores=shaped, missing_stop=missing_stop, too_short=too_short)
+
+
+def per_token_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> TokenRewards:
+    """Per-token rewards: ``-kl_coef * kl_t`` at every response token plus the score at the last real token.
+
+    The last real token of a row is the highest position where ``response_mask`` is 1 (``mask.sum(1) - 1`` for
+    right-padded rows). Every row is expected to hold at least one real token; a row with none gets no score and
+    stays all zeros. Padded positions are 0 in all three outputs, whatever the log-probs hold there.
+
+    Shape: scores (b,); logprobs, ref_logprobs and response_mask (b, t); outputs (b, t).
+    """
+    m = response_mask.to(logprobs.dtype)
+    real = m != 0
+    kl = kl_per_token(logprobs, ref_logprobs, estimator)
+    kl = torch.where(real, kl * m, torch.zeros_like(kl))
+    non_score_rewards = -kl_coef * kl
+
+    positions = torch.arange(m.shape[1], device=m.device).expand_as(m)  # (t,) -> (b, t)
+    last = torch.where(real, positions, torch.zeros_like(positions)).amax(dim=1)  # (b,)
+    has_token = real.any(dim=1).to(logprobs.dtype)  # (b,)
+    rewards = non_score_rewards.clone()
+    rows = torch.arange(m.shape[0], device=m.device)
+    rewards[rows, last] += scores.to(rewards.dtype) * has_token
+    return TokenRewards(rewards=rewards, non_score_rewards=non_score_rewards, kl=kl)

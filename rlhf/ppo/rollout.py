@@ -1,0 +1,127 @@
+"""Rollouts: sample responses with a KV cache, truncate at the stop token, and score them under no grad."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from rlhf.models import position_ids_from_mask, token_scores
+from rlhf.ops import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+
+class Responses(NamedTuple):
+    tokens: Tensor  # (b, r) sampled ids, pad after the first stop token
+    mask: Tensor  # (b, r) 1 up to and including the first stop token
+    contains_stop: Tensor  # (b,) bool
+
+
+def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+    """Top-k then nucleus filtering: removed entries become -inf. Shape: (b, v) -> (b, v)."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def truncate_at_stop(tokens: Tensor, stop_token_ids: tuple[int, ...], pad_token_id: int) -> Responses:
+    """Keep each response up to and including its first stop token; the rest becomes padding."""
+    if stop_token_ids:
+        is_stop = torch.isin(tokens, torch.tensor(stop_token_ids, device=tokens.device))
+    else:
+        is_stop = torch.zeros_like(tokens, dtype=torch.bool)
+    after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0  # strictly after the first stop
+    mask = (~after_stop).long()
+    return Responses(tokens.masked_fill(after_stop, pad_token_id), mask, is_stop.any(1))
+
+
+@torch.no_grad()
+def sample_responses(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    settings: GenerationSettings,
+    generator: torch.Generator | None = None,
+) -> Responses:
+    """Autoregressive sampling with a KV cache; stops early when every row has produced a stop token.
+
+    Shape: prompt_ids, prompt_mask (b, p), left-padded -> Responses with (b, r), r <= max_new_tokens.
+    """
+    b = prompt_ids.shape[0]
+    device = prompt_ids.device
+    stop = torch.tensor(settings.stop_token_ids or (-1,), device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
+    ids, mask, pos = prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask)
+    cache = None
+    tokens = []
+    for _ in range(settings.max_new_tokens):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = filter_logits(out.logits[:, -1].float() / settings.temperature, settings.top_k, settings.top_p)
+        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+        nxt = nxt.masked_fill(finished, settings.pad_token_id)
+        tokens.append(nxt)
+        finished |= torch.isin(nxt, stop)
+        if bool(finished.all()):
+            break
+        ids = nxt[:, None]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        pos = pos[:, -1:] + 1
+    return truncate_at_stop(torch.stack(tokens, 1), settings.stop_token_ids, settings.pad_token_id)
+
+
+class PolicyOutput(NamedTuple):
+    logprobs: Tensor  # (b, r)
+    entropy: Tensor | None  # (b, r)
+
+
+def policy_forward(
+    model: PreTrainedModel,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    prompt_len: int,
+    temperature: float,
+    with_entropy: bool = False,
+) -> PolicyOutput:
+    """Log-probs of the response tokens under `model` at the sampling temperature.
+
+    Only the hidden states that predict response tokens go through the LM head (no vocabulary projection of
+    the prompt). Shape: query_responses (b, p + r) -> (b, r).
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=query_responses,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
+    labels = query_responses[:, prompt_len:]
+    logprobs = logprobs_from_logits(logits, labels, temperature)
+    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    return PolicyOutput(logprobs, entropy)
+
+
+def value_forward(model: PreTrainedModel, query_responses: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+    """Value estimates of the states that precede each response token. Shape: (b, p + r) -> (b, r)."""
+    return token_scores(model, query_responses, attention_mask)[:, prompt_len - 1 : -1]

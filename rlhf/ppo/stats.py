@@ -1,0 +1,101 @@
+"""Every PPO statistic of RLHF_SPEC.md, computed from one update's rollout and optimisation pass."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from rlhf.ops import explained_variance, masked_mean, masked_quantiles, masked_var
+
+
+class OptimStats:
+    """Running means of the per-minibatch optimisation statistics over all epochs."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def add(self, values: dict[str, Tensor | float]) -> None:
+        for key, value in values.items():
+            self._sums[key] += float(value.detach()) if isinstance(value, Tensor) else float(value)
+            self._counts[key] += 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self._sums[k] / self._counts[k] for k in self._sums}
+
+
+def _pcts(prefix: str, x: Tensor, mask: Tensor | None = None) -> dict[str, float]:
+    mask = torch.ones_like(x) if mask is None else mask
+    p05, p50, p95 = masked_quantiles(x.float(), mask, (0.05, 0.5, 0.95))
+    return {f"{prefix}_p05": p05, f"{prefix}_p50": p50, f"{prefix}_p95": p95}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory where there is one, else the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    except ImportError:  # pragma: no cover - non-POSIX
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+@torch.no_grad()
+def rollout_stats(
+    *,
+    scores: Tensor,
+    shaped_scores: Tensor,
+    contains_stop: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    kl: Tensor,
+    non_score_rewards: Tensor,
+    response_mask: Tensor,
+    query_lengths: Tensor,
+    advantages: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    kl_coef: float,
+) -> dict[str, float]:
+    """Objective, token and distribution statistics of one rollout batch (shapes (b,) and (b, r))."""
+    m = response_mask.float()
+    kl_seq = kl.sum(1)  # (b, r) -> (b,)
+    non_score = non_score_rewards.sum(1)
+    response_len = m.sum(1)
+    stats = {
+        "objective/kl": kl_seq.mean().item(),
+        "objective/kl_coef": kl_coef,
+        "objective/logprobs": masked_mean(logprobs, m).item(),
+        "objective/ref_logprobs": masked_mean(ref_logprobs, m).item(),
+        "objective/entropy": (-logprobs * m).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/scores": scores.mean().item(),
+        "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
+        "objective/scores_min": scores.min().item(),
+        "objective/scores_max": scores.max().item(),
+        "objective/shaped_scores": shaped_scores.mean().item(),
+        "objective/rlhf_reward": (shaped_scores + non_score).mean().item(),
+        "objective/stop_rate": contains_stop.float().mean().item(),
+        "advantages/mean": masked_mean(advantages, m).item(),
+        "returns/mean": masked_mean(returns, m).item(),
+        "returns/var": masked_var(returns, m).item(),
+        "value/mean": masked_mean(values, m).item(),
+        "value/var": masked_var(values, m).item(),
+        "value/explained_variance": explained_variance(values, returns, m).item(),
+        "tokens/query_len_mean": query_lengths.float().mean().item(),
+        "tokens/query_len_std": query_lengths.float().std().item() if len(query_lengths) > 1 else 0.0,
+        "tokens/response_len_mean": response_len.mean().item(),
+        "tokens/response_len_std": response_len.std().item() if len(response_len) > 1 else 0.0,
+    }
+    stats.update(_pcts("dist/kl", kl_seq))
+    stats.update(_pcts("dist/scores", scores))
+    stats.update(_pcts("dist/response_len", response_len))
+    stats.update(_pcts("dist/advantages", advantages, m))
+    return stats

@@ -1,0 +1,159 @@
+"""Reward-model training on preference pairs: pairwise loss, held-out evaluation, best checkpoint kept."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf import models
+from rlhf.batching import encode_prompt_response
+from rlhf.checkpoints import atomic_dir, write_manifest
+from rlhf.config import RewardConfig, RuntimeConfig
+from rlhf.ops import pairwise_reward_loss
+
+LogFn = Callable[[dict[str, float], int], None]
+
+
+@dataclass
+class RewardResult:
+    path: str
+    digest: str
+    metrics: dict[str, float]
+
+
+def score_pairs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    frame: pd.DataFrame,
+    max_length: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """Scores of chosen and rejected responses. Shape: (n,), (n,)."""
+    prompts = frame["prompt"].tolist() * 2
+    responses = frame["chosen"].tolist() + frame["rejected"].tolist()
+    batch = encode_prompt_response(tokenizer, prompts, responses, max_length)
+    scores = models.sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    return scores[: len(frame)], scores[len(frame) :]
+
+
+def pair_stats(prefix: str, chosen: Tensor, rejected: Tensor, loss: Tensor | None = None) -> dict[str, float]:
+    stats = {
+        f"{prefix}/accuracy": (chosen > rejected).float().mean().item(),
+        f"{prefix}/margin": (chosen - rejected).mean().item(),
+        f"{prefix}/chosen_mean": chosen.mean().item(),
+        f"{prefix}/chosen_std": chosen.std().item() if len(chosen) > 1 else 0.0,
+        f"{prefix}/rejected_mean": rejected.mean().item(),
+        f"{prefix}/rejected_std": rejected.std().item() if len(rejected) > 1 else 0.0,
+    }
+    if loss is not None:
+        stats[f"{prefix}/loss"] = loss.item()
+    return stats
+
+
+@torch.no_grad()
+def evaluate_pairs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    frame: pd.DataFrame,
+    cfg: RewardConfig,
+    device: torch.device,
+    batch_size: int = 128,
+) -> dict[str, float]:
+    """Held-out loss, accuracy, margin and reward statistics."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    for start in range(0, len(frame), batch_size):
+        c, r = score_pairs(model, tokenizer, frame.iloc[start : start + batch_size], cfg.max_length, device)
+        chosen.append(c)
+        rejected.append(r)
+    model.train(was_training)
+    c, r = torch.cat(chosen), torch.cat(rejected)
+    margin = _margins(frame, cfg, device)
+    loss = pairwise_reward_loss(c, r, margin, cfg.center_coef).loss
+    return pair_stats("eval", c, r, loss)
+
+
+def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Tensor | None:
+    if not cfg.use_margin or "margin" not in frame or frame["margin"].isna().all():
+        return None
+    return torch.tensor(frame["margin"].fillna(0.0).to_numpy(), dtype=torch.float32, device=device)
+
+
+def train_reward_model(
+    cfg: RewardConfig,
+    runtime: RuntimeConfig,
+    sft_path: str,
+    train_file: str | Path,
+    eval_file: str | Path,
+    out_dir: str | Path,
+    seed: int,
+    log: LogFn,
+) -> RewardResult:
+    """Initialise a scalar-head model from the SFT checkpoint and train it on preference pairs."""
+    device = models.resolve_device(runtime.device)
+    train = pd.read_parquet(train_file)
+    evals = pd.read_parquet(eval_file)
+    torch.manual_seed(seed)
+    tokenizer = models.load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
+    model = models.load_reward_model(sft_path, device, trust_remote_code=runtime.trust_remote_code)
+    model.train()
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    total = max(1, int(cfg.epochs * steps_per_epoch))
+    warmup = int(cfg.warmup_ratio * total)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
+    )
+    rng = random.Random(seed)
+    order: list[int] = []
+    best_acc, best_state, best_step = -1.0, None, 0
+    start = time.perf_counter()
+    for step in tqdm(range(1, total + 1), desc="reward", disable=not runtime.progress, mininterval=2):
+        if len(order) < cfg.batch_size:
+            order = list(range(len(train)))
+            rng.shuffle(order)
+        rows = train.iloc[order[: cfg.batch_size]]
+        order = order[cfg.batch_size :]
+        with models.autocast(device, runtime.bf16):
+            chosen, rejected = score_pairs(model, tokenizer, rows, cfg.max_length, device)
+        out = pairwise_reward_loss(chosen, rejected, _margins(rows, cfg, device), cfg.center_coef)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        stats = pair_stats("train", chosen.detach(), rejected.detach(), out.loss.detach())
+        stats.update({"train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0]})
+        if step % cfg.eval_every == 0 or step == total:
+            stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
+            if stats["eval/accuracy"] > best_acc:
+                best_acc, best_step = stats["eval/accuracy"], step
+                best_state = copy.deepcopy(model.state_dict())
+        log(stats, step)
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    final = evaluate_pairs(model, tokenizer, evals, cfg, device)
+    metrics = {
+        "reward/eval_accuracy": final["eval/accuracy"],
+        "reward/best_step": float(best_step),
+        "reward/seconds": time.perf_counter() - start,
+    }
+    log(metrics, total)
+    model.eval()
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        manifest = write_manifest(tmp, stage="reward", best_step=best_step, eval_accuracy=final["eval/accuracy"])
+    return RewardResult(str(out_dir), manifest["digest"], metrics)

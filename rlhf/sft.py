@@ -1,0 +1,118 @@
+"""Supervised fine-tuning: bootstrap a tiny GPT-2 and tokenizer on the demonstrations, or load a checkpoint."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from rlhf import models
+from rlhf.batching import encode_prompt_response
+from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
+from rlhf.config import RuntimeConfig, SFTConfig
+
+LogFn = Callable[[dict[str, float], int], None]
+
+
+@dataclass
+class SFTResult:
+    path: str  # checkpoint folder or hub id: what later stages pass to from_pretrained
+    digest: str
+    trained: bool
+    metrics: dict[str, float]
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return fn
+
+
+def load_existing(cfg: SFTConfig, runtime: RuntimeConfig) -> SFTResult:
+    """Use a configured checkpoint as the SFT policy (its tokenizer and config must load)."""
+    assert cfg.model is not None
+    models.load_tokenizer(cfg.model, cfg.revision, runtime.trust_remote_code)
+    if models.is_local_checkpoint(cfg.model):
+        digest = dir_digest(cfg.model)
+    else:
+        digest = text_digest(cfg.model, cfg.revision)
+    return SFTResult(cfg.model, digest, trained=False, metrics={})
+
+
+def tokenizer_corpus(demos: pd.DataFrame, pairs: pd.DataFrame) -> list[str]:
+    """Every text the tokenizer will see: prompts and responses of the demonstrations and the pairs."""
+    return [*demos["prompt"], *demos["response"], *pairs["prompt"], *pairs["chosen"], *pairs["rejected"]]
+
+
+def bootstrap_sft(
+    cfg: SFTConfig,
+    runtime: RuntimeConfig,
+    demonstrations: str | Path,
+    pairs: str | Path,
+    out_dir: str | Path,
+    seed: int,
+    log: LogFn,
+) -> SFTResult:
+    """Train a byte-level BPE tokenizer and a tiny GPT-2 from scratch on prompt -> response demonstrations.
+
+    The loss covers the response tokens (and the closing EOS) only.
+    """
+    device = models.resolve_device(runtime.device)
+    demos = pd.read_parquet(demonstrations)
+    tokenizer = models.build_tokenizer(tokenizer_corpus(demos, pd.read_parquet(pairs)), cfg.bootstrap.vocab_size)
+    boot = cfg.bootstrap
+    model = models.build_tiny_gpt2(tokenizer, boot.n_layer, boot.n_head, boot.n_embd, boot.n_positions, seed)
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+    batch = encode_prompt_response(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), boot.n_positions)
+    rng = random.Random(seed)
+    order: list[int] = []
+    start = time.perf_counter()
+    loss_value = float("nan")
+    for step in tqdm(range(cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2):
+        if len(order) < cfg.batch_size:
+            order = list(range(len(demos)))
+            rng.shuffle(order)
+        idx = torch.tensor(order[: cfg.batch_size])
+        order = order[cfg.batch_size :]
+        ids, mask, loss_mask = (t[idx] for t in batch)
+        width = int(mask.sum(1).max())  # (b, T) -> (b, width): drop all-pad columns
+        ids, mask, loss_mask = ids[:, :width].to(device), mask[:, :width].to(device), loss_mask[:, :width].to(device)
+        with models.autocast(device, runtime.bf16):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        # next-token loss on response tokens only: position t predicts token t+1
+        token_loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        target_mask = loss_mask[:, 1:].float()
+        loss = (token_loss * target_mask).sum() / target_mask.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        loss_value = loss.item()
+        if step % 10 == 0 or step == cfg.steps - 1:
+            log({"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}, step)
+    elapsed = time.perf_counter() - start
+    model.eval()
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value)
+    metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed}
+    log(metrics, cfg.steps)
+    return SFTResult(str(out_dir), manifest["digest"], trained=True, metrics=metrics)

@@ -1,0 +1,120 @@
+"""The one module that talks to MLflow.
+
+Everything goes through an explicit run id (MLflow's active run is thread-local, and Prefect may run a task in
+another thread), using ``MlflowClient``. The default store is SQLite inside ``mlruns/`` with artifacts there too
+(MLflow >= 3.13 refuses the plain ``./mlruns`` file store).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pandas as pd
+
+MAX_PARAM_LEN = 6000
+
+
+def _as_uri(location: str) -> str:
+    """A local folder becomes an absolute file URI; URIs pass through."""
+    if urlparse(location).scheme in ("", "file") and not location.startswith("file:"):
+        return Path(location).resolve().as_uri()
+    return location
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a relative ``sqlite:///path`` absolute and create its folder, so any working directory works."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = Path(uri[len(prefix) :]).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(path)
+    return uri
+
+
+class Tracker:
+    """Runs, params, metrics and artifacts of one MLflow experiment."""
+
+    def __init__(self, uri: str, experiment: str, artifact_location: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = resolve_tracking_uri(uri)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is None:
+            location = _as_uri(artifact_location) if artifact_location else None
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+        else:
+            self.experiment_id = found.experiment_id
+
+    def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
+        all_tags = dict(tags or {})
+        if parent_run_id:
+            all_tags["mlflow.parentRunId"] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        return run.info.run_id
+
+    def end_run(self, run_id: str, failed: bool = False) -> None:
+        self.client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[start : start + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+        for start in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[start : start + 500])
+
+    def metric_logger(self, run_id: str, also: Callable[[dict[str, float], int], None] | None = None):
+        """A ``log(metrics, step)`` callable for the library's training loops."""
+
+        def log(metrics: dict[str, float], step: int) -> None:
+            self.log_metrics(run_id, metrics, step)
+            if also is not None:
+                also(metrics, step)
+
+        return log
+
+    def log_artifacts(self, run_id: str, local_path: str | Path, artifact_path: str | None = None) -> None:
+        local_path = Path(local_path)
+        if local_path.is_dir():
+            self.client.log_artifacts(run_id, str(local_path), artifact_path)
+        elif local_path.is_file():
+            self.client.log_artifact(run_id, str(local_path), artifact_path)
+
+    def log_table(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
+        self.client.log_table(run_id, data=frame, artifact_file=artifact_file)
+
+    def log_dataset(
+        self, run_id: str, frame: pd.DataFrame, name: str, digest: str, source: str, context: str = "training"
+    ) -> None:
+        """Record a prepared Parquet data set as a dataset input of the run."""
+        import mlflow.data
+        from mlflow.entities import DatasetInput, InputTag
+
+        dataset = mlflow.data.from_pandas(frame, source=source, name=name, digest=digest[:36])
+        self.client.log_inputs(
+            run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), [InputTag("mlflow.data.context", context)])]
+        )
+
+    def get_run(self, run_id: str):
+        return self.client.get_run(run_id)
+
+    def ui_command(self) -> str:
+        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1 --port 5000"

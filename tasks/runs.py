@@ -1,0 +1,77 @@
+"""MLflow child runs of the pipeline's stages (through rlhf.tracking, the one module that imports mlflow)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.states import State
+
+from rlhf.errors import UserInputError
+from rlhf.tracking import Tracker
+from tasks.caching import TrackingContext, code_version
+
+RUN_ID_FILE = ".mlflow_run_id"
+
+
+def tracker_for(ctx: TrackingContext) -> Tracker:
+    return Tracker(ctx.uri, ctx.experiment, ctx.artifact_location)
+
+
+@contextlib.contextmanager
+def stage_run(
+    ctx: TrackingContext, stage: str, folder: Path, params: dict[str, Any] | None = None, resume: bool = False
+) -> Iterator[tuple[Tracker, str]]:
+    """A child run of the pipeline run for one stage; with `resume`, a retry continues the same run."""
+    tracker = tracker_for(ctx)
+    marker = folder / RUN_ID_FILE
+    run_id = marker.read_text().strip() if resume and marker.is_file() else None
+    if run_id is None:
+        run_id = tracker.start_run(
+            stage,
+            ctx.parent_run_id,
+            tags={
+                "stage": stage,
+                "prefect.flow_run_id": str(ctx.flow_run_id),
+                "code_version": code_version(),
+                "output_dir": str(folder),
+            },
+        )
+        if params:
+            tracker.log_params(run_id, params)
+        if resume:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.write_text(run_id)
+    try:
+        yield tracker, run_id
+    except BaseException:
+        tracker.end_run(run_id, failed=True)
+        raise
+    tracker.end_run(run_id)
+    tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}.run_id": run_id})
+
+
+def progress_logger(stage: str, every: int):
+    """Echo a few key metrics to the Prefect run's log every `every` steps."""
+    logger = get_run_logger()
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        if step % every == 0:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
+            logger.info("%s step %d: %s", stage, step, shown)
+
+    return log
+
+
+def retry_unless_user_error(task, task_run, state: State) -> bool:
+    """Retry crashes and lost resources; never a bad config or bad data (retrying cannot fix those)."""
+    try:
+        state.result()
+    except UserInputError:
+        return False
+    except Exception:
+        return True
+    return True

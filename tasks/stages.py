@@ -1,0 +1,208 @@
+"""The pipeline's stages as cached, retryable Prefect tasks: a few lines each over the library."""
+
+from __future__ import annotations
+
+import pandas as pd
+from prefect import task
+
+from rlhf import evaluate as evaluation
+from rlhf import reward as reward_training
+from rlhf import sft as sft_training
+from rlhf.checkpoints import write_manifest
+from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
+from rlhf.data import prepare
+from rlhf.models import load_tokenizer, set_threads
+from rlhf.ppo.state import same_vocabulary
+from rlhf.ppo.trainer import train_ppo
+from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
+from tasks.runs import progress_logger, retry_unless_user_error, stage_run
+
+STAGE = dict(
+    cache_key_fn=content_cache_key,
+    persist_result=True,
+    result_serializer="json",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_unless_user_error,
+)
+
+
+@task(name="prepare_preferences", tags=["data"], **STAGE)
+def prepare_preferences(data: DataConfig, runtime: RuntimeConfig, tracking: TrackingContext) -> StageOutput:
+    """Validate the preference data and write train/eval/SFT Parquet files with a manifest."""
+    folder = stage_dir(runtime.output_dir, "prepare_preferences", {"data": data})
+    with stage_run(tracking, "prepare_preferences", folder, flatten(data, "data")) as (tracker, run_id):
+        prepared = prepare.prepare_preferences(data, folder)
+        tracker.log_metrics(run_id, {f"data/rows_{k}": v for k, v in prepared.manifest["rows"].items()}, 0)
+        tracker.log_artifacts(run_id, folder, "data")
+        tracker.log_dataset(
+            run_id, pd.read_parquet(prepared.train), "preferences-train", prepared.digest, str(prepared.train)
+        )
+    return StageOutput(
+        stage="prepare_preferences",
+        path=str(folder),
+        digest=prepared.digest,
+        mlflow_run_id=run_id,
+        extra={"manifest": prepared.manifest},
+    )
+
+
+@task(name="supervised_finetune", tags=["gpu"], **STAGE)
+def supervised_finetune(
+    sft: SFTConfig, data: StageOutput, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
+) -> StageOutput:
+    """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, or use the configured checkpoint."""
+    set_threads(runtime.threads)
+    folder = stage_dir(runtime.output_dir, "supervised_finetune", {"sft": sft, "data": data, "seed": seed})
+    with stage_run(tracking, "supervised_finetune", folder, flatten(sft, "sft")) as (tracker, run_id):
+        if sft.model is not None:
+            result = sft_training.load_existing(sft, runtime)
+        else:
+            log = tracker.metric_logger(run_id, progress_logger("sft", 100))
+            result = sft_training.bootstrap_sft(
+                sft, runtime, f"{data.path}/sft.parquet", f"{data.path}/train.parquet", folder, seed, log
+            )
+            if tracking.log_checkpoints:
+                tracker.log_artifacts(run_id, folder, "sft_checkpoint")
+    return StageOutput(
+        stage="supervised_finetune",
+        path=result.path,
+        digest=result.digest,
+        mlflow_run_id=run_id,
+        metrics=result.metrics,
+        extra={"trained": result.trained},
+    )
+
+
+@task(name="train_reward_model", tags=["gpu"], **STAGE)
+def train_reward_model(
+    reward: RewardConfig,
+    sft: StageOutput,
+    data: StageOutput,
+    seed: int,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
+) -> StageOutput:
+    """Train a scalar-head reward model, initialised from the SFT checkpoint, on the preference pairs."""
+    set_threads(runtime.threads)
+    folder = stage_dir(
+        runtime.output_dir, "train_reward_model", {"reward": reward, "sft": sft, "data": data, "seed": seed}
+    )
+    with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward")) as (tracker, run_id):
+        log = tracker.metric_logger(run_id, progress_logger("reward", 50))
+        result = reward_training.train_reward_model(
+            reward, runtime, sft.path, f"{data.path}/train.parquet", f"{data.path}/eval.parquet", folder, seed, log
+        )
+        if tracking.log_checkpoints:
+            tracker.log_artifacts(run_id, folder, "reward_model")
+    return StageOutput(
+        stage="train_reward_model", path=result.path, digest=result.digest, mlflow_run_id=run_id, metrics=result.metrics
+    )
+
+
+@task(name="init_policy_and_value", tags=["gpu"], **STAGE)
+def init_policy_and_value(
+    sft: StageOutput, reward: StageOutput, runtime: RuntimeConfig, tracking: TrackingContext
+) -> StageOutput:
+    """Policy and frozen reference from the SFT checkpoint; value model from the reward model."""
+    folder = stage_dir(runtime.output_dir, "init_policy_and_value", {"sft": sft, "reward": reward})
+    plan = {"policy_init": sft.path, "reference_init": sft.path, "value_init": reward.path, "reward_model": reward.path}
+    with stage_run(tracking, "init_policy_and_value", folder, plan) as (tracker, run_id):
+        same = same_vocabulary(
+            load_tokenizer(sft.path, trust_remote_code=runtime.trust_remote_code),
+            load_tokenizer(reward.path, trust_remote_code=runtime.trust_remote_code),
+        )
+        tracker.log_params(run_id, {"reward_retokenizes": not same})
+        folder.mkdir(parents=True, exist_ok=True)
+        write_manifest(folder, stage="init", **plan, same_tokenizer=same)
+    return StageOutput(
+        stage="init_policy_and_value",
+        path=sft.path,
+        digest=f"{sft.digest}:{reward.digest}",
+        mlflow_run_id=run_id,
+        extra={**plan, "same_tokenizer": same},
+    )
+
+
+@task(name="train_policy_ppo", tags=["gpu"], **STAGE)
+def train_policy_ppo(
+    ppo: PPOConfig, init: StageOutput, data: StageOutput, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
+) -> StageOutput:
+    """PPO against the reward model; a retry resumes from the last saved trainer state and MLflow run."""
+    set_threads(runtime.threads)
+    folder = stage_dir(runtime.output_dir, "train_policy_ppo", {"ppo": ppo, "init": init, "data": data, "seed": seed})
+    params = {
+        **flatten(ppo, "ppo"),
+        "reward_retokenizes": not init.extra["same_tokenizer"],
+        "value_init": init.extra["value_init"],
+    }
+    with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
+        prompts = list(dict.fromkeys(pd.read_parquet(f"{data.path}/train.parquet")["prompt"]))
+        log = tracker.metric_logger(run_id, progress_logger("ppo", 10))
+        result = train_ppo(
+            ppo,
+            runtime,
+            init.extra["policy_init"],
+            init.extra["reward_model"],
+            prompts,
+            folder,
+            seed,
+            log,
+            value_path=init.extra["value_init"],
+            gold_fn=prepare.gold_scorer(data.extra["manifest"]),
+        )
+        if ppo.record_rollouts:
+            tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")
+        if tracking.log_checkpoints:
+            tracker.log_artifacts(run_id, folder / "final", "ppo_checkpoint")
+    return StageOutput(
+        stage="train_policy_ppo",
+        path=result.policy_path,
+        digest=result.digest,
+        mlflow_run_id=run_id,
+        metrics=result.metrics,
+        extra={"value_path": result.value_path, "updates": result.updates},
+    )
+
+
+@task(name="evaluate_policies", tags=["gpu"], **STAGE)
+def evaluate_policies(
+    evaluation_cfg: EvalConfig,
+    ppo: PPOConfig,
+    policy: StageOutput,
+    sft: StageOutput,
+    reward: StageOutput,
+    data: StageOutput,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
+) -> StageOutput:
+    """Generate with the PPO and SFT policies on held-out prompts; scores, KL, win rate, completions table."""
+    set_threads(runtime.threads)
+    folder = stage_dir(
+        runtime.output_dir,
+        "evaluate_policies",
+        {"evaluation_cfg": evaluation_cfg, "ppo": ppo, "policy": policy, "sft": sft, "reward": reward, "data": data},
+    )
+    with stage_run(tracking, "evaluate_policies", folder, flatten(evaluation_cfg, "eval")) as (tracker, run_id):
+        result = evaluation.evaluate_policies(
+            evaluation_cfg,
+            ppo,
+            runtime,
+            policy.path,
+            sft.path,
+            reward.path,
+            f"{data.path}/eval.parquet",
+            folder,
+            prepare.gold_scorer(data.extra["manifest"]),
+            tracker.metric_logger(run_id),
+        )
+        completions = pd.read_parquet(result.completions)
+        tracker.log_table(run_id, completions, "completions.json")
+        tracker.log_artifacts(run_id, result.completions, "evaluation")
+    return StageOutput(
+        stage="evaluate_policies",
+        path=result.folder,
+        digest=result.digest,
+        mlflow_run_id=run_id,
+        metrics=result.summary,
+    )
