@@ -211,7 +211,7 @@ def train_ppo(
         if update % cfg.log_every == 0 or state.step == total:
             log(stats, state.step)
         last_stats = stats
-        bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}")
+        bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
         if state.step % cfg.save_every == 0 and state.step < total:
             save_state(out_dir / "state", m, state)
         if stop_after is not None and state.step >= stop_after and state.step < total:

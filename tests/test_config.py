@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, PipelineConfig, flatten, load_config, section_digest
+from tests.conftest import REPO
+
+
+def test_default_and_smoke_configs_load():
+    default = load_config(REPO / "conf" / "default.yaml")
+    smoke = load_config(REPO / "conf" / "smoke.yaml")
+    assert default.data.source == "synthetic"
+    assert smoke.ppo.num_updates == 4  # 64 episodes / 16 per batch
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  kl_coeff: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'ppo.kl_coeff'"):
+        load_config(path)
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"ppo.batch_size.*'many'"):
+        load_config(None, ["ppo.batch_size=many"])
+
+
+def test_negative_learning_rate_rejected():
+    with pytest.raises(ConfigError, match=r"reward.lr: Input should be greater than 0"):
+        load_config(None, ["reward.lr=-1e-4"])
+
+
+def test_minibatches_must_divide_batch():
+    with pytest.raises(ConfigError, match=r"ppo.num_mini_batches \(3\) must divide ppo.batch_size \(64\)"):
+        load_config(None, ["ppo.num_mini_batches=3"])
+
+
+def test_gradient_accumulation_must_divide_minibatch():
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps \(3\)"):
+        load_config(None, ["ppo.gradient_accumulation_steps=3"])
+
+
+def test_local_source_needs_a_path():
+    with pytest.raises(ConfigError, match=r"data.path must name"):
+        load_config(None, ["data.source=local"])
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["ppo.kl_coef=0.1", "ppo.top_k=5", "sft.model=gpt2", "ppo.stop_tokens=[7, '.']"])
+    assert cfg.ppo.kl_coef == 0.1 and cfg.ppo.top_k == 5 and cfg.sft.model == "gpt2"
+    assert cfg.ppo.stop_tokens == [7, "."]
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["ppo.kl_coef"])
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_digest_changes_with_content_and_flatten_has_dotted_keys():
+    a, b = PipelineConfig(), load_config(None, ["ppo.kl_coef=0.2"])
+    assert section_digest(a.ppo) != section_digest(b.ppo)
+    assert section_digest(a.reward) == section_digest(b.reward)
+    assert flatten(b)["ppo.kl_coef"] == 0.2
+
+
+def test_every_field_is_documented():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, PipelineConfig.__mro__[1]):
+                walk(ann)
+            else:
+                assert field.description, f"{model.__name__}.{name} has no description"
+
+    walk(PipelineConfig)
+
+
+def test_cli_reports_bad_config_before_loading_anything(tmp_path, capsys):
+    from flows.pipeline import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: -1\n")
+    assert main(["--config", str(path)]) == 2
+    assert "ppo.lr: Input should be greater than 0" in capsys.readouterr().err
+    assert main(["--config", str(path), "ppo.lr=1e-4", "data.source=local", f"data.path={tmp_path}/x.jsonl"]) == 2
+    assert "x.jsonl does not exist" in capsys.readouterr().err

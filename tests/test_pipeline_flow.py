@@ -1,0 +1,107 @@
+"""End to end: the real Prefect flow on conf/smoke.yaml with a temporary SQLite MLflow store."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.pipeline import rlhf_pipeline
+from rlhf.config import load_config
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _task_states(flow_state) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def fetch():
+        async with get_client() as client:
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
+            )
+            return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
+
+    return asyncio.run(fetch())
+
+
+def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(
+        REPO / "conf" / "smoke.yaml",
+        [
+            f"tracking.uri={uri}",
+            f"tracking.artifact_location={tmp_path}/artifacts",
+            f"runtime.output_dir={tmp_path}/out",
+        ],
+    )
+    first = rlhf_pipeline(cfg, return_state=True)
+    summary = first.result()
+    assert 0.0 <= summary["reward/eval_accuracy"] <= 1.0
+    assert "eval/win_rate_gold" in summary and "eval/kl" in summary
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs([exp.experiment_id])
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.data.tags["stage"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
+    assert len(parent) == 1
+    assert parent[0].data.params["ppo.kl_coef"] == str(cfg.ppo.kl_coef)
+    assert parent[0].data.tags["prefect.flow_run_id"] == str(first.state_details.flow_run_id)
+    assert set(children) == {
+        "prepare_preferences",
+        "supervised_finetune",
+        "train_reward_model",
+        "init_policy_and_value",
+        "train_policy_ppo",
+        "evaluate_policies",
+    }
+
+    ppo = children["train_policy_ppo"]
+    for key in (
+        "objective/kl",
+        "objective/scores",
+        "policy/loss",
+        "value/loss",
+        "policy/clipfrac",
+        "policy/approxkl",
+        "time/total",
+        "speed/episodes_per_s",
+    ):
+        history = client.get_metric_history(ppo.info.run_id, key)
+        assert [m.step for m in history] == [1, 2, 3, 4], key
+    rm_hist = client.get_metric_history(children["train_reward_model"].info.run_id, "eval/accuracy")
+    assert rm_hist, "reward model logs held-out accuracy"
+
+    def artifacts(run, path=""):
+        return {a.path for a in client.list_artifacts(run.info.run_id, path)}
+
+    assert "data" in artifacts(children["prepare_preferences"])
+    assert "data/train.parquet" in artifacts(children["prepare_preferences"], "data")
+    assert "sft_checkpoint/model.safetensors" in artifacts(children["supervised_finetune"], "sft_checkpoint")
+    assert "reward_model/model.safetensors" in artifacts(children["train_reward_model"], "reward_model")
+    assert {"ppo_checkpoint", "rollouts"} <= artifacts(ppo)
+    assert "completions.json" in artifacts(children["evaluate_policies"])
+
+    # second run: nothing changed, every stage is served from the cache, same summary
+    second = rlhf_pipeline(cfg, return_state=True)
+    assert second.result()["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
+    states = _task_states(second)
+    for stage in children:
+        assert states[stage] == "Cached", (stage, states)
+
+    # a changed PPO setting re-runs PPO and evaluation only
+    changed = cfg.model_copy(deep=True)
+    changed.ppo.kl_coef = 0.2
+    third = rlhf_pipeline(changed, return_state=True)
+    states = _task_states(third)
+    assert states["train_reward_model"] == "Cached" and states["supervised_finetune"] == "Cached"
+    assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"

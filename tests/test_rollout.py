@@ -1,0 +1,80 @@
+"""Generation, truncation and log-prob invariants on a tiny real GPT-2."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf import models
+from rlhf.batching import pad_left
+from rlhf.ops import logprobs_from_logits
+from rlhf.ppo.rollout import GenerationSettings, filter_logits, policy_forward, sample_responses, truncate_at_stop
+
+
+def test_truncate_at_stop_keeps_the_stop_token_and_pads_after():
+    tokens = torch.tensor([[5, 9, 2, 7], [5, 6, 7, 8]])
+    out = truncate_at_stop(tokens, stop_token_ids=(2,), pad_token_id=0)
+    assert out.tokens.tolist() == [[5, 9, 2, 0], [5, 6, 7, 8]]
+    assert out.mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert out.contains_stop.tolist() == [True, False]
+
+
+def test_filter_logits_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, top_k=2, top_p=None)).tolist() == [[False, False, True, True]]
+    # nucleus 0.7: 0.5 < 0.7 keeps the second token (cumulative 0.8 crosses), drops the rest
+    assert torch.isinf(filter_logits(logits, top_k=None, top_p=0.7)).tolist() == [[False, False, True, True]]
+
+
+def _setup(tiny_checkpoints):
+    tok = models.load_tokenizer(tiny_checkpoints["policy"])
+    policy = models.load_causal_lm(tiny_checkpoints["policy"], torch.device("cpu")).eval()
+    prompts = ["Review of The Silent River:", "Review of The Paper Horizon, a long one:"]
+    ids, mask = pad_left(tok(prompts, add_special_tokens=False)["input_ids"], tok.pad_token_id)
+    return tok, policy, ids, mask
+
+
+def test_rollout_logprobs_match_a_plain_forward_at_temperature(tiny_checkpoints):
+    tok, policy, ids, mask = _setup(tiny_checkpoints)
+    settings = GenerationSettings(8, temperature=0.7, stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    resp = sample_responses(policy, ids, mask, settings, torch.Generator().manual_seed(0))
+    qr, qr_mask = torch.cat([ids, resp.tokens], 1), torch.cat([mask, resp.mask], 1)
+    with torch.no_grad():
+        ours = policy_forward(policy, qr, qr_mask, ids.shape[1], 0.7).logprobs
+        # reference: each row alone, unpadded, full logits through the plain HF forward
+        for row in range(len(ids)):
+            real = qr[row][qr_mask[row].bool()]
+            n_prompt = int(mask[row].sum())
+            logits = policy(real[None]).logits[0, n_prompt - 1 : -1]
+            expected = logprobs_from_logits(logits[None], real[None, n_prompt:], 0.7)[0]
+            n = int(resp.mask[row].sum())
+            torch.testing.assert_close(ours[row, :n], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_left_padding_does_not_change_logprobs(tiny_checkpoints):
+    tok, policy, ids, mask = _setup(tiny_checkpoints)
+    response = torch.tensor([[11, 12, 13], [11, 12, 13]])
+    qr, qr_mask = torch.cat([ids, response], 1), torch.cat([mask, torch.ones_like(response)], 1)
+    with torch.no_grad():
+        batched = policy_forward(policy, qr, qr_mask, ids.shape[1], 1.0).logprobs
+        short = int(mask[0].sum())
+        alone = policy_forward(
+            policy,
+            torch.cat([ids[0:1, -short:], response[:1]], 1),
+            torch.ones(1, short + 3, dtype=torch.long),
+            short,
+            1.0,
+        ).logprobs
+    torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_sampling_is_seeded_and_stops(tiny_checkpoints):
+    tok, policy, ids, mask = _setup(tiny_checkpoints)
+    settings = GenerationSettings(6, stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    a = sample_responses(policy, ids, mask, settings, torch.Generator().manual_seed(1))
+    b = sample_responses(policy, ids, mask, settings, torch.Generator().manual_seed(1))
+    assert torch.equal(a.tokens, b.tokens)
+    assert a.tokens.shape[1] <= 6
+    # everything after a stop token is padding and masked
+    for row in range(len(ids)):
+        n = int(a.mask[row].sum())
+        assert (a.tokens[row, n:] == tok.pad_token_id).all()
