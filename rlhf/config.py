@@ -50,20 +50,93 @@ class SyntheticTaskConfig(_Section):
     )
 
 
+# Roles a source column can play (``data.columns`` maps a role to the source's column name).
+DATA_COLUMN_ROLES = (
+    "prompt",
+    "chosen",
+    "rejected",
+    "score_chosen",
+    "score_rejected",
+    "margin",
+    "responses",
+    "scores",
+    "ranks",
+)
+
+
 class DataConfig(_Section):
-    source: Literal["synthetic", "local"] = Field(
-        "synthetic", description="'synthetic': the built-in task; 'local': a JSONL or Parquet file (see `path`)."
+    """Where the preference data comes from and how it is validated (see rlhf/data/ and docs/data.md)."""
+
+    source: Literal["synthetic", "local", "hub"] = Field(
+        "synthetic",
+        description="'synthetic': the built-in task; 'local': a file or save_to_disk folder (see `path`); "
+        "'hub': a Hugging Face hub data set (see `name`).",
     )
-    path: str | None = Field(None, description="Local JSONL/Parquet file with prompt, chosen, rejected columns.")
+    path: str | None = Field(
+        None, description="Local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (source 'local')."
+    )
     eval_path: str | None = Field(None, description="Optional separate held-out file; else `eval_fraction` is split.")
-    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out fraction when there is no eval file.")
+    name: str | None = Field(
+        None, description="Hub data set id (source 'hub'), e.g. 'Anthropic/hh-rlhf'; any `load_dataset` path works."
+    )
+    config_name: str | None = Field(None, description="Hub data set configuration (`load_dataset`'s `name`).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the data set.")
+    train_split: str = Field("train", description="Split with the training pairs (hub and save_to_disk sources).")
+    eval_split: str | None = Field(
+        None, description="Split with held-out pairs (hub and save_to_disk); None splits off `eval_fraction`."
+    )
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out fraction when there is no eval source.")
     split_seed: int = Field(0, description="Seed of the deterministic train/eval split.")
+    format: Literal["auto", "explicit", "implicit", "conversational", "ranked"] = Field(
+        "auto",
+        description="Layout of the rows: 'auto' detects it; 'explicit' prompt/chosen/rejected strings; 'implicit' "
+        "chosen/rejected transcripts sharing a prompt; 'conversational' message lists; 'ranked' responses + scores.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Role -> source column, e.g. {prompt: question, chosen: response_j}; roles: "
+        + ", ".join(DATA_COLUMN_ROLES)
+        + ".",
+    )
+    assistant_marker: str = Field(
+        "\n\nAssistant:", description="Implicit format: the prompt ends with the last one of these markers."
+    )
+    prompts_path: str | None = Field(
+        None, description="Separate prompt-only file or folder for PPO rollouts; None uses the training prompts."
+    )
+    prompts_column: str = Field("prompt", description="Column of `prompts_path` that holds the prompts.")
+    max_drop_fraction: float = Field(
+        0.5, ge=0.0, le=1.0, description="Stop with an error when more than this fraction of rows is dropped."
+    )
+    max_length_tokens: int | None = Field(
+        None, ge=1, description="Drop pairs whose prompt+response is longer (tokens of `tokenizer`); None: no limit."
+    )
+    max_length_chars: int | None = Field(
+        None, ge=1, description="Drop pairs whose prompt+response is longer (characters); None: no limit."
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer (path or hub id, usually the SFT model's) for `max_length_tokens` and chat templates.",
+    )
+    num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
+    batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
     synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
 
     @model_validator(mode="after")
-    def _path_needed(self) -> DataConfig:
+    def _source_needs(self) -> DataConfig:
         if self.source == "local" and not self.path:
-            raise ValueError("data.path must name a JSONL or Parquet file when data.source is 'local'")
+            raise ValueError(
+                "data.path must name a JSONL/JSON/Parquet/CSV file or a save_to_disk folder when data.source is 'local'"
+            )
+        if self.source == "hub" and not self.name:
+            raise ValueError("data.name must name a hub data set (e.g. 'Anthropic/hh-rlhf') when data.source is 'hub'")
+        unknown = sorted(set(self.columns) - set(DATA_COLUMN_ROLES))
+        if unknown:
+            raise ValueError(f"data.columns: unknown role '{unknown[0]}' (use {', '.join(DATA_COLUMN_ROLES)})")
+        if self.max_length_tokens is not None and self.tokenizer is None:
+            raise ValueError(
+                "data.max_length_tokens needs data.tokenizer (e.g. the SFT model); or use data.max_length_chars"
+            )
         return self
 
 
@@ -106,6 +179,15 @@ class RewardConfig(_Section):
     center_coef: float = Field(0.01, ge=0, description="Reward-centring coefficient c * mean((r_c + r_r)^2).")
     eval_every: int = Field(50, ge=1, description="Evaluate on held-out pairs every N steps; best is kept.")
     max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response.")
+    save_every: int = Field(100, ge=1, description="Save the full trainer state every N steps (resume point).")
+
+
+class LoraConfig(_Section):
+    enabled: bool = Field(False, description="Train LoRA adapters on the policy (needs the 'lora' extra: peft).")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (keep 0 for exact PPO ratios).")
+    target_modules: list[str] | None = Field(None, description="Modules to adapt; None lets peft pick per model.")
 
 
 class PPOConfig(_Section):
@@ -154,6 +236,13 @@ class PPOConfig(_Section):
     forward_batch_size: int | None = Field(
         None, ge=1, description="Rows per no-grad forward pass (reference, reward, value); None: the whole batch."
     )
+    value_model: Literal["separate", "policy_head"] = Field(
+        "separate",
+        description="'separate': a value model initialised from the reward model; 'policy_head': a scalar head on "
+        "the policy's trunk (one model, less memory).",
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     save_every: int = Field(10, ge=1, description="Save the full trainer state every N updates (resume point).")
     record_rollouts: bool = Field(True, description="Write the per-sample rollout records of each update to Parquet.")
     log_every: int = Field(1, ge=1, description="Log statistics every N updates.")

@@ -119,6 +119,11 @@ def load_reward_model(
     return model.to(device)
 
 
+def unwrap(model: nn.Module) -> PreTrainedModel:
+    """The transformers model under a peft wrapper (its layers carry the adapters)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_local_checkpoint(name: str) -> bool:
     return Path(name).is_dir()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -23,6 +23,28 @@ from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.ops import pairwise_reward_loss
 
 LogFn = Callable[[dict[str, float], int], None]
+STATE_FILE = "trainer_state.pt"
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised by `stop_after`: the state was saved and a restart continues from it."""
+
+
+def _as_tuple(value):
+    """random.Random state round-trips through torch.save as nested lists/tuples; setstate needs tuples."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def _untied(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Drop aliases of shared tensors (tied embeddings) so safetensors can write the dict."""
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        if value.data_ptr() in seen:
+            continue
+        seen.add(value.data_ptr())
+        out[key] = value
+    return out
 
 
 @dataclass
@@ -100,8 +122,14 @@ def train_reward_model(
     out_dir: str | Path,
     seed: int,
     log: LogFn,
+    stop_after: int | None = None,
 ) -> RewardResult:
-    """Initialise a scalar-head model from the SFT checkpoint and train it on preference pairs."""
+    """Initialise a scalar-head model from the SFT checkpoint and train it on preference pairs.
+
+    The full state (weights, optimizer, scheduler, RNGs, data order, best checkpoint) is saved to
+    ``out_dir/state`` every ``cfg.save_every`` steps; a restart with the same config continues from it.
+    `stop_after` ends training after that many steps, as a crash would (for resume tests).
+    """
     device = models.resolve_device(runtime.device)
     train = pd.read_parquet(train_file)
     evals = pd.read_parquet(eval_file)
@@ -118,9 +146,32 @@ def train_reward_model(
     )
     rng = random.Random(seed)
     order: list[int] = []
-    best_acc, best_state, best_step = -1.0, None, 0
+    best_acc, best_state, best_step, first = -1.0, None, 0, 1
+    state_dir = Path(out_dir) / "state"
+    if (state_dir / STATE_FILE).is_file():  # resume: same config, continue where the last save left off
+        saved = torch.load(state_dir / STATE_FILE, map_location="cpu", weights_only=True)
+        load_model(model, state_dir / "model.safetensors", device=str(device))
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        rng.setstate(_as_tuple(saved["python_rng"]))
+        torch.set_rng_state(saved["torch_rng"])
+        order, best_acc, best_step, first = (
+            list(saved["order"]),
+            saved["best_acc"],
+            saved["best_step"],
+            saved["step"] + 1,
+        )
+        if (state_dir / "best.safetensors").is_file():
+            best_state = load_file(state_dir / "best.safetensors", device=str(device))
     start = time.perf_counter()
-    for step in tqdm(range(1, total + 1), desc="reward", disable=not runtime.progress, mininterval=2):
+    for step in tqdm(
+        range(first, total + 1),
+        desc="reward",
+        disable=not runtime.progress,
+        mininterval=2,
+        initial=first - 1,
+        total=total,
+    ):
         if len(order) < cfg.batch_size:
             order = list(range(len(train)))
             rng.shuffle(order)
@@ -140,10 +191,30 @@ def train_reward_model(
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
             if stats["eval/accuracy"] > best_acc:
                 best_acc, best_step = stats["eval/accuracy"], step
-                best_state = copy.deepcopy(model.state_dict())
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         log(stats, step)
+        if step < total and (step % cfg.save_every == 0 or step == stop_after):
+            with atomic_dir(state_dir) as tmp:
+                save_model(model, str(tmp / "model.safetensors"))
+                if best_state is not None:
+                    save_file({k: v.contiguous() for k, v in _untied(best_state).items()}, tmp / "best.safetensors")
+                torch.save(
+                    {
+                        "step": step,
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "python_rng": rng.getstate(),
+                        "torch_rng": torch.get_rng_state(),
+                        "order": order,
+                        "best_acc": best_acc,
+                        "best_step": best_step,
+                    },
+                    tmp / STATE_FILE,
+                )
+        if step == stop_after and step < total:
+            raise TrainingInterrupted(f"reward-model training stopped after {step} steps (stop_after); state saved")
     if best_state is not None:
-        model.load_state_dict(best_state)
+        model.load_state_dict(best_state, strict=False)
     final = evaluate_pairs(model, tokenizer, evals, cfg, device)
     metrics = {
         "reward/eval_accuracy": final["eval/accuracy"],

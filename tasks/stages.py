@@ -29,11 +29,23 @@ STAGE = dict(
 
 @task(name="prepare_preferences", tags=["data"], **STAGE)
 def prepare_preferences(data: DataConfig, runtime: RuntimeConfig, tracking: TrackingContext) -> StageOutput:
-    """Validate the preference data and write train/eval/SFT Parquet files with a manifest."""
+    """Validate the preference data and write train/eval/SFT/prompt Parquet files with a manifest."""
+    from prefect.artifacts import create_table_artifact
+
     folder = stage_dir(runtime.output_dir, "prepare_preferences", {"data": data})
     with stage_run(tracking, "prepare_preferences", folder, flatten(data, "data")) as (tracker, run_id):
         prepared = prepare.prepare_preferences(data, folder)
-        tracker.log_metrics(run_id, {f"data/rows_{k}": v for k, v in prepared.manifest["rows"].items()}, 0)
+        manifest, drops = prepared.manifest, prepare.drop_report(prepared.manifest)
+        metrics = {f"data/rows_{k}": v for k, v in manifest["rows"].items()}
+        metrics |= {f"data/dropped_{d['reason']}": d["count"] for d in drops}
+        tracker.log_metrics(run_id, metrics, 0)
+        table = pd.DataFrame(drops, columns=["reason", "count", "fraction", "example", "meaning"])
+        tracker.log_table(run_id, table, "data/dropped.json")
+        create_table_artifact(
+            drops,
+            key="prepare-preferences-drops",
+            description=f"Rows dropped while preparing {manifest['source']} ({manifest.get('rows_in')} in).",
+        )
         tracker.log_artifacts(run_id, folder, "data")
         tracker.log_dataset(
             run_id, pd.read_parquet(prepared.train), "preferences-train", prepared.digest, str(prepared.train)
@@ -88,7 +100,7 @@ def train_reward_model(
     folder = stage_dir(
         runtime.output_dir, "train_reward_model", {"reward": reward, "sft": sft, "data": data, "seed": seed}
     )
-    with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward")) as (tracker, run_id):
+    with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward"), resume=True) as (tracker, run_id):
         log = tracker.metric_logger(run_id, progress_logger("reward", 50))
         result = reward_training.train_reward_model(
             reward, runtime, sft.path, f"{data.path}/train.parquet", f"{data.path}/eval.parquet", folder, seed, log

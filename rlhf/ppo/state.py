@@ -9,36 +9,59 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load_model, save_model
-from torch import Tensor
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response, pad_left
 from rlhf.checkpoints import atomic_dir
 from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.models import unwrap
 from rlhf.ops import AdaptiveKLController, FixedKLController, make_kl_controller
-from rlhf.ppo.rollout import Responses
+from rlhf.ppo.rollout import Responses, policy_forward
 
 STATE_FILE = "trainer_state.pt"
 
 
+class PolicyValueHead(nn.Module):
+    """Value model option 'policy_head': a scalar head on the policy's own trunk (shared, not copied)."""
+
+    base_model_prefix = "trunk"
+
+    def __init__(self, policy: PreTrainedModel) -> None:
+        super().__init__()
+        self.trunk = getattr(policy, policy.base_model_prefix)
+        self.score = nn.Linear(policy.config.hidden_size, 1, bias=False)
+        nn.init.normal_(self.score.weight, std=1.0 / (policy.config.hidden_size + 1) ** 0.5)
+        self.score.to(next(policy.parameters()).device)
+
+
 @dataclass
 class PPOModels:
-    policy: PreTrainedModel
-    reference: PreTrainedModel
-    value: PreTrainedModel
+    policy: PreTrainedModel  # a peft model when LoRA is on
+    reference: PreTrainedModel | None  # None with LoRA: the policy with adapters disabled
+    value: nn.Module
     reward: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     reward_tokenizer: PreTrainedTokenizerBase
-    value_tokenizer: PreTrainedTokenizerBase
     stop_token_ids: tuple[int, ...]
     same_tokenizer: bool
+
+    @property
+    def shared_value_head(self) -> bool:
+        return isinstance(self.value, PolicyValueHead)
+
+    def value_trainable(self) -> nn.Module:
+        """The value parameters the value optimizer owns (only the head when the trunk is the policy's)."""
+        return self.value.score if self.shared_value_head else self.value
 
 
 @dataclass
 class TrainerState:
     step: int
+    policy_params: list[nn.Parameter]
+    value_params: list[nn.Parameter]
     policy_opt: torch.optim.Optimizer
     value_opt: torch.optim.Optimizer
     policy_sched: torch.optim.lr_scheduler.LRScheduler
@@ -66,24 +89,57 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_tokens: list[int | s
     return tuple(dict.fromkeys(ids))
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """PPO needs ratio == 1 before the first step: no dropout anywhere, in train mode too."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def _apply_lora(policy: PreTrainedModel, cfg: PPOConfig) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:  # pragma: no cover - depends on the optional extra
+        raise ValueError("ppo.lora.enabled needs peft: pip install -e '.[lora]'") from err
+    lora = LoraConfig(
+        task_type="CAUSAL_LM",
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=cfg.lora.target_modules,
+    )
+    return get_peft_model(policy, lora)
+
+
 def load_models(
     cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str, reward_path: str, value_path: str, device: torch.device
 ) -> PPOModels:
     """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM."""
     trc = runtime.trust_remote_code
     policy = models.load_causal_lm(policy_path, device, trust_remote_code=trc)
-    reference = models.load_causal_lm(policy_path, device, trust_remote_code=trc)
-    value = models.load_reward_model(value_path, device, trust_remote_code=trc)
-    reward = models.load_reward_model(reward_path, device, trust_remote_code=trc)
-    for frozen in (reference, reward):
-        frozen.requires_grad_(False)
-    for model in (policy, reference, value, reward):
-        model.eval()  # no dropout: the ratio must be exactly 1 before the first optimizer step
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=trc)
     reward_tokenizer = models.load_tokenizer(reward_path, trust_remote_code=trc)
-    value_tokenizer = models.load_tokenizer(value_path, trust_remote_code=trc)
-    if not same_vocabulary(tokenizer, value_tokenizer):
-        raise ValueError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    reference = None if cfg.lora.enabled else models.load_causal_lm(policy_path, device, trust_remote_code=trc)
+    if cfg.lora.enabled:
+        policy = _apply_lora(policy, cfg)
+    if cfg.value_model == "policy_head":
+        value: nn.Module = PolicyValueHead(unwrap(policy))
+    else:
+        value = models.load_reward_model(value_path, device, trust_remote_code=trc)
+        if not same_vocabulary(tokenizer, models.load_tokenizer(value_path, trust_remote_code=trc)):
+            raise ValueError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
+        if cfg.gradient_checkpointing:
+            value.gradient_checkpointing_enable()
+    reward = models.load_reward_model(reward_path, device, trust_remote_code=trc)
+    for frozen in (reference, reward):
+        if frozen is not None:
+            frozen.requires_grad_(False)
+            frozen.eval()
+    for model in (policy, value, reward, reference):
+        if model is not None:
+            disable_dropout(model)
     return PPOModels(
         policy,
         reference,
@@ -91,10 +147,19 @@ def load_models(
         reward,
         tokenizer,
         reward_tokenizer,
-        value_tokenizer,
         stop_token_ids(tokenizer, cfg.stop_tokens),
         same_vocabulary(tokenizer, reward_tokenizer),
     )
+
+
+def reference_logprobs(
+    m: PPOModels, query_responses: Tensor, mask: Tensor, prompt_len: int, temperature: float
+) -> Tensor:
+    """Reference log-probs: the frozen copy, or with LoRA the policy with its adapters disabled."""
+    if m.reference is not None:
+        return policy_forward(m.reference, query_responses, mask, prompt_len, temperature).logprobs
+    with m.policy.disable_adapter():
+        return policy_forward(unwrap(m.policy), query_responses, mask, prompt_len, temperature).logprobs
 
 
 def _schedule(cfg: PPOConfig):
@@ -110,11 +175,15 @@ def load_state(folder: Path, m: PPOModels, cfg: PPOConfig, seed: int, device: to
     if (folder / STATE_FILE).is_file():
         saved = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
         load_model(m.policy, folder / "policy.safetensors", device=str(device))
-        load_model(m.value, folder / "value.safetensors", device=str(device))
-    policy_opt = torch.optim.AdamW(m.policy.parameters(), lr=cfg.lr, eps=1e-5)
-    value_opt = torch.optim.AdamW(m.value.parameters(), lr=cfg.value_lr, eps=1e-5)
+        m.value_trainable().load_state_dict(load_file(folder / "value.safetensors", device=str(device)))
+    policy_params = [p for p in m.policy.parameters() if p.requires_grad]
+    value_params = [p for p in m.value_trainable().parameters() if p.requires_grad]
+    policy_opt = torch.optim.AdamW(policy_params, lr=cfg.lr, eps=1e-5)
+    value_opt = torch.optim.AdamW(value_params, lr=cfg.value_lr, eps=1e-5)
     state = TrainerState(
         step=0,
+        policy_params=policy_params,
+        value_params=value_params,
         policy_opt=policy_opt,
         value_opt=value_opt,
         policy_sched=torch.optim.lr_scheduler.LambdaLR(policy_opt, _schedule(cfg)),
@@ -139,7 +208,7 @@ def save_state(folder: Path, m: PPOModels, state: TrainerState) -> None:
     """Write everything a restart needs, atomically (a crash mid-save keeps the previous state)."""
     with atomic_dir(folder) as tmp:
         save_model(m.policy, str(tmp / "policy.safetensors"))  # handles tied weights
-        save_model(m.value, str(tmp / "value.safetensors"))
+        save_file({k: v.contiguous() for k, v in m.value_trainable().state_dict().items()}, tmp / "value.safetensors")
         torch.save(
             {
                 "step": state.step,
@@ -153,6 +222,22 @@ def save_state(folder: Path, m: PPOModels, state: TrainerState) -> None:
             },
             tmp / STATE_FILE,
         )
+
+
+def save_final(folder: Path, m: PPOModels) -> None:
+    """The trained policy (LoRA merged into the base) and value model, loadable with the Auto classes."""
+    policy = m.policy.merge_and_unload() if hasattr(m.policy, "merge_and_unload") else m.policy
+    policy.save_pretrained(folder / "policy", safe_serialization=True)
+    m.tokenizer.save_pretrained(folder / "policy")
+    (folder / "value").mkdir(parents=True, exist_ok=True)
+    if m.shared_value_head:
+        save_file(
+            {k: v.contiguous() for k, v in m.value.score.state_dict().items()},
+            folder / "value" / "value_head.safetensors",
+        )
+    else:
+        m.value.save_pretrained(folder / "value", safe_serialization=True)
+        m.tokenizer.save_pretrained(folder / "value")
 
 
 @functools.lru_cache(maxsize=4)
@@ -179,38 +264,13 @@ def prompt_batch(prompt_ids: list[list[int]], update: int, batch_size: int, seed
     return PromptBatch(ids, mask, indices)
 
 
-def score_responses(
-    m: PPOModels,
-    indices: list[int],
-    prompts: list[str],
-    query_responses: Tensor,
-    qr_mask: Tensor,
-    resp: Responses,
-    cfg: PPOConfig,
-    device: torch.device,
-) -> Tensor:
-    """Reward-model scores of one rollout batch (see :func:`reward_scores`)."""
-    return reward_scores(
-        m.reward,
-        m.reward_tokenizer,
-        m.tokenizer,
-        m.same_tokenizer,
-        [prompts[i] for i in indices],
-        query_responses,
-        qr_mask,
-        resp,
-        cfg.forward_batch_size,
-        device,
-    )
-
-
 @torch.no_grad()
 def reward_scores(
     reward: PreTrainedModel,
     reward_tokenizer: PreTrainedTokenizerBase,
     policy_tokenizer: PreTrainedTokenizerBase,
     same_tokenizer: bool,
-    prompts: list[str],
+    prompts: list[str] | None,
     query_responses: Tensor,
     qr_mask: Tensor,
     resp: Responses,
@@ -223,6 +283,8 @@ def reward_scores(
     and the reward model re-tokenizes prompt and response text (a logged decision, see the PPO stage params).
     """
     if not same_tokenizer:
+        if prompts is None:
+            raise ValueError("the reward model's tokenizer differs from the policy's: prompt texts are needed")
         texts = policy_tokenizer.batch_decode(
             resp.tokens.masked_fill(resp.mask == 0, policy_tokenizer.pad_token_id), skip_special_tokens=True
         )

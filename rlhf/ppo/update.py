@@ -1,0 +1,220 @@
+"""One PPO update, step by step (RLHF_SPEC.md "One PPO update"); each step is one call into ``rlhf.ops``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlhf import models
+from rlhf.config import PPOConfig
+from rlhf.models import unwrap
+from rlhf.ops import gae, masked_mean, masked_quantiles, masked_whiten, per_token_rewards, policy_loss, shape_scores
+from rlhf.ops import value_loss as value_loss_fn
+from rlhf.ppo.rollout import GenerationSettings, Responses, policy_forward, sample_responses, value_forward
+from rlhf.ppo.state import PPOModels, TrainerState, reference_logprobs, reward_scores
+from rlhf.ppo.stats import OptimStats
+
+
+@dataclass
+class Rollout:
+    """One rollout batch: everything the optimisation pass and the statistics need."""
+
+    indices: list[int]  # rows of the prompt list
+    query_responses: Tensor  # (b, p + r)
+    qr_mask: Tensor  # (b, p + r)
+    prompt_len: int
+    resp: Responses  # tokens, mask (b, r), contains_stop (b,)
+    logprobs: Tensor  # (b, r) policy log-probs at sampling temperature
+    ref_logprobs: Tensor  # (b, r)
+    values: Tensor  # (b, r)
+    scores: Tensor  # (b,) reward-model scores
+    timings: dict[str, float] = field(default_factory=dict)
+    # filled by compute_advantages
+    shaped_scores: Tensor | None = None
+    kl: Tensor | None = None
+    non_score_rewards: Tensor | None = None
+    advantages: Tensor | None = None  # raw GAE advantages
+    loss_advantages: Tensor | None = None  # whitened when configured: what the loss sees
+    returns: Tensor | None = None
+
+    @property
+    def mask(self) -> Tensor:
+        return self.resp.mask.float()
+
+
+def _chunks(n: int, size: int | None) -> list[slice]:
+    size = size or n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def generate_and_score(
+    m: PPOModels,
+    query: Tensor,
+    query_mask: Tensor,
+    indices: list[int],
+    prompts: list[str] | None,
+    cfg: PPOConfig,
+    settings: GenerationSettings,
+    generator: torch.Generator,
+    bf16: bool,
+) -> Rollout:
+    """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores."""
+    device = query.device
+    t0 = time.perf_counter()
+    with models.autocast(device, bf16):
+        resp = sample_responses(unwrap(m.policy), query, query_mask, settings, generator)
+    query_responses = torch.cat([query, resp.tokens], 1)
+    qr_mask = torch.cat([query_mask, resp.mask], 1)
+    p = query.shape[1]
+    t1 = time.perf_counter()
+    with torch.no_grad(), models.autocast(device, bf16):
+        parts = [
+            (
+                policy_forward(unwrap(m.policy), query_responses[s], qr_mask[s], p, cfg.temperature).logprobs,
+                reference_logprobs(m, query_responses[s], qr_mask[s], p, cfg.temperature),
+                value_forward(m.value, query_responses[s], qr_mask[s], p),
+            )
+            for s in _chunks(len(query), cfg.forward_batch_size)
+        ]
+        logprobs, ref_logprobs, values = (torch.cat(x).float() for x in zip(*parts, strict=True))
+        texts = [prompts[i] for i in indices] if prompts is not None else None
+        scores = reward_scores(
+            m.reward,
+            m.reward_tokenizer,
+            m.tokenizer,
+            m.same_tokenizer,
+            texts,
+            query_responses,
+            qr_mask,
+            resp,
+            cfg.forward_batch_size,
+            device,
+        )
+    t2 = time.perf_counter()
+    return Rollout(
+        indices,
+        query_responses,
+        qr_mask,
+        p,
+        resp,
+        logprobs,
+        ref_logprobs,
+        values,
+        scores,
+        timings={"time/generate": t1 - t0, "time/score": t2 - t1},
+    )
+
+
+def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float) -> Rollout:
+    """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), GAE, whitening."""
+    t0 = time.perf_counter()
+    mask = r.mask
+    shaped = shape_scores(
+        r.scores,
+        r.resp.mask.sum(1),
+        r.resp.contains_stop,
+        clip=cfg.score_clip,
+        missing_stop_penalty=cfg.missing_eos_penalty,
+        missing_stop_mode=cfg.missing_eos_mode,
+        min_length=cfg.min_response_length,
+        min_length_penalty=cfg.min_length_penalty,
+    )
+    tr = per_token_rewards(shaped.scores, r.logprobs, r.ref_logprobs, mask, kl_coef, cfg.kl_estimator)
+    rewards = masked_whiten(tr.rewards, mask) if cfg.whiten_rewards else tr.rewards
+    adv = gae(rewards, r.values, mask, cfg.gamma, cfg.lam)
+    r.shaped_scores, r.kl, r.non_score_rewards = shaped.scores, tr.kl, tr.non_score_rewards
+    r.advantages, r.returns = adv.advantages, adv.returns
+    r.loss_advantages = masked_whiten(adv.advantages, mask) if cfg.whiten_advantages else adv.advantages
+    r.timings["time/advantages"] = time.perf_counter() - t0
+    return r
+
+
+@dataclass
+class OptimResult:
+    stats: dict[str, float]
+    minibatch_stats: list[dict[str, float]]  # in order, for invariant checks
+    ratio_quantiles: list[float]
+
+
+def optimize(m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16: bool) -> OptimResult:
+    """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop."""
+    t0 = time.perf_counter()
+    device = r.query_responses.device
+    mask, p = r.mask, r.prompt_len
+    running, per_minibatch, ratios = OptimStats(), [], []
+    micro_size = cfg.mini_batch_size // cfg.gradient_accumulation_steps
+    stopped_early = 0.0
+    m.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
+    m.value.train()
+    for _epoch in range(cfg.num_ppo_epochs):
+        perm = torch.randperm(len(r.indices), generator=state.shuffle_generator)
+        for start in range(0, len(r.indices), cfg.mini_batch_size):
+            mb_stats = OptimStats()
+            for micro in perm[start : start + cfg.mini_batch_size].split(micro_size):
+                micro = micro.to(device)
+                mb_mask = mask[micro]
+                with models.autocast(device, bf16):
+                    out = policy_forward(
+                        unwrap(m.policy),
+                        r.query_responses[micro],
+                        r.qr_mask[micro],
+                        p,
+                        cfg.temperature,
+                        with_entropy=True,
+                    )
+                    new_values = value_forward(m.value, r.query_responses[micro], r.qr_mask[micro], p).float()
+                pl = policy_loss(out.logprobs, r.logprobs[micro], r.loss_advantages[micro], mb_mask, cfg.cliprange)
+                vl = value_loss_fn(new_values, r.values[micro], r.returns[micro], mb_mask, cfg.cliprange_value)
+                entropy = masked_mean(out.entropy, mb_mask)
+                loss = pl.loss + cfg.vf_coef * vl.loss - cfg.entropy_coef * entropy
+                (loss / cfg.gradient_accumulation_steps).backward()
+                ratios.append(torch.exp(out.logprobs.detach() - r.logprobs[micro])[mb_mask.bool()])
+                mb_stats.add(
+                    {
+                        "policy/loss": pl.loss,
+                        "value/loss": vl.loss,
+                        "loss/total": loss,
+                        "policy/entropy": entropy,
+                        "policy/approxkl": pl.approx_kl,
+                        "policy/policykl": pl.policy_kl,
+                        "policy/clipfrac": pl.clipfrac,
+                        "policy/ratio_mean": pl.ratio_mean,
+                        "policy/ratio_var": pl.ratio_var,
+                        "value/clipfrac": vl.clipfrac,
+                        "value/error": vl.value_error,
+                    }
+                )
+            mb_stats.add(
+                {
+                    "policy/grad_norm": torch.nn.utils.clip_grad_norm_(state.policy_params, cfg.max_grad_norm),
+                    "value/grad_norm": torch.nn.utils.clip_grad_norm_(state.value_params, cfg.max_grad_norm),
+                }
+            )
+            state.policy_opt.step()
+            state.value_opt.step()
+            state.policy_opt.zero_grad(set_to_none=True)
+            state.value_opt.zero_grad(set_to_none=True)
+            per_minibatch.append(mb_stats.means())
+            running.add(per_minibatch[-1])
+        if cfg.target_kl is not None and running.means()["policy/approxkl"] > cfg.target_kl:
+            stopped_early = 1.0
+            break
+    m.policy.eval()
+    m.value.eval()
+    state.policy_sched.step()
+    state.value_sched.step()
+    all_ratios = torch.cat(ratios).float()
+    stats = running.means()
+    stats.update(
+        {
+            "policy/early_stopped": stopped_early,
+            "policy/lr": state.policy_sched.get_last_lr()[0],
+            "value/lr": state.value_sched.get_last_lr()[0],
+            "time/optimize": time.perf_counter() - t0,
+        }
+    )
+    quantiles = masked_quantiles(all_ratios, torch.ones_like(all_ratios))
+    return OptimResult(stats, per_minibatch, quantiles)

@@ -1,0 +1,348 @@
+"""PPO and reward-model trainers on a tiny real stack: invariants, resume, options, and a broken-sign check."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from rlhf import models
+from rlhf.config import DataConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
+from rlhf.data import synthetic
+from rlhf.data.prepare import prepare_preferences
+from rlhf.ops import GAEOutput
+from rlhf.ppo import update as ppo_update
+from rlhf.ppo.state import load_models, load_state, prompt_batch
+from rlhf.ppo.trainer import TrainingInterrupted, generation_settings, train_ppo
+from rlhf.reward import TrainingInterrupted as RMInterrupted
+from rlhf.reward import train_reward_model
+from rlhf.sft import bootstrap_sft
+
+RUNTIME = RuntimeConfig(device="cpu", progress=False)
+NOT_DETERMINISTIC = ("time/", "speed/", "memory/")
+
+
+def _nolog(metrics, step):
+    pass
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A small trained SFT policy and reward model on the synthetic task (about 15 s on 2 cores)."""
+    root = tmp_path_factory.mktemp("stack")
+    data = prepare_preferences(
+        DataConfig(synthetic={"n_sft": 1500, "n_train_pairs": 1200, "n_eval_pairs": 200}), root / "data"
+    )
+    sft_cfg = SFTConfig(steps=250, batch_size=64, bootstrap={"n_layer": 2, "n_embd": 64, "vocab_size": 320})
+    sft = bootstrap_sft(sft_cfg, RUNTIME, data.sft, data.train, root / "sft", 0, _nolog)
+    rm_cfg = RewardConfig(epochs=2, batch_size=32, lr=1e-3, eval_every=20, save_every=10)
+    rm = train_reward_model(rm_cfg, RUNTIME, sft.path, data.train, data.eval, root / "rm", 0, _nolog)
+    prompts = sorted(set(pd.read_parquet(data.train)["prompt"]))
+    return {
+        "root": root,
+        "data": data,
+        "sft": sft.path,
+        "rm": rm.path,
+        "prompts": prompts,
+        "rm_cfg": rm_cfg,
+        "rm_metrics": rm.metrics,
+    }
+
+
+def _cfg(**kw) -> PPOConfig:
+    base = dict(
+        total_episodes=64,
+        batch_size=16,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        max_new_tokens=12,
+        save_every=100,
+        record_rollouts=False,
+    )
+    return PPOConfig(**{**base, **kw})
+
+
+def _rollout(stack, cfg: PPOConfig):
+    m = load_models(cfg, RUNTIME, stack["sft"], stack["rm"], stack["rm"], torch.device("cpu"))
+    state = load_state(stack["root"] / "no-state", m, cfg, 0, torch.device("cpu"))
+    ids = [x[-cfg.max_prompt_tokens :] for x in m.tokenizer(stack["prompts"], add_special_tokens=False)["input_ids"]]
+    batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
+    r = ppo_update.generate_and_score(
+        m,
+        batch.ids,
+        batch.mask,
+        batch.indices,
+        stack["prompts"],
+        cfg,
+        generation_settings(cfg, m),
+        state.sample_generator,
+        bf16=False,
+    )
+    ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
+    return m, state, r
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_first_minibatch_ratio_is_exactly_one(stack, temperature):
+    # forward_batch_size 5 != minibatch 8: the no-grad pass is chunked differently from the optimisation pass
+    cfg = _cfg(temperature=temperature, forward_batch_size=5)
+    m, state, r = _rollout(stack, cfg)
+    result = ppo_update.optimize(m, state, r, cfg, bf16=False)
+    first = result.minibatch_stats[0]
+    assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["policy/clipfrac"] == 0.0
+    assert first["policy/approxkl"] < 1e-10
+    assert first["value/clipfrac"] == 0.0
+    # later minibatches moved the policy: the statistics are live, not constants
+    assert any(s["policy/approxkl"] > 0 for s in result.minibatch_stats[1:])
+
+
+def test_rollout_kl_is_zero_before_training_and_rewards_sum(stack):
+    cfg = _cfg()
+    _, _, r = _rollout(stack, cfg)
+    assert torch.allclose(r.logprobs, r.ref_logprobs, atol=1e-6)  # policy == reference at the start
+    # per-token rewards: KL part ~0, so their sum is the shaped score
+    assert torch.allclose(r.non_score_rewards.sum(1), torch.zeros(len(r.indices)), atol=1e-5)
+
+
+def test_ppo_resume_matches_an_uninterrupted_run(stack, tmp_path):
+    cfg = _cfg(total_episodes=64, save_every=2)
+    full, resumed = {}, {}
+    train_ppo(
+        cfg,
+        RUNTIME,
+        stack["sft"],
+        stack["rm"],
+        stack["prompts"],
+        tmp_path / "full",
+        0,
+        lambda m, s: full.__setitem__(s, m),
+    )
+    with pytest.raises(TrainingInterrupted):
+        train_ppo(
+            cfg,
+            RUNTIME,
+            stack["sft"],
+            stack["rm"],
+            stack["prompts"],
+            tmp_path / "resumed",
+            0,
+            lambda m, s: resumed.__setitem__(s, m),
+            stop_after=3,
+        )
+    assert sorted(resumed) == [1, 2, 3]
+    resumed_steps = []
+    result = train_ppo(
+        cfg,
+        RUNTIME,
+        stack["sft"],
+        stack["rm"],
+        stack["prompts"],
+        tmp_path / "resumed",
+        0,
+        lambda m, s: (resumed_steps.append(s), resumed.__setitem__(s, m)),
+    )
+    assert resumed_steps == [4]  # continues after the saved step; no step logged twice
+    assert result.updates == 4
+    for step in full:
+        for key, value in full[step].items():
+            if not key.startswith(NOT_DETERMINISTIC):
+                assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_reward_model_resume_matches(stack, tmp_path):
+    cfg, data = stack["rm_cfg"], stack["data"]
+    full, resumed = {}, {}
+    a = train_reward_model(
+        cfg, RUNTIME, stack["sft"], data.train, data.eval, tmp_path / "a", 0, lambda m, s: full.__setitem__(s, m)
+    )
+    with pytest.raises(RMInterrupted):
+        train_reward_model(
+            cfg,
+            RUNTIME,
+            stack["sft"],
+            data.train,
+            data.eval,
+            tmp_path / "b",
+            0,
+            lambda m, s: resumed.__setitem__(s, m),
+            stop_after=20,
+        )
+    b = train_reward_model(
+        cfg, RUNTIME, stack["sft"], data.train, data.eval, tmp_path / "b", 0, lambda m, s: resumed.__setitem__(s, m)
+    )
+    assert b.metrics["reward/eval_accuracy"] == pytest.approx(a.metrics["reward/eval_accuracy"])
+    for step in full:
+        for key, value in full[step].items():
+            if key != "reward/seconds":
+                assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_reward_model_learns_the_task(stack):
+    assert stack["rm_metrics"]["reward/eval_accuracy"] > 0.75
+
+
+def test_every_spec_statistic_is_logged(stack, tmp_path):
+    logged = {}
+    train_ppo(
+        _cfg(total_episodes=16, record_rollouts=True),
+        RUNTIME,
+        stack["sft"],
+        stack["rm"],
+        stack["prompts"],
+        tmp_path,
+        0,
+        lambda m, s: logged.update(m),
+        gold_fn=synthetic.gold_reward,
+    )
+    expected = {
+        "objective/kl",
+        "objective/kl_coef",
+        "objective/logprobs",
+        "objective/ref_logprobs",
+        "objective/entropy",
+        "objective/non_score_reward",
+        "objective/scores",
+        "objective/scores_std",
+        "objective/scores_min",
+        "objective/scores_max",
+        "objective/rlhf_reward",
+        "objective/stop_rate",
+        "objective/gold_score",
+        "policy/loss",
+        "value/loss",
+        "loss/total",
+        "policy/entropy",
+        "policy/approxkl",
+        "policy/policykl",
+        "policy/clipfrac",
+        "policy/ratio_mean",
+        "policy/ratio_var",
+        "value/clipfrac",
+        "advantages/mean",
+        "returns/mean",
+        "returns/var",
+        "value/mean",
+        "value/var",
+        "value/error",
+        "value/explained_variance",
+        "policy/grad_norm",
+        "value/grad_norm",
+        "policy/lr",
+        "value/lr",
+        "tokens/query_len_mean",
+        "tokens/query_len_std",
+        "tokens/response_len_mean",
+        "tokens/response_len_std",
+        "time/generate",
+        "time/score",
+        "time/advantages",
+        "time/optimize",
+        "time/stats",
+        "time/total",
+        "speed/episodes_per_s",
+        "speed/tokens_per_s",
+        "memory/peak_mb",
+        *(
+            f"dist/{q}_{p}"
+            for q in ("kl", "scores", "response_len", "advantages", "ratio")
+            for p in ("p05", "p50", "p95")
+        ),
+    }
+    assert expected <= set(logged), expected - set(logged)
+    assert all(math.isfinite(v) for v in logged.values())
+    records = pd.read_parquet(tmp_path / "rollouts" / "update_00001.parquet")
+    assert len(records) == 16 and {"prompt", "response", "score", "kl", "gold_score"} <= set(records.columns)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"value_model": "policy_head"},
+        {"kl_controller": "adaptive", "kl_estimator": "k3", "whiten_rewards": True, "top_k": 20, "top_p": 0.9},
+        {"gradient_accumulation_steps": 2, "gradient_checkpointing": True, "entropy_coef": 0.01, "target_kl": 0.001},
+        {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["c_attn"]}},
+        {
+            "missing_eos_mode": "replace",
+            "missing_eos_penalty": -2.0,
+            "min_response_length": 4,
+            "min_length_penalty": 1.0,
+            "score_clip": 1.5,
+            "lr_schedule": "constant",
+            "stop_tokens": ["."],
+        },
+    ],
+)
+def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
+    logged = {}
+    result = train_ppo(
+        _cfg(total_episodes=32, **options),
+        RUNTIME,
+        stack["sft"],
+        stack["rm"],
+        stack["prompts"],
+        tmp_path,
+        0,
+        lambda m, s: logged.update(m),
+    )
+    assert result.updates == 2 and math.isfinite(logged["policy/loss"])
+    policy = models.load_causal_lm(result.policy_path, torch.device("cpu"))  # merged LoRA loads as a plain model
+    assert policy.config.model_type == "gpt2"
+    if options.get("lora"):
+        assert logged["objective/kl"] >= 0
+
+
+def test_reward_model_with_a_different_tokenizer_retokenizes(stack, tmp_path):
+    # a reward model whose tokenizer has a different vocabulary: scores go through decoded text
+    texts = [d.prompt + d.response for d in synthetic.demonstrations(300, seed=5)]
+    tok = models.build_tokenizer(texts, vocab_size=290)
+    lm = models.build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=128, seed=1)
+    lm.save_pretrained(tmp_path / "other")
+    tok.save_pretrained(tmp_path / "other")
+    cfg = _cfg(total_episodes=16)
+    m = load_models(cfg, RUNTIME, stack["sft"], str(tmp_path / "other"), stack["rm"], torch.device("cpu"))
+    assert not m.same_tokenizer
+    logged = {}
+    train_ppo(
+        cfg,
+        RUNTIME,
+        stack["sft"],
+        str(tmp_path / "other"),
+        stack["prompts"],
+        tmp_path / "run",
+        0,
+        lambda mm, s: logged.update(mm),
+        value_path=stack["rm"],
+    )
+    assert math.isfinite(logged["objective/scores"])
+
+
+def test_negated_advantages_make_the_gold_reward_fall(stack, tmp_path, monkeypatch):
+    """The pipeline's own quality metric tells a working PPO from a broken one."""
+    cfg = _cfg(total_episodes=192, batch_size=32, num_mini_batches=2, num_ppo_epochs=4, lr=3e-4, max_new_tokens=20)
+
+    def gold_curve(folder):
+        gold = {}
+        train_ppo(
+            cfg,
+            RUNTIME,
+            stack["sft"],
+            stack["rm"],
+            stack["prompts"],
+            folder,
+            0,
+            lambda m, s: gold.__setitem__(s, m["objective/gold_score"]),
+            gold_fn=synthetic.gold_reward,
+        )
+        return gold
+
+    working = gold_curve(tmp_path / "working")
+    real_gae = ppo_update.gae
+    monkeypatch.setattr(
+        ppo_update, "gae", lambda *a, **k: GAEOutput(-real_gae(*a, **k).advantages, real_gae(*a, **k).returns)
+    )
+    broken = gold_curve(tmp_path / "broken")
+    assert working[6] > working[1] + 0.1, (working, broken)
+    assert broken[6] < working[6] - 0.3, (working, broken)
