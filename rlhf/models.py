@@ -124,6 +124,31 @@ def unwrap(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def fuse_gelu(model: nn.Module) -> int:
+    """Swap transformers' Python tanh-GELU (``gelu_new``: six element-wise ops) for torch's fused kernel.
+
+    Same formula (differences ~1e-7 in float32); a large share of a small model's time on CPU. Returns the count.
+    """
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(module, name, GELUTanh())
+                swapped += 1
+    return swapped
+
+
+def adamw(params, lr: float, eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """AdamW with the fused kernel where torch has one for the parameters' device (one call, not one per tensor)."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
+
+
 def is_local_checkpoint(name: str) -> bool:
     return Path(name).is_dir()
 

@@ -136,11 +136,12 @@ def train_reward_model(
     torch.manual_seed(seed)
     tokenizer = models.load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
     model = models.load_reward_model(sft_path, device, trust_remote_code=runtime.trust_remote_code)
+    models.fuse_gelu(model)
     model.train()
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total = max(1, int(cfg.epochs * steps_per_epoch))
     warmup = int(cfg.warmup_ratio * total)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
     )

@@ -77,7 +77,8 @@ def bootstrap_sft(
     boot = cfg.bootstrap
     model = models.build_tiny_gpt2(tokenizer, boot.n_layer, boot.n_head, boot.n_embd, boot.n_positions, seed)
     model.to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    models.fuse_gelu(model)
+    optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
     batch = encode_prompt_response(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), boot.n_positions)
     rng = random.Random(seed)

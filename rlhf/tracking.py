@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -57,6 +58,10 @@ class Tracker:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         return run.info.run_id
+
+    def reopen_run(self, run_id: str) -> None:
+        """Mark a failed or finished run as running again (a retried stage continues its own run)."""
+        self.client.update_run(run_id, status="RUNNING")
 
     def end_run(self, run_id: str, failed: bool = False) -> None:
         self.client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
@@ -118,3 +123,102 @@ class Tracker:
 
     def ui_command(self) -> str:
         return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1 --port 5000"
+
+    # -- Queries for comparing runs, and grouping sweep variants (used by rlhf.compare and flows/sweep.py) --
+
+    def search_runs(self, filter_string: str = "", max_results: int | None = None) -> list[RunRecord]:
+        """Runs of this experiment matching an MLflow filter string, newest first (all pages)."""
+        records: list[RunRecord] = []
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=filter_string,
+                max_results=min(1000, max_results or 1000),
+                order_by=["attributes.start_time DESC"],
+                page_token=token,
+            )
+            records += [RunRecord.from_run(run) for run in page]
+            token = page.token
+            if not token or (max_results is not None and len(records) >= max_results):
+                return records[:max_results] if max_results is not None else records
+
+    def pipeline_runs(self, max_results: int | None = None) -> list[RunRecord]:
+        """The pipeline (parent) runs: neither stage child runs nor sweep runs."""
+        runs = self.search_runs(max_results=None)
+        found = [r for r in runs if "stage" not in r.tags and r.tags.get(RUN_TYPE_TAG) != "sweep"]
+        return found[:max_results] if max_results is not None else found
+
+    def child_runs(self, parent_run_id: str, stage: str | None = None) -> list[RunRecord]:
+        """Child runs of a run (tag ``mlflow.parentRunId``), optionally only those of one stage."""
+        query = f"tags.`mlflow.parentRunId` = '{parent_run_id}'"
+        if stage is not None:
+            query += f" AND tags.stage = '{stage}'"
+        return self.search_runs(query)
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        """``[(step, value), ...]`` of one metric of a run, in step order."""
+        history = self.client.get_metric_history(run_id, key)
+        return sorted((m.step, m.value) for m in history)
+
+    def attach_to_sweep(self, run_id: str, sweep_run_id: str, sweep_name: str, variant: str) -> None:
+        """Group a pipeline run under a sweep run: tagged with the sweep, and nested under it in the MLflow UI."""
+        self.set_tags(
+            run_id,
+            {
+                "sweep_run_id": sweep_run_id,
+                "sweep.name": sweep_name,
+                "sweep.variant": variant,
+                "mlflow.parentRunId": sweep_run_id,
+            },
+        )
+
+
+RUN_TYPE_TAG = "run_type"
+
+
+@dataclass
+class RunRecord:
+    """A plain copy of an MLflow run: ids, name, status, times (ms), params, final metrics and tags."""
+
+    run_id: str
+    name: str
+    status: str
+    start_time: int | None = None
+    end_time: int | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_run(cls, run: Any) -> RunRecord:
+        info = run.info
+        return cls(
+            run_id=info.run_id,
+            name=info.run_name or info.run_id[:8],
+            status=info.status,
+            start_time=info.start_time,
+            end_time=info.end_time,
+            params=dict(run.data.params),
+            metrics=dict(run.data.metrics),
+            tags=dict(run.data.tags),
+        )
+
+    @property
+    def parent_run_id(self) -> str | None:
+        return self.tags.get("mlflow.parentRunId")
+
+
+def store_exists(uri: str) -> bool:
+    """False for a ``sqlite:///`` store whose file is missing (opening it would create an empty one)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix):
+        return Path(uri[len(prefix) :]).is_file()
+    return True
+
+
+def experiment_names(uri: str) -> list[str]:
+    """Names of the experiments in a tracking store (creates nothing)."""
+    from mlflow.tracking import MlflowClient
+
+    return [e.name for e in MlflowClient(tracking_uri=resolve_tracking_uri(uri)).search_experiments()]

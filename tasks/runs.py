@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ def stage_run(
     tracker = tracker_for(ctx)
     marker = folder / RUN_ID_FILE
     run_id = marker.read_text().strip() if resume and marker.is_file() else None
-    if run_id is None:
+    if run_id is not None:
+        tracker.reopen_run(run_id)  # a retry continues the run it started
+    else:
         run_id = tracker.start_run(
             stage,
             ctx.parent_run_id,
@@ -52,6 +55,18 @@ def stage_run(
         raise
     tracker.end_run(run_id)
     tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}.run_id": run_id})
+
+
+def injected_failure(stage: str, folder: Path) -> int | None:
+    """Fault injection for tests and drills: ``RLHF_INJECT_FAILURE=train_policy_ppo:2`` makes the first attempt
+    of that stage stop (raise) after 2 updates, once; the retry then resumes from the saved state."""
+    name, _, after = os.environ.get("RLHF_INJECT_FAILURE", "").partition(":")
+    marker = folder / ".failure_injected"
+    if name != stage or not after or marker.exists():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    marker.write_text(after)
+    return int(after)
 
 
 def progress_logger(stage: str, every: int):

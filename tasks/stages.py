@@ -15,7 +15,7 @@ from rlhf.models import load_tokenizer, set_threads
 from rlhf.ppo.state import same_vocabulary
 from rlhf.ppo.trainer import train_ppo
 from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
-from tasks.runs import progress_logger, retry_unless_user_error, stage_run
+from tasks.runs import injected_failure, progress_logger, retry_unless_user_error, stage_run
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -103,7 +103,15 @@ def train_reward_model(
     with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward"), resume=True) as (tracker, run_id):
         log = tracker.metric_logger(run_id, progress_logger("reward", 50))
         result = reward_training.train_reward_model(
-            reward, runtime, sft.path, f"{data.path}/train.parquet", f"{data.path}/eval.parquet", folder, seed, log
+            reward,
+            runtime,
+            sft.path,
+            f"{data.path}/train.parquet",
+            f"{data.path}/eval.parquet",
+            folder,
+            seed,
+            log,
+            stop_after=injected_failure("train_reward_model", folder),
         )
         if tracking.log_checkpoints:
             tracker.log_artifacts(run_id, folder, "reward_model")
@@ -162,6 +170,7 @@ def train_policy_ppo(
             log,
             value_path=init.extra["value_init"],
             gold_fn=prepare.gold_scorer(data.extra["manifest"]),
+            stop_after=injected_failure("train_policy_ppo", folder),
         )
         if ppo.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")

@@ -89,3 +89,11 @@ def test_cli_reports_bad_config_before_loading_anything(tmp_path, capsys):
     assert "ppo.lr: Input should be greater than 0" in capsys.readouterr().err
     assert main(["--config", str(path), "ppo.lr=1e-4", "data.source=local", f"data.path={tmp_path}/x.jsonl"]) == 2
     assert "x.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_readme_config_reference_is_current():
+    from rlhf.config import README_END, README_START, reference_markdown
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+    assert block == reference_markdown(), "run `make docs` to regenerate the README's config reference"

@@ -140,6 +140,7 @@ def load_models(
     for model in (policy, value, reward, reference):
         if model is not None:
             disable_dropout(model)
+            models.fuse_gelu(model)
     return PPOModels(
         policy,
         reference,
@@ -169,18 +170,13 @@ def _schedule(cfg: PPOConfig):
     return lambda step: 1.0
 
 
-def load_state(folder: Path, m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device) -> TrainerState:
-    """A fresh trainer state, or the one saved in `folder` (weights, optimizers, schedulers, KL, RNGs, step)."""
-    saved: dict[str, Any] | None = None
-    if (folder / STATE_FILE).is_file():
-        saved = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
-        load_model(m.policy, folder / "policy.safetensors", device=str(device))
-        m.value_trainable().load_state_dict(load_file(folder / "value.safetensors", device=str(device)))
+def fresh_state(m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device) -> TrainerState:
+    """Optimizers, schedulers, KL controller and RNGs of a run that starts at update 0."""
     policy_params = [p for p in m.policy.parameters() if p.requires_grad]
     value_params = [p for p in m.value_trainable().parameters() if p.requires_grad]
-    policy_opt = torch.optim.AdamW(policy_params, lr=cfg.lr, eps=1e-5)
-    value_opt = torch.optim.AdamW(value_params, lr=cfg.value_lr, eps=1e-5)
-    state = TrainerState(
+    policy_opt = models.adamw(policy_params, lr=cfg.lr, eps=1e-5)
+    value_opt = models.adamw(value_params, lr=cfg.value_lr, eps=1e-5)
+    return TrainerState(
         step=0,
         policy_params=policy_params,
         value_params=value_params,
@@ -192,15 +188,24 @@ def load_state(folder: Path, m: PPOModels, cfg: PPOConfig, seed: int, device: to
         sample_generator=torch.Generator(device=device).manual_seed(seed),
         shuffle_generator=torch.Generator().manual_seed(seed + 1),
     )
-    if saved is not None:
-        state.step = int(saved["step"])
-        state.policy_opt.load_state_dict(saved["policy_opt"])
-        state.value_opt.load_state_dict(saved["value_opt"])
-        state.policy_sched.load_state_dict(saved["policy_sched"])
-        state.value_sched.load_state_dict(saved["value_sched"])
-        state.kl_ctl.load_state_dict(saved["kl_ctl"])
-        state.sample_generator.set_state(saved["sample_rng"])
-        state.shuffle_generator.set_state(saved["shuffle_rng"])
+
+
+def load_state(folder: Path, m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device) -> TrainerState:
+    """The state saved in `folder` (weights, optimizers, schedulers, KL, RNGs, step), or a fresh one."""
+    state = fresh_state(m, cfg, seed, device)
+    if not (folder / STATE_FILE).is_file():
+        return state
+    saved: dict[str, Any] = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+    load_model(m.policy, folder / "policy.safetensors", device=str(device))
+    m.value_trainable().load_state_dict(load_file(folder / "value.safetensors", device=str(device)))
+    state.step = int(saved["step"])
+    state.policy_opt.load_state_dict(saved["policy_opt"])
+    state.value_opt.load_state_dict(saved["value_opt"])
+    state.policy_sched.load_state_dict(saved["policy_sched"])
+    state.value_sched.load_state_dict(saved["value_sched"])
+    state.kl_ctl.load_state_dict(saved["kl_ctl"])
+    state.sample_generator.set_state(saved["sample_rng"])
+    state.shuffle_generator.set_state(saved["shuffle_rng"])
     return state
 
 

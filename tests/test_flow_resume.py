@@ -1,0 +1,79 @@
+"""Caching and retries of the real flow: changed settings, deleted outputs, and a failure injected mid-PPO."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.pipeline import rlhf_pipeline
+from rlhf.config import load_config
+from tests.conftest import REPO
+from tests.test_pipeline_flow import _task_states
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _config(tmp_path, *extra):
+    return load_config(
+        REPO / "conf" / "smoke.yaml",
+        [
+            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+            f"tracking.artifact_location={tmp_path}/artifacts",
+            f"runtime.output_dir={tmp_path}/out",
+            *extra,
+        ],
+    )
+
+
+def test_reward_change_and_deleted_outputs(harness, tmp_path):
+    cfg = _config(tmp_path)
+    first = rlhf_pipeline(cfg, return_state=True).result()
+
+    # a changed reward-model setting re-runs the reward model, PPO and evaluation; SFT and data are reused
+    states = _task_states(rlhf_pipeline(_config(tmp_path, "reward.lr=1e-3"), return_state=True))
+    assert states["prepare_preferences"] == "Cached" and states["supervised_finetune"] == "Cached"
+    assert states["train_reward_model"] == "Completed"
+    assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
+
+    # a cached result whose files were deleted is recomputed, never returned dangling
+    shutil.rmtree(first["policy_checkpoint"].rsplit("/final/", 1)[0])
+    again = rlhf_pipeline(cfg, return_state=True)
+    states = _task_states(again)
+    assert states["train_reward_model"] == "Cached"
+    assert states["train_policy_ppo"] == "Completed"
+    assert Path(first["policy_checkpoint"]).is_dir()
+    assert again.result()["eval/win_rate_gold"] == first["eval/win_rate_gold"]  # deterministic on CPU
+
+
+def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_policy_ppo:2")  # the first attempt dies after 2 of 4 updates
+    cfg = _config(tmp_path)
+    state = rlhf_pipeline(cfg, return_state=True)
+    summary = state.result()
+    assert _task_states(state)["train_policy_ppo"] == "Completed"
+
+    client = MlflowClient(cfg.tracking.uri)
+    ppo_runs = client.search_runs(
+        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id], "tags.stage = 'train_policy_ppo'"
+    )
+    assert len(ppo_runs) == 1, "the retry continues the same MLflow run"
+    run = ppo_runs[0]
+    assert run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "objective/kl")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4], "no step missing or logged twice"
+    ppo_folder = Path(summary["policy_checkpoint"]).parent.parent
+    assert (ppo_folder / ".failure_injected").read_text() == "2", "the first attempt really failed"
+
+    # the retried result equals an uninterrupted run of the same config
+    monkeypatch.delenv("RLHF_INJECT_FAILURE")
+    clean = rlhf_pipeline(_config(tmp_path / "clean"), return_state=True).result()
+    assert clean["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
+    assert clean["eval/kl"] == pytest.approx(summary["eval/kl"], rel=1e-4, abs=1e-5)
