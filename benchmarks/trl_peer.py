@@ -97,7 +97,7 @@ def main() -> int:
         timer = UpdateTimer()
         trainer.add_callback(timer)
         trainer.train()
-    durations = [b - a for a, b in zip(timer.marks, timer.marks[1:])]
+    durations = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
     rates = [BATCH / d for d in durations]
     for i, rate in enumerate(rates, 1):
         print(f"update {i}/{len(rates)}: {rate:.1f} episodes/s")
