@@ -97,3 +97,28 @@ def test_readme_config_reference_is_current():
     readme = (REPO / "README.md").read_text()
     block = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
     assert block == reference_markdown(), "run `make docs` to regenerate the README's config reference"
+
+
+def test_preflight_names_unreachable_models(tmp_path, monkeypatch):
+    from rlhf.preflight import preflight
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"sft.model: 'gpt2' is not a local folder and hub downloads are off"):
+        preflight(load_config(None, ["sft.model=gpt2"]))
+    with pytest.raises(ConfigError, match=r"sft.model: checkpoint folder ./nowhere does not exist"):
+        preflight(load_config(None, ["sft.model=./nowhere"]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"has no config.json"):
+        preflight(load_config(None, [f"sft.model={tmp_path}/empty"]))
+
+
+def test_existing_sft_checkpoint_skips_the_bootstrap(tiny_checkpoints):
+    from rlhf.checkpoints import dir_digest
+    from rlhf.config import RuntimeConfig, SFTConfig
+    from rlhf.preflight import preflight
+    from rlhf.sft import load_existing
+
+    preflight(load_config(None, [f"sft.model={tiny_checkpoints['policy']}"]))
+    result = load_existing(SFTConfig(model=tiny_checkpoints["policy"]), RuntimeConfig())
+    assert not result.trained and result.path == tiny_checkpoints["policy"]
+    assert result.digest == dir_digest(tiny_checkpoints["policy"])
