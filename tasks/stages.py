@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 from prefect import task
+from prefect.artifacts import create_table_artifact
 
 from rlhf import evaluate as evaluation
 from rlhf import reward as reward_training
@@ -28,11 +29,14 @@ STAGE = dict(
 
 
 @task(name="prepare_preferences", tags=["data"], **STAGE)
-def prepare_preferences(data: DataConfig, runtime: RuntimeConfig, tracking: TrackingContext) -> StageOutput:
-    """Validate the preference data and write train/eval/SFT/prompt Parquet files with a manifest."""
-    from prefect.artifacts import create_table_artifact
+def prepare_preferences(
+    data: DataConfig, source_digest: str, runtime: RuntimeConfig, tracking: TrackingContext
+) -> StageOutput:
+    """Validate the preference data and write train/eval/SFT/prompt Parquet files with a manifest.
 
-    folder = stage_dir(runtime.output_dir, "prepare_preferences", {"data": data})
+    `source_digest` (the content of the local files read) is part of the cache key only.
+    """
+    folder = stage_dir(runtime.output_dir, "prepare_preferences", {"data": data, "source_digest": source_digest})
     with stage_run(tracking, "prepare_preferences", folder, flatten(data, "data")) as (tracker, run_id):
         prepared = prepare.prepare_preferences(data, folder)
         manifest, drops = prepared.manifest, prepare.drop_report(prepared.manifest)
@@ -157,7 +161,7 @@ def train_policy_ppo(
         "value_init": init.extra["value_init"],
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
-        prompts = list(dict.fromkeys(pd.read_parquet(f"{data.path}/train.parquet")["prompt"]))
+        prompts = pd.read_parquet(f"{data.path}/prompts.parquet")["prompt"].tolist()
         log = tracker.metric_logger(run_id, progress_logger("ppo", 10))
         result = train_ppo(
             ppo,

@@ -1,15 +1,38 @@
+"""Preference data preparation: the synthetic task, every source kind, the output files and one-sentence errors."""
+
 from __future__ import annotations
 
 import json
 
+import datasets
 import pandas as pd
 import pytest
 
 from rlhf.checkpoints import is_complete, read_manifest
-from rlhf.config import DataConfig
+from rlhf.config import ConfigError, DataConfig, load_config
 from rlhf.data import synthetic
-from rlhf.data.prepare import prepare_preferences
+from rlhf.data.prepare import check_source, prepare_preferences
 from rlhf.errors import DataError
+
+
+def pairs(n: int, start: int = 0) -> list[dict]:
+    return [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(start, start + n)]
+
+
+def write(path, rows: list[dict]):
+    frame = pd.DataFrame(rows)
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".parquet":
+        frame.to_parquet(path)
+    elif suffix == ".csv":
+        frame.to_csv(path, index=False)
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return str(path)
 
 
 def test_gold_reward_examples():
@@ -34,30 +57,99 @@ def test_synthetic_task_is_deterministic_and_labelled_by_gold():
 def test_prepare_synthetic_writes_parquet_and_manifest(tmp_path):
     cfg = DataConfig(synthetic={"n_sft": 40, "n_train_pairs": 30, "n_eval_pairs": 10})
     out = prepare_preferences(cfg, tmp_path / "data")
-    assert set(pd.read_parquet(out.train).columns) >= {"prompt", "chosen", "rejected", "margin", "gold_chosen"}
+    train = pd.read_parquet(out.train)
+    assert list(train.columns) == ["prompt", "chosen", "rejected", "margin", "gold_chosen", "gold_rejected"]
+    # the synthetic pairs are written exactly as generated, gold scores included
+    expected = synthetic.preference_pairs(30, seed=0, label_noise=0.1, split="train")
+    assert train[["prompt", "chosen", "rejected", "gold_chosen", "gold_rejected"]].values.tolist() == [
+        list(p) for p in expected
+    ]
     manifest = read_manifest(out.folder)
-    assert manifest["rows"] == {"train": 30, "eval": 10, "sft": 40}
+    assert {k: manifest["rows"][k] for k in ("train", "eval", "sft")} == {"train": 30, "eval": 10, "sft": 40}
+    assert pd.read_parquet(out.prompts)["prompt"].tolist() == list(dict.fromkeys(train["prompt"]))
     assert manifest["gold_reward"] == synthetic.GOLD_REWARD_NAME
     assert is_complete(out.folder)
     again = prepare_preferences(cfg, tmp_path / "again")
     assert again.digest == out.digest  # deterministic content digest
 
 
-@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
-def test_prepare_local_file(tmp_path, suffix):
-    rows = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(20)]
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv", ""])
+def test_prepare_local_file_or_saved_dataset(tmp_path, suffix):
+    rows = pairs(20)
     rows.append({"prompt": "q", "chosen": "same", "rejected": "same"})  # dropped: identical
-    rows.append({"prompt": "", "chosen": "a", "rejected": "b"})  # dropped: empty prompt
-    path = tmp_path / f"pairs.{suffix}"
-    frame = pd.DataFrame(rows)
-    if suffix == "jsonl":
-        path.write_text("\n".join(json.dumps(r) for r in rows))
-    else:
-        frame.to_parquet(path)
-    out = prepare_preferences(DataConfig(source="local", path=str(path), eval_fraction=0.25), tmp_path / "out")
+    rows.append({"prompt": " ", "chosen": "a", "rejected": "b"})  # dropped: empty prompt
+    path = write(tmp_path / f"pairs{suffix or '_saved'}", rows)
+    out = prepare_preferences(DataConfig(source="local", path=path, eval_fraction=0.25), tmp_path / "out")
     assert out.manifest["rows"]["train"] + out.manifest["rows"]["eval"] == 20
     assert out.manifest["rows"]["eval"] == 5
-    assert out.manifest["gold_reward"] is None
+    assert out.manifest["rows_in"] == 22
+    assert out.manifest["dropped"]["identical"] == 1 and out.manifest["dropped"]["missing"] == 1
+    assert out.manifest["gold_reward"] is None and out.manifest["format"] == "explicit"
+    train, evals = pd.read_parquet(out.train), pd.read_parquet(out.eval)
+    assert not set(train["prompt"]) & set(evals["prompt"])
+    sft = pd.read_parquet(out.sft)
+    assert list(sft.columns) == ["prompt", "response"] and sft["response"].tolist() == train["chosen"].tolist()
+    assert sorted(pd.read_parquet(out.prompts)["prompt"]) == sorted(train["prompt"])
+    assert train["margin"].isna().all() and train["gold_chosen"].isna().all()
+
+
+def test_split_is_seeded_and_digest_ignores_the_path(tmp_path):
+    a = write(tmp_path / "a.jsonl", pairs(40))
+    b = write(tmp_path / "b.parquet", pairs(40))
+    first = prepare_preferences(DataConfig(source="local", path=a), tmp_path / "1")
+    same = prepare_preferences(DataConfig(source="local", path=b), tmp_path / "2")
+    other = prepare_preferences(DataConfig(source="local", path=a, split_seed=1), tmp_path / "3")
+    assert first.digest == same.digest  # same content, another file: same digest
+    assert first.digest != other.digest
+    assert pd.read_parquet(first.eval)["prompt"].tolist() != pd.read_parquet(other.eval)["prompt"].tolist()
+
+
+def test_num_proc_gives_the_same_result(tmp_path):
+    path = write(tmp_path / "p.jsonl", pairs(300) + pairs(20))  # 20 duplicates across the process shards
+    one = prepare_preferences(DataConfig(source="local", path=path, batch_size=50), tmp_path / "1")
+    two = prepare_preferences(DataConfig(source="local", path=path, batch_size=50, num_proc=2), tmp_path / "2")
+    assert one.digest == two.digest and two.manifest["dropped"]["duplicate"] == 20
+
+
+def test_eval_file_and_saved_dataset_dict_splits(tmp_path):
+    train, held = write(tmp_path / "t.jsonl", pairs(12)), write(tmp_path / "e.jsonl", pairs(4, start=100))
+    out = prepare_preferences(DataConfig(source="local", path=train, eval_path=held), tmp_path / "a")
+    assert out.manifest["rows"]["train"] == 12 and out.manifest["rows"]["eval"] == 4
+    assert pd.read_parquet(out.eval)["prompt"].tolist() == ["q100", "q101", "q102", "q103"]  # source order
+    with pytest.raises(DataError, match=r"data.eval_split applies to hub data sets and folders; use data.eval_path"):
+        prepare_preferences(DataConfig(source="local", path=train, eval_split="test"), tmp_path / "x")
+    saved = tmp_path / "dict"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(pairs(12)), "test": datasets.Dataset.from_list(pairs(3, start=50))}
+    ).save_to_disk(str(saved))
+    cfg = DataConfig(source="local", path=str(saved), eval_split="test")
+    out = prepare_preferences(cfg, tmp_path / "b")
+    assert out.manifest["rows"]["eval"] == 3
+    with pytest.raises(DataError, match=r"split 'validation' not found \(found: train, test\)"):
+        prepare_preferences(DataConfig(source="local", path=str(saved), eval_split="validation"), tmp_path / "c")
+
+
+def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
+    """The hub path is the same load_dataset call as local builders: only the arguments differ."""
+    saved = tmp_path / "hub"
+    hub = {"train": datasets.Dataset.from_list(pairs(10)), "test": datasets.Dataset.from_list(pairs(2, start=50))}
+    datasets.DatasetDict(hub).save_to_disk(str(saved))
+    calls = []
+    real = datasets.load_dataset
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append((path, name, kwargs["revision"], kwargs["split"]))
+        return datasets.load_from_disk(str(saved))[kwargs["split"]]  # no network: serve the "hub" set from disk
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(source="hub", name="org/prefs", config_name="default", revision="abc123", eval_split="test")
+    out = prepare_preferences(cfg, tmp_path / "out")
+    assert calls == [("org/prefs", "default", "abc123", "train"), ("org/prefs", "default", "abc123", "test")]
+    assert out.manifest["source"] == "org/prefs" and out.manifest["revision"] == "abc123"
+    assert out.manifest["rows"]["train"] == 10 and out.manifest["rows"]["eval"] == 2
+    monkeypatch.setattr(datasets, "load_dataset", real)
+    with pytest.raises(DataError, match=r"hub data set no-such/dataset split 'train' could not be loaded"):
+        prepare_preferences(DataConfig(source="hub", name="no-such/dataset"), tmp_path / "x")
 
 
 def test_missing_column_names_the_file_and_column(tmp_path):
@@ -71,3 +163,67 @@ def test_missing_file_is_one_sentence(tmp_path):
     with pytest.raises(DataError, match=r"data.path: file .*nope.jsonl does not exist"):
         prepare_preferences(DataConfig(source="local", path=str(tmp_path / "nope.jsonl")), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    with pytest.raises(DataError, match=r"data.prompts_path: file .*p.jsonl does not exist"):
+        check_source(DataConfig(source="hub", name="x/y", prompts_path=str(tmp_path / "p.jsonl")))
+
+
+def test_unsupported_extension_and_unparsable_file(tmp_path):
+    (tmp_path / "d.txt").write_text("hello")
+    with pytest.raises(DataError, match=r"data.path: .*d.txt has an unsupported extension '.txt'"):
+        check_source(DataConfig(source="local", path=str(tmp_path / "d.txt")))
+    (tmp_path / "broken.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match=r"broken.parquet could not be loaded"):
+        prepare_preferences(DataConfig(source="local", path=str(tmp_path / "broken.parquet")), tmp_path / "out")
+
+
+def test_unknown_mapped_column_is_caught_early(tmp_path):
+    path = write(tmp_path / "p.parquet", pairs(5))
+    cfg = DataConfig(source="local", path=path, columns={"prompt": "question"})
+    with pytest.raises(
+        DataError, match=r"data.columns.prompt: column 'question' is not in .*p.parquet \(found: prompt"
+    ):
+        check_source(cfg)  # before anything is loaded: the Parquet schema is enough
+    with pytest.raises(DataError, match=r"data.columns.prompt: column 'question' is not in"):
+        prepare_preferences(cfg, tmp_path / "out")
+
+
+def test_unrecognisable_format_is_one_sentence(tmp_path):
+    path = write(tmp_path / "p.jsonl", [{"text": "hello", "label": 1}] * 3)
+    with pytest.raises(DataError, match=r"p.jsonl has no recognisable preference format \(found columns: text, label"):
+        prepare_preferences(DataConfig(source="local", path=path), tmp_path / "out")
+
+
+def test_data_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"data.path must name"):
+        load_config(None, ["data.source=local"])
+    with pytest.raises(ConfigError, match=r"data.name must name a hub data set"):
+        load_config(None, ["data.source=hub"])
+    with pytest.raises(ConfigError, match=r"data.columns: unknown role 'question'"):
+        load_config(None, ["data.columns={question: q}"])
+    with pytest.raises(ConfigError, match=r"data.max_length_tokens needs data.tokenizer"):
+        load_config(None, ["data.max_length_tokens=512"])
+    with pytest.raises(ConfigError, match=r"data.format: Input should be 'auto'"):
+        load_config(None, ["data.format=pairs"])
+    with pytest.raises(ConfigError, match=r"data.max_drop_fraction: Input should be less than or equal to 1"):
+        load_config(None, ["data.max_drop_fraction=2"])
+
+
+@pytest.mark.parametrize("name", ["hh-rlhf", "ultrafeedback"])
+def test_hub_example_configs_are_valid(name):
+    from tests.conftest import REPO
+
+    cfg = load_config(REPO / "conf" / "examples" / f"{name}.yaml")  # validation only: nothing is downloaded
+    assert cfg.data.source == "hub" and cfg.data.tokenizer == cfg.sft.model
+
+
+def test_source_fingerprint_follows_file_content(tmp_path):
+    from rlhf.data.prepare import source_fingerprint
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n')
+    cfg = DataConfig(source="local", path=str(path))
+    before = source_fingerprint(cfg)
+    assert source_fingerprint(cfg) == before
+    path.write_text('{"prompt": "q", "chosen": "a", "rejected": "c"}\n')  # same path, new content
+    assert source_fingerprint(cfg) != before
+    assert source_fingerprint(DataConfig()) == source_fingerprint(DataConfig())  # synthetic: config only

@@ -1,27 +1,41 @@
 """Prepare preference data: read a source, validate it, write train/eval Parquet with a manifest.
 
+Sources (``data.source``): the built-in ``synthetic`` task; ``local`` files (JSONL, JSON, Parquet, CSV) or
+``save_to_disk`` folders; ``hub`` data sets (see sources.py). Formats and column mapping: formats.py. Drop rules
+and reasons: validate.py.
+
 Output folder layout (the fixed schema every later stage reads):
 - ``train.parquet``, ``eval.parquet``: prompt, chosen, rejected (strings), margin (float, null when unknown),
-  gold_chosen, gold_rejected (float, null unless the source has a gold reward);
+  gold_chosen, gold_rejected (float, null unless the source has a gold reward); written in a seeded shuffled
+  order; eval is a seeded ``eval_fraction`` of the kept pairs unless the source has its own eval split/file;
 - ``sft.parquet``: prompt, response demonstrations (synthetic task: its demonstrations; otherwise the chosen
   responses of the training pairs);
-- ``manifest.json``: source, format, row counts, gold reward name and the folder's content digest.
+- ``prompts.parquet``: prompt, the PPO rollout prompts (``data.prompts_path`` when set, else the distinct
+  training prompts in training order);
+- ``manifest.json``: source, revision, format, column mapping, row counts, drops per reason with an example row,
+  gold reward name and the folder's content digest.
 """
 
 from __future__ import annotations
 
-import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DataConfig
-from rlhf.data import synthetic
+from rlhf.data import output, sources, synthetic, validate
+from rlhf.data.formats import ChatRenderer, Plan, plan_columns
+from rlhf.data.output import PAIR_COLUMNS
+from rlhf.data.sources import read_table
+from rlhf.data.validate import Checked, Limits
 from rlhf.errors import DataError
 
-PAIR_COLUMNS = ["prompt", "chosen", "rejected", "margin", "gold_chosen", "gold_rejected"]
+__all__ = ["PAIR_COLUMNS", "PreparedData", "check_source", "drop_report", "gold_scorer", "prepare_preferences"]
+__all__ += ["read_table"]
 
 
 @dataclass
@@ -42,8 +56,41 @@ class PreparedData:
     def sft(self) -> Path:
         return Path(self.folder) / "sft.parquet"
 
+    @property
+    def prompts(self) -> Path:
+        return Path(self.folder) / "prompts.parquet"
 
-def _synthetic_frames(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+
+def check_source(cfg: DataConfig) -> None:
+    """Cheap checks that run before anything else: files exist, mapped columns exist where that is cheap to see."""
+    if cfg.source == "local":
+        sources.check_local_path("data.path", cfg.path)
+        sources.check_local_path("data.eval_path", cfg.eval_path)
+        names = sources.peek_columns(cfg.path) if cfg.path else None
+        for role, column in cfg.columns.items():
+            if names is not None and column not in names:
+                raise DataError(
+                    f"data.columns.{role}: column '{column}' is not in {cfg.path} (found: {', '.join(names)})"
+                )
+    if cfg.source != "synthetic":
+        sources.check_local_path("data.prompts_path", cfg.prompts_path)
+
+
+def source_fingerprint(cfg: DataConfig) -> str:
+    """Content digest of the local files a config reads (part of the prepare stage's cache key), so a file
+    changed in place is prepared again; hub sources are identified by name, configuration and revision."""
+    from rlhf.checkpoints import dir_digest, file_digest, text_digest
+
+    parts: list[str] = []
+    for path in (cfg.path, cfg.eval_path, cfg.prompts_path):
+        if cfg.source == "synthetic" or not path:
+            continue
+        p = Path(path)
+        parts.append(dir_digest(p) if p.is_dir() else file_digest(p) if p.is_file() else f"missing:{path}")
+    return text_digest(cfg.source, parts)
+
+
+def _synthetic(cfg: DataConfig, tmp: Path) -> dict[str, Any]:
     task = cfg.synthetic
     train = pd.DataFrame(synthetic.preference_pairs(task.n_train_pairs, task.seed, task.label_noise, "train"))
     # Held-out pairs are labelled by the gold reward without noise, so accuracy measures the true preference.
@@ -51,102 +98,153 @@ def _synthetic_frames(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame, pd.D
     sft = pd.DataFrame(synthetic.demonstrations(task.n_sft, task.seed))
     for frame in (train, evals):
         frame["margin"] = None
-    return train, evals, sft
+    prompts = pd.DataFrame({"prompt": list(dict.fromkeys(train["prompt"]))})
+    rows = {
+        "train": output.write_frame(train, tmp / "train.parquet", output.PAIR_SCHEMA),
+        "eval": output.write_frame(evals, tmp / "eval.parquet", output.PAIR_SCHEMA),
+        "sft": output.write_frame(sft, tmp / "sft.parquet", output.SFT_SCHEMA),
+        "prompts": output.write_frame(prompts, tmp / "prompts.parquet", output.PROMPT_SCHEMA),
+    }
+    return dict(source="synthetic", format="explicit", rows=rows, rows_in=len(train) + len(evals))
 
 
-def read_table(path: str | Path) -> pd.DataFrame:
-    """Read a local JSONL / JSON / Parquet / CSV file into a frame, with one clear error when it cannot."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file {path} does not exist")
-    suffix = path.suffix.lower()
+def _load_tokenizer(cfg: DataConfig) -> Any:
+    if cfg.tokenizer is None:
+        return None
+    from rlhf.models import load_tokenizer
+
     try:
-        if suffix in (".jsonl", ".ndjson"):
-            return pd.read_json(path, lines=True)
-        if suffix == ".json":
-            return pd.read_json(path)
-        if suffix == ".parquet":
-            return pd.read_parquet(path)
-        if suffix == ".csv":
-            return pd.read_csv(path)
-    except ValueError as err:
-        raise DataError(f"data file {path} could not be parsed as {suffix[1:]}: {err}") from None
-    raise DataError(f"data file {path} has an unsupported extension '{suffix}' (use .jsonl, .json, .parquet or .csv)")
+        return load_tokenizer(cfg.tokenizer, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 (one sentence, not a traceback from transformers)
+        why = sources.first_line(err)
+        raise DataError(f"data.tokenizer: could not load tokenizer '{cfg.tokenizer}': {why}") from None
 
 
-def validate_pairs(frame: pd.DataFrame, source: str) -> pd.DataFrame:
-    """Check columns, drop unusable rows; raise when nothing usable remains."""
-    missing = [c for c in ("prompt", "chosen", "rejected") if c not in frame.columns]
-    if missing:
-        raise DataError(
-            f"{source} has no column {', '.join(repr(c) for c in missing)} "
-            f"(found: {', '.join(map(str, frame.columns))})"
-        )
-    ok = pd.Series(True, index=frame.index)
-    for col in ("prompt", "chosen", "rejected"):
-        ok &= frame[col].map(lambda v: isinstance(v, str) and v.strip() != "")
-    ok &= frame["chosen"] != frame["rejected"]
-    kept = frame[ok]
-    if kept.empty:
-        first_bad = int(frame.index[0]) if len(frame) else 0
-        raise DataError(
-            f"{source}: no usable preference pairs (row {first_bad} is empty, non-string or has "
-            "identical chosen and rejected)"
-        )
-    out = pd.DataFrame({c: kept[c] if c in kept.columns else None for c in PAIR_COLUMNS})
-    return out.drop_duplicates(subset=["prompt", "chosen", "rejected"]).reset_index(drop=True)
+def _check(src: sources.Source, fn: Any, kwargs: dict[str, Any], cfg: DataConfig, scratch: str, tag: str) -> Checked:
+    """Run a validation function over a source as a batched, optionally parallel ``Dataset.map``."""
+    import datasets
+
+    features = {"prompt": "string", "chosen": "string", "rejected": "string", "margin": "float64"}
+    features |= {"row": "int64", "reason": "string", "key": "int64", "prompt_key": "int64"}
+    if fn is validate.validate_prompts:
+        features = {k: v for k, v in features.items() if k not in ("chosen", "rejected", "margin")}
+    rows = src.rows
+    checked = rows.map(
+        fn,
+        with_indices=True,
+        batched=True,
+        batch_size=cfg.batch_size,
+        writer_batch_size=10_000,  # fewer, larger record batches: cheaper to gather rows from when writing
+        remove_columns=rows.column_names,
+        features=datasets.Features({k: datasets.Value(v) for k, v in features.items()}),
+        fn_kwargs=kwargs,
+        num_proc=cfg.num_proc if cfg.num_proc and cfg.num_proc > 1 and len(rows) > cfg.batch_size else None,
+        cache_file_name=str(Path(scratch) / f"{tag}.arrow"),
+        load_from_cache_file=False,
+        new_fingerprint=f"rlhf-validate-{tag}",
+        desc=f"validate {tag}",
+    )
+    return Checked(checked.data.table, src.label)
 
 
-def split(frame: pd.DataFrame, eval_fraction: float, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Deterministic seeded split."""
-    order = list(range(len(frame)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, int(round(len(frame) * eval_fraction)))
-    return frame.iloc[order[n_eval:]].reset_index(drop=True), frame.iloc[order[:n_eval]].reset_index(drop=True)
+def _plan(src: sources.Source, cfg: DataConfig, fmt: str) -> Plan:
+    sample = src.rows.select(range(min(100, len(src.rows))))[:]
+    return plan_columns(list(src.rows.column_names), sample, fmt, cfg.columns, src.label)
 
 
-def _local_frames(cfg: DataConfig) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    assert cfg.path is not None
-    pairs = validate_pairs(read_table(cfg.path), cfg.path)
-    if cfg.eval_path:
-        train, evals = pairs, validate_pairs(read_table(cfg.eval_path), cfg.eval_path)
+def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
+    tokenizer = _load_tokenizer(cfg)
+    chat = ChatRenderer(tokenizer)
+    limits = Limits(cfg.max_length_tokens, cfg.max_length_chars)
+    train_src, eval_src = sources.open_sources(cfg, scratch)
+    plan = _plan(train_src, cfg, cfg.format)
+    kwargs = dict(plan=plan, chat=chat, marker=cfg.assistant_marker, limits=limits, tokenizer=tokenizer)
+    checked = [_check(train_src, validate.validate_batch, kwargs, cfg, scratch, "train")]
+    if eval_src is not None:
+        eval_kwargs = {**kwargs, "plan": _plan(eval_src, cfg, plan.format)}
+        checked.append(_check(eval_src, validate.validate_batch, eval_kwargs, cfg, scratch, "eval"))
+    outcome = validate.tally(checked)
+    validate.check_drops(outcome, cfg.max_drop_fraction, train_src.label)
+    train_table = checked[0].table
+    if eval_src is None:
+        train_pos, eval_pos = output.split_positions(outcome.kept[0], cfg.eval_fraction, cfg.split_seed)
+        eval_table = train_table
     else:
-        train, evals = split(pairs, cfg.eval_fraction, cfg.split_seed)
-    sft = pd.DataFrame({"prompt": train["prompt"], "response": train["chosen"]})
-    return train, evals, sft
+        train_pos = output.shuffled(outcome.kept[0], cfg.split_seed)
+        eval_pos, eval_table = outcome.kept[1], checked[1].table
+        if not len(eval_pos):
+            raise DataError(f"{eval_src.label}: no usable held-out pairs remain after validation")
+    rows = {
+        "train": output.write_rows(train_table, train_pos, tmp / "train.parquet", "pairs"),
+        "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs"),
+        "sft": output.write_rows(train_table, train_pos, tmp / "sft.parquet", "sft"),
+    }
+    prompt_info = _write_prompts(cfg, chat, tmp, scratch, train_table, train_pos)
+    rows["prompts"] = prompt_info.pop("rows")
+    return dict(
+        source=cfg.name if cfg.source == "hub" else str(cfg.path),
+        source_kind=cfg.source,
+        config_name=cfg.config_name,
+        revision=cfg.revision,
+        splits={"train": train_src.label, "eval": eval_src.label if eval_src else f"{cfg.eval_fraction} of train"},
+        format=plan.format,
+        columns=plan.columns,
+        rows=rows,
+        rows_in=outcome.n_in,
+        dropped=outcome.dropped,
+        drop_examples=outcome.examples,
+        length_limit={"tokens": cfg.max_length_tokens, "chars": cfg.max_length_chars, "tokenizer": cfg.tokenizer},
+        **prompt_info,
+    )
 
 
-def check_source(cfg: DataConfig) -> None:
-    """Cheap checks that run before anything else (missing files are reported before any model loads)."""
-    for key, path in (("data.path", cfg.path), ("data.eval_path", cfg.eval_path)):
-        if cfg.source == "local" and path and not Path(path).exists():
-            raise DataError(f"{key}: file {path} does not exist")
+def _write_prompts(cfg: DataConfig, chat: ChatRenderer, tmp: Path, scratch: str, train_table, train_pos) -> dict:
+    path = tmp / "prompts.parquet"
+    src = sources.open_prompts(cfg, scratch)
+    if src is None:
+        n = output.write_rows(train_table, output.first_prompt_positions(train_table, train_pos), path, "prompts")
+        return {"rows": n, "prompts_source": "train"}
+    if cfg.prompts_column not in src.rows.column_names:
+        raise DataError(
+            f"data.prompts_column: column '{cfg.prompts_column}' is not in {src.label} "
+            f"(found: {', '.join(src.rows.column_names)})"
+        )
+    kwargs = dict(column=cfg.prompts_column, chat=chat)
+    checked = _check(src, validate.validate_prompts, kwargs, cfg, scratch, "prompts")
+    outcome = validate.tally([checked])
+    validate.check_drops(outcome, cfg.max_drop_fraction, src.label)
+    n = output.write_rows(checked.table, outcome.kept[0], path, "prompts")
+    return {"rows": n, "prompts_source": src.label, "prompts_dropped": outcome.dropped}
 
 
 def prepare_preferences(cfg: DataConfig, out_dir: str | Path) -> PreparedData:
     """Read, validate and write the preference data set; atomic (a crash leaves no half-written folder)."""
     check_source(cfg)
-    if cfg.source == "synthetic":
-        train, evals, sft = _synthetic_frames(cfg)
-        gold = synthetic.GOLD_REWARD_NAME
-    else:
-        train, evals, sft = _local_frames(cfg)
-        gold = None
-    for frame in (train, evals):
-        for col in ("margin", "gold_chosen", "gold_rejected"):
-            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
-    with atomic_dir(out_dir) as tmp:
-        train[PAIR_COLUMNS].to_parquet(tmp / "train.parquet", index=False)
-        evals[PAIR_COLUMNS].to_parquet(tmp / "eval.parquet", index=False)
-        sft[["prompt", "response"]].to_parquet(tmp / "sft.parquet", index=False)
-        manifest = write_manifest(
-            tmp,
-            source=cfg.source if cfg.source == "synthetic" else str(cfg.path),
-            format="prompt/chosen/rejected",
-            rows={"train": len(train), "eval": len(evals), "sft": len(sft)},
-            gold_reward=gold,
-        )
+    with tempfile.TemporaryDirectory(prefix="rlhf-prepare-") as scratch, atomic_dir(out_dir) as tmp:
+        if cfg.source == "synthetic":
+            fields = _synthetic(cfg, tmp)
+            gold = synthetic.GOLD_REWARD_NAME
+            fields["dropped"] = dict.fromkeys(validate.REASONS, 0)  # generated valid: nothing to drop
+        else:
+            fields, gold = _prepare_pairs(cfg, tmp, scratch), None
+        manifest = write_manifest(tmp, gold_reward=gold, **fields)
     return PreparedData(str(out_dir), manifest["digest"], manifest)
+
+
+def drop_report(manifest: dict) -> list[dict[str, Any]]:
+    """One row per drop reason: count, share of the input rows, an example row and what the reason means."""
+    n_in = max(int(manifest.get("rows_in") or 0), 1)
+    examples = manifest.get("drop_examples", {})
+    return [
+        {
+            "reason": reason,
+            "count": count,
+            "fraction": round(count / n_in, 6),
+            "example": examples.get(reason, ""),
+            "meaning": validate.REASON_TEXT.get(reason, ""),
+        }
+        for reason, count in manifest.get("dropped", {}).items()
+    ]
 
 
 def gold_scorer(manifest: dict):

@@ -1,0 +1,247 @@
+"""Preference layouts: detect which one a source uses and turn its rows into (prompt, chosen, rejected) pairs.
+
+Formats (``data.format``; 'auto' detects them in this order, after ``data.columns`` renamed the source's columns
+to these roles):
+
+- ``ranked``: ``prompt``, ``responses`` (list of str) and ``scores`` (higher is better) or ``ranks`` (1 is
+  best). Each row becomes best-vs-each-other pairs (n-1 pairs for n responses); margin = score difference
+  (null with ranks); a response tied with the best is not a preference and is dropped as ``tie``.
+- ``conversational``: ``chosen`` / ``rejected`` are lists of ``{role, content}`` messages ending with the
+  assistant turn (UltraFeedback-binarized, where both include the user turn; or TRL's layout with a separate
+  ``prompt`` message list). The messages before the last one are the prompt; it is rendered with the chat
+  template of ``data.tokenizer`` when that tokenizer has one, else with the plain template below.
+- ``explicit``: ``prompt``, ``chosen``, ``rejected`` strings.
+- ``implicit``: ``chosen``, ``rejected`` full transcripts without a prompt column (Anthropic HH-RLHF). The prompt
+  is their longest common prefix cut after its last ``data.assistant_marker`` ("\\n\\nAssistant:"); the
+  responses are what follows the prompt.
+
+Plain chat template (no tokenizer, or one without a chat template): each message is ``"\\n\\n<Role>: <content>"``
+with the role capitalised ("\\n\\nUser: hi"), and the prompt ends with the generation marker
+``"\\n\\nAssistant:"``; a response is ``" " + content``. So ``[user: hi, assistant: hello]`` gives prompt
+``"\\n\\nUser: hi\\n\\nAssistant:"`` and response ``" hello"``, the same shape as HH-RLHF.
+
+Scores: ``score_chosen`` / ``score_rejected`` (or the aliases in ``SCORE_ALIASES``) give margin =
+score_chosen - score_rejected; a ``margin`` column is used as is; otherwise margin is null.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, NamedTuple
+
+from rlhf.errors import DataError
+
+FORMATS = ("explicit", "implicit", "conversational", "ranked")
+SCORE_ALIASES = (
+    ("score_chosen", "score_rejected"),
+    ("chosen_score", "rejected_score"),
+    ("chosen_rating", "rejected_rating"),
+    ("chosen-rating", "rejected-rating"),
+)
+REQUIRED = {
+    "explicit": ("prompt", "chosen", "rejected"),
+    "implicit": ("chosen", "rejected"),
+    "conversational": ("chosen", "rejected"),
+    "ranked": ("prompt", "responses"),
+}
+
+# Drop reasons a normaliser can give (validate.py adds too_long and duplicate, and finds identical pairs).
+MISSING, NOT_STRING, MALFORMED, TIE, IDENTICAL = "missing", "not_string", "malformed", "tie", "identical"
+
+
+class Plan(NamedTuple):
+    """How to read a source: its format and the source column of each role it uses."""
+
+    format: str
+    columns: dict[str, str]  # role -> source column
+
+
+class Candidate(NamedTuple):
+    """One would-be pair: raw values (validated later) or, when it already failed, the reason."""
+
+    row: int
+    prompt: Any
+    chosen: Any
+    rejected: Any
+    margin: float | None
+    reason: str | None = None
+
+
+def plan_columns(names: list[str], sample: dict[str, list], fmt: str, mapping: dict[str, str], label: str) -> Plan:
+    """Resolve roles to columns and pick the format; one DataError sentence when that is impossible."""
+    for role, column in mapping.items():
+        if column not in names:
+            raise DataError(f"data.columns.{role}: column '{column}' is not in {label} (found: {', '.join(names)})")
+    mapped = set(mapping.values())
+    columns = dict(mapping)
+    for role in ("prompt", "chosen", "rejected", "margin", "responses", "scores", "ranks"):
+        if role not in columns and role in names and role not in mapped:
+            columns[role] = role
+    if "score_chosen" not in columns and "score_rejected" not in columns:
+        for good, bad in SCORE_ALIASES:
+            if good in names and bad in names:
+                columns["score_chosen"], columns["score_rejected"] = good, bad
+                break
+    if fmt == "auto":
+        fmt = _detect(columns, sample, names, label)
+    missing = [repr(role) for role in REQUIRED[fmt] if role not in columns]
+    if fmt == "ranked" and "scores" not in columns and "ranks" not in columns:
+        missing.append("'scores' or 'ranks'")
+    if missing:
+        raise DataError(
+            f"{label} has no column {', '.join(missing)} for the {fmt} format "
+            f"(found: {', '.join(names)}; map yours with data.columns)"
+        )
+    return Plan(fmt, columns)
+
+
+def _detect(columns: dict[str, str], sample: dict[str, list], names: list[str], label: str) -> str:
+    if "responses" in columns and ("scores" in columns or "ranks" in columns):
+        return "ranked"
+    if "chosen" in columns or "rejected" in columns:
+        values = [v for role in ("chosen", "rejected") if role in columns for v in sample.get(columns[role], [])]
+        first = next((v for v in values if v is not None), None)
+        if isinstance(first, list):
+            return "conversational"
+        return "explicit" if "prompt" in columns else "implicit"
+    raise DataError(
+        f"{label} has no recognisable preference format (found columns: {', '.join(names)}); expected "
+        "prompt/chosen/rejected, chosen/rejected transcripts or message lists, or prompt/responses/scores "
+        "(map yours with data.columns)"
+    )
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def _margin(batch: dict[str, list], plan: Plan, i: int) -> float | None:
+    cols = plan.columns
+    if "score_chosen" in cols and "score_rejected" in cols:
+        good, bad = _number(batch[cols["score_chosen"]][i]), _number(batch[cols["score_rejected"]][i])
+        return None if good is None or bad is None else good - bad
+    if "margin" in cols:
+        return _number(batch[cols["margin"]][i])
+    return None
+
+
+def text_problem(value: Any) -> str | None:
+    """Why a value is not usable text: missing (None or blank), not_string, or None when it is fine."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return MISSING
+    return None if isinstance(value, str) else NOT_STRING
+
+
+class ChatRenderer:
+    """Renders message lists: the tokenizer's chat template when it has one, else the plain template above."""
+
+    def __init__(self, tokenizer: Any | None = None) -> None:
+        self.tokenizer = tokenizer if getattr(tokenizer, "chat_template", None) else None
+
+    def prompt(self, messages: list[dict]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "".join(f"\n\n{m['role'].capitalize()}: {m['content']}" for m in messages) + "\n\nAssistant:"
+
+    def response(self, messages: list[dict], prompt: str, final: dict) -> str:
+        if self.tokenizer is not None:
+            full = self.tokenizer.apply_chat_template([*messages, final], tokenize=False)
+            if full.startswith(prompt):  # the response keeps the template's end-of-turn text
+                return full[len(prompt) :]
+        return " " + final["content"]
+
+
+def message_problem(messages: Any) -> str | None:
+    """Why a message list is not usable (missing / not_string / malformed), or None."""
+    if messages is None or (isinstance(messages, list) and not messages):
+        return MISSING
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
+        return MALFORMED
+    for m in messages:
+        problem = text_problem(m.get("content"))
+        if problem:
+            return problem
+    return None
+
+
+def _conversational(row: int, prompt: Any, chosen: Any, rejected: Any, margin: float | None, chat: ChatRenderer):
+    for value in (chosen, rejected):
+        problem = message_problem(value)
+        if problem:
+            return Candidate(row, None, None, None, None, problem)
+    if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+        return Candidate(row, None, None, None, None, MALFORMED)
+    context = chosen[:-1]
+    if isinstance(prompt, list):
+        problem = message_problem(prompt)
+        if problem:
+            return Candidate(row, None, None, None, None, problem)
+        context = [*prompt, *context]
+    elif isinstance(prompt, str) and prompt.strip() and not context:
+        context = [{"role": "user", "content": prompt}]
+    if not context:
+        return Candidate(row, None, None, None, None, MISSING)
+    if chosen[:-1] != rejected[:-1]:
+        return Candidate(row, None, None, None, None, MALFORMED)  # the two sides answer different conversations
+    text = chat.prompt(context)
+    return Candidate(
+        row, text, chat.response(context, text, chosen[-1]), chat.response(context, text, rejected[-1]), margin
+    )
+
+
+def _implicit(row: int, chosen: Any, rejected: Any, margin: float | None, marker: str) -> Candidate:
+    problem = text_problem(chosen) or text_problem(rejected) or (IDENTICAL if chosen == rejected else None)
+    if problem:
+        return Candidate(row, None, None, None, None, problem)
+    cut = os.path.commonprefix([chosen, rejected]).rfind(marker)
+    if cut < 0:
+        return Candidate(row, None, None, None, None, MALFORMED)
+    cut += len(marker)
+    return Candidate(row, chosen[:cut], chosen[cut:], rejected[cut:], margin)
+
+
+def _ranked(row: int, prompt: Any, responses: Any, scores: Any, ranks: Any) -> list[Candidate]:
+    if not responses:
+        return [Candidate(row, None, None, None, None, MISSING)]
+    values = scores if scores is not None else ranks
+    if not isinstance(responses, list) or not isinstance(values, list) or len(values) != len(responses):
+        return [Candidate(row, None, None, None, None, MALFORMED)]
+    numbers = [_number(v) for v in values]
+    if any(v is None for v in numbers):
+        return [Candidate(row, None, None, None, None, MALFORMED)]
+    goodness = numbers if scores is not None else [-v for v in numbers]
+    best = max(range(len(responses)), key=goodness.__getitem__)
+    out = []
+    for i, response in enumerate(responses):
+        if i == best:
+            continue
+        margin = goodness[best] - goodness[i] if scores is not None else None
+        reason = TIE if goodness[i] == goodness[best] else None
+        out.append(Candidate(row, prompt, responses[best], response, margin, reason))
+    return out
+
+
+def candidates(batch: dict[str, list], rows: list[int], plan: Plan, chat: ChatRenderer, marker: str) -> list[Candidate]:
+    """The would-be pairs of one batch of source rows (ranked rows give several)."""
+    cols = plan.columns
+
+    def get(role: str, i: int) -> Any:
+        return batch[cols[role]][i] if role in cols else None
+
+    out: list[Candidate] = []
+    for i, row in enumerate(rows):
+        if plan.format == "ranked":
+            out += _ranked(row, get("prompt", i), get("responses", i), get("scores", i), get("ranks", i))
+        elif plan.format == "conversational":
+            margin = _margin(batch, plan, i)
+            out.append(_conversational(row, get("prompt", i), get("chosen", i), get("rejected", i), margin, chat))
+        elif plan.format == "implicit":
+            out.append(_implicit(row, get("chosen", i), get("rejected", i), _margin(batch, plan, i), marker))
+        else:
+            out.append(Candidate(row, get("prompt", i), get("chosen", i), get("rejected", i), _margin(batch, plan, i)))
+    return out

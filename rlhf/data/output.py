@@ -1,0 +1,91 @@
+"""The prepared folder's files: fixed Parquet schemas, a seeded split, writing in bounded chunks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf.errors import DataError
+
+PAIR_SCHEMA = pa.schema(
+    [
+        ("prompt", pa.string()),
+        ("chosen", pa.string()),
+        ("rejected", pa.string()),
+        ("margin", pa.float64()),
+        ("gold_chosen", pa.float64()),
+        ("gold_rejected", pa.float64()),
+    ]
+)
+SFT_SCHEMA = pa.schema([("prompt", pa.string()), ("response", pa.string())])
+PROMPT_SCHEMA = pa.schema([("prompt", pa.string())])
+PAIR_COLUMNS = PAIR_SCHEMA.names
+CHUNK = 65_536  # rows gathered from the memory-mapped Arrow table at a time
+
+
+def split_positions(kept: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded shuffle of the kept positions, then the first round(n * fraction) (at least 1) are held out."""
+    order = np.random.default_rng(seed).permutation(len(kept))
+    n_eval = max(1, int(round(len(kept) * eval_fraction)))
+    if len(kept) - n_eval < 1:
+        raise DataError(f"only {len(kept)} usable pair(s) remain: too few to split off an eval set")
+    return kept[order[n_eval:]], kept[order[:n_eval]]
+
+
+def shuffled(kept: np.ndarray, seed: int) -> np.ndarray:
+    """The kept positions in a seeded random order (the training file is written shuffled)."""
+    return kept[np.random.default_rng(seed).permutation(len(kept))]
+
+
+def first_prompt_positions(table: pa.Table, positions: np.ndarray) -> np.ndarray:
+    """Positions of the first occurrence of each distinct prompt, in the order of `positions`."""
+    keys = table.column("prompt_key").to_numpy()[positions]
+    return positions[np.sort(np.unique(keys, return_index=True)[1])]
+
+
+def take_rows(table: pa.Table, batches: list[pa.RecordBatch], offsets: np.ndarray, positions: np.ndarray) -> pa.Table:
+    """``table.take(positions)`` without materialising whole columns.
+
+    (Arrow's take on a chunked column first concatenates every chunk, which would make memory grow with the data
+    set; here each record batch is taken from separately and the small result is put back in order.)
+    """
+    which = np.searchsorted(offsets, positions, side="right") - 1  # record batch of each position
+    order = np.argsort(which, kind="stable")
+    bounds = np.searchsorted(which[order], np.arange(len(batches) + 1))
+    parts = [
+        batches[b].take(pa.array(positions[order[bounds[b] : bounds[b + 1]]] - offsets[b]))
+        for b in range(len(batches))
+        if bounds[b + 1] > bounds[b]
+    ]
+    grouped = pa.Table.from_batches(parts, schema=table.schema).combine_chunks()
+    return grouped.take(pa.array(np.argsort(order, kind="stable")))  # (grouped order) -> (positions order)
+
+
+def write_rows(table: pa.Table, positions: np.ndarray, path: Path, kind: str) -> int:
+    """Write the rows at `positions` as a pairs ('pairs'), SFT ('sft') or prompts ('prompts') file, chunk by chunk."""
+    schema = {"pairs": PAIR_SCHEMA, "sft": SFT_SCHEMA, "prompts": PROMPT_SCHEMA}[kind]
+    batches = table.to_batches()
+    offsets = np.cumsum([0] + [len(b) for b in batches])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, len(positions), CHUNK):
+            part = take_rows(table, batches, offsets, positions[start : start + CHUNK])
+            if kind == "pairs":
+                nulls = pa.nulls(len(part), pa.float64())
+                arrays = [part["prompt"], part["chosen"], part["rejected"], part["margin"], nulls, nulls]
+            elif kind == "sft":
+                arrays = [part["prompt"], part["chosen"]]
+            else:
+                arrays = [part["prompt"]]
+            arrays = [a.cast(field.type) for a, field in zip(arrays, schema, strict=True)]
+            writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
+    return len(positions)
+
+
+def write_frame(frame: pd.DataFrame, path: Path, schema: pa.Schema) -> int:
+    """Write a small in-memory frame (the synthetic task) with the same fixed schema."""
+    pq.write_table(pa.Table.from_pandas(frame[schema.names], schema=schema, preserve_index=False), path)
+    return len(frame)
