@@ -12,9 +12,11 @@ from typing import Any
 from prefect import flow, task
 from prefect.runtime import flow_run
 
+from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
 from rlhf.config import PipelineConfig, flatten, load_config
-from rlhf.data.prepare import check_source
+from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import UserInputError
+from rlhf.preflight import preflight
 from rlhf.tracking import Tracker
 from tasks.caching import TrackingContext, code_version, run_stage
 from tasks.stages import (
@@ -63,13 +65,19 @@ def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any]) -> No
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 (Prefect form default)
     """Run the whole RLHF-with-PPO recipe; every stage is cached on its content and retried on failure."""
-    check_source(config.data)
+    preflight(config)
     common = {"runtime": config.runtime, "tracking": open_pipeline_run(config)}
-    data = run_stage(prepare_preferences, data=config.data, **common)
+    progress = StageProgress(PIPELINE_STAGES)  # a progress artifact in the Prefect UI
+    data = run_stage(prepare_preferences, data=config.data, source_digest=source_fingerprint(config.data), **common)
+    progress.done(data.stage)
     sft = run_stage(supervised_finetune, sft=config.sft, data=data, seed=config.seed, **common)
+    progress.done(sft.stage)
     reward = run_stage(train_reward_model, reward=config.reward, sft=sft, data=data, seed=config.seed, **common)
+    progress.done(reward.stage)
     init = run_stage(init_policy_and_value, sft=sft, reward=reward, **common)
+    progress.done(init.stage)
     policy = run_stage(train_policy_ppo, ppo=config.ppo, init=init, data=data, seed=config.seed, **common)
+    progress.done(policy.stage)
     evaluation = run_stage(
         evaluate_policies,
         evaluation_cfg=config.eval,
@@ -80,6 +88,7 @@ def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         data=data,
         **common,
     )
+    progress.done(evaluation.stage)
     summary: dict[str, Any] = {
         "reward/eval_accuracy": reward.metrics["reward/eval_accuracy"],
         **evaluation.metrics,
@@ -92,6 +101,7 @@ def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         "tracking_uri": common["tracking"].uri,
     }
     close_pipeline_run(common["tracking"], summary)
+    publish_pipeline_results(summary, config.tracking.experiment)  # MLflow link and evaluation table
     return summary
 
 
@@ -128,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        check_source(config.data)  # before anything is loaded
+        preflight(config)  # before anything is loaded
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

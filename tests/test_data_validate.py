@@ -157,16 +157,14 @@ def test_separate_prompt_source(tmp_path):
     assert pd.read_parquet(out.prompts)["prompt"].tolist() == ["\n\nUser: hi\n\nAssistant:"]
 
 
-def test_prepare_task_logs_drops_to_mlflow_and_prefect(tmp_path, monkeypatch):
-    import prefect.artifacts
+def test_prepare_task_logs_drops_to_mlflow(tmp_path):
     from mlflow.tracking import MlflowClient
+    from prefect.testing.utilities import prefect_test_harness
 
     from rlhf.tracking import Tracker
     from tasks.caching import TrackingContext
     from tasks.stages import prepare_preferences as prepare_task
 
-    artifacts = []
-    monkeypatch.setattr(prefect.artifacts, "create_table_artifact", lambda table, **kw: artifacts.append((table, kw)))
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in good(10) + good(2)))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -174,15 +172,15 @@ def test_prepare_task_logs_drops_to_mlflow_and_prefect(tmp_path, monkeypatch):
     ctx = TrackingContext(
         uri=uri, experiment="t", artifact_location=str(tmp_path / "artifacts"), parent_run_id=tracker.start_run("p")
     )
-    result = prepare_task.fn(
-        DataConfig(source="local", path=str(path)), RuntimeConfig(output_dir=str(tmp_path / "o")), ctx
-    )
+    with prefect_test_harness(server_startup_timeout=120):  # the task also writes a Prefect table artifact
+        result = prepare_task.fn(
+            DataConfig(source="local", path=str(path)), "digest", RuntimeConfig(output_dir=str(tmp_path / "o")), ctx
+        )
     metrics = MlflowClient(uri).get_run(result.mlflow_run_id).data.metrics
     assert metrics["data/dropped_duplicate"] == 2 and metrics["data/dropped_missing"] == 0
     assert metrics["data/rows_prompts"] == 9  # the distinct training prompts (one of 10 pairs is held out)
-    table, kw = artifacts[0]
-    assert kw["key"] == "prepare-preferences-drops" and {"reason": "duplicate", "count": 2}.items() <= table[-1].items()
-    assert table == drop_report(result.extra["manifest"])
+    table = drop_report(result.extra["manifest"])
+    assert {"reason": "duplicate", "count": 2}.items() <= table[-1].items()
     names = [a.path for a in MlflowClient(uri).list_artifacts(result.mlflow_run_id, "data")]
     assert "data/dropped.json" in names and "data/prompts.parquet" in names
 

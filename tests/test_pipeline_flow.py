@@ -91,6 +91,19 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
     assert {"ppo_checkpoint", "rollouts"} <= artifacts(ppo)
     assert "completions.json" in artifacts(children["evaluate_policies"])
 
+    # the Prefect side: the drop table of the prepare stage is a table artifact of the flow run
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def artifact_keys():
+        async with get_client() as client:
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-preferences-drops"]))
+            )
+            return [a.type for a in found]
+
+    assert "table" in asyncio.run(artifact_keys())
+
     # second run: nothing changed, every stage is served from the cache, same summary
     second = rlhf_pipeline(cfg, return_state=True)
     assert second.result()["eval/win_rate_gold"] == summary["eval/win_rate_gold"]

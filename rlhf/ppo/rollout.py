@@ -102,6 +102,7 @@ def policy_forward(
     prompt_len: int,
     temperature: float,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> PolicyOutput:
     """Log-probs of the response tokens under `model` at the sampling temperature.
 
@@ -118,7 +119,10 @@ def policy_forward(
     logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
     labels = query_responses[:, prompt_len:]
     logprobs = logprobs_from_logits(logits, labels, temperature)
-    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    entropy = None
+    if with_entropy:  # a statistic unless it is in the loss: then no backward through a softmax over the vocabulary
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
     return PolicyOutput(logprobs, entropy)
 
 

@@ -164,6 +164,7 @@ def optimize(m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16
                         p,
                         cfg.temperature,
                         with_entropy=True,
+                        entropy_grad=cfg.entropy_coef > 0,
                     )
                     new_values = value_forward(m.value, r.query_responses[micro], r.qr_mask[micro], p).float()
                 pl = policy_loss(out.logprobs, r.logprobs[micro], r.loss_advantages[micro], mb_mask, cfg.cliprange)

@@ -1,0 +1,135 @@
+"""Prefect artifacts of the flows: stage progress, links to the MLflow runs, and result tables.
+
+They show on the flow run's Artifacts tab in the Prefect UI (and, for keyed ones, on the Artifacts page across
+runs). An artifact that cannot be written is a warning in the run's log, never a failed training run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+from uuid import UUID
+
+from prefect import get_run_logger
+from prefect.artifacts import (
+    create_link_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from rlhf.tracking import Tracker
+
+DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
+# The pipeline's stages in the order the flow runs them (the task names).
+PIPELINE_STAGES = (
+    "prepare_preferences",
+    "supervised_finetune",
+    "train_reward_model",
+    "init_policy_and_value",
+    "train_policy_ppo",
+    "evaluate_policies",
+)
+
+
+def mlflow_ui_url() -> str:
+    """Base URL of the MLflow UI the links point at: ``$MLFLOW_UI_URL``, else the local default port."""
+    return os.environ.get("MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL).rstrip("/")
+
+
+def mlflow_run_url(experiment_id: str, run_id: str, base: str | None = None) -> str:
+    """``http://127.0.0.1:5000/#/experiments/<exp>/runs/<run>``."""
+    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def artifact_key(text: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    key = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(part for part in key.split("-") if part)
+
+
+def _warn(what: str, err: Exception) -> None:
+    get_run_logger().warning("could not write the %s artifact: %s", what, err)
+
+
+def _number(value: Any) -> Any:
+    """Tables hold plain JSON values: rounded floats, None for NaN."""
+    if isinstance(value, float):
+        return None if not math.isfinite(value) else round(value, 4)
+    return value
+
+
+class StageProgress:
+    """A progress artifact of the flow run, advanced after each completed stage."""
+
+    def __init__(self, stages: Sequence[str], description: str = "RLHF pipeline") -> None:
+        self.stages = list(stages)
+        self.description = description
+        self.done_count = 0
+        self.artifact_id: UUID | None = None
+        try:
+            self.artifact_id = create_progress_artifact(0.0, description=f"{description}: starting {self.stages[0]}")
+        except Exception as err:  # an artifact never fails the run
+            _warn("progress", err)
+
+    def done(self, stage: str) -> None:
+        """Mark `stage` finished: progress becomes (stages done) / (all stages) in percent."""
+        self.done_count += 1
+        if self.artifact_id is None:
+            return
+        following = self.stages[self.done_count] if self.done_count < len(self.stages) else None
+        text = f"{self.description}: {stage} done ({self.done_count}/{len(self.stages)})"
+        text += f", next {following}" if following else ", finished"
+        try:
+            update_progress_artifact(self.artifact_id, 100.0 * self.done_count / len(self.stages), description=text)
+        except Exception as err:
+            _warn("progress", err)
+
+
+def link_mlflow_run(tracking_uri: str, experiment: str, run_id: str, text: str, key: str | None = None) -> None:
+    """A link artifact to an MLflow run in the MLflow UI (base URL from ``$MLFLOW_UI_URL``)."""
+    try:
+        experiment_id = Tracker(tracking_uri, experiment).experiment_id
+        create_link_artifact(
+            mlflow_run_url(experiment_id, run_id),
+            link_text=text,
+            key=key,
+            description=f"MLflow run {run_id} in experiment '{experiment}' ({tracking_uri}). "
+            "Start the MLflow UI with `make ui` or `make mlflow-ui`.",
+        )
+    except Exception as err:
+        _warn("MLflow link", err)
+
+
+def publish_pipeline_results(summary: dict[str, Any], experiment: str) -> None:
+    """The link to the pipeline's MLflow run and a table of its evaluation summary."""
+    link_mlflow_run(
+        summary["tracking_uri"],
+        experiment,
+        summary["mlflow_run_id"],
+        "MLflow run of this pipeline (stages are its child runs)",
+        key="rlhf-mlflow-run",
+    )
+    rows = [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
+    rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
+    try:
+        create_table_artifact(
+            rows,
+            key="rlhf-evaluation",
+            description="Evaluation of the PPO policy against the SFT policy on held-out prompts "
+            "(gold reward where the task has one, reward-model score, KL), and where the outputs are.",
+        )
+    except Exception as err:
+        _warn("evaluation table", err)
+
+
+def publish_table(rows: list[dict[str, Any]], key: str, description: str) -> None:
+    """A table artifact (e.g. a sweep's ranking), floats rounded for reading."""
+    try:
+        create_table_artifact(
+            [{k: _number(v) for k, v in row.items()} for row in rows], key=artifact_key(key), description=description
+        )
+    except Exception as err:
+        _warn("table", err)

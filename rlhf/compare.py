@@ -1,0 +1,170 @@
+"""Compare the pipeline runs of an MLflow experiment side by side.
+
+    python -m rlhf.compare --experiment rlhf-ppo [--tracking-uri sqlite:///mlruns/mlflow.db] [--out outputs/compare]
+
+Prints the parameters that differ between the runs and their final metrics (one column per run), and writes
+``compare.csv`` (one row per run), ``reward_vs_kl.png`` (each run's mean reward against its KL from the SFT policy) and
+``training_curves.png`` (``objective/scores`` and ``objective/kl`` per PPO update, from the ``train_policy_ppo``
+child runs) into the output folder. Everything is read through :mod:`rlhf.tracking`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from rlhf.config import TrackingConfig
+from rlhf.plots import Point, reward_vs_kl, training_curves
+from rlhf.tracking import RunRecord, Tracker, experiment_names, store_exists
+
+# Final metrics of a pipeline run (logged on the parent run by the flow), in display order.
+SUMMARY_METRICS = (
+    "reward/eval_accuracy",
+    "eval/win_rate_gold",
+    "eval/ppo_gold",
+    "eval/sft_gold",
+    "eval/win_rate_rm",
+    "eval/ppo_score",
+    "eval/sft_score",
+    "eval/kl",
+    "eval/ppo_length",
+    "eval/ppo_stop_rate",
+)
+CURVE_METRICS = ("objective/scores", "objective/kl")
+# Parameters that differ between runs without changing what was trained.
+IGNORED_PARAM_PREFIXES = ("run_name", "tracking.", "runtime.output_dir", "runtime.progress")
+PPO_STAGE = "train_policy_ppo"
+
+
+@dataclass
+class Comparison:
+    """The compared runs, the parameters that differ between them, the side-by-side table and written files."""
+
+    runs: list[RunRecord]
+    differing: list[str]
+    table: pd.DataFrame
+    files: list[Path] = field(default_factory=list)
+
+
+def differing_params(runs: list[RunRecord]) -> list[str]:
+    """Parameter keys whose values are not the same in every run (a key missing from a run counts as different)."""
+    keys = sorted({k for r in runs for k in r.params if not k.startswith(IGNORED_PARAM_PREFIXES)})
+    return [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
+
+
+def _number(text: str | None) -> float | str | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return text
+
+
+def side_by_side(runs: list[RunRecord], params: list[str], metrics: list[str]) -> pd.DataFrame:
+    """Rows: run id, status, the given params and metrics; one column per run (named by run name)."""
+    columns = {}
+    for run in runs:
+        column = {"run_id": run.run_id[:12], "status": run.status}
+        column |= {f"param {k}": _number(run.params.get(k)) for k in params}
+        column |= {k: run.metrics.get(k) for k in metrics}
+        name = run.name if run.name not in columns else f"{run.name} ({run.run_id[:6]})"
+        columns[name] = column
+    return pd.DataFrame(columns)
+
+
+def ppo_run(tracker: Tracker, run: RunRecord) -> RunRecord | None:
+    """The PPO child run of a pipeline run (none when the stage was served from the cache)."""
+    children = tracker.child_runs(run.run_id, PPO_STAGE)
+    return children[0] if children else None
+
+
+def reward_key(runs: list[RunRecord]) -> str:
+    """Gold reward when every run has one (the synthetic task), else the reward-model score."""
+    if runs and all("eval/ppo_gold" in r.metrics for r in runs):
+        return "eval/ppo_gold"
+    return "eval/ppo_score"
+
+
+def compare(tracker: Tracker, runs: list[RunRecord], out_dir: str | Path, all_params: bool = False) -> Comparison:
+    """Build the side-by-side table; write ``compare.csv``, ``reward_vs_kl.png`` and ``training_curves.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    differing = differing_params(runs)
+    shown = sorted({k for r in runs for k in r.params}) if all_params else differing
+    metrics = [m for m in SUMMARY_METRICS if any(m in r.metrics for r in runs)]
+    table = side_by_side(runs, shown, metrics)
+    table.T.to_csv(out / "compare.csv", index_label="run")  # one row per run
+
+    key = reward_key(runs)
+    finished = [r for r in runs if key in r.metrics and "eval/kl" in r.metrics]
+    points = [Point(r.name, r.metrics["eval/kl"], r.metrics[key]) for r in finished]
+    baselines = [r.metrics[key.replace("ppo", "sft")] for r in finished if key.replace("ppo", "sft") in r.metrics]
+    baseline = sum(baselines) / len(baselines) if baselines else None
+    files = [reward_vs_kl(points, out / "reward_vs_kl.png", key, baseline)]
+
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for run in runs:
+        child = ppo_run(tracker, run)
+        if child is not None:
+            curves[run.name] = {m: tracker.metric_history(child.run_id, m) for m in CURVE_METRICS}
+    files.append(training_curves(curves, CURVE_METRICS, out / "training_curves.png"))
+    return Comparison(runs=runs, differing=differing, table=table, files=[out / "compare.csv", *files])
+
+
+def select_runs(
+    tracker: Tracker, last: int | None, run_ids: list[str] | None = None, sweep: str | None = None
+) -> list[RunRecord]:
+    """Pipeline runs, newest first: the given ids, or one sweep's variants (by sweep run id or name), or the last N."""
+    runs = tracker.pipeline_runs()
+    if run_ids:
+        runs = [r for r in runs if any(r.run_id.startswith(i) for i in run_ids)]
+    if sweep:
+        runs = [r for r in runs if sweep in (r.tags.get("sweep_run_id"), r.tags.get("sweep.name"))]
+    return runs[:last] if last else runs
+
+
+def format_comparison(comparison: Comparison) -> str:
+    """The table as text, with a line on what differs."""
+    with pd.option_context("display.width", 200, "display.max_columns", 50, "display.max_colwidth", 40):
+        text = comparison.table.to_string(float_format=lambda v: f"{v:.4g}", na_rep="-")
+    differs = ", ".join(comparison.differing) or "nothing (same config)"
+    lines = [f"{len(comparison.runs)} pipeline runs; parameters that differ: {differs}", "", text, ""]
+    lines += [f"wrote {path}" for path in comparison.files]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", default=TrackingConfig().experiment, help="MLflow experiment name")
+    parser.add_argument(
+        "--tracking-uri", default=TrackingConfig().uri, help="MLflow tracking URI (SQLite file or server URL)"
+    )
+    parser.add_argument("--out", default="outputs/compare", help="folder for compare.csv and the PNG plots")
+    parser.add_argument("--last", type=int, default=10, help="compare the N most recent pipeline runs (0: all)")
+    parser.add_argument("--runs", nargs="+", metavar="RUN_ID", help="compare these runs (ids or id prefixes)")
+    parser.add_argument("--sweep", help="compare the variants of one sweep (sweep run id or sweep name)")
+    parser.add_argument("--all-params", action="store_true", help="show every parameter, not only those that differ")
+    args = parser.parse_args(argv)
+
+    if not store_exists(args.tracking_uri):
+        print(f"error: no MLflow store at {args.tracking_uri}; run the pipeline first (make run)", file=sys.stderr)
+        return 2
+    names = experiment_names(args.tracking_uri)
+    if args.experiment not in names:
+        found = ", ".join(names) or "none"
+        print(f"error: experiment '{args.experiment}' is not in {args.tracking_uri} (found: {found})", file=sys.stderr)
+        return 2
+    tracker = Tracker(args.tracking_uri, args.experiment)
+    runs = select_runs(tracker, args.last or None, args.runs, args.sweep)
+    if not runs:
+        print(f"error: no pipeline runs match in experiment '{args.experiment}'", file=sys.stderr)
+        return 2
+    print(format_comparison(compare(tracker, runs, args.out, args.all_params)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""PNG plots for sweeps and run comparisons: reward against KL, and PPO training curves.
+
+Figures are drawn with matplotlib's object API on the Agg canvas (no pyplot state, no display, thread-safe).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+class Point(NamedTuple):
+    """One run on the reward-versus-KL plane."""
+
+    label: str
+    kl: float
+    reward: float
+
+
+def _finite(*values: float | None) -> bool:
+    return all(v is not None and math.isfinite(v) for v in values)
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def reward_vs_kl(
+    points: Sequence[Point],
+    path: str | Path,
+    reward_name: str = "reward",
+    baseline: float | None = None,
+    title: str = "Reward against KL(PPO || SFT)",
+) -> Path:
+    """Scatter of each run's mean reward against its mean KL from the SFT policy, labelled by run.
+
+    `baseline` (e.g. the SFT policy's reward, at KL 0) is drawn as a dashed horizontal line.
+    """
+    fig = Figure(figsize=(6.4, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    shown = [p for p in points if _finite(p.kl, p.reward)]
+    ax.scatter([p.kl for p in shown], [p.reward for p in shown], color="tab:blue", zorder=3)
+    for p in shown:
+        ax.annotate(p.label, (p.kl, p.reward), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if _finite(baseline):
+        ax.axhline(baseline, color="gray", linestyle="--", linewidth=1)
+        ax.scatter([0.0], [baseline], color="gray", marker="*", s=90, zorder=3, label="SFT policy (KL 0)")
+        ax.legend(loc="best", fontsize=8)
+    ax.margins(x=0.25, y=0.1)  # room for the labels
+    ax.set_xlim(left=0.0)
+    ax.set_xlabel("mean KL(PPO || SFT) per response")
+    ax.set_ylabel(reward_name)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if not shown:
+        ax.text(0.5, 0.5, "no finished runs", transform=ax.transAxes, ha="center", va="center")
+    return _save(fig, path)
+
+
+def training_curves(
+    curves: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+    metrics: Sequence[str],
+    path: str | Path,
+    title: str = "PPO training curves",
+) -> Path:
+    """One panel per metric, one line per run: ``curves[run_label][metric] = [(step, value), ...]``."""
+    fig = Figure(figsize=(5.0 * len(metrics), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    for ax, metric in zip(axes, metrics, strict=True):
+        for run_label, history in curves.items():
+            series = history.get(metric) or []
+            if series:
+                ax.plot([s for s, _ in series], [v for _, v in series], label=run_label, linewidth=1.2)
+        ax.set_title(metric)
+        ax.set_xlabel("PPO update")
+        ax.grid(alpha=0.3)
+    if any(curves.values()) and len(curves) <= 12:
+        axes[0].legend(loc="best", fontsize=7)
+    fig.suptitle(title)
+    return _save(fig, path)

@@ -1,0 +1,248 @@
+"""Hyper-parameter sweeps: a search space over dotted config keys, expanded into pipeline configs.
+
+A space is a small YAML file (see ``conf/sweeps/kl_coef.yaml``)::
+
+    name: kl_coef
+    method: grid            # grid: every combination of the listed values
+    parameters:
+      ppo.kl_coef: [0.01, 0.05, 0.2]
+
+    method: random          # random: n_random draws, reproducible from seed
+    n_random: 6
+    seed: 0
+    parameters:
+      ppo.lr: {low: 1.0e-5, high: 1.0e-3, log: true}
+      ppo.kl_coef: [0.02, 0.05]     # a list is a uniform choice
+
+Every problem (unknown key, empty list, bad range, a value the config rejects) is one sentence naming the key,
+raised before anything runs. No Prefect and no MLflow here: the sweep flow lives in ``flows/sweep.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlhf.config import PipelineConfig, apply_overrides, build_config
+from rlhf.errors import ConfigError
+
+# Keys a sweep may not vary: the variants must share one MLflow store, and the sweep names the runs.
+FIXED_PREFIXES = ("tracking", "run_name")
+
+
+class Range(BaseModel):
+    """A continuous (or integer) interval for random search."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    low: float = Field(description="Lower bound (inclusive).")
+    high: float = Field(description="Upper bound.")
+    log: bool = Field(False, description="Sample uniformly in log space (both bounds must be > 0).")
+    integer: bool = Field(False, description="Round each draw to the nearest integer.")
+
+
+class SweepSpace(BaseModel):
+    """A search space: dotted config keys mapped to a list of values (grid) or a range (random)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        description="Sweep name: names the MLflow sweep run and the variants' runs.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+    )
+    method: Literal["grid", "random"] = Field(
+        "grid", description="'grid': every combination of the lists; 'random': n_random reproducible draws."
+    )
+    parameters: dict[str, list[Any] | Range] = Field(
+        description="Dotted config key -> list of values, or {low, high, log, integer} (random only)."
+    )
+    n_random: int = Field(8, ge=1, description="Number of variants drawn when method is 'random'.")
+    seed: int = Field(0, description="Seed of the random draws (the same seed gives the same variants).")
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepSpace:
+        if not self.parameters:
+            raise ValueError(f"sweep '{self.name}' has no parameters to vary")
+        for key, values in self.parameters.items():
+            check_key(key)
+            if isinstance(values, Range):
+                if self.method == "grid":
+                    raise ValueError(
+                        f"parameters.{key} is a range, which needs method: random (a grid needs a list of values)"
+                    )
+                if not values.low < values.high:
+                    raise ValueError(f"parameters.{key}: low ({values.low}) must be below high ({values.high})")
+                if values.log and values.low <= 0:
+                    raise ValueError(f"parameters.{key}: a log range needs low > 0 (got {values.low})")
+            elif not values:
+                raise ValueError(f"parameters.{key} is an empty list; give at least one value")
+        return self
+
+
+class Variant(NamedTuple):
+    """One point of the space: its index, a readable label and the overrides it applies."""
+
+    index: int
+    label: str
+    overrides: dict[str, Any]
+
+
+def check_key(key: str) -> None:
+    """Raise ValueError unless `key` is a dotted path to a leaf field of PipelineConfig that a sweep may vary."""
+    if key.split(".")[0] in FIXED_PREFIXES:
+        raise ValueError(f"parameters.{key}: a sweep cannot vary {key.split('.')[0]} (all variants share it)")
+    model: type[BaseModel] = PipelineConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        where = ".".join(parts[:i]) or "the config"
+        if field is None:
+            raise ValueError(f"parameters.{key} is not a config key ({where} has no field '{part}')")
+        annotation = field.annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if i < len(parts) - 1:
+            if not is_section:
+                raise ValueError(f"parameters.{key} is not a config key ('{'.'.join(parts[: i + 1])}' is a value)")
+            model = annotation
+        elif is_section:
+            raise ValueError(f"parameters.{key} is a config section; name one of its fields")
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    # a dict given for a `list | Range` value: report the Range's problem, not "should be a valid list"
+    first = sorted(err.errors(), key=lambda e: "list[any]" in e["loc"])[0]
+    key = ".".join(str(p) for p in first["loc"] if not isinstance(p, int) and p not in ("list[any]", "Range"))
+    if first["type"] == "value_error":
+        return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{key}'"
+    return f"{source}: {key or '(top level)'}: {first['msg']}"
+
+
+def parse_space(raw: Any, source: str = "sweep space") -> SweepSpace:
+    """Validate a raw mapping (from YAML or the Prefect form); problems become one ConfigError sentence."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} must hold a mapping with name, method and parameters")
+    for key, values in (raw.get("parameters") or {}).items():
+        if not isinstance(values, (list, dict)):
+            raise ConfigError(
+                f"{source}: parameters.{key} must be a list of values (grid) or {{low, high, log}} (random), "
+                f"not {values!r}"
+            )
+        if isinstance(values, dict):
+            unknown = sorted(set(values) - set(Range.model_fields))
+            missing = sorted({"low", "high"} - set(values))
+            if unknown or missing:
+                problem = f"has unknown key '{unknown[0]}'" if unknown else f"needs '{missing[0]}'"
+                raise ConfigError(f"{source}: parameters.{key} {problem} (a range is {{low, high, log, integer}})")
+    try:
+        return SweepSpace.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_space(path: str | Path) -> SweepSpace:
+    """Read and validate a sweep space YAML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep space file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    return parse_space(raw, str(path))
+
+
+def _round(value: float) -> float:
+    """Six significant digits: readable labels, and the same draw prints the same everywhere."""
+    return float(f"{value:.6g}")
+
+
+def _draw(rng: random.Random, values: list[Any] | Range) -> Any:
+    if isinstance(values, list):
+        return values[rng.randrange(len(values))]
+    if values.log:
+        x = math.exp(rng.uniform(math.log(values.low), math.log(values.high)))
+    else:
+        x = rng.uniform(values.low, values.high)
+    return int(round(x)) if values.integer else _round(x)
+
+
+def label(overrides: dict[str, Any]) -> str:
+    """``{'ppo.kl_coef': 0.1}`` -> ``'ppo.kl_coef=0.1'``."""
+    return ",".join(f"{k}={v}" for k, v in overrides.items())
+
+
+def expand(space: SweepSpace) -> list[Variant]:
+    """The variants of a space: the grid's combinations in order, or `n_random` seeded draws."""
+    keys = list(space.parameters)
+    if space.method == "grid":
+        combos = itertools.product(*(space.parameters[k] for k in keys))
+        points = [dict(zip(keys, combo, strict=True)) for combo in combos]
+    else:
+        rng = random.Random(space.seed)
+        points = []
+        for _ in range(space.n_random):
+            # draw in sorted key order, so reordering the YAML does not change the variants
+            draw = {k: _draw(rng, space.parameters[k]) for k in sorted(keys)}
+            points.append({k: draw[k] for k in keys})
+    return [Variant(i, label(p), p) for i, p in enumerate(points)]
+
+
+def variant_config(base: PipelineConfig, space: SweepSpace, variant: Variant) -> PipelineConfig:
+    """The base config with the variant's overrides applied, validated; its run is named after the sweep."""
+    raw = base.model_dump(mode="json")
+    raw = apply_overrides(raw, [f"{k}={_yaml_value(v)}" for k, v in variant.overrides.items()])
+    raw["run_name"] = f"{space.name}-{variant.index:02d}"
+    return build_config(raw, f"sweep '{space.name}' variant {variant.index} ({variant.label})")
+
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def variant_configs(base: PipelineConfig, space: SweepSpace) -> list[tuple[Variant, PipelineConfig]]:
+    """Every variant with its config; any variant the config rejects is an error before anything runs."""
+    return [(v, variant_config(base, space, v)) for v in expand(space)]
+
+
+# Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards.
+RANK_METRICS = (
+    "eval/ppo_gold",
+    "eval/win_rate_gold",
+    "eval/ppo_score",
+    "eval/win_rate_rm",
+    "eval/kl",
+    "reward/eval_accuracy",
+    "eval/sft_gold",
+    "eval/sft_score",
+)
+
+
+def rank_key(frame: pd.DataFrame) -> str:
+    """The metric variants are ranked by: mean gold reward when every finished variant has it, else RM score."""
+    finished = frame[frame["status"] == "completed"] if "status" in frame else frame
+    if "eval/ppo_gold" in finished and len(finished) and finished["eval/ppo_gold"].notna().all():
+        return "eval/ppo_gold"
+    return "eval/ppo_score"
+
+
+def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
+    """A table of the variants, best first (failed variants last): swept values, rewards, KL, run ids."""
+    frame = pd.DataFrame(rows)
+    for col in (*RANK_METRICS, "status", "variant", "mlflow_run_id"):
+        if col not in frame:
+            frame[col] = None
+    key = rank_key(frame)
+    frame["_failed"] = frame["status"] != "completed"
+    frame = frame.sort_values(["_failed", key], ascending=[True, False], na_position="last", kind="stable")
+    frame.insert(0, "rank", range(1, len(frame) + 1))
+    columns = ["rank", "variant", *swept_keys, *RANK_METRICS, "status", "mlflow_run_id"]
+    return frame[columns].reset_index(drop=True)

@@ -1,0 +1,202 @@
+"""Sweeps: space validation and expansion (no Prefect), and the sweep flow end to end on a tiny smoke config."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlhf.config import load_config
+from rlhf.errors import ConfigError
+from rlhf.sweep import expand, load_space, parse_space, ranking, variant_config, variant_configs
+from tests.conftest import REPO
+
+# A pipeline that takes seconds: the smoke config made smaller still.
+TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
+
+
+def space(**raw):
+    return parse_space({"name": "t", **raw})
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"parameters": {"ppo.kl_cof": [0.1]}}, "parameters.ppo.kl_cof is not a config key (ppo has no field"),
+        ({"parameters": {"ppo": [1]}}, "parameters.ppo is a config section"),
+        ({"parameters": {"ppo.lr.x": [1]}}, "parameters.ppo.lr.x is not a config key ('ppo.lr' is a value)"),
+        ({"parameters": {"tracking.uri": ["a"]}}, "parameters.tracking.uri: a sweep cannot vary tracking"),
+        ({"parameters": {"ppo.lr": []}}, "parameters.ppo.lr is an empty list"),
+        ({"parameters": {"ppo.lr": 0.1}}, "parameters.ppo.lr must be a list of values (grid) or {low, high, log}"),
+        ({"parameters": {"ppo.lr": {"low": 1e-5, "high": 1e-3}}}, "parameters.ppo.lr is a range, which needs method"),
+        ({"method": "random", "parameters": {"ppo.lr": {"low": 1, "high": 0.1}}}, "low (1.0) must be below high"),
+        ({"method": "random", "parameters": {"ppo.lr": {"low": 0, "high": 1, "log": True}}}, "needs low > 0"),
+        ({"method": "random", "parameters": {"ppo.lr": {"low": 0.1, "hi": 1}}}, "parameters.ppo.lr has unknown key"),
+        ({"parameters": {}}, "sweep 't' has no parameters"),
+        ({"parameters": {"ppo.lr": [1]}, "grid": 1}, "unknown key 'grid'"),
+    ],
+)
+def test_space_errors_are_one_sentence_naming_the_key(raw, message):
+    with pytest.raises(ConfigError) as err:
+        space(**raw)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_grid_is_every_combination_in_order():
+    variants = expand(space(parameters={"ppo.kl_coef": [0.01, 0.1], "ppo.lr": [1e-4, 3e-4, 1e-3]}))
+    assert len(variants) == 6
+    assert [v.index for v in variants] == list(range(6))
+    assert variants[0].overrides == {"ppo.kl_coef": 0.01, "ppo.lr": 1e-4}
+    assert variants[5].overrides == {"ppo.kl_coef": 0.1, "ppo.lr": 1e-3}
+    assert variants[1].label == "ppo.kl_coef=0.01,ppo.lr=0.0003"
+
+
+def test_random_draws_are_reproducible_and_in_range():
+    params = {"ppo.lr": {"low": 1e-5, "high": 1e-3, "log": True}, "ppo.num_ppo_epochs": {"low": 1, "high": 4}}
+    params["ppo.num_ppo_epochs"]["integer"] = True
+    params["ppo.kl_coef"] = [0.02, 0.05]
+    a = expand(space(method="random", n_random=20, seed=3, parameters=params))
+    b = expand(space(method="random", n_random=20, seed=3, parameters=dict(reversed(list(params.items())))))
+    c = expand(space(method="random", n_random=20, seed=4, parameters=params))
+    assert len(a) == 20
+    # the same seed gives the same draws, whatever the order of the keys in the file
+    assert [sorted(v.overrides.items()) for v in a] == [sorted(v.overrides.items()) for v in b]
+    assert [v.overrides for v in a] != [v.overrides for v in c]
+    for v in a:
+        assert 1e-5 <= v.overrides["ppo.lr"] <= 1e-3
+        assert v.overrides["ppo.num_ppo_epochs"] in (1, 2, 3, 4)
+        assert v.overrides["ppo.kl_coef"] in (0.02, 0.05)
+    # log-uniform: about half the draws below the geometric mid-point 1e-4 (uniform would give ~9%)
+    below = sum(v.overrides["ppo.lr"] < 1e-4 for v in a)
+    assert 4 <= below <= 16
+
+
+def test_variant_configs_apply_overrides_and_validate_every_variant():
+    base = load_config(REPO / "conf" / "smoke.yaml")
+    s = space(parameters={"ppo.kl_coef": [0.01, 0.3], "eval.n_prompts": [4]})
+    configs = variant_configs(base, s)
+    assert [c.ppo.kl_coef for _, c in configs] == [0.01, 0.3]
+    assert [c.run_name for _, c in configs] == ["t-00", "t-01"]
+    assert configs[0][1].sft == base.sft and configs[0][1].eval.n_prompts == 4
+    with pytest.raises(ConfigError, match=r"variant 1 \(ppo.batch_size=3\): ppo.num_mini_batches \(2\) must divide"):
+        variant_configs(base, space(parameters={"ppo.batch_size": [16, 3]}))
+    with pytest.raises(ConfigError, match=r"ppo.kl_coef: Input should be greater than or equal to 0"):
+        variant_config(base, s, expand(space(parameters={"ppo.kl_coef": [-1]}))[0])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "conf" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_spaces_are_valid_on_the_default_config(path):
+    variants = variant_configs(load_config(REPO / "conf" / "default.yaml"), load_space(path))
+    assert len(variants) >= 2
+
+
+def test_ranking_prefers_gold_reward_and_puts_failures_last():
+    rows = [
+        {"variant": "a", "ppo.kl_coef": 0.1, "eval/ppo_gold": 0.2, "eval/ppo_score": 3.0, "status": "completed"},
+        {"variant": "b", "ppo.kl_coef": 0.2, "status": "failed"},
+        {"variant": "c", "ppo.kl_coef": 0.3, "eval/ppo_gold": 0.5, "eval/ppo_score": 1.0, "status": "completed"},
+    ]
+    table = ranking(rows, ["ppo.kl_coef"])
+    assert list(table["variant"]) == ["c", "a", "b"]
+    assert list(table["rank"]) == [1, 2, 3]
+    no_gold = [{**r, "eval/ppo_gold": None} for r in rows]
+    assert list(ranking(no_gold, ["ppo.kl_coef"])["variant"]) == ["a", "c", "b"]
+
+
+# -- The sweep flow on a real (tiny) pipeline --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _subflow_task_states(parent_flow_run_id) -> dict[str, dict[str, str]]:
+    """{subflow run name: {task name: state name}} of a sweep's variant runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
+
+    async def fetch():
+        async with get_client() as client:
+            subflows = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_flow_run_id])
+                )
+            )
+            out = {}
+            for sub in subflows:
+                tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sub.id])))
+                out[sub.name] = {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks}
+            return out
+
+    return asyncio.run(fetch())
+
+
+def _artifact_keys(flow_run_id) -> set[str | None]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def fetch():
+        async with get_client() as client:
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
+            return {a.key for a in found}
+
+    return asyncio.run(fetch())
+
+
+def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, tmp_path):
+    from flows.sweep import rlhf_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    base = load_config(
+        REPO / "conf" / "smoke.yaml",
+        [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art", f"runtime.output_dir={tmp_path}"],
+    )
+    s = space(parameters={"ppo.kl_coef": [0.02, 0.2]})
+    state = rlhf_sweep(base, s, return_state=True)
+    result = state.result()
+
+    table = result["ranking"]
+    assert [row["status"] for row in table] == ["completed", "completed"]
+    assert sorted(row["ppo.kl_coef"] for row in table) == [0.02, 0.2]
+    assert all(row["eval/kl"] is not None for row in table)
+
+    # the second variant changed only ppo.*: data, SFT and reward model came from the cache
+    states = _subflow_task_states(state.state_details.flow_run_id)
+    assert set(states) == {"t-00", "t-01"}
+    for stage in ("prepare_preferences", "supervised_finetune", "train_reward_model"):
+        assert states["t-01"][stage] == "Cached", (stage, states["t-01"])
+    assert states["t-01"]["train_policy_ppo"] == "Completed"
+    assert "sweep-t" in _artifact_keys(state.state_details.flow_run_id)
+
+    client = MlflowClient(uri)
+    sweep_run = client.get_run(result["sweep_run_id"])
+    assert sweep_run.info.run_name == "sweep-t" and sweep_run.info.status == "FINISHED"
+    assert sweep_run.data.tags["run_type"] == "sweep"
+    assert sweep_run.data.tags["sweep.best_run_id"] == table[0]["mlflow_run_id"]
+    assert [m.step for m in client.get_metric_history(sweep_run.info.run_id, "eval/kl")] == [0, 1]
+    assert {"sweep_ranking.json", "reward_vs_kl.png", "ranking.csv"} <= {
+        a.path for a in client.list_artifacts(sweep_run.info.run_id)
+    }
+    for row in table:
+        variant = client.get_run(row["mlflow_run_id"])
+        assert variant.data.tags["sweep_run_id"] == sweep_run.info.run_id
+        assert variant.data.tags["mlflow.parentRunId"] == sweep_run.info.run_id
+        assert variant.data.params["ppo.kl_coef"] == str(row["ppo.kl_coef"])
+    assert (tmp_path / "sweeps").is_dir() and open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_a_bad_space_before_running(tmp_path, capsys):
+    from flows.sweep import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nparameters:\n  ppo.kl_cof: [0.1]\n")
+    assert main(["--config", str(REPO / "conf" / "smoke.yaml"), "--space", str(bad)]) == 2
+    assert "parameters.ppo.kl_cof is not a config key" in capsys.readouterr().err

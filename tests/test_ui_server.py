@@ -1,0 +1,197 @@
+"""The Prefect UI path: a real `prefect server`, the deployments of flows/serve.py and of prefect.yaml, and a
+pipeline run triggered through the API, executed by the serve process, watched to completion.
+
+Starts subprocesses on free loopback ports (always killed afterwards). About a minute and a half on two cores;
+deselect with ``pytest -k "not server"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from rlhf.config import PipelineConfig, load_config
+from rlhf.sweep import SweepSpace, load_space
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent
+TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
+MLFLOW_UI_URL = "http://127.0.0.1:5999"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A subprocess in its own process group (so stop() ends its children too), output to a log file."""
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Poll `check()` until it returns a truthy value; fail with the log's tail on timeout or a dead process."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            break
+        try:
+            value = check()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        time.sleep(1.0)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    pytest.fail(f"{what} did not happen within {timeout:.0f}s (process exit code {proc and proc.poll()}):\n{tail}")
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """`prefect server start` on a free port with its own PREFECT_HOME; yields (api url, env, temp folder)."""
+    tmp = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {
+        "PREFECT_HOME": str(tmp / "home"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "MLFLOW_UI_URL": MLFLOW_UI_URL,
+    }
+    log = tmp / "server.log"
+    proc = start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log)
+    try:
+        wait_until(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, 120, "server start", proc, log)
+        yield api, env, tmp
+    finally:
+        stop(proc)
+
+
+def _flow_run_state(api: str, flow_run_id: str) -> dict | None:
+    state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+    return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+
+def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
+    api, env, tmp = prefect_server
+    log = tmp / "serve.log"
+    serve = start(
+        [sys.executable, "-m", "flows.serve", "--config", "conf/smoke.yaml", "--sweep-cron", "0 2 * * *"], env, log
+    )
+    try:
+        deployment = wait_until(
+            lambda: (
+                (r := httpx.get(f"{api}/deployments/name/rlhf-pipeline/smoke", timeout=10)).status_code == 200
+                and r.json()
+            ),
+            120,
+            "the pipeline deployment",
+            serve,
+            log,
+        )
+        # the form: typed, documented fields with conf/smoke.yaml's values as defaults
+        assert deployment["parameters"]["config"] == load_config(REPO / "conf" / "smoke.yaml").model_dump(mode="json")
+        definitions = deployment["parameter_openapi_schema"]["definitions"]
+        assert definitions["PPOConfig"]["properties"]["kl_coef"]["description"]
+        sweep = httpx.get(f"{api}/deployments/name/rlhf-sweep/kl_coef", timeout=10).json()
+        assert [s["schedule"]["cron"] for s in sweep["schedules"]] == ["0 2 * * *"]
+        assert sweep["parameters"]["space"]["parameters"] == {"ppo.kl_coef": [0.01, 0.05, 0.2]}
+        limit = httpx.get(f"{api}/concurrency_limits/tag/gpu", timeout=10).json()
+        assert limit["concurrency_limit"] == 1
+
+        # trigger a run as the UI's "Run" button does, with a tiny config writing to temp folders
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        config = load_config(
+            REPO / "conf" / "smoke.yaml",
+            [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp}/art", f"runtime.output_dir={tmp}/out"],
+        )
+        created = httpx.post(
+            f"{api}/deployments/{deployment['id']}/create_flow_run",
+            json={"parameters": {"config": config.model_dump(mode="json")}},
+            timeout=10,
+        )
+        assert created.status_code == 201, created.text
+        flow_run_id = created.json()["id"]
+        state = wait_until(lambda: _flow_run_state(api, flow_run_id), 300, "the flow run", serve, log)
+        assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
+    finally:
+        stop(serve)
+
+    artifacts = httpx.post(
+        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
+    ).json()
+    progress = [a for a in artifacts if a["type"] == "progress"]
+    assert [a["data"] for a in progress] == [100.0]
+    assert "evaluate_policies done (6/6)" in progress[0]["description"]
+    by_key = {a["key"]: a for a in artifacts if a["key"]}
+    table = json.loads(by_key["rlhf-evaluation"]["data"])
+    assert {"eval/kl", "reward/eval_accuracy"} <= {row["metric"] for row in table}
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "stage" not in r.data.tags]
+    assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
+    link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
+    assert link in by_key["rlhf-mlflow-run"]["data"]
+
+
+def test_prefect_yaml_deploys_to_a_work_pool(prefect_server):
+    api, env, tmp = prefect_server
+    pool = httpx.post(f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"}, timeout=10)
+    assert pool.status_code == 201, pool.text
+    done = subprocess.run(
+        [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    nightly = httpx.get(f"{api}/deployments/name/rlhf-sweep/nightly", timeout=10).json()
+    assert nightly["work_pool_name"] == "rlhf-local"
+    assert [(s["schedule"]["cron"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", True)]
+    pipeline = httpx.get(f"{api}/deployments/name/rlhf-pipeline/default", timeout=10).json()
+    assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
+
+
+def test_prefect_yaml_parameters_match_the_conf_files():
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    default = load_config(REPO / "conf" / "default.yaml")
+    assert PipelineConfig.model_validate(deployments["default"]["parameters"]["config"]) == default
+    assert PipelineConfig.model_validate(deployments["nightly"]["parameters"]["base"]) == default
+    space = load_space(REPO / "conf" / "sweeps" / "kl_coef.yaml")
+    assert SweepSpace.model_validate(deployments["nightly"]["parameters"]["space"]) == space
