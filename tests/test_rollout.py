@@ -78,3 +78,14 @@ def test_sampling_is_seeded_and_stops(tiny_checkpoints):
     for row in range(len(ids)):
         n = int(a.mask[row].sum())
         assert (a.tokens[row, n:] == tok.pad_token_id).all()
+
+
+def test_sample_from_logits_matches_the_distribution():
+    from rlhf.ppo.rollout import sample_from_logits
+
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
+    logits = torch.log(probs).expand(40000, 4)  # the zero-probability token is -inf
+    draws = sample_from_logits(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert freq[2] == 0
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)

@@ -44,6 +44,18 @@ def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Ten
     return logits
 
 
+def sample_from_logits(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row from softmax(logits) by inverting the CDF with one uniform draw per row.
+
+    Exact like torch.multinomial, and several times cheaper on CPU (no per-entry exponential draws).
+    Shape: (b, v) -> (b,).
+    """
+    probs = F.softmax(logits.float(), dim=-1)
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 def truncate_at_stop(tokens: Tensor, stop_token_ids: tuple[int, ...], pad_token_id: int) -> Responses:
     """Keep each response up to and including its first stop token; the rest becomes padding."""
     if stop_token_ids:
@@ -78,7 +90,7 @@ def sample_responses(
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         logits = filter_logits(out.logits[:, -1].float() / settings.temperature, settings.top_k, settings.top_p)
-        nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+        nxt = sample_from_logits(logits, generator)
         nxt = nxt.masked_fill(finished, settings.pad_token_id)
         tokens.append(nxt)
         finished |= torch.isin(nxt, stop)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -70,29 +73,40 @@ def generate_and_score(
     qr_mask = torch.cat([query_mask, resp.mask], 1)
     p = query.shape[1]
     t1 = time.perf_counter()
-    with torch.no_grad(), models.autocast(device, bf16):
-        parts = [
-            (
-                policy_forward(unwrap(m.policy), query_responses[s], qr_mask[s], p, cfg.temperature).logprobs,
-                reference_logprobs(m, query_responses[s], qr_mask[s], p, cfg.temperature),
-                value_forward(m.value, query_responses[s], qr_mask[s], p),
+    chunks = _chunks(len(query), cfg.forward_batch_size)
+    texts = [prompts[i] for i in indices] if prompts is not None else None
+
+    @torch.no_grad()
+    def policy_and_reference() -> tuple[Tensor, Tensor]:
+        with models.autocast(device, bf16):
+            logprobs = [
+                policy_forward(unwrap(m.policy), query_responses[s], qr_mask[s], p, cfg.temperature).logprobs
+                for s in chunks
+            ]
+            ref = [reference_logprobs(m, query_responses[s], qr_mask[s], p, cfg.temperature) for s in chunks]
+        return torch.cat(logprobs).float(), torch.cat(ref).float()
+
+    @torch.no_grad()
+    def values_and_scores() -> tuple[Tensor, Tensor]:
+        with models.autocast(device, bf16):
+            values = torch.cat([value_forward(m.value, query_responses[s], qr_mask[s], p) for s in chunks]).float()
+            scores = reward_scores(
+                m.reward,
+                m.reward_tokenizer,
+                m.tokenizer,
+                m.same_tokenizer,
+                texts,
+                query_responses,
+                qr_mask,
+                resp,
+                cfg.forward_batch_size,
+                device,
             )
-            for s in _chunks(len(query), cfg.forward_batch_size)
-        ]
-        logprobs, ref_logprobs, values = (torch.cat(x).float() for x in zip(*parts, strict=True))
-        texts = [prompts[i] for i in indices] if prompts is not None else None
-        scores = reward_scores(
-            m.reward,
-            m.reward_tokenizer,
-            m.tokenizer,
-            m.same_tokenizer,
-            texts,
-            query_responses,
-            qr_mask,
-            resp,
-            cfg.forward_batch_size,
-            device,
-        )
+        return values, scores
+
+    # (Running these two in two threads, as optimize does, measured no faster: batch-64 forwards use both cores.)
+    logprobs, ref_logprobs = policy_and_reference()
+    values, scores = values_and_scores()
     t2 = time.perf_counter()
     return Rollout(
         indices,
@@ -139,70 +153,119 @@ class OptimResult:
     ratio_quantiles: list[float]
 
 
+def _policy_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, bf16: bool):
+    """Policy forward, clipped loss (minus the entropy bonus) and its backward for one micro-batch."""
+    with models.autocast(micro.device, bf16):
+        out = policy_forward(
+            unwrap(m.policy),
+            r.query_responses[micro],
+            r.qr_mask[micro],
+            r.prompt_len,
+            cfg.temperature,
+            with_entropy=True,
+            entropy_grad=cfg.entropy_coef > 0,
+        )
+    mb_mask = r.mask[micro]
+    pl = policy_loss(out.logprobs, r.logprobs[micro], r.loss_advantages[micro], mb_mask, cfg.cliprange)
+    entropy = masked_mean(out.entropy, mb_mask)
+    ((pl.loss - cfg.entropy_coef * entropy) / cfg.gradient_accumulation_steps).backward()
+    ratios = torch.exp(out.logprobs.detach() - r.logprobs[micro])[mb_mask.bool()]
+    return pl, entropy, ratios
+
+
+def _value_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, bf16: bool):
+    """Value forward, clipped value loss and its backward for one micro-batch."""
+    with models.autocast(micro.device, bf16):
+        new_values = value_forward(m.value, r.query_responses[micro], r.qr_mask[micro], r.prompt_len).float()
+    vl = value_loss_fn(new_values, r.values[micro], r.returns[micro], r.mask[micro], cfg.cliprange_value)
+    (cfg.vf_coef * vl.loss / cfg.gradient_accumulation_steps).backward()
+    return vl
+
+
+_VALUE_WORKER: ThreadPoolExecutor | None = None
+
+
+def _value_worker() -> ThreadPoolExecutor:
+    global _VALUE_WORKER
+    if _VALUE_WORKER is None:
+        _VALUE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
+    return _VALUE_WORKER
+
+
+@contextlib.contextmanager
+def two_streams(device: torch.device, m: PPOModels) -> Iterator[bool]:
+    """On a multi-threaded CPU with a separate value model, run policy-side and value-side work in two threads,
+    each op single-threaded (no oversubscription); yields whether to. Small models' matmuls do not keep two
+    cores busy on their own: this measured about 7% faster on the bench shape with 2 cores."""
+    threads = torch.get_num_threads()
+    concurrent = device.type == "cpu" and not m.shared_value_head and threads > 1
+    if concurrent:
+        torch.set_num_threads(1)
+    try:
+        yield concurrent
+    finally:
+        torch.set_num_threads(threads)
+
+
 def optimize(m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16: bool) -> OptimResult:
-    """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop."""
+    """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop.
+
+    Policy and value losses have disjoint parameters, so their backward passes are independent: with a separate
+    value model on the CPU, the value model's forward and backward run in a second thread beside the policy's
+    (each op single-threaded), which keeps both cores busy where one model's small matmuls would not.
+    """
     t0 = time.perf_counter()
     device = r.query_responses.device
-    mask, p = r.mask, r.prompt_len
     running, per_minibatch, ratios = OptimStats(), [], []
     micro_size = cfg.mini_batch_size // cfg.gradient_accumulation_steps
     stopped_early = 0.0
     m.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
     m.value.train()
-    for _epoch in range(cfg.num_ppo_epochs):
-        perm = torch.randperm(len(r.indices), generator=state.shuffle_generator)
-        for start in range(0, len(r.indices), cfg.mini_batch_size):
-            mb_stats = OptimStats()
-            for micro in perm[start : start + cfg.mini_batch_size].split(micro_size):
-                micro = micro.to(device)
-                mb_mask = mask[micro]
-                with models.autocast(device, bf16):
-                    out = policy_forward(
-                        unwrap(m.policy),
-                        r.query_responses[micro],
-                        r.qr_mask[micro],
-                        p,
-                        cfg.temperature,
-                        with_entropy=True,
-                        entropy_grad=cfg.entropy_coef > 0,
+    with two_streams(device, m) as concurrent:
+        for _epoch in range(cfg.num_ppo_epochs):
+            perm = torch.randperm(len(r.indices), generator=state.shuffle_generator)
+            for start in range(0, len(r.indices), cfg.mini_batch_size):
+                mb_stats = OptimStats()
+                for micro in perm[start : start + cfg.mini_batch_size].split(micro_size):
+                    micro = micro.to(device)
+                    if concurrent:
+                        value_future = _value_worker().submit(_value_micro, m, r, micro, cfg, bf16)
+                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, bf16)
+                        vl = value_future.result()
+                    else:
+                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, bf16)
+                        vl = _value_micro(m, r, micro, cfg, bf16)
+                    ratios.append(mb_ratios)
+                    mb_stats.add(
+                        {
+                            "policy/loss": pl.loss,
+                            "value/loss": vl.loss,
+                            "loss/total": pl.loss + cfg.vf_coef * vl.loss - cfg.entropy_coef * entropy,
+                            "policy/entropy": entropy,
+                            "policy/approxkl": pl.approx_kl,
+                            "policy/policykl": pl.policy_kl,
+                            "policy/clipfrac": pl.clipfrac,
+                            "policy/ratio_mean": pl.ratio_mean,
+                            "policy/ratio_var": pl.ratio_var,
+                            "value/clipfrac": vl.clipfrac,
+                            "value/error": vl.value_error,
+                        }
                     )
-                    new_values = value_forward(m.value, r.query_responses[micro], r.qr_mask[micro], p).float()
-                pl = policy_loss(out.logprobs, r.logprobs[micro], r.loss_advantages[micro], mb_mask, cfg.cliprange)
-                vl = value_loss_fn(new_values, r.values[micro], r.returns[micro], mb_mask, cfg.cliprange_value)
-                entropy = masked_mean(out.entropy, mb_mask)
-                loss = pl.loss + cfg.vf_coef * vl.loss - cfg.entropy_coef * entropy
-                (loss / cfg.gradient_accumulation_steps).backward()
-                ratios.append(torch.exp(out.logprobs.detach() - r.logprobs[micro])[mb_mask.bool()])
                 mb_stats.add(
                     {
-                        "policy/loss": pl.loss,
-                        "value/loss": vl.loss,
-                        "loss/total": loss,
-                        "policy/entropy": entropy,
-                        "policy/approxkl": pl.approx_kl,
-                        "policy/policykl": pl.policy_kl,
-                        "policy/clipfrac": pl.clipfrac,
-                        "policy/ratio_mean": pl.ratio_mean,
-                        "policy/ratio_var": pl.ratio_var,
-                        "value/clipfrac": vl.clipfrac,
-                        "value/error": vl.value_error,
+                        "policy/grad_norm": torch.nn.utils.clip_grad_norm_(state.policy_params, cfg.max_grad_norm),
+                        "value/grad_norm": torch.nn.utils.clip_grad_norm_(state.value_params, cfg.max_grad_norm),
                     }
                 )
-            mb_stats.add(
-                {
-                    "policy/grad_norm": torch.nn.utils.clip_grad_norm_(state.policy_params, cfg.max_grad_norm),
-                    "value/grad_norm": torch.nn.utils.clip_grad_norm_(state.value_params, cfg.max_grad_norm),
-                }
-            )
-            state.policy_opt.step()
-            state.value_opt.step()
-            state.policy_opt.zero_grad(set_to_none=True)
-            state.value_opt.zero_grad(set_to_none=True)
-            per_minibatch.append(mb_stats.means())
-            running.add(per_minibatch[-1])
-        if cfg.target_kl is not None and running.means()["policy/approxkl"] > cfg.target_kl:
-            stopped_early = 1.0
-            break
+                state.policy_opt.step()
+                state.value_opt.step()
+                state.policy_opt.zero_grad(set_to_none=True)
+                state.value_opt.zero_grad(set_to_none=True)
+                per_minibatch.append(mb_stats.means())
+                running.add(per_minibatch[-1])
+            if cfg.target_kl is not None and running.means()["policy/approxkl"] > cfg.target_kl:
+                stopped_early = 1.0
+                break
     m.policy.eval()
     m.value.eval()
     state.policy_sched.step()
