@@ -99,7 +99,7 @@ compare: $(STAMP)
 	$(PY) -m rlhf.compare --experiment $(EXPERIMENT) --tracking-uri sqlite:///$(CURDIR)/mlruns/mlflow.db $(ARGS)
 
 docs: $(STAMP)
-	$(PY) -m rlhf.config --write-readme
+	$(PY) -m rlhf.config_docs --write-readme
 
 clean:
 	rm -rf outputs .prefect mlruns/mlflow.db mlruns/artifacts

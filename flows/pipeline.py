@@ -125,8 +125,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"MLflow run {summary['mlflow_run_id']}; open the UI with:",
         "  make mlflow-ui     (or: .venv/bin/mlflow ui --backend-store-uri "
         f"{summary['tracking_uri']} --host 127.0.0.1 --port 5000)",
-        "Prefect UI (flow runs, task states, logs):",
-        "  make prefect-ui    (or: PREFECT_HOME=.prefect .venv/bin/prefect server start --host 127.0.0.1)",
+        "Prefect UI (flow runs, task states, logs, artifacts; deployments to trigger runs from a form):",
+        "  make ui            (both UIs and the deployments; or just: make prefect-ui)",
     ]
     return "\n".join(lines)
 

@@ -92,7 +92,7 @@ def test_cli_reports_bad_config_before_loading_anything(tmp_path, capsys):
 
 
 def test_readme_config_reference_is_current():
-    from rlhf.config import README_END, README_START, reference_markdown
+    from rlhf.config_docs import README_END, README_START, reference_markdown
 
     readme = (REPO / "README.md").read_text()
     block = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
