@@ -77,3 +77,28 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     clean = rlhf_pipeline(_config(tmp_path / "clean"), return_state=True).result()
     assert clean["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
     assert clean["eval/kl"] == pytest.approx(summary["eval/kl"], rel=1e-4, abs=1e-5)
+
+
+def test_bad_data_fails_once_without_retries(harness, tmp_path):
+    """Errors that retrying cannot fix (bad data) fail the task on its first attempt."""
+    import asyncio
+    import json
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": "q", "chosen": "same", "rejected": "same"}) for _ in range(5)))
+    state = rlhf_pipeline(_config(tmp_path, "data.source=local", f"data.path={path}"), return_state=True)
+    assert state.is_failed()
+
+    async def prepare_run_count():
+        async with get_client() as client:
+            runs = await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            )
+            return {r.name.rsplit("-", 1)[0]: (r.run_count, r.state.name) for r in runs}
+
+    runs = asyncio.run(prepare_run_count())
+    assert runs["prepare_preferences"] == (1, "Failed"), runs
+    assert "supervised_finetune" not in runs  # nothing downstream was loaded
