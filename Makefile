@@ -26,12 +26,12 @@ PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" |
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch==$(TORCH_VERSION)"; \
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
 	@echo "installing the project into $(VENV)"
-	@$(PY) -m pip install -q -e ".[dev]" $(PIP_QUIET)
+	@$(PY) -m pip install -q -e ".[dev,lora]" $(PIP_QUIET)
 	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf" 
 	@touch $@
 

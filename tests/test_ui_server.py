@@ -125,7 +125,16 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         assert deployment["parameters"]["config"] == load_config(REPO / "conf" / "smoke.yaml").model_dump(mode="json")
         definitions = deployment["parameter_openapi_schema"]["definitions"]
         assert definitions["PPOConfig"]["properties"]["kl_coef"]["description"]
-        sweep = httpx.get(f"{api}/deployments/name/rlhf-sweep/kl_coef", timeout=10).json()
+        sweep = wait_until(  # serve registers the deployments one after the other
+            lambda: (
+                (r := httpx.get(f"{api}/deployments/name/rlhf-sweep/kl_coef", timeout=10)).status_code == 200
+                and r.json()
+            ),
+            60,
+            "the sweep deployment",
+            serve,
+            log,
+        )
         assert [s["schedule"]["cron"] for s in sweep["schedules"]] == ["0 2 * * *"]
         assert sweep["parameters"]["space"]["parameters"] == {"ppo.kl_coef": [0.01, 0.05, 0.2]}
         limit = httpx.get(f"{api}/concurrency_limits/tag/gpu", timeout=10).json()
