@@ -285,13 +285,18 @@ def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
         stack["prompts"],
         tmp_path,
         0,
-        lambda m, s: logged.update(m),
+        lambda m, s: logged.__setitem__(s, m),
     )
-    assert result.updates == 2 and math.isfinite(logged["policy/loss"])
+    assert result.updates == 2 and all(math.isfinite(logged[s]["policy/loss"]) for s in (1, 2))
     policy = models.load_causal_lm(result.policy_path, torch.device("cpu"))  # merged LoRA loads as a plain model
     assert policy.config.model_type == "gpt2"
     if options.get("lora"):
-        assert logged["objective/kl"] >= 0
+        # LoRA's B starts at zero: the policy equals its adapters-disabled base, the reference, at update 1 ...
+        assert logged[1]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
+        # ... and training moved the adapters only, so the merged policy differs from the SFT model
+        sft = models.load_causal_lm(stack["sft"], torch.device("cpu"))
+        assert not torch.equal(policy.transformer.h[0].attn.c_attn.weight, sft.transformer.h[0].attn.c_attn.weight)
+        assert torch.equal(policy.transformer.h[0].mlp.c_fc.weight, sft.transformer.h[0].mlp.c_fc.weight)
 
 
 def test_reward_model_with_a_different_tokenizer_retokenizes(stack, tmp_path):
