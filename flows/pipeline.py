@@ -54,19 +54,32 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
 
 
 @task(name="close_pipeline_run")
-def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any]) -> None:
-    """Log the pipeline summary on the parent run and mark it finished."""
+def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any], failed: bool = False) -> None:
+    """Log the pipeline summary on the parent run and mark it finished (or failed)."""
     tracker = Tracker(tracking.uri, tracking.experiment, tracking.artifact_location)
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
     tracker.set_tags(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, str)})
-    tracker.end_run(tracking.parent_run_id)
+    tracker.end_run(tracking.parent_run_id, failed=failed)
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 (Prefect form default)
     """Run the whole RLHF-with-PPO recipe; every stage is cached on its content and retried on failure."""
     preflight(config)
-    common = {"runtime": config.runtime, "tracking": open_pipeline_run(config)}
+    tracking = open_pipeline_run(config)
+    try:
+        summary = _run_stages(config, tracking)
+    except BaseException:
+        close_pipeline_run(tracking, {}, failed=True)
+        raise
+    close_pipeline_run(tracking, summary)
+    publish_pipeline_results(summary, config.tracking.experiment)  # MLflow link and evaluation table
+    return summary
+
+
+def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, Any]:
+    """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
+    common = {"runtime": config.runtime, "tracking": tracking}
     progress = StageProgress(PIPELINE_STAGES)  # a progress artifact in the Prefect UI
     data = run_stage(prepare_preferences, data=config.data, source_digest=source_fingerprint(config.data), **common)
     progress.done(data.stage)
@@ -97,11 +110,11 @@ def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         "policy_checkpoint": policy.path,
         "value_checkpoint": policy.extra["value_path"],
         "completions": f"{evaluation.path}/completions.parquet",
-        "mlflow_run_id": common["tracking"].parent_run_id,
-        "tracking_uri": common["tracking"].uri,
+        "mlflow_run_id": tracking.parent_run_id,
+        "tracking_uri": tracking.uri,
+        # the MLflow run of every stage, also of cached ones (the run that computed the result)
+        **{f"stage.{o.stage}.run_id": o.mlflow_run_id for o in (data, sft, reward, init, policy, evaluation)},
     }
-    close_pipeline_run(common["tracking"], summary)
-    publish_pipeline_results(summary, config.tracking.experiment)  # MLflow link and evaluation table
     return summary
 
 

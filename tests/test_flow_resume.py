@@ -102,3 +102,11 @@ def test_bad_data_fails_once_without_retries(harness, tmp_path):
     runs = asyncio.run(prepare_run_count())
     assert runs["prepare_preferences"] == (1, "Failed"), runs
     assert "supervised_finetune" not in runs  # nothing downstream was loaded
+    cfg = _config(tmp_path)
+    client = MlflowClient(cfg.tracking.uri)
+    parents = client.search_runs(
+        [client.get_experiment_by_name(cfg.tracking.experiment).experiment_id], "tags.stage = 'prepare_preferences'"
+    )
+    assert [r.info.status for r in parents] == ["FAILED"]
+    pipeline = client.get_run(parents[0].data.tags["mlflow.parentRunId"])
+    assert pipeline.info.status == "FAILED", "a failed pipeline does not stay RUNNING in MLflow"

@@ -107,6 +107,9 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
     # second run: nothing changed, every stage is served from the cache, same summary
     second = rlhf_pipeline(cfg, return_state=True)
     assert second.result()["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
+    # the second parent run links the stage runs that computed its (cached) results
+    tags = client.get_run(second.result()["mlflow_run_id"]).data.tags
+    assert tags["stage.train_policy_ppo.run_id"] == ppo.info.run_id
     states = _task_states(second)
     for stage in children:
         assert states[stage] == "Cached", (stage, states)
