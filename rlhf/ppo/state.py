@@ -170,8 +170,17 @@ def _schedule(cfg: PPOConfig):
     return lambda step: 1.0
 
 
-def fresh_state(m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device) -> TrainerState:
-    """Optimizers, schedulers, KL controller and RNGs of a run that starts at update 0."""
+def sample_seed(seed: int, rank: int) -> int:
+    """Seed of a rank's sampling generator: `seed` on rank 0 (the single-process run), far apart on the others
+    so that no rank's sampling stream is the shuffle stream (seeded ``seed + 1``) or another rank's."""
+    return seed + 1_000_003 * rank
+
+
+def fresh_state(m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device, rank: int = 0) -> TrainerState:
+    """Optimizers, schedulers, KL controller and RNGs of a run that starts at update 0.
+
+    The shuffle generator is the same on every rank; the sampling generator differs per rank (`sample_seed`).
+    """
     policy_params = [p for p in m.policy.parameters() if p.requires_grad]
     value_params = [p for p in m.value_trainable().parameters() if p.requires_grad]
     policy_opt = models.adamw(policy_params, lr=cfg.lr, eps=1e-5)
@@ -185,17 +194,35 @@ def fresh_state(m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device) -
         policy_sched=torch.optim.lr_scheduler.LambdaLR(policy_opt, _schedule(cfg)),
         value_sched=torch.optim.lr_scheduler.LambdaLR(value_opt, _schedule(cfg)),
         kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
-        sample_generator=torch.Generator(device=device).manual_seed(seed),
+        sample_generator=torch.Generator(device=device).manual_seed(sample_seed(seed, rank)),
         shuffle_generator=torch.Generator().manual_seed(seed + 1),
     )
 
 
-def load_state(folder: Path, m: PPOModels, cfg: PPOConfig, seed: int, device: torch.device) -> TrainerState:
-    """The state saved in `folder` (weights, optimizers, schedulers, KL, RNGs, step), or a fresh one."""
-    state = fresh_state(m, cfg, seed, device)
+def load_state(
+    folder: Path,
+    m: PPOModels,
+    cfg: PPOConfig,
+    seed: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+) -> TrainerState:
+    """The state saved in `folder` (weights, optimizers, schedulers, KL, RNGs, step), or a fresh one.
+
+    Every rank reads the same files (rank 0 wrote them) and takes its own sampling generator state; a state saved
+    by a different number of processes cannot be resumed (the shards of the prompt batches would change).
+    """
+    state = fresh_state(m, cfg, seed, device, rank)
     if not (folder / STATE_FILE).is_file():
         return state
     saved: dict[str, Any] = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+    saved_world = int(saved.get("world_size", 1))
+    if saved_world != world_size:
+        raise ValueError(
+            f"the PPO trainer state in {folder} was saved by {saved_world} process(es); resume it with the same "
+            f"number, not {world_size}"
+        )
     load_model(m.policy, folder / "policy.safetensors", device=str(device))
     m.value_trainable().load_state_dict(load_file(folder / "value.safetensors", device=str(device)))
     state.step = int(saved["step"])
@@ -204,13 +231,20 @@ def load_state(folder: Path, m: PPOModels, cfg: PPOConfig, seed: int, device: to
     state.policy_sched.load_state_dict(saved["policy_sched"])
     state.value_sched.load_state_dict(saved["value_sched"])
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
-    state.sample_generator.set_state(saved["sample_rng"])
+    state.sample_generator.set_state(saved["sample_rngs"][rank] if world_size > 1 else saved["sample_rng"])
     state.shuffle_generator.set_state(saved["shuffle_rng"])
     return state
 
 
-def save_state(folder: Path, m: PPOModels, state: TrainerState) -> None:
-    """Write everything a restart needs, atomically (a crash mid-save keeps the previous state)."""
+def save_state(folder: Path, m: PPOModels, state: TrainerState, sample_rngs: list[Tensor] | None = None) -> None:
+    """Write everything a restart needs, atomically (a crash mid-save keeps the previous state).
+
+    With several processes, rank 0 alone calls this, with `sample_rngs`: every rank's sampling generator state in
+    rank order (weights, optimizers and the shuffle generator are the same on every rank).
+    """
+    extra: dict[str, Any] = {}
+    if sample_rngs is not None and len(sample_rngs) > 1:
+        extra = {"world_size": len(sample_rngs), "sample_rngs": sample_rngs}
     with atomic_dir(folder) as tmp:
         save_model(m.policy, str(tmp / "policy.safetensors"))  # handles tied weights
         save_file({k: v.contiguous() for k, v in m.value_trainable().state_dict().items()}, tmp / "value.safetensors")
@@ -224,6 +258,7 @@ def save_state(folder: Path, m: PPOModels, state: TrainerState) -> None:
                 "kl_ctl": state.kl_ctl.state_dict(),
                 "sample_rng": state.sample_generator.get_state(),
                 "shuffle_rng": state.shuffle_generator.get_state(),
+                **extra,
             },
             tmp / STATE_FILE,
         )
@@ -258,13 +293,28 @@ class PromptBatch(NamedTuple):
     indices: list[int]  # rows of the prompt list
 
 
-def prompt_batch(prompt_ids: list[list[int]], update: int, batch_size: int, seed: int, pad_id: int) -> PromptBatch:
-    """Prompts of one update: a seeded stream of shuffled passes, so the data position is the update index."""
+def prompt_batch(
+    prompt_ids: list[list[int]],
+    update: int,
+    batch_size: int,
+    seed: int,
+    pad_id: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> PromptBatch:
+    """Prompts of one update: a seeded stream of shuffled passes, so the data position is the update index.
+
+    `batch_size` is the global batch; with `world_size` processes, rank r takes the r-th of `world_size` equal,
+    disjoint slices of it (padded to its own longest prompt).
+    """
     n = len(prompt_ids)
     indices = []
     for pos in range(update * batch_size, (update + 1) * batch_size):
         epoch, offset = divmod(pos, n)
         indices.append(_pass_order(n, seed, epoch)[offset])
+    if world_size > 1:
+        local = batch_size // world_size
+        indices = indices[rank * local : (rank + 1) * local]
     ids, mask = pad_left([prompt_ids[i] for i in indices], pad_id)
     return PromptBatch(ids, mask, indices)
 

@@ -14,8 +14,10 @@ from tqdm.auto import tqdm
 from rlhf import models
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.ppo import distributed
+from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.rollout import GenerationSettings
-from rlhf.ppo.state import PPOModels, load_models, load_state, prompt_batch, save_final, save_state
+from rlhf.ppo.state import PPOModels, TrainerState, load_models, load_state, prompt_batch, save_final, save_state
 from rlhf.ppo.stats import peak_memory_mb, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
 
@@ -34,6 +36,7 @@ class PPOResult:
     digest: str
     updates: int
     metrics: dict[str, float] = field(default_factory=dict)
+    param_digest: str = ""  # several processes: this rank's digest of the final policy and value parameters
 
 
 def generation_settings(cfg: PPOConfig, m: PPOModels) -> GenerationSettings:
@@ -54,25 +57,38 @@ def train_ppo(
     value_path: str | None = None,
     gold_fn: GoldFn | None = None,
     stop_after: int | None = None,
+    dist: DistContext | None = None,
 ) -> PPOResult:
     """Train the policy with PPO against the reward model; resumes from ``out_dir/state`` when it exists.
 
     Only updates after the resumed step are logged, so a resumed run's metric history has no duplicated steps.
     `stop_after` ends the run after that many updates, as a crash would (for resume tests).
+
+    `dist` (from `distributed.init_distributed`, e.g. under ``torchrun``) makes this one of W data-parallel
+    processes: ppo.batch_size is the global batch and each rank generates its slice of it; gradients are averaged
+    across ranks, advantages are whitened per rank, statistics are reduced across ranks, and rank 0 alone calls
+    `log` and writes rollout records, the trainer state and the final models. None: one process.
     """
     out_dir = Path(out_dir)
-    device = models.resolve_device(runtime.device)
+    dist = dist if dist is not None else DistContext(device=models.resolve_device(runtime.device))
+    distributed.check_world_size(cfg, dist.world_size)
+    device = dist.device
     m = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
-    state = load_state(out_dir / "state", m, cfg, seed, device)
+    state = load_state(out_dir / "state", m, cfg, seed, device, dist.rank, dist.world_size)
+    if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
+        distributed.broadcast_parameters(m.policy)
+        distributed.broadcast_parameters(m.value_trainable())
     settings = generation_settings(cfg, m)
     prompt_ids = [ids[-cfg.max_prompt_tokens :] for ids in m.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     total = cfg.num_updates
     stats: dict[str, float] = {}
-    bar = tqdm(range(state.step, total), desc="ppo", disable=not runtime.progress, initial=state.step, total=total)
+    show = runtime.progress and dist.is_main
+    bar = tqdm(range(state.step, total), desc="ppo", disable=not show, initial=state.step, total=total)
     for update in bar:
         t0 = time.perf_counter()
-        # steps 1-3. sample prompts, generate, score under no grad
-        batch = prompt_batch(prompt_ids, update, cfg.batch_size, seed, m.tokenizer.pad_token_id)
+        # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
+        pad_id = m.tokenizer.pad_token_id
+        batch = prompt_batch(prompt_ids, update, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size)
         rollout = generate_and_score(
             m,
             batch.ids.to(device),
@@ -84,36 +100,64 @@ def train_ppo(
             state.sample_generator,
             runtime.bf16,
         )
-        # steps 4-6. rewards with the KL penalty, advantages
+        # steps 4-6. rewards with the KL penalty, advantages (whitened over this rank's shard)
         compute_advantages(rollout, cfg, state.kl_ctl.value)
-        # step 7. PPO epochs
-        optim = optimize(m, state, rollout, cfg, runtime.bf16)
-        # step 8. statistics and the KL controller
+        # step 7. PPO epochs (gradients averaged across ranks)
+        optim = optimize(m, state, rollout, cfg, runtime.bf16, dist)
+        # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
-        state.kl_ctl.update(stats["objective/kl"], cfg.batch_size)
         if cfg.record_rollouts or gold_fn is not None:
             records = rollout_records(m, update, prompts, rollout, gold_fn)
             if gold_fn is not None:
                 stats["objective/gold_score"] = float(records["gold_score"].mean())
             if cfg.record_rollouts:
-                (out_dir / "rollouts").mkdir(parents=True, exist_ok=True)
-                records.to_parquet(out_dir / "rollouts" / f"update_{update + 1:05d}.parquet", index=False)
-        stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device))
+                write_records(out_dir, update, records, dist)
+        stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device, dist.world_size))
+        stats = distributed.reduce_stats(stats)
+        state.kl_ctl.update(stats["objective/kl"], cfg.batch_size)
         state.step = update + 1
-        if state.step % cfg.log_every == 0 or state.step == total:
+        if dist.is_main and (state.step % cfg.log_every == 0 or state.step == total):
             log(stats, state.step)
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
-            save_state(out_dir / "state", m, state)
+            checkpoint_state(out_dir / "state", m, state, dist)
         if stop_after is not None and state.step == stop_after and state.step < total:
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
     final = out_dir / "final"
-    with atomic_dir(final) as tmp:
-        save_final(tmp, m)
-        manifest = write_manifest(tmp, stage="ppo", updates=state.step)
+    digest = ""
+    if dist.is_main:
+        with atomic_dir(final) as tmp:
+            save_final(tmp, m)
+            digest = write_manifest(tmp, stage="ppo", updates=state.step)["digest"]
+    param_digest = ""
+    if dist.world_size > 1:
+        digest = distributed.broadcast_object(digest)  # also waits until rank 0 has written `final`
+        param_digest = distributed.parameter_digest(m.policy, m.value_trainable())
     value_path = final / "value" / "value_head.safetensors" if m.shared_value_head else final / "value"
-    return PPOResult(str(final / "policy"), str(value_path), manifest["digest"], state.step, stats)
+    return PPOResult(str(final / "policy"), str(value_path), digest, state.step, stats, param_digest)
+
+
+def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistContext) -> None:
+    """The rollout records of one update, gathered in rank order (the global batch's order) and written by rank 0."""
+    if dist.world_size > 1:
+        frames = distributed.all_gather_object(records)
+        if not dist.is_main:
+            return
+        records = pd.concat(frames, ignore_index=True)
+    (out_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    records.to_parquet(out_dir / "rollouts" / f"update_{update + 1:05d}.parquet", index=False)
+
+
+def checkpoint_state(folder: Path, m: PPOModels, state: TrainerState, dist: DistContext) -> None:
+    """Save the resume state: rank 0 writes it, with every rank's sampling generator state."""
+    if dist.world_size == 1:
+        save_state(folder, m, state)
+        return
+    sample_rngs = distributed.all_gather_object(state.sample_generator.get_state())
+    if dist.is_main:
+        save_state(folder, m, state, sample_rngs)
+    distributed.barrier()  # a rank that raises TrainingInterrupted next finds the state written
 
 
 def update_stats(
@@ -140,8 +184,16 @@ def update_stats(
 
 
 def speed_stats(
-    r: Rollout, stats: dict[str, float], t0: float, t_stats: float, batch_size: int, device: torch.device
+    r: Rollout,
+    stats: dict[str, float],
+    t0: float,
+    t_stats: float,
+    batch_size: int,
+    device: torch.device,
+    world_size: int = 1,
 ) -> dict[str, float]:
+    """Times of this rank; `batch_size` is the global batch, and with W ranks this rank's tokens count W times,
+    so that the mean over ranks is the run's throughput."""
     now = time.perf_counter()
     total = now - t0
     return {
@@ -149,7 +201,7 @@ def speed_stats(
         "time/stats": now - t_stats,
         "time/total": total,
         "speed/episodes_per_s": batch_size / total,
-        "speed/tokens_per_s": float(r.mask.sum()) / total,
+        "speed/tokens_per_s": float(r.mask.sum()) * world_size / total,
         "memory/peak_mb": peak_memory_mb(device),
     }
 

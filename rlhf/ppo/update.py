@@ -16,6 +16,7 @@ from rlhf.config import PPOConfig
 from rlhf.models import unwrap
 from rlhf.ops import gae, masked_mean, masked_quantiles, masked_whiten, per_token_rewards, policy_loss, shape_scores
 from rlhf.ops import value_loss as value_loss_fn
+from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients
 from rlhf.ppo.rollout import GenerationSettings, Responses, policy_forward, sample_responses, value_forward
 from rlhf.ppo.state import PPOModels, TrainerState, reference_logprobs, reward_scores
 from rlhf.ppo.stats import OptimStats
@@ -193,12 +194,13 @@ def _value_worker() -> ThreadPoolExecutor:
 
 
 @contextlib.contextmanager
-def two_streams(device: torch.device, m: PPOModels) -> Iterator[bool]:
+def two_streams(device: torch.device, m: PPOModels, world_size: int = 1) -> Iterator[bool]:
     """On a multi-threaded CPU with a separate value model, run policy-side and value-side work in two threads,
     each op single-threaded (no oversubscription); yields whether to. Small models' matmuls do not keep two
-    cores busy on their own: this measured about 7% faster on the bench shape with 2 cores."""
+    cores busy on their own: this measured about 7% faster on the bench shape with 2 cores. Not with several
+    processes: they already share the cores."""
     threads = torch.get_num_threads()
-    concurrent = device.type == "cpu" and not m.shared_value_head and threads > 1
+    concurrent = device.type == "cpu" and not m.shared_value_head and threads > 1 and world_size == 1
     if concurrent:
         torch.set_num_threads(1)
     try:
@@ -207,26 +209,42 @@ def two_streams(device: torch.device, m: PPOModels) -> Iterator[bool]:
         torch.set_num_threads(threads)
 
 
-def optimize(m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16: bool) -> OptimResult:
+def _global_approxkl(running: OptimStats, world_size: int, device: torch.device) -> float:
+    """The early-stop test's approximate KL: averaged across ranks, so that every rank stops at the same epoch."""
+    approxkl = running.means()["policy/approxkl"]
+    if world_size == 1:
+        return approxkl
+    return float(all_reduce_mean(torch.tensor([approxkl], dtype=torch.float64, device=device)))
+
+
+def optimize(
+    m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16: bool, dist: DistContext | None = None
+) -> OptimResult:
     """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop.
 
     Policy and value losses have disjoint parameters, so their backward passes are independent: with a separate
     value model on the CPU, the value model's forward and backward run in a second thread beside the policy's
     (each op single-threaded), which keeps both cores busy where one model's small matmuls would not.
+
+    With `dist` over W > 1 processes, `r` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
+    is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
+    takes the same optimizer step. The shuffle generator is the same on all ranks (a permutation of local rows).
     """
     t0 = time.perf_counter()
     device = r.query_responses.device
+    world_size = dist.world_size if dist is not None else 1
     running, per_minibatch, ratios = OptimStats(), [], []
-    micro_size = cfg.mini_batch_size // cfg.gradient_accumulation_steps
+    mini_size = cfg.mini_batch_size // world_size
+    micro_size = mini_size // cfg.gradient_accumulation_steps
     stopped_early = 0.0
     m.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
     m.value.train()
-    with two_streams(device, m) as concurrent:
+    with two_streams(device, m, world_size) as concurrent:
         for _epoch in range(cfg.num_ppo_epochs):
             perm = torch.randperm(len(r.indices), generator=state.shuffle_generator)
-            for start in range(0, len(r.indices), cfg.mini_batch_size):
+            for start in range(0, len(r.indices), mini_size):
                 mb_stats = OptimStats()
-                for micro in perm[start : start + cfg.mini_batch_size].split(micro_size):
+                for micro in perm[start : start + mini_size].split(micro_size):
                     micro = micro.to(device)
                     if concurrent:
                         value_future = _value_worker().submit(_value_micro, m, r, micro, cfg, bf16)
@@ -251,6 +269,9 @@ def optimize(m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16
                             "value/error": vl.value_error,
                         }
                     )
+                if world_size > 1:  # after both backward passes: the summed micro-batch gradients, averaged
+                    average_gradients(state.policy_params)
+                    average_gradients(state.value_params)
                 mb_stats.add(
                     {
                         "policy/grad_norm": torch.nn.utils.clip_grad_norm_(state.policy_params, cfg.max_grad_norm),
@@ -263,7 +284,7 @@ def optimize(m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16
                 state.value_opt.zero_grad(set_to_none=True)
                 per_minibatch.append(mb_stats.means())
                 running.add(per_minibatch[-1])
-            if cfg.target_kl is not None and running.means()["policy/approxkl"] > cfg.target_kl:
+            if cfg.target_kl is not None and _global_approxkl(running, world_size, device) > cfg.target_kl:
                 stopped_early = 1.0
                 break
     m.policy.eval()
