@@ -51,6 +51,11 @@ def stack(tmp_path_factory):
     }
 
 
+def _train(stack, cfg: PPOConfig, folder, log, **kw):
+    """train_ppo on the module's stack (SFT policy, reward model, prompts), seed 0."""
+    return train_ppo(cfg, RUNTIME, stack["sft"], stack["rm"], stack["prompts"], folder, 0, log, **kw)
+
+
 def _cfg(**kw) -> PPOConfig:
     base = dict(
         total_episodes=64,
@@ -110,38 +115,26 @@ def test_rollout_kl_is_zero_before_training_and_rewards_sum(stack):
 def test_ppo_resume_matches_an_uninterrupted_run(stack, tmp_path):
     cfg = _cfg(total_episodes=64, save_every=2)
     full, resumed = {}, {}
-    train_ppo(
+    _train(
+        stack,
         cfg,
-        RUNTIME,
-        stack["sft"],
-        stack["rm"],
-        stack["prompts"],
         tmp_path / "full",
-        0,
         lambda m, s: full.__setitem__(s, m),
     )
     with pytest.raises(TrainingInterrupted):
-        train_ppo(
+        _train(
+            stack,
             cfg,
-            RUNTIME,
-            stack["sft"],
-            stack["rm"],
-            stack["prompts"],
             tmp_path / "resumed",
-            0,
             lambda m, s: resumed.__setitem__(s, m),
             stop_after=3,
         )
     assert sorted(resumed) == [1, 2, 3]
     resumed_steps = []
-    result = train_ppo(
+    result = _train(
+        stack,
         cfg,
-        RUNTIME,
-        stack["sft"],
-        stack["rm"],
-        stack["prompts"],
         tmp_path / "resumed",
-        0,
         lambda m, s: (resumed_steps.append(s), resumed.__setitem__(s, m)),
     )
     assert resumed_steps == [4]  # continues after the saved step; no step logged twice
@@ -186,14 +179,10 @@ def test_reward_model_learns_the_task(stack):
 
 def test_every_spec_statistic_is_logged(stack, tmp_path):
     logged = {}
-    train_ppo(
+    _train(
+        stack,
         _cfg(total_episodes=16, record_rollouts=True),
-        RUNTIME,
-        stack["sft"],
-        stack["rm"],
-        stack["prompts"],
         tmp_path,
-        0,
         lambda m, s: logged.update(m),
         gold_fn=synthetic.gold_reward,
     )
@@ -277,14 +266,10 @@ def test_every_spec_statistic_is_logged(stack, tmp_path):
 )
 def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
     logged = {}
-    result = train_ppo(
+    result = _train(
+        stack,
         _cfg(total_episodes=32, **options),
-        RUNTIME,
-        stack["sft"],
-        stack["rm"],
-        stack["prompts"],
         tmp_path,
-        0,
         lambda m, s: logged.__setitem__(s, m),
     )
     assert result.updates == 2 and all(math.isfinite(logged[s]["policy/loss"]) for s in (1, 2))
@@ -330,14 +315,10 @@ def test_negated_advantages_make_the_gold_reward_fall(stack, tmp_path, monkeypat
 
     def gold_curve(folder):
         gold = {}
-        train_ppo(
+        _train(
+            stack,
             cfg,
-            RUNTIME,
-            stack["sft"],
-            stack["rm"],
-            stack["prompts"],
             folder,
-            0,
             lambda m, s: gold.__setitem__(s, m["objective/gold_score"]),
             gold_fn=synthetic.gold_reward,
         )
