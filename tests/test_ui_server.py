@@ -59,6 +59,22 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def request(method: str, url: str, **kwargs) -> httpx.Response:
+    """One API call, retried as Prefect's own client retries: on 429/502/503 (the server answers 503 while its
+    SQLite database is busy, which happens on two cores while the serve process and the server's background
+    services write) and on connection errors, for up to a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            response = httpx.request(method, url, timeout=10, **kwargs)
+            if response.status_code not in (429, 502, 503) or time.monotonic() > deadline:
+                return response
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(1.0)
+
+
 def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
     """Poll `check()` until it returns a truthy value; fail with the log's tail on timeout or a dead process."""
     deadline = time.monotonic() + timeout
@@ -100,7 +116,7 @@ def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path
 
 
 def _flow_run_state(api: str, flow_run_id: str) -> dict | None:
-    state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+    state = request("GET", f"{api}/flow_runs/{flow_run_id}").json()["state"]
     return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
 
@@ -113,8 +129,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     try:
         deployment = wait_until(
             lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-pipeline/smoke", timeout=10)).status_code == 200
-                and r.json()
+                (r := request("GET", f"{api}/deployments/name/rlhf-pipeline/smoke")).status_code == 200 and r.json()
             ),
             120,
             "the pipeline deployment",
@@ -126,10 +141,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         definitions = deployment["parameter_openapi_schema"]["definitions"]
         assert definitions["PPOConfig"]["properties"]["kl_coef"]["description"]
         sweep = wait_until(  # serve registers the deployments one after the other
-            lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-sweep/kl_coef", timeout=10)).status_code == 200
-                and r.json()
-            ),
+            lambda: (r := request("GET", f"{api}/deployments/name/rlhf-sweep/kl_coef")).status_code == 200 and r.json(),
             60,
             "the sweep deployment",
             serve,
@@ -137,7 +149,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         )
         assert [s["schedule"]["cron"] for s in sweep["schedules"]] == ["0 2 * * *"]
         assert sweep["parameters"]["space"]["parameters"] == {"ppo.kl_coef": [0.01, 0.05, 0.2]}
-        limit = httpx.get(f"{api}/concurrency_limits/tag/gpu", timeout=10).json()
+        limit = request("GET", f"{api}/concurrency_limits/tag/gpu").json()
         assert limit["concurrency_limit"] == 1
 
         # trigger a run as the UI's "Run" button does, with a tiny config writing to temp folders
@@ -146,10 +158,10 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
             REPO / "conf" / "smoke.yaml",
             [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp}/art", f"runtime.output_dir={tmp}/out"],
         )
-        created = httpx.post(
+        created = request(
+            "POST",
             f"{api}/deployments/{deployment['id']}/create_flow_run",
             json={"parameters": {"config": config.model_dump(mode="json")}},
-            timeout=10,
         )
         assert created.status_code == 201, created.text
         flow_run_id = created.json()["id"]
@@ -158,8 +170,8 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     finally:
         stop(serve)
 
-    artifacts = httpx.post(
-        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
+    artifacts = request(
+        "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
     ).json()
     progress = [a for a in artifacts if a["type"] == "progress"]
     assert [a["data"] for a in progress] == [100.0]
@@ -178,7 +190,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
 
 def test_prefect_yaml_deploys_to_a_work_pool(prefect_server):
     api, env, tmp = prefect_server
-    pool = httpx.post(f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"}, timeout=10)
+    pool = request("POST", f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"})
     assert pool.status_code == 201, pool.text
     done = subprocess.run(
         [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"],
@@ -189,10 +201,10 @@ def test_prefect_yaml_deploys_to_a_work_pool(prefect_server):
         timeout=180,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    nightly = httpx.get(f"{api}/deployments/name/rlhf-sweep/nightly", timeout=10).json()
+    nightly = request("GET", f"{api}/deployments/name/rlhf-sweep/nightly").json()
     assert nightly["work_pool_name"] == "rlhf-local"
     assert [(s["schedule"]["cron"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", True)]
-    pipeline = httpx.get(f"{api}/deployments/name/rlhf-pipeline/default", timeout=10).json()
+    pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/default").json()
     assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
 
 
