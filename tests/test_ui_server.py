@@ -1,7 +1,8 @@
-"""The Prefect UI path: a real `prefect server`, the deployments of flows/serve.py and of prefect.yaml, and a
-pipeline run triggered through the API, executed by the serve process, watched to completion.
+"""The Prefect UI path: a real `prefect server`, the deployments of flows/serve.py and of prefect.yaml, and
+pipeline runs triggered through the API, executed by the serve process and by a process-pool worker, watched to
+completion.
 
-Starts subprocesses on free loopback ports (always killed afterwards). About a minute and a half on two cores;
+Starts subprocesses on free loopback ports (always killed afterwards). About a minute on two cores;
 deselect with ``pytest -k "not server"``.
 """
 
@@ -188,7 +189,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     assert link in by_key["rlhf-mlflow-run"]["data"]
 
 
-def test_prefect_yaml_deploys_to_a_work_pool(prefect_server):
+def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(prefect_server):
     api, env, tmp = prefect_server
     pool = request("POST", f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"})
     assert pool.status_code == 201, pool.text
@@ -206,6 +207,34 @@ def test_prefect_yaml_deploys_to_a_work_pool(prefect_server):
     assert [(s["schedule"]["cron"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", True)]
     pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/default").json()
     assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
+
+    # a process worker picks the run up and executes it in the checkout (the deployment's working folder)
+    uri = f"sqlite:///{tmp}/worker-mlflow.db"
+    config = load_config(
+        REPO / "conf" / "smoke.yaml",
+        [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp}/worker-art", f"runtime.output_dir={tmp}/wo"],
+    )
+    created = request(
+        "POST",
+        f"{api}/deployments/{pipeline['id']}/create_flow_run",
+        json={"parameters": {"config": config.model_dump(mode="json")}},
+    )
+    assert created.status_code == 201, created.text
+    flow_run_id = created.json()["id"]
+    log = tmp / "worker.log"
+    worker = start([str(BIN / "prefect"), "worker", "start", "--pool", "rlhf-local", "--limit", "1"], env, log)
+    try:
+        state = wait_until(lambda: _flow_run_state(api, flow_run_id), 300, "the worker's flow run", worker, log)
+        assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
+    finally:
+        stop(worker)
+    flow_run = request("GET", f"{api}/flow_runs/{flow_run_id}").json()
+    assert flow_run["work_pool_name"] == "rlhf-local"
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment)
+    (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "stage" not in r.data.tags]
+    assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
+    assert parent.info.status == "FINISHED"
 
 
 def test_prefect_yaml_parameters_match_the_conf_files():
