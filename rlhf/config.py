@@ -104,7 +104,15 @@ class DataConfig(_Section):
     prompts_path: str | None = Field(
         None, description="Separate prompt-only file or folder for PPO rollouts; None uses the training prompts."
     )
-    prompts_column: str = Field("prompt", description="Column of `prompts_path` that holds the prompts.")
+    prompts_name: str | None = Field(
+        None,
+        description="Hub data set id of a prompt-only source for PPO rollouts (instead of `prompts_path`), e.g. "
+        "'trl-lib/ultrafeedback-prompt'.",
+    )
+    prompts_config_name: str | None = Field(None, description="Configuration of the `prompts_name` data set.")
+    prompts_revision: str | None = Field(None, description="Revision (branch, tag or commit) of `prompts_name`.")
+    prompts_split: str = Field("train", description="Split of `prompts_name` (or of a `prompts_path` folder).")
+    prompts_column: str = Field("prompt", description="Column of the prompt source that holds the prompts.")
     max_drop_fraction: float = Field(
         0.5, ge=0.0, le=1.0, description="Stop with an error when more than this fraction of rows is dropped."
     )
@@ -127,6 +135,13 @@ class DataConfig(_Section):
         if self.source == "local" and not self.path:
             raise ValueError(
                 "data.path must name a JSONL/JSON/Parquet/CSV file or a save_to_disk folder when data.source is 'local'"
+            )
+        if self.prompts_path and self.prompts_name:
+            raise ValueError("data.prompts_path and data.prompts_name both name a prompt source; set one of them")
+        if self.source == "synthetic" and (self.prompts_path or self.prompts_name):
+            raise ValueError(
+                "data.prompts_path/prompts_name apply to 'local' and 'hub' sources: the synthetic task's gold reward "
+                "is defined on its own prompts"
             )
         if self.source == "hub" and not self.name:
             raise ValueError("data.name must name a hub data set (e.g. 'Anthropic/hh-rlhf') when data.source is 'hub'")

@@ -152,6 +152,45 @@ def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
         prepare_preferences(DataConfig(source="hub", name="no-such/dataset"), tmp_path / "x")
 
 
+def test_hub_prompt_source_goes_through_load_dataset(tmp_path, monkeypatch):
+    """A prompt-only hub data set (the UltraFeedback-prompt layout: message lists) for the PPO rollouts."""
+    local = tmp_path / "prefs.jsonl"
+    local.write_text("\n".join(json.dumps(r) for r in pairs(10)))
+    prompts = [{"prompt": [{"role": "user", "content": f"question {i % 3}"}]} for i in range(5)]
+    saved = tmp_path / "prompt-hub"
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(prompts)}).save_to_disk(str(saved))
+    calls = []
+    real = datasets.load_dataset
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        if path != "org/prompts":  # the local preference file: the packaged json builder
+            return real(path, name, **kwargs)
+        calls.append((path, name, kwargs["revision"], kwargs["split"]))
+        return datasets.load_from_disk(str(saved))[kwargs["split"]]  # no network: serve the "hub" set from disk
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(
+        source="local", path=str(local), prompts_name="org/prompts", prompts_revision="c0ffee", prompts_split="test"
+    )
+    out = prepare_preferences(cfg, tmp_path / "out")
+    assert calls == [("org/prompts", None, "c0ffee", "test")]
+    kept = pd.read_parquet(out.prompts)["prompt"].tolist()
+    assert len(kept) == 3 and all("question" in p for p in kept)  # rendered; the duplicates dropped
+    assert out.manifest["prompts_dropped"]["duplicate"] == 2
+    assert out.manifest["prompts_source"] == "hub prompt data set org/prompts split 'test'"
+    assert out.manifest["prompts_revision"] == "c0ffee"
+
+    monkeypatch.undo()  # the real load_dataset: no such data set (offline), one sentence naming it
+    with pytest.raises(DataError, match=r"hub prompt data set org/prompts split 'nope' could not be loaded"):
+        prepare_preferences(cfg.model_copy(update={"prompts_split": "nope"}), tmp_path / "x")
+    with pytest.raises(ConfigError, match=r"data.prompts_path and data.prompts_name both name a prompt source"):
+        load_config(
+            None, ["data.source=local", f"data.path={local}", "data.prompts_path=a.jsonl", "data.prompts_name=b"]
+        )
+    with pytest.raises(ConfigError, match=r"apply to 'local' and 'hub' sources"):
+        load_config(None, ["data.prompts_name=org/prompts"])
+
+
 def test_missing_column_names_the_file_and_column(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "a", "chosen": "b"}))

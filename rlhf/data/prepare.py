@@ -10,8 +10,8 @@ Output folder layout (the fixed schema every later stage reads):
   order; eval is a seeded ``eval_fraction`` of the kept pairs unless the source has its own eval split/file;
 - ``sft.parquet``: prompt, response demonstrations (synthetic task: its demonstrations; otherwise the chosen
   responses of the training pairs);
-- ``prompts.parquet``: prompt, the PPO rollout prompts (``data.prompts_path`` when set, else the distinct
-  training prompts in training order);
+- ``prompts.parquet``: prompt, the PPO rollout prompts (``data.prompts_path`` or ``data.prompts_name`` when set,
+  else the distinct training prompts in training order);
 - ``manifest.json``: source, revision, format, column mapping, row counts, drops per reason with an example row,
   gold reward name and the folder's content digest.
 """
@@ -214,7 +214,8 @@ def _write_prompts(cfg: DataConfig, chat: ChatRenderer, tmp: Path, scratch: str,
     outcome = validate.tally([checked])
     validate.check_drops(outcome, cfg.max_drop_fraction, src.label)
     n = output.write_rows(checked.table, outcome.kept[0], path, "prompts")
-    return {"rows": n, "prompts_source": src.label, "prompts_dropped": outcome.dropped}
+    info = {"rows": n, "prompts_source": src.label, "prompts_dropped": outcome.dropped}
+    return info | ({"prompts_revision": cfg.prompts_revision} if cfg.prompts_name else {})
 
 
 def prepare_preferences(cfg: DataConfig, out_dir: str | Path) -> PreparedData:

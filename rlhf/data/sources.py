@@ -169,10 +169,21 @@ def open_sources(cfg: DataConfig, cache_dir: str) -> tuple[Source, Source | None
 
 
 def open_prompts(cfg: DataConfig, cache_dir: str) -> Source | None:
-    """The separate prompt-only source, when configured."""
+    """The separate prompt-only source (a hub data set or a local file/folder), when configured."""
+    if cfg.prompts_name:
+        base = cfg.prompts_name + (f" ({cfg.prompts_config_name})" if cfg.prompts_config_name else "")
+        label = f"hub prompt data set {base} split '{cfg.prompts_split}'"
+        rows = load_split(
+            cfg.prompts_name,
+            cfg.prompts_split,
+            config_name=cfg.prompts_config_name,
+            revision=cfg.prompts_revision,
+            label=label,
+        )
+        return Source(rows, label)
     if not cfg.prompts_path:
         return None
-    return open_local(cfg.prompts_path, cfg.train_split, cache_dir, "data.prompts_path")
+    return open_local(cfg.prompts_path, cfg.prompts_split, cache_dir, "data.prompts_path")
 
 
 def first_line(err: BaseException) -> str:
