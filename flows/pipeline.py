@@ -19,6 +19,7 @@ from rlhf.errors import UserInputError
 from rlhf.preflight import preflight
 from rlhf.tracking import Tracker
 from tasks.caching import TrackingContext, code_version, run_stage
+from tasks.runs import log_data_inputs
 from tasks.stages import (
     evaluate_policies,
     init_policy_and_value,
@@ -55,8 +56,10 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
 
 @task(name="close_pipeline_run")
 def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any], failed: bool = False) -> None:
-    """Log the pipeline summary on the parent run and mark it finished (or failed)."""
+    """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it."""
     tracker = Tracker(tracking.uri, tracking.experiment, tracking.artifact_location)
+    if "data" in summary:
+        log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
     tracker.set_tags(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, str)})
     tracker.end_run(tracking.parent_run_id, failed=failed)
@@ -105,6 +108,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
     summary: dict[str, Any] = {
         "reward/eval_accuracy": reward.metrics["reward/eval_accuracy"],
         **evaluation.metrics,
+        "data": data.path,
+        "data_digest": data.digest,
         "sft_checkpoint": sft.path,
         "reward_checkpoint": reward.path,
         "policy_checkpoint": policy.path,
@@ -131,7 +136,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     lines.append(f"PPO beats SFT on reward-model score:     {summary['eval/win_rate_rm']:.1%}")
     lines.append(f"mean KL(PPO || SFT) per response:       {summary['eval/kl']:.3f}")
-    for key in ("sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
+    for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
     lines += [
         "",

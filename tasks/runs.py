@@ -57,6 +57,21 @@ def stage_run(
     tracker.set_tags(ctx.parent_run_id, {f"stage.{stage}.run_id": run_id})
 
 
+# The prepared data files as MLflow dataset inputs: file -> (dataset name, context).
+DATA_FILES = {
+    "train.parquet": ("preferences-train", "training"),
+    "eval.parquet": ("preferences-eval", "evaluation"),
+    "sft.parquet": ("sft-demonstrations", "training"),
+    "prompts.parquet": ("ppo-prompts", "training"),
+}
+
+
+def log_data_inputs(tracker: Tracker, run_id: str, folder: str | Path, digest: str, *files: str) -> None:
+    """Record prepared data files (all of them when none are named) as dataset inputs of a run."""
+    names = files or tuple(DATA_FILES)
+    tracker.log_parquet_inputs(run_id, [(Path(folder) / f, *DATA_FILES[f]) for f in names], digest)
+
+
 def injected_failure(stage: str, folder: Path) -> int | None:
     """Fault injection for tests and drills: ``RLHF_INJECT_FAILURE=train_policy_ppo:2`` makes the first attempt
     of that stage stop (raise) after 2 updates, once; the retry then resumes from the saved state."""

@@ -16,7 +16,7 @@ from rlhf.models import load_tokenizer, set_threads
 from rlhf.ppo.state import same_vocabulary
 from rlhf.ppo.trainer import train_ppo
 from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
-from tasks.runs import injected_failure, progress_logger, retry_unless_user_error, stage_run
+from tasks.runs import injected_failure, log_data_inputs, progress_logger, retry_unless_user_error, stage_run
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -51,9 +51,7 @@ def prepare_preferences(
             description=f"Rows dropped while preparing {manifest['source']} ({manifest.get('rows_in')} in).",
         )
         tracker.log_artifacts(run_id, folder, "data")
-        tracker.log_dataset(
-            run_id, pd.read_parquet(prepared.train), "preferences-train", prepared.digest, str(prepared.train)
-        )
+        log_data_inputs(tracker, run_id, prepared.folder, prepared.digest)
     return StageOutput(
         stage="prepare_preferences",
         path=str(folder),
@@ -74,6 +72,7 @@ def supervised_finetune(
         if sft.model is not None:
             result = sft_training.load_existing(sft, runtime)
         else:
+            log_data_inputs(tracker, run_id, data.path, data.digest, "sft.parquet")
             log = tracker.metric_logger(run_id, progress_logger("sft", 100))
             result = sft_training.bootstrap_sft(
                 sft, runtime, f"{data.path}/sft.parquet", f"{data.path}/train.parquet", folder, seed, log
@@ -105,6 +104,7 @@ def train_reward_model(
         runtime.output_dir, "train_reward_model", {"reward": reward, "sft": sft, "data": data, "seed": seed}
     )
     with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward"), resume=True) as (tracker, run_id):
+        log_data_inputs(tracker, run_id, data.path, data.digest, "train.parquet", "eval.parquet")
         log = tracker.metric_logger(run_id, progress_logger("reward", 50))
         result = reward_training.train_reward_model(
             reward,
@@ -161,6 +161,7 @@ def train_policy_ppo(
         "value_init": init.extra["value_init"],
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
+        log_data_inputs(tracker, run_id, data.path, data.digest, "prompts.parquet")
         prompts = pd.read_parquet(f"{data.path}/prompts.parquet")["prompt"].tolist()
         log = tracker.metric_logger(run_id, progress_logger("ppo", 10))
         result = train_ppo(
@@ -209,6 +210,7 @@ def evaluate_policies(
         {"evaluation_cfg": evaluation_cfg, "ppo": ppo, "policy": policy, "sft": sft, "reward": reward, "data": data},
     )
     with stage_run(tracking, "evaluate_policies", folder, flatten(evaluation_cfg, "eval")) as (tracker, run_id):
+        log_data_inputs(tracker, run_id, data.path, data.digest, "eval.parquet")
         result = evaluation.evaluate_policies(
             evaluation_cfg,
             ppo,

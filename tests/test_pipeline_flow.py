@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -90,6 +91,23 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
     assert "reward_model/model.safetensors" in artifacts(children["train_reward_model"], "reward_model")
     assert {"ppo_checkpoint", "rollouts"} <= artifacts(ppo)
     assert "completions.json" in artifacts(children["evaluate_policies"])
+
+    # the prepared data are dataset inputs of the runs that use them (schema and row count, no rows read)
+    def inputs(run):
+        return {(d.dataset.name, d.tags[0].value) for d in run.inputs.dataset_inputs}
+
+    assert inputs(children["train_reward_model"]) == {
+        ("preferences-train", "training"),
+        ("preferences-eval", "evaluation"),
+    }
+    assert inputs(children["train_policy_ppo"]) == {("ppo-prompts", "training")}
+    assert inputs(children["evaluate_policies"]) == {("preferences-eval", "evaluation")}
+    assert inputs(client.get_run(parent[0].info.run_id)) == inputs(children["prepare_preferences"])
+    assert len(inputs(children["prepare_preferences"])) == 4
+    (train,) = [d.dataset for d in children["train_reward_model"].inputs.dataset_inputs if "train" in d.dataset.name]
+    assert json.loads(train.profile)["num_rows"] == cfg.data.synthetic.n_train_pairs
+    assert train.digest == summary["data_digest"][:36]
+    assert {"name": "prompt", "type": "string", "required": True} in json.loads(train.schema)["mlflow_colspec"]
 
     # the Prefect side: the drop table of the prepare stage is a table artifact of the flow run
     from prefect.client.orchestration import get_client
