@@ -7,7 +7,8 @@ Stages are cached on their content, so variants that differ only in ``ppo.*`` re
 stages of the first one. The sweep has its own MLflow run ``sweep-<name>``: each variant's pipeline run is tagged
 ``sweep_run_id`` and nested under it, its final metrics are logged on the sweep run (step = variant index), and the
 sweep run gets the ranking table (``sweep_ranking.json``) and ``reward_vs_kl.png``. The ranking is also a Prefect
-table artifact. A variant that fails is reported in the ranking; the other variants still run.
+table artifact. A variant that fails is ranked last with its error (its MLflow run, if it opened one, is nested
+under the sweep run too); the other variants still run.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ def record_variant(
     tracker.log_metrics(sweep_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, index)
 
 
+@task(name="record_failed_variant", cache_policy=NO_CACHE)
+def record_failed_variant(
+    tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, label: str, flow_run_id: str
+) -> str | None:
+    """Nest a failed variant's pipeline run (if it opened one) under the sweep run; returns its id."""
+    tracker = _tracker(tracking)
+    run_id = tracker.pipeline_run_of_flow_run(flow_run_id)
+    if run_id is not None:
+        tracker.attach_to_sweep(run_id, sweep_run_id, sweep_name, label)
+    return run_id
+
+
 @task(name="close_sweep_run", cache_policy=NO_CACHE)
 def close_sweep_run(
     tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], folder: str
@@ -121,7 +134,10 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
             row |= {"status": "completed", "mlflow_run_id": summary["mlflow_run_id"]}
         else:
             logger.warning("sweep %s: variant %s failed: %s", space.name, config.run_name, state.message)
-            row |= {"status": "failed"}
+            run_id = record_failed_variant(
+                base.tracking, sweep_run_id, space.name, variant.label, str(state.state_details.flow_run_id)
+            )
+            row |= {"status": "failed", "mlflow_run_id": run_id, "error": _first_line(state.message)}
         rows.append(row)
         progress.done(config.run_name or "")
 
@@ -144,6 +160,12 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         "plot": plot,
         "tracking_uri": _tracker(base.tracking).uri,
     }
+
+
+def _first_line(message: str | None, limit: int = 200) -> str:
+    lines = (message or "").strip().splitlines()
+    line = lines[0] if lines else "failed"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def format_ranking(result: dict[str, Any]) -> str:

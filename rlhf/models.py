@@ -25,6 +25,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from rlhf.errors import ConfigError
+
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
 hf_logging.disable_progress_bar()
 
@@ -38,7 +40,7 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"runtime.device is '{name}' but CUDA is not available on this machine")
+        raise ConfigError(f"runtime.device is '{name}' but CUDA is not available on this machine")
     return device
 
 
@@ -163,7 +165,7 @@ def _score_head(model: PreTrainedModel) -> nn.Module:
         head = getattr(model, name, None)
         if isinstance(head, nn.Module):
             return head
-    raise ValueError(f"{type(model).__name__} has no scalar head named 'score' or 'classifier'")
+    raise ConfigError(f"{type(model).__name__} has no scalar head named 'score' or 'classifier'")
 
 
 def token_scores(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

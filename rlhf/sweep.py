@@ -245,4 +245,6 @@ def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
     frame = frame.sort_values(["_failed", key], ascending=[True, False], na_position="last", kind="stable")
     frame.insert(0, "rank", range(1, len(frame) + 1))
     columns = ["rank", "variant", *swept_keys, *RANK_METRICS, "status", "mlflow_run_id"]
+    if "error" in frame and frame["error"].notna().any():
+        columns.append("error")
     return frame[columns].reset_index(drop=True)

@@ -176,6 +176,12 @@ class Tracker:
             if not token or (max_results is not None and len(records) >= max_results):
                 return records[:max_results] if max_results is not None else records
 
+    def pipeline_run_of_flow_run(self, flow_run_id: str) -> str | None:
+        """The pipeline (parent) run that a Prefect flow run opened, if it got that far."""
+        found = self.search_runs(f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+        runs = [r for r in found if "stage" not in r.tags and r.tags.get(RUN_TYPE_TAG) != "sweep"]
+        return runs[0].run_id if runs else None
+
     def pipeline_runs(self, max_results: int | None = None) -> list[RunRecord]:
         """The pipeline (parent) runs: neither stage child runs nor sweep runs."""
         runs = self.search_runs(max_results=None)

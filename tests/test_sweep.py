@@ -116,8 +116,8 @@ def harness():
         yield
 
 
-def _subflow_task_states(parent_flow_run_id) -> dict[str, dict[str, str]]:
-    """{subflow run name: {task name: state name}} of a sweep's variant runs."""
+def _subflow_task_states(parent_flow_run_id, run_counts: bool = False) -> dict[str, dict[str, str]]:
+    """{subflow run name: {task name: state name (or with `run_counts`, how often it ran)}} of a sweep's variants."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
@@ -131,7 +131,7 @@ def _subflow_task_states(parent_flow_run_id) -> dict[str, dict[str, str]]:
             out = {}
             for sub in subflows:
                 tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sub.id])))
-                out[sub.name] = {t.name.rsplit("-", 1)[0]: t.state.name for t in tasks}
+                out[sub.name] = {t.name.rsplit("-", 1)[0]: t.run_count if run_counts else t.state.name for t in tasks}
             return out
 
     return asyncio.run(fetch())
@@ -151,14 +151,23 @@ def _artifact_keys(flow_run_id) -> set[str | None]:
     return asyncio.run(fetch())
 
 
-def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, tmp_path):
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory):
+    """One output folder and MLflow store for the sweep tests, so later sweeps reuse the stages of earlier ones."""
+    return tmp_path_factory.mktemp("sweeps")
+
+
+def tiny_base(folder, *overrides):
+    uri = f"sqlite:///{folder}/mlflow.db"
+    tracking = [f"tracking.uri={uri}", f"tracking.artifact_location={folder}/art", f"runtime.output_dir={folder}"]
+    return uri, load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, *overrides])
+
+
+def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, sweep_dir):
     from flows.sweep import rlhf_sweep
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    base = load_config(
-        REPO / "conf" / "smoke.yaml",
-        [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art", f"runtime.output_dir={tmp_path}"],
-    )
+    tmp_path = sweep_dir
+    uri, base = tiny_base(tmp_path)
     s = space(parameters={"ppo.kl_coef": [0.02, 0.2]})
     state = rlhf_sweep(base, s, return_state=True)
     result = state.result()
@@ -191,6 +200,32 @@ def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, tmp_
         assert variant.data.tags["mlflow.parentRunId"] == sweep_run.info.run_id
         assert variant.data.params["ppo.kl_coef"] == str(row["ppo.kl_coef"])
     assert (tmp_path / "sweeps").is_dir() and open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_variant_is_ranked_last_with_its_error_and_the_others_complete(harness, sweep_dir):
+    """A stop token that is several tokens for the policy's tokenizer: known only once the tokenizer is loaded, so
+    the variant fails at PPO (once: a config error is not retried); the sweep goes on and reports it."""
+    from flows.sweep import rlhf_sweep
+
+    uri, base = tiny_base(sweep_dir, "ppo.kl_coef=0.02")  # f-00 is t-00 of the sweep above: cached if it ran
+    s = parse_space({"name": "f", "parameters": {"ppo.stop_tokens": [[], ["not one token at all"]]}})
+    state = rlhf_sweep(base, s, return_state=True)
+    table = state.result()["ranking"]
+
+    assert [(row["variant"], row["status"]) for row in table] == [("f-00", "completed"), ("f-01", "failed")]
+    assert "ppo.stop_tokens: 'not one token at all' is" in table[1]["error"]
+    states = _subflow_task_states(state.state_details.flow_run_id)
+    assert states["f-01"]["train_reward_model"] == "Cached"  # reused from f-00 (or from the sweep above)
+    assert states["f-01"]["train_policy_ppo"] == "Failed"
+    runs = _subflow_task_states(state.state_details.flow_run_id, run_counts=True)
+    assert runs["f-01"]["train_policy_ppo"] == 1  # a bad config is not retried (a crash would run 3 times)
+
+    client = MlflowClient(uri)
+    sweep_run = client.get_run(state.result()["sweep_run_id"])
+    assert sweep_run.info.status == "FINISHED" and sweep_run.data.tags["sweep.best_variant"] == "f-00"
+    failed = client.get_run(table[1]["mlflow_run_id"])
+    assert failed.info.status == "FAILED"
+    assert failed.data.tags["mlflow.parentRunId"] == sweep_run.info.run_id
 
 
 def test_cli_rejects_a_bad_space_before_running(tmp_path, capsys):

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from rlhf import models
 from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"the environment variable {name} must be an integer, not '{value}'") from None
+        raise ConfigError(f"the environment variable {name} must be an integer, not '{value}'") from None
 
 
 def _device(runtime: RuntimeConfig, local_rank: int) -> torch.device:
@@ -53,7 +54,7 @@ def _device(runtime: RuntimeConfig, local_rank: int) -> torch.device:
     if device.type != "cuda":
         return device
     if local_rank >= torch.cuda.device_count():
-        raise ValueError(f"LOCAL_RANK {local_rank} but this node has {torch.cuda.device_count()} CUDA devices")
+        raise ConfigError(f"LOCAL_RANK {local_rank} but this node has {torch.cuda.device_count()} CUDA devices")
     return torch.device("cuda", local_rank)
 
 
@@ -98,17 +99,17 @@ def check_world_size(cfg: PPOConfig, world_size: int) -> None:
     if world_size <= 1:
         return
     if cfg.batch_size % world_size:
-        raise ValueError(
+        raise ConfigError(
             f"ppo.batch_size ({cfg.batch_size}) must be divisible by the number of processes ({world_size})"
         )
     if cfg.mini_batch_size % world_size:
-        raise ValueError(
+        raise ConfigError(
             f"the minibatch size (ppo.batch_size / ppo.num_mini_batches = {cfg.mini_batch_size}) must be divisible "
             f"by the number of processes ({world_size})"
         )
     local = cfg.mini_batch_size // world_size
     if local % cfg.gradient_accumulation_steps:
-        raise ValueError(
+        raise ConfigError(
             f"ppo.gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must divide the per-process "
             f"minibatch size ({local} = {cfg.mini_batch_size} / {world_size} processes)"
         )

@@ -17,6 +17,7 @@ from rlhf import models
 from rlhf.batching import encode_prompt_response, pad_left
 from rlhf.checkpoints import atomic_dir
 from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.errors import ConfigError
 from rlhf.models import unwrap
 from rlhf.ops import AdaptiveKLController, FixedKLController, make_kl_controller
 from rlhf.ppo.rollout import Responses, policy_forward
@@ -84,7 +85,7 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_tokens: list[int | s
             continue
         encoded = tokenizer(tok, add_special_tokens=False)["input_ids"]
         if len(encoded) != 1:
-            raise ValueError(f"ppo.stop_tokens: '{tok}' is {len(encoded)} tokens for this tokenizer, not one")
+            raise ConfigError(f"ppo.stop_tokens: '{tok}' is {len(encoded)} tokens for this tokenizer, not one")
         ids.append(encoded[0])
     return tuple(dict.fromkeys(ids))
 
@@ -100,7 +101,7 @@ def _apply_lora(policy: PreTrainedModel, cfg: PPOConfig) -> nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:  # pragma: no cover - depends on the optional extra
-        raise ValueError("ppo.lora.enabled needs peft: pip install -e '.[lora]'") from err
+        raise ConfigError("ppo.lora.enabled needs peft: pip install -e '.[lora]'") from err
     lora = LoraConfig(
         task_type="CAUSAL_LM",
         r=cfg.lora.r,
@@ -129,7 +130,7 @@ def load_models(
     else:
         value = models.load_reward_model(value_path, device, trust_remote_code=trc)
         if not same_vocabulary(tokenizer, models.load_tokenizer(value_path, trust_remote_code=trc)):
-            raise ValueError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
+            raise ConfigError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
         if cfg.gradient_checkpointing:
             value.gradient_checkpointing_enable()
     reward = models.load_reward_model(reward_path, device, trust_remote_code=trc)
@@ -219,7 +220,7 @@ def load_state(
     saved: dict[str, Any] = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
     saved_world = int(saved.get("world_size", 1))
     if saved_world != world_size:
-        raise ValueError(
+        raise ConfigError(
             f"the PPO trainer state in {folder} was saved by {saved_world} process(es); resume it with the same "
             f"number, not {world_size}"
         )
