@@ -92,7 +92,15 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
     progress.done(reward.stage)
     init = run_stage(init_policy_and_value, sft=sft, reward=reward, **common)
     progress.done(init.stage)
-    policy = run_stage(train_policy_ppo, ppo=config.ppo, init=init, data=data, seed=config.seed, **common)
+    policy = run_stage(
+        train_policy_ppo,
+        ppo=config.ppo,
+        init=init,
+        data=data,
+        seed=config.seed,
+        processes=config.runtime.ppo_processes,
+        **common,
+    )
     progress.done(policy.stage)
     evaluation = run_stage(
         evaluate_policies,

@@ -38,6 +38,12 @@ class RuntimeConfig(_Section):
     trust_remote_code: bool = Field(False, description="Allow model/tokenizer code from the hub. Off by default.")
     output_dir: str = Field("outputs", description="Root folder for checkpoints and prepared data.")
     progress: bool = Field(True, description="Show progress bars in the terminal.")
+    ppo_processes: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel processes of the PPO stage on this machine: > 1 runs it under torchrun (one per "
+        "GPU; gloo processes on CPU). ppo.batch_size stays the global batch.",
+    )
 
 
 class SyntheticTaskConfig(_Section):

@@ -35,3 +35,25 @@ def preflight(config: PipelineConfig) -> None:
     check_source(config.data)
     if config.sft.model is not None:
         check_model_reference("sft.model", config.sft.model)
+    check_ppo_processes(config)
+
+
+def check_ppo_processes(config: PipelineConfig) -> None:
+    """runtime.ppo_processes splits the PPO batches evenly and, on CUDA, has a device per process."""
+    n = config.runtime.ppo_processes
+    if n == 1:
+        return
+    from rlhf.ppo.distributed import check_world_size
+
+    try:
+        check_world_size(config.ppo, n)
+    except ConfigError as err:
+        raise ConfigError(f"runtime.ppo_processes={n}: {err}") from None
+    import torch
+
+    device = config.runtime.device
+    wants_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if wants_cuda and n > torch.cuda.device_count():
+        raise ConfigError(
+            f"runtime.ppo_processes ({n}) is more than the {torch.cuda.device_count()} CUDA devices of this machine"
+        )

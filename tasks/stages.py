@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from rlhf import evaluate as evaluation
@@ -13,6 +13,7 @@ from rlhf.checkpoints import write_manifest
 from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
 from rlhf.data import prepare
 from rlhf.models import load_tokenizer, set_threads
+from rlhf.ppo import launch
 from rlhf.ppo.state import same_vocabulary
 from rlhf.ppo.trainer import train_ppo
 from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
@@ -150,33 +151,58 @@ def init_policy_and_value(
 
 @task(name="train_policy_ppo", tags=["gpu"], **STAGE)
 def train_policy_ppo(
-    ppo: PPOConfig, init: StageOutput, data: StageOutput, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
+    ppo: PPOConfig,
+    init: StageOutput,
+    data: StageOutput,
+    seed: int,
+    processes: int,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
 ) -> StageOutput:
-    """PPO against the reward model; a retry resumes from the last saved trainer state and MLflow run."""
+    """PPO against the reward model (in `processes` data-parallel processes when > 1); a retry resumes from the
+    last saved trainer state and continues the same MLflow run."""
     set_threads(runtime.threads)
-    folder = stage_dir(runtime.output_dir, "train_policy_ppo", {"ppo": ppo, "init": init, "data": data, "seed": seed})
+    key = {"ppo": ppo, "init": init, "data": data, "seed": seed, "processes": processes}
+    folder = stage_dir(runtime.output_dir, "train_policy_ppo", key)
     params = {
         **flatten(ppo, "ppo"),
+        "ppo_processes": processes,
         "reward_retokenizes": not init.extra["same_tokenizer"],
         "value_init": init.extra["value_init"],
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
         log_data_inputs(tracker, run_id, data.path, data.digest, "prompts.parquet")
-        prompts = pd.read_parquet(f"{data.path}/prompts.parquet")["prompt"].tolist()
-        log = tracker.metric_logger(run_id, progress_logger("ppo", 10))
-        result = train_ppo(
-            ppo,
-            runtime,
-            init.extra["policy_init"],
-            init.extra["reward_model"],
-            prompts,
-            folder,
-            seed,
-            log,
-            value_path=init.extra["value_init"],
-            gold_fn=prepare.gold_scorer(data.extra["manifest"]),
-            stop_after=injected_failure("train_policy_ppo", folder),
-        )
+        models = (init.extra["policy_init"], init.extra["reward_model"])
+        stop_after = injected_failure("train_policy_ppo", folder)
+        if processes > 1:
+            result = launch.run_data_parallel(
+                processes,
+                ppo,
+                runtime,
+                seed,
+                *models,
+                init.extra["value_init"],
+                f"{data.path}/prompts.parquet",
+                folder,
+                tracking_uri=tracking.uri,
+                run_id=run_id,
+                data_manifest=f"{data.path}/manifest.json",
+                stop_after=stop_after,
+                echo=get_run_logger().info,
+            )
+        else:
+            result = train_ppo(
+                ppo,
+                runtime,
+                *models,
+                pd.read_parquet(f"{data.path}/prompts.parquet")["prompt"].tolist(),
+                folder,
+                seed,
+                tracker.metric_logger(run_id, progress_logger("ppo", 10)),
+                value_path=init.extra["value_init"],
+                gold_fn=prepare.gold_scorer(data.extra["manifest"]),
+                stop_after=stop_after,
+            )
         if ppo.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")
         if tracking.log_checkpoints:

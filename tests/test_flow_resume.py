@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
+from rlhf.errors import ConfigError
 from tests.conftest import REPO
 from tests.test_pipeline_flow import _task_states
 
@@ -77,6 +80,49 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     clean = rlhf_pipeline(_config(tmp_path / "clean"), return_state=True).result()
     assert clean["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
     assert clean["eval/kl"] == pytest.approx(summary["eval/kl"], rel=1e-4, abs=1e-5)
+
+
+def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monkeypatch):
+    """runtime.ppo_processes=2: the PPO stage runs as two gloo processes under torchrun; the first attempt dies after
+    2 of 4 updates, the retry resumes both ranks from the saved state and logs into the same MLflow run."""
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_policy_ppo:2")
+    cfg = _config(tmp_path, "runtime.ppo_processes=2", "runtime.device=cpu")
+    state = rlhf_pipeline(cfg, return_state=True)
+    summary = state.result()
+    ppo_task = [t for t in _task_runs(state) if t.name.startswith("train_policy_ppo")]
+    assert [(t.state.name, t.run_count) for t in ppo_task] == [("Completed", 2)]
+
+    client = MlflowClient(cfg.tracking.uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    (run,) = client.search_runs([experiment], "tags.stage = 'train_policy_ppo'")
+    assert run.info.status == "FINISHED" and run.data.params["ppo_processes"] == "2"
+    for key in ("objective/kl", "objective/gold_score", "policy/clipfrac"):
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4], key
+    folder = Path(summary["policy_checkpoint"]).parent.parent
+    assert (folder / ".failure_injected").read_text() == "2", "the first attempt really failed"
+    assert json.loads((folder / "launch_result.json").read_text())["world_size"] == 2
+    assert sorted(p.name for p in (folder / "rollouts").iterdir())[-1] == "update_00004.parquet"
+    assert len(pd.read_parquet(folder / "rollouts" / "update_00004.parquet")) == cfg.ppo.batch_size  # both ranks
+    assert 0.0 <= summary["eval/win_rate_gold"] <= 1.0
+
+    # a process count the batches cannot be split into is refused before anything runs
+    with pytest.raises(ConfigError, match=r"runtime.ppo_processes=3: ppo.batch_size \(16\) must be divisible"):
+        rlhf_pipeline(_config(tmp_path, "runtime.ppo_processes=3"))
+
+
+def _task_runs(state):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def fetch():
+        async with get_client() as client:
+            return await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            )
+
+    return asyncio.run(fetch())
 
 
 def test_bad_data_fails_once_without_retries(harness, tmp_path):

@@ -5,27 +5,37 @@
     accelerate launch --multi_gpu --num_processes 8 -m rlhf.ppo.launch ...
     accelerate launch --cpu --num_processes 2 -m rlhf.ppo.launch ...      # gloo, for trying it on a laptop
 
-Run without a launcher it trains in one process, as the pipeline's PPO stage does. ``ppo.batch_size`` is the
-global rollout batch (see docs/scaling.md section 5). Rank 0 prints the final line and, with ``--tracking-uri``,
-logs the run's parameters and metrics to MLflow.
+Run without a launcher it trains in one process. ``ppo.batch_size`` is the global rollout batch (see
+docs/scaling.md section 5). Rank 0 prints the final line and, with ``--tracking-uri``, logs the run's parameters
+and metrics to MLflow (into an existing run with ``--run-id``).
+
+The pipeline's PPO stage uses :func:`run_data_parallel` when ``runtime.ppo_processes`` > 1: it starts this module
+under ``torchrun --standalone`` on the local machine and reads the outcome back from a small JSON file (torchrun
+does not pass its workers' exit codes on).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import subprocess
 import sys
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import torch
+import yaml
 
-from rlhf.config import PipelineConfig, flatten, load_config
+from rlhf.checkpoints import atomic_write_text
+from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_config
 from rlhf.errors import ConfigError
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
-from rlhf.ppo.trainer import TrainingInterrupted, train_ppo
+from rlhf.ppo.trainer import PPOResult, TrainingInterrupted, train_ppo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="default: the config's seed")
     parser.add_argument("--tracking-uri", default=None, help="log to this MLflow store from rank 0")
     parser.add_argument("--experiment", default=None, help="MLflow experiment (default: tracking.experiment)")
+    parser.add_argument(
+        "--run-id", default=None, help="with --tracking-uri: log into this existing MLflow run and leave it open"
+    )
+    parser.add_argument(
+        "--data-manifest", default=None, help="manifest.json of the prepared data: log gold scores when it has them"
+    )
+    parser.add_argument(
+        "--result", default=None, help="rank 0 writes the outcome (status, paths, digest, final statistics) here"
+    )
+    parser.add_argument("--print-every", type=int, default=0, help="rank 0 prints key statistics every N updates")
     parser.add_argument(
         "--write-param-digest",
         action="store_true",
@@ -66,15 +86,46 @@ LogFn = Callable[[dict[str, float], int], None]
 
 
 def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -> tuple[LogFn, Callable[[bool], None]]:
-    """A `log` callable (MLflow on rank 0 with --tracking-uri, else nothing) and a function that ends the run."""
+    """A `log` callable (MLflow on rank 0 with --tracking-uri, else nothing) and a function that ends the run
+    (a no-op for a run named by --run-id: its owner ends it)."""
+    printer = _printer(args.print_every) if ctx.is_main and args.print_every > 0 else None
     if not (ctx.is_main and args.tracking_uri):
-        return (lambda metrics, step: None), (lambda failed: None)
+        return (printer or (lambda metrics, step: None)), (lambda failed: None)
     from rlhf.tracking import Tracker
 
     tracker = Tracker(args.tracking_uri, args.experiment or cfg.tracking.experiment, cfg.tracking.artifact_location)
-    run_id = tracker.start_run("train_policy_ppo-launch", tags={"launcher": "rlhf.ppo.launch"})
-    tracker.log_params(run_id, {**flatten(cfg.ppo, "ppo"), "seed": cfg.seed, "world_size": ctx.world_size})
-    return tracker.metric_logger(run_id), (lambda failed: tracker.end_run(run_id, failed=failed))
+    if args.run_id:
+        run_id, end = args.run_id, (lambda failed: None)
+    else:
+        run_id = tracker.start_run("train_policy_ppo-launch", tags={"launcher": "rlhf.ppo.launch"})
+        tracker.log_params(run_id, {**flatten(cfg.ppo, "ppo"), "seed": cfg.seed, "world_size": ctx.world_size})
+        end = lambda failed: tracker.end_run(run_id, failed=failed)  # noqa: E731
+    logger = tracker.metric_logger(run_id)
+    if printer is None:
+        return logger, end
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        logger(metrics, step)
+        printer(metrics, step)
+
+    return log, end
+
+
+def _printer(every: int) -> LogFn:
+    keys = ("objective/scores", "objective/kl", "policy/approxkl", "policy/clipfrac", "speed/episodes_per_s")
+
+    def show(metrics: dict[str, float], step: int) -> None:
+        if step % every == 0:
+            shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+            print(f"ppo update {step}: {shown}", flush=True)
+
+    return show
+
+
+def _write_result(path: str | None, status: str, **fields) -> None:
+    """Rank 0 (or a process that failed before the group started) records the outcome for the caller."""
+    if path and int(os.environ.get("RANK", "0")) == 0:
+        atomic_write_text(Path(path), json.dumps({"status": status, **fields}, default=str))
 
 
 def check_launcher() -> None:
@@ -91,12 +142,26 @@ def check_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _main(args)
+    except ConfigError as err:
+        _write_result(args.result, "config_error", message=str(err))
+        raise
+
+
+def _gold_fn(manifest_path: str | None):
+    if not manifest_path:
+        return None
+    from rlhf.data.prepare import gold_scorer
+
+    return gold_scorer(json.loads(Path(manifest_path).read_text()))
+
+
+def _main(args: argparse.Namespace) -> int:
     check_launcher()
     cfg = load_config(args.config, args.overrides)
-    try:  # before any model is loaded or process group started
-        distributed.check_world_size(cfg.ppo, distributed.world_size_from_env())
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    # before any model is loaded or process group started
+    distributed.check_world_size(cfg.ppo, distributed.world_size_from_env())
     prompts = read_prompts(args.prompts)
     if cfg.runtime.threads is not None:
         torch.set_num_threads(cfg.runtime.threads)
@@ -113,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.seed if args.seed is None else args.seed,
             log,
             value_path=args.value,
+            gold_fn=_gold_fn(args.data_manifest),
             stop_after=args.stop_after,
             dist=ctx,
         )
@@ -120,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         end_run(True)
         if ctx.is_main:
             print(f"ppo: {stop}", flush=True)
+        _write_result(args.result, "interrupted", message=str(stop))
         distributed.close_distributed()
         return 3
-    except BaseException:
+    except BaseException as err:
         end_run(True)
+        _write_result(args.result, "failed", message=f"{type(err).__name__}: {err}")
         raise
     end_run(False)
+    _write_result(args.result, "completed", **dataclasses.asdict(result), world_size=ctx.world_size)
     if args.write_param_digest and result.param_digest:
         Path(args.out, f"param_digest.rank{ctx.rank}.txt").write_text(result.param_digest + "\n")
     if ctx.is_main:
@@ -136,6 +205,77 @@ def main(argv: list[str] | None = None) -> int:
         )
     distributed.close_distributed()
     return 0
+
+
+def run_data_parallel(
+    processes: int,
+    cfg: PPOConfig,
+    runtime: RuntimeConfig,
+    seed: int,
+    policy_path: str,
+    reward_path: str,
+    value_path: str,
+    prompts_file: str | Path,
+    out_dir: str | Path,
+    *,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+    data_manifest: str | Path | None = None,
+    stop_after: int | None = None,
+    print_every: int = 10,
+    echo: Callable[[str], None] = print,
+) -> PPOResult:
+    """PPO as `processes` data-parallel processes on this machine (``torchrun --standalone``: one per GPU, or gloo
+    processes on CPU), for a Python caller such as the pipeline's PPO stage. Blocks until they end and echoes their
+    output line by line. Resumes from ``out_dir/state`` like :func:`train_ppo`.
+
+    Raises :class:`TrainingInterrupted` (``stop_after``), :class:`ConfigError` (the launcher's one sentence), or
+    ``RuntimeError`` with the tail of the output when the processes failed otherwise.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_file, result_file = out / "launch_config.yaml", out / "launch_result.json"
+    launched = {
+        "seed": seed,
+        "ppo": cfg.model_dump(mode="json"),
+        "runtime": {**runtime.model_dump(mode="json"), "progress": False},  # bars do not survive a pipe
+    }
+    atomic_write_text(config_file, yaml.safe_dump(launched, sort_keys=False))
+    result_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    command += ["-m", "rlhf.ppo.launch", "--config", str(config_file), "--policy", policy_path]
+    command += ["--reward", reward_path, "--value", value_path, "--prompts", str(prompts_file), "--out", str(out)]
+    command += ["--result", str(result_file), "--print-every", str(print_every)]
+    if tracking_uri:
+        command += ["--tracking-uri", tracking_uri] + (["--run-id", run_id] if run_id else [])
+    if data_manifest:
+        command += ["--data-manifest", str(data_manifest)]
+    if stop_after is not None:
+        command += ["--stop-after", str(stop_after)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # torchrun sets 1 thread per process (with a banner) unless told; share the cores out instead
+    threads = runtime.threads or max(1, (os.cpu_count() or 1) // processes)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    tail: deque[str] = deque(maxlen=30)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.strip():
+                echo(line.rstrip())
+                tail.append(line)
+    outcome = json.loads(result_file.read_text()) if result_file.is_file() else {"status": "crashed"}
+    status = outcome.pop("status")
+    if status == "completed" and proc.returncode == 0:
+        outcome.pop("world_size", None)
+        return PPOResult(**outcome)
+    if status == "interrupted":
+        raise TrainingInterrupted(outcome["message"])
+    if status == "config_error":
+        raise ConfigError(outcome["message"])
+    raise RuntimeError(
+        f"data-parallel PPO ({processes} processes) exited with code {proc.returncode} "
+        f"({outcome.get('message', status)}); last output:\n" + "".join(tail)
+    )
 
 
 if __name__ == "__main__":
