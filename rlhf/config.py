@@ -86,6 +86,11 @@ class DataConfig(_Section):
         None, description="Hub data set id (source 'hub'), e.g. 'Anthropic/hh-rlhf'; any `load_dataset` path works."
     )
     config_name: str | None = Field(None, description="Hub data set configuration (`load_dataset`'s `name`).")
+    data_dir: str | None = Field(
+        None,
+        description="Sub-folder of the hub data set (or of a local data folder) to read, e.g. 'helpful-base' of "
+        "Anthropic/hh-rlhf (`load_dataset`'s `data_dir`).",
+    )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the data set.")
     train_split: str = Field("train", description="Split with the training pairs (hub and save_to_disk sources).")
     eval_split: str | None = Field(

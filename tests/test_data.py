@@ -129,6 +129,28 @@ def test_eval_file_and_saved_dataset_dict_splits(tmp_path):
         prepare_preferences(DataConfig(source="local", path=str(saved), eval_split="validation"), tmp_path / "c")
 
 
+def test_data_dir_picks_a_subset_of_a_folder_as_of_a_hub_repository(tmp_path):
+    """Anthropic/hh-rlhf keeps its subsets in folders (helpful-base/, harmless-base/, ...), each with train and test
+    files; `data_dir` picks one. A local folder laid out like the hub repository goes through the same call."""
+    for subset, start in (("helpful-base", 0), ("harmless-base", 100)):
+        folder = tmp_path / "hh" / subset
+        folder.mkdir(parents=True)
+        for split, n in (("train", 8), ("test", 3)):
+            rows = pairs(n, start=start + (50 if split == "test" else 0))
+            (folder / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(source="local", path=str(tmp_path / "hh"), data_dir="harmless-base", eval_split="test")
+    out = prepare_preferences(cfg, tmp_path / "out")
+    assert out.manifest["rows"]["train"] == 8 and out.manifest["rows"]["eval"] == 3
+    assert out.manifest["data_dir"] == "harmless-base"
+    assert set(pd.read_parquet(out.train)["prompt"]) == {r["prompt"] for r in pairs(8, start=100)}
+    with pytest.raises(DataError, match=r"data.data_dir: .*hh has no sub-folder 'red-team'"):
+        prepare_preferences(cfg.model_copy(update={"data_dir": "red-team"}), tmp_path / "x")
+    single = tmp_path / "one.jsonl"
+    single.write_text(json.dumps(pairs(1)[0]))
+    with pytest.raises(DataError, match=r"data.data_dir applies to hub data sets and folders of data files"):
+        prepare_preferences(DataConfig(source="local", path=str(single), data_dir="x"), tmp_path / "y")
+
+
 def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
     """The hub path is the same load_dataset call as local builders: only the arguments differ."""
     saved = tmp_path / "hub"
@@ -138,13 +160,15 @@ def test_hub_source_goes_through_load_dataset(tmp_path, monkeypatch):
     real = datasets.load_dataset
 
     def fake_load_dataset(path, name=None, **kwargs):
-        calls.append((path, name, kwargs["revision"], kwargs["split"]))
+        calls.append((path, name, kwargs["data_dir"], kwargs["revision"], kwargs["split"]))
         return datasets.load_from_disk(str(saved))[kwargs["split"]]  # no network: serve the "hub" set from disk
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    cfg = DataConfig(source="hub", name="org/prefs", config_name="default", revision="abc123", eval_split="test")
+    cfg = DataConfig(
+        source="hub", name="org/prefs", config_name="default", data_dir="sub", revision="abc123", eval_split="test"
+    )
     out = prepare_preferences(cfg, tmp_path / "out")
-    assert calls == [("org/prefs", "default", "abc123", "train"), ("org/prefs", "default", "abc123", "test")]
+    assert calls == [("org/prefs", "default", "sub", "abc123", s) for s in ("train", "test")]
     assert out.manifest["source"] == "org/prefs" and out.manifest["revision"] == "abc123"
     assert out.manifest["rows"]["train"] == 10 and out.manifest["rows"]["eval"] == 2
     monkeypatch.setattr(datasets, "load_dataset", real)

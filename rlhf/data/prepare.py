@@ -185,6 +185,7 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
         source=cfg.name if cfg.source == "hub" else str(cfg.path),
         source_kind=cfg.source,
         config_name=cfg.config_name,
+        data_dir=cfg.data_dir,
         revision=cfg.revision,
         splits={"train": train_src.label, "eval": eval_src.label if eval_src else f"{cfg.eval_fraction} of train"},
         format=plan.format,

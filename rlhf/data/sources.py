@@ -102,6 +102,7 @@ def load_split(
     *,
     config_name: str | None = None,
     data_files: str | None = None,
+    data_dir: str | None = None,
     revision: str | None = None,
     cache_dir: str | None = None,
     label: str,
@@ -111,7 +112,13 @@ def load_split(
 
     try:
         rows = datasets.load_dataset(
-            builder, config_name, data_files=data_files, revision=revision, split=split, cache_dir=cache_dir
+            builder,
+            config_name,
+            data_files=data_files,
+            data_dir=data_dir,
+            revision=revision,
+            split=split,
+            cache_dir=cache_dir,
         )
     except Exception as err:  # noqa: BLE001 (any library failure becomes one sentence)
         raise DataError(f"{label} could not be loaded: {first_line(err)}") from None
@@ -133,14 +140,17 @@ def load_saved(path: Path, split: str, label: str) -> Dataset:
     return saved
 
 
-def open_local(path: str, split: str, cache_dir: str, key: str = "data.path") -> Source:
-    """A local file (through its packaged builder) or a save_to_disk folder."""
+def open_local(path: str, split: str, cache_dir: str, key: str = "data.path", data_dir: str | None = None) -> Source:
+    """A local file (through its packaged builder), a save_to_disk folder, or a folder of data files."""
     check_local_path(key, path)
     local = Path(path)
     if is_saved_dataset(local):
         return Source(load_saved(local, split, path), path)
     if local.is_dir():  # a folder of data files, read the way the hub reads a repository
-        return Source(load_split(str(local), split, cache_dir=cache_dir, label=path), path)
+        if data_dir and not (local / data_dir).is_dir():
+            raise DataError(f"data.data_dir: {path} has no sub-folder '{data_dir}'")
+        label = f"{path} ({data_dir})" if data_dir else path
+        return Source(load_split(str(local), split, data_dir=data_dir, cache_dir=cache_dir, label=label), label)
     builder = BUILDERS[local.suffix.lower()]
     return Source(load_split(builder, "train", data_files=str(local), cache_dir=cache_dir, label=path), path)
 
@@ -149,22 +159,29 @@ def open_sources(cfg: DataConfig, cache_dir: str) -> tuple[Source, Source | None
     """The training split and the optional held-out split that `cfg` names (None: split by fraction)."""
     if cfg.source == "hub":
         assert cfg.name is not None
-        base = cfg.name + (f" ({cfg.config_name})" if cfg.config_name else "")
+        subset = ", ".join(x for x in (cfg.config_name, cfg.data_dir) if x)
+        base = cfg.name + (f" ({subset})" if subset else "")
 
         def hub(split: str) -> Source:
             label = f"hub data set {base} split '{split}'"
-            rows = load_split(cfg.name, split, config_name=cfg.config_name, revision=cfg.revision, label=label)
+            rows = load_split(
+                cfg.name, split, config_name=cfg.config_name, data_dir=cfg.data_dir, revision=cfg.revision, label=label
+            )
             return Source(rows, label)
 
         return hub(cfg.train_split), hub(cfg.eval_split) if cfg.eval_split else None
     assert cfg.path is not None
-    train = open_local(cfg.path, cfg.train_split, cache_dir)
+    if cfg.data_dir and not (Path(cfg.path).is_dir() and not is_saved_dataset(Path(cfg.path))):
+        raise DataError(
+            f"data.data_dir applies to hub data sets and folders of data files; data.path {cfg.path} is neither"
+        )
+    train = open_local(cfg.path, cfg.train_split, cache_dir, data_dir=cfg.data_dir)
     if cfg.eval_path:
         return train, open_local(cfg.eval_path, cfg.train_split, cache_dir, "data.eval_path")
     if cfg.eval_split:
         if not is_saved_dataset(Path(cfg.path)) and not Path(cfg.path).is_dir():
             raise DataError("data.eval_split applies to hub data sets and folders; use data.eval_path for a file")
-        return train, open_local(cfg.path, cfg.eval_split, cache_dir)
+        return train, open_local(cfg.path, cfg.eval_split, cache_dir, data_dir=cfg.data_dir)
     return train, None
 
 
