@@ -51,7 +51,24 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
         parent_run_id=run_id,
         flow_run_id=flow_run_id,
         log_checkpoints=t.log_checkpoints,
+        registered_model=t.registered_model,
     )
+
+
+@task(name="register_policy")
+def register_policy(tracking: TrackingContext, summary: dict[str, Any]) -> str:
+    """The PPO policy as a version of the registered model, tagged with the evaluation summary."""
+    tracker = Tracker(tracking.uri, tracking.experiment, tracking.artifact_location)
+    assert tracking.registered_model is not None
+    metrics = {k: f"{v:.6g}" for k, v in summary.items() if isinstance(v, float) and k.startswith(("eval/", "reward/"))}
+    version = tracker.register_model_version(
+        tracking.registered_model,
+        summary["stage.train_policy_ppo.run_id"],
+        "ppo_checkpoint/policy",
+        tags={**metrics, "pipeline_run_id": tracking.parent_run_id, "code_version": code_version()},
+        description=f"PPO policy of pipeline run {tracking.parent_run_id}",
+    )
+    return f"models:/{tracking.registered_model}/{version}"
 
 
 @task(name="close_pipeline_run")
@@ -128,6 +145,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
         **{f"stage.{o.stage}.run_id": o.mlflow_run_id for o in (data, sft, reward, init, policy, evaluation)},
     }
+    if tracking.registered_model:
+        summary["registered_policy"] = register_policy(tracking, summary)
     return summary
 
 
@@ -146,6 +165,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append(f"mean KL(PPO || SFT) per response:       {summary['eval/kl']:.3f}")
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
+    if "registered_policy" in summary:
+        lines.append(f"{'registered policy':<40}{summary['registered_policy']}")
     lines += [
         "",
         f"MLflow run {summary['mlflow_run_id']}; open the UI with:",

@@ -29,6 +29,22 @@ class TrackingConfig(_Section):
     )
     experiment: str = Field("rlhf-ppo", description="MLflow experiment name.")
     log_checkpoints: bool = Field(True, description="Log every model checkpoint as an MLflow artifact.")
+    registered_model: str | None = Field(
+        None,
+        description="Register each pipeline run's PPO policy as a version of this MLflow registered model (tagged "
+        "with the evaluation summary; a cached policy keeps its version). Needs log_checkpoints.",
+    )
+
+    @model_validator(mode="after")
+    def _registry_needs_checkpoints(self) -> TrackingConfig:
+        if self.registered_model is not None and not self.registered_model.strip():
+            raise ValueError("tracking.registered_model must be a non-empty name (or null)")
+        if self.registered_model and not self.log_checkpoints:
+            raise ValueError(
+                "tracking.registered_model needs tracking.log_checkpoints: a model version points at the logged "
+                "checkpoint"
+            )
+        return self
 
 
 class RuntimeConfig(_Section):

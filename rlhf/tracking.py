@@ -151,6 +151,30 @@ class Tracker:
             inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", context)]))
         self.client.log_inputs(run_id, datasets=inputs)
 
+    def register_model_version(
+        self, name: str, run_id: str, artifact_path: str, tags: dict[str, Any], description: str = ""
+    ) -> str:
+        """A version of registered model `name` pointing at `runs:/<run_id>/<artifact_path>`; the existing version
+        when that run was registered already (a cached result is not registered twice). Returns the version."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        for version in self.client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
+            if version.source.endswith(artifact_path):
+                return str(version.version)
+        created = self.client.create_model_version(
+            name,
+            f"runs:/{run_id}/{artifact_path}",
+            run_id,
+            tags={k: str(v) for k, v in tags.items()},
+            description=description,
+        )
+        return str(created.version)
+
     def get_run(self, run_id: str):
         return self.client.get_run(run_id)
 

@@ -41,6 +41,7 @@ class TrackingContext(BaseModel):
     parent_run_id: str
     flow_run_id: str | None = None
     log_checkpoints: bool = True
+    registered_model: str | None = None
 
 
 # Parameters that never change a stage's result, so they are left out of its key.

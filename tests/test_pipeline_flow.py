@@ -34,7 +34,7 @@ def _task_states(flow_state) -> dict[str, str]:
     return asyncio.run(fetch())
 
 
-def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
+def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(
         REPO / "conf" / "smoke.yaml",
@@ -42,6 +42,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
             f"tracking.uri={uri}",
             f"tracking.artifact_location={tmp_path}/artifacts",
             f"runtime.output_dir={tmp_path}/out",
+            "tracking.registered_model=rlhf-policy",
         ],
     )
     first = rlhf_pipeline(cfg, return_state=True)
@@ -109,6 +110,18 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
     assert train.digest == summary["data_digest"][:36]
     assert {"name": "prompt", "type": "string", "required": True} in json.loads(train.schema)["mlflow_colspec"]
 
+    # the PPO policy is a version of the registered model, tagged with the evaluation, and loads from the registry
+    assert summary["registered_policy"] == "models:/rlhf-policy/1"
+    version = client.get_model_version("rlhf-policy", "1")
+    assert version.run_id == ppo.info.run_id
+    assert float(version.tags["eval/win_rate_gold"]) == pytest.approx(summary["eval/win_rate_gold"], rel=1e-5)
+    from mlflow.artifacts import download_artifacts
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would, to resolve models:/ URIs
+    local = download_artifacts(artifact_uri="models:/rlhf-policy/1", dst_path=str(tmp_path / "registry"))
+    assert AutoModelForCausalLM.from_pretrained(local).config.model_type == "gpt2"
+
     # the Prefect side: the drop table of the prepare stage is a table artifact of the flow run
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -131,6 +144,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
     states = _task_states(second)
     for stage in children:
         assert states[stage] == "Cached", (stage, states)
+    assert second.result()["registered_policy"] == "models:/rlhf-policy/1"  # the same policy: no new version
 
     # a changed PPO setting re-runs PPO and evaluation only
     changed = cfg.model_copy(deep=True)
@@ -139,3 +153,4 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path):
     states = _task_states(third)
     assert states["train_reward_model"] == "Cached" and states["supervised_finetune"] == "Cached"
     assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
+    assert third.result()["registered_policy"] == "models:/rlhf-policy/2"
