@@ -248,6 +248,11 @@ class PPOConfig(_Section):
     vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     whiten_rewards: bool = Field(False, description="Whiten per-token rewards before GAE.")
+    whiten_rewards_keep_mean: bool = Field(
+        True,
+        description="With whiten_rewards: divide the rewards by their std and keep their mean (TRL's "
+        "shift_mean=False); false also subtracts the mean.",
+    )
     max_new_tokens: int = Field(24, ge=1, description="Maximum response tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use the same one).")
     top_k: int | None = Field(None, ge=1, description="Top-k sampling; None disables.")

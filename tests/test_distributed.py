@@ -194,6 +194,8 @@ def test_helpers_are_no_ops_in_one_process():
     stats = {"objective/scores": 1.5, "objective/scores_min": -1.0}
     assert distributed.reduce_stats(stats) == stats
     assert distributed.all_gather_object("x") == ["x"]
+    x, mask = torch.tensor([[1.0, 3.0, 99.0]]), torch.tensor([[1, 1, 0]])
+    assert [t.item() for t in distributed.masked_mean_var(x, mask)] == [2.0, 2.0]  # its own: mean 2, var 2/1
     assert distributed.broadcast_object(3) == 3
 
 
@@ -230,6 +232,12 @@ def _helpers_worker(rank: int, world_size: int, port: int, results: Path) -> Non
         distributed.broadcast_parameters(module)
         assert torch.equal(module.weight, torch.zeros(2, 2))  # rank 0's
         assert distributed.all_gather_object(rank * 10) == [0, 10]
+        # whitening moments of the global batch: shards of different shapes, padding ignored
+        # real entries rank 0: 1, 3 | rank 1: 5, 7, 9 -> mean 5; squared deviations 16+4+0+4+16 = 40; var 40/4 = 10
+        x = [torch.tensor([[1.0, 3.0, 99.0]]), torch.tensor([[5.0, 7.0], [9.0, -99.0]])][rank]
+        mask = [torch.tensor([[1, 1, 0]]), torch.tensor([[1, 1], [1, 0]])][rank]
+        mean, var = distributed.masked_mean_var(x, mask)
+        assert mean.item() == pytest.approx(5.0) and var.item() == pytest.approx(10.0)
         assert distributed.broadcast_object(f"from {rank}") == "from 0"
         distributed.barrier()
         (results / f"ok{rank}").write_text("ok")

@@ -91,6 +91,17 @@ def test_masked_whiten_restore_mean_only_scales() -> None:
     assert masked_var(out, MASK_W).item() == pytest.approx(1.0, abs=1e-5)
 
 
+def test_masked_whiten_with_given_moments() -> None:
+    # mean 2, variance 4 (std 2) given: (1 - 2) / 2 = -0.5, (3 - 2) / 2 = 0.5, (5 - 2) / 2 = 1.5, (7 - 2) / 2 = 2.5
+    moments = (torch.tensor(2.0), torch.tensor(4.0))
+    out = masked_whiten(X_W, MASK_W, moments=moments, eps=0.0)
+    torch.testing.assert_close(out, torch.tensor([[-0.5, 0.5, 0.0], [1.5, 2.5, 0.0]]))
+    kept = masked_whiten(X_W, MASK_W, moments=moments, eps=0.0, restore_mean=True)  # + 2 on the real entries
+    torch.testing.assert_close(kept, torch.tensor([[1.5, 2.5, 0.0], [3.5, 4.5, 0.0]]))
+    own = (masked_mean(X_W, MASK_W), masked_var(X_W, MASK_W))  # its own moments: the default
+    torch.testing.assert_close(masked_whiten(X_W, MASK_W, moments=own), masked_whiten(X_W, MASK_W))
+
+
 def test_masked_whiten_padding_invariance() -> None:
     other = X_W.clone()
     other[~MASK_W.bool()] = torch.tensor([-3.0, 123.0])

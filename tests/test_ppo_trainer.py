@@ -251,6 +251,7 @@ def test_every_spec_statistic_is_logged(stack, tmp_path):
     [
         {"value_model": "policy_head"},
         {"kl_controller": "adaptive", "kl_estimator": "k3", "whiten_rewards": True, "top_k": 20, "top_p": 0.9},
+        {"whiten_rewards": True, "whiten_rewards_keep_mean": False, "whiten_advantages": False},
         {"gradient_accumulation_steps": 2, "gradient_checkpointing": True, "entropy_coef": 0.01, "target_kl": 0.001},
         {"lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": ["c_attn"]}},
         {

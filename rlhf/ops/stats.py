@@ -54,16 +54,27 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, restore_mean: bool = False, eps: float = 1e-8) -> Tensor:
+def masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    *,
+    restore_mean: bool = False,
+    eps: float = 1e-8,
+    moments: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Normalise the real entries of ``x`` to mean 0 and (unbiased) variance 1: ``(x - mean) * rsqrt(var + eps)``.
 
     With ``restore_mean=True`` the mean is added back afterwards, so only the scale is normalised (TRL's
-    ``shift_mean=False``, used for reward whitening). Padded positions of the output are 0.
+    ``shift_mean=False``, used for reward whitening). Padded positions of the output are 0. ``moments`` is a
+    (mean, unbiased variance) computed elsewhere, e.g. over the shards of every data-parallel process; None: those
+    of ``x``'s real entries.
 
     Shape: x and mask (b, t); output (b, t).
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
+    if moments is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=True)
+    else:
+        mean, var = moments
     whitened = (x - mean) * torch.rsqrt(var + eps)
     if restore_mean:
         whitened = whitened + mean

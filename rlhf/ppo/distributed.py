@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from rlhf import models
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
+from rlhf.ops import masked_mean, masked_var
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,29 @@ def all_reduce_mean(tensor: Tensor) -> Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         tensor /= dist.get_world_size()
     return tensor
+
+
+def masked_mean_var(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased variance of the real entries of `x` over every rank's shard: the count, sum and sum of
+    squares are all-reduced (in float64). In one process: those of `x` (``masked_mean``, ``masked_var``).
+
+    Shape: x and mask (b, t), b may differ between ranks; outputs () in x's dtype and device.
+    """
+    if not _active():
+        return masked_mean(x, mask), masked_var(x, mask, unbiased=True)
+    m = mask.to(torch.float64)
+    xm = x.detach().to(torch.float64) * m
+    totals = torch.stack([m.sum(), xm.sum(), (xm * xm).sum()]).to(_comm_device())
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    n, total, squares = totals.tolist()
+    if n <= 0:
+        zero = torch.zeros((), dtype=x.dtype, device=x.device)
+        return zero, zero.clone()
+    mean = total / n
+    var = max(squares / n - mean * mean, 0.0)  # biased; Bessel's correction when there are 2+ entries
+    if n > 1:
+        var *= n / (n - 1)
+    return torch.tensor(mean, dtype=x.dtype, device=x.device), torch.tensor(var, dtype=x.dtype, device=x.device)
 
 
 def average_gradients(params: Iterable[nn.Parameter]) -> None:

@@ -66,8 +66,8 @@ def train_ppo(
 
     `dist` (from `distributed.init_distributed`, e.g. under ``torchrun``) makes this one of W data-parallel
     processes: ppo.batch_size is the global batch and each rank generates its slice of it; gradients are averaged
-    across ranks, advantages are whitened per rank, statistics are reduced across ranks, and rank 0 alone calls
-    `log` and writes rollout records, the trainer state and the final models. None: one process.
+    across ranks, whitening uses the moments of the global batch, statistics are reduced across ranks, and rank 0
+    alone calls `log` and writes rollout records, the trainer state and the final models. None: one process.
     """
     out_dir = Path(out_dir)
     dist = dist if dist is not None else DistContext(device=models.resolve_device(runtime.device))
@@ -100,8 +100,8 @@ def train_ppo(
             state.sample_generator,
             runtime.bf16,
         )
-        # steps 4-6. rewards with the KL penalty, advantages (whitened over this rank's shard)
-        compute_advantages(rollout, cfg, state.kl_ctl.value)
+        # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
+        compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
         optim = optimize(m, state, rollout, cfg, runtime.bf16, dist)
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)

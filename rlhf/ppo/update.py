@@ -16,7 +16,7 @@ from rlhf.config import PPOConfig
 from rlhf.models import unwrap
 from rlhf.ops import gae, masked_mean, masked_quantiles, masked_whiten, per_token_rewards, policy_loss, shape_scores
 from rlhf.ops import value_loss as value_loss_fn
-from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients
+from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients, masked_mean_var
 from rlhf.ppo.rollout import GenerationSettings, Responses, policy_forward, sample_responses, value_forward
 from rlhf.ppo.state import PPOModels, TrainerState, reference_logprobs, reward_scores
 from rlhf.ppo.stats import OptimStats
@@ -123,10 +123,20 @@ def generate_and_score(
     )
 
 
-def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float) -> Rollout:
-    """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), GAE, whitening."""
+def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistContext | None = None) -> Rollout:
+    """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), GAE, whitening.
+
+    With several processes (`dist`), the whitening moments are those of the global batch (every rank's shard),
+    so W processes whiten as one process with the same global batch would.
+    """
     t0 = time.perf_counter()
     mask = r.mask
+    several = dist is not None and dist.world_size > 1
+
+    def whiten(x: Tensor, restore_mean: bool) -> Tensor:
+        moments = masked_mean_var(x, mask) if several else None
+        return masked_whiten(x, mask, restore_mean=restore_mean, moments=moments)
+
     shaped = shape_scores(
         r.scores,
         r.resp.mask.sum(1),
@@ -138,11 +148,11 @@ def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float) -> Rollout:
         min_length_penalty=cfg.min_length_penalty,
     )
     tr = per_token_rewards(shaped.scores, r.logprobs, r.ref_logprobs, mask, kl_coef, cfg.kl_estimator)
-    rewards = masked_whiten(tr.rewards, mask) if cfg.whiten_rewards else tr.rewards
+    rewards = whiten(tr.rewards, cfg.whiten_rewards_keep_mean) if cfg.whiten_rewards else tr.rewards
     adv = gae(rewards, r.values, mask, cfg.gamma, cfg.lam)
     r.shaped_scores, r.kl, r.non_score_rewards = shaped.scores, tr.kl, tr.non_score_rewards
     r.advantages, r.returns = adv.advantages, adv.returns
-    r.loss_advantages = masked_whiten(adv.advantages, mask) if cfg.whiten_advantages else adv.advantages
+    r.loss_advantages = whiten(adv.advantages, False) if cfg.whiten_advantages else adv.advantages
     r.timings["time/advantages"] = time.perf_counter() - t0
     return r
 
