@@ -101,3 +101,9 @@ def is_complete(folder: str | Path) -> bool:
         (folder / name).is_file() and (folder / name).stat().st_size == size
         for name, size in manifest.get("files", {}).items()
     )
+
+
+def rng_state_tuple(value: Any) -> Any:
+    """A ``random.Random`` state after a round trip through ``torch.save``/``torch.load`` (nested lists) as the
+    nested tuples ``Random.setstate`` needs."""
+    return tuple(rng_state_tuple(v) for v in value) if isinstance(value, list | tuple) else value

@@ -199,16 +199,35 @@ class BootstrapModelConfig(_Section):
 class SFTConfig(_Section):
     model: str | None = Field(
         None,
-        description="Existing SFT checkpoint (local path or hub id): skips training. None bootstraps a tiny GPT-2 "
-        "and its tokenizer from the task's demonstrations.",
+        description="Existing model (local path or hub id): used as the SFT policy as it is, or fine-tuned first "
+        "with `finetune`. None bootstraps a tiny GPT-2 and its tokenizer from the task's demonstrations.",
     )
     revision: str | None = Field(None, description="Hub revision of `model`.")
+    finetune: bool = Field(
+        False,
+        description="Fine-tune `model` on the demonstrations (synthetic task: its demonstrations; otherwise the "
+        "chosen responses of the training pairs) before the later stages. Use a small `lr` (1e-5 to 5e-5).",
+    )
     bootstrap: BootstrapModelConfig = Field(default_factory=BootstrapModelConfig)
-    steps: int = Field(600, ge=1, description="SFT optimizer steps when bootstrapping.")
+    steps: int = Field(600, ge=1, description="SFT optimizer steps (bootstrapping or fine-tuning).")
     batch_size: int = Field(64, ge=1, description="SFT batch size.")
     lr: float = Field(3e-3, gt=0, description="SFT peak learning rate (AdamW, cosine decay).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    max_length: int = Field(
+        512, ge=8, description="Fine-tuning: maximum tokens of prompt + response (capped by the model's positions)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Fine-tuning: trade compute for activation memory.")
+    save_every: int = Field(200, ge=1, description="Save the full SFT trainer state every N steps (resume point).")
+
+    @model_validator(mode="after")
+    def _finetune_needs_model(self) -> SFTConfig:
+        if self.finetune and self.model is None:
+            raise ValueError(
+                "sft.finetune needs sft.model (the model to fine-tune); without a model the tiny GPT-2 is "
+                "bootstrapped and trained anyway"
+            )
+        return self
 
 
 class RewardConfig(_Section):

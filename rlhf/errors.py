@@ -11,3 +11,8 @@ class ConfigError(UserInputError):
 
 class DataError(UserInputError):
     """Preference data that cannot be used; the message names the file, column or row."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """A trainer stopped on purpose after `stop_after` steps (resume tests and drills) with its state saved; a
+    restart continues from it. Not a user error: a retry is what should happen next."""

@@ -18,21 +18,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response
-from rlhf.checkpoints import atomic_dir, write_manifest
+from rlhf.checkpoints import atomic_dir, rng_state_tuple, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
+from rlhf.errors import TrainingInterrupted
 from rlhf.ops import pairwise_reward_loss
 
 LogFn = Callable[[dict[str, float], int], None]
 STATE_FILE = "trainer_state.pt"
-
-
-class TrainingInterrupted(RuntimeError):
-    """Raised by `stop_after`: the state was saved and a restart continues from it."""
-
-
-def _as_tuple(value):
-    """random.Random state round-trips through torch.save as nested lists/tuples; setstate needs tuples."""
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 def _untied(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -154,7 +146,7 @@ def train_reward_model(
         load_model(model, state_dir / "model.safetensors", device=str(device))
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
-        rng.setstate(_as_tuple(saved["python_rng"]))
+        rng.setstate(rng_state_tuple(saved["python_rng"]))
         torch.set_rng_state(saved["torch_rng"])
         order, best_acc, best_step, first = (
             list(saved["order"]),

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: bootstrap a tiny GPT-2 and tokenizer on the demonstrations, or load a checkpoint."""
+"""Supervised fine-tuning: bootstrap a tiny GPT-2 and tokenizer on the demonstrations, fine-tune an existing
+model on them, or use an existing checkpoint as it is."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response
-from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
+from rlhf.checkpoints import atomic_dir, dir_digest, rng_state_tuple, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
+from rlhf.errors import TrainingInterrupted
 
 LogFn = Callable[[dict[str, float], int], None]
+STATE_FILE = "trainer_state.pt"
 
 
 @dataclass
@@ -66,26 +71,79 @@ def bootstrap_sft(
     out_dir: str | Path,
     seed: int,
     log: LogFn,
+    stop_after: int | None = None,
 ) -> SFTResult:
-    """Train a byte-level BPE tokenizer and a tiny GPT-2 from scratch on prompt -> response demonstrations.
-
-    The loss covers the response tokens (and the closing EOS) only.
-    """
-    device = models.resolve_device(runtime.device)
+    """Train a byte-level BPE tokenizer and a tiny GPT-2 from scratch on prompt -> response demonstrations."""
     demos = pd.read_parquet(demonstrations)
     tokenizer = models.build_tokenizer(tokenizer_corpus(demos, pd.read_parquet(pairs)), cfg.bootstrap.vocab_size)
     boot = cfg.bootstrap
     model = models.build_tiny_gpt2(tokenizer, boot.n_layer, boot.n_head, boot.n_embd, boot.n_positions, seed)
+    return train_sft(model, tokenizer, demos, cfg, runtime, out_dir, seed, log, boot.n_positions, stop_after)
+
+
+def finetune_sft(
+    cfg: SFTConfig,
+    runtime: RuntimeConfig,
+    demonstrations: str | Path,
+    out_dir: str | Path,
+    seed: int,
+    log: LogFn,
+    stop_after: int | None = None,
+) -> SFTResult:
+    """Fine-tune the configured model (`sft.model`: a path or hub id) on prompt -> response demonstrations."""
+    assert cfg.model is not None
+    trc = runtime.trust_remote_code
+    tokenizer = models.load_tokenizer(cfg.model, cfg.revision, trc)
+    model = models.load_causal_lm(cfg.model, torch.device("cpu"), cfg.revision, trc)
+    positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    max_length = min(cfg.max_length, positions) if positions else cfg.max_length
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    demos = pd.read_parquet(demonstrations)
+    return train_sft(model, tokenizer, demos, cfg, runtime, out_dir, seed, log, max_length, stop_after)
+
+
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    demos: pd.DataFrame,
+    cfg: SFTConfig,
+    runtime: RuntimeConfig,
+    out_dir: str | Path,
+    seed: int,
+    log: LogFn,
+    max_length: int,
+    stop_after: int | None = None,
+) -> SFTResult:
+    """Next-token loss on the response tokens (and the closing EOS) only, for `cfg.steps` AdamW steps.
+
+    The full state (weights, optimizer, scheduler, RNGs, data order, step) is saved atomically to
+    ``out_dir/state`` every ``cfg.save_every`` steps; a restart with the same config continues from it and logs
+    only the steps after it. `stop_after` ends training after that many steps, as a crash would (resume tests).
+    """
+    device = models.resolve_device(runtime.device)
+    torch.manual_seed(seed)
     model.to(device).train()
     models.fuse_gelu(model)
     optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
-    batch = encode_prompt_response(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), boot.n_positions)
+    batch = encode_prompt_response(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), max_length)
     rng = random.Random(seed)
     order: list[int] = []
+    first = 0
+    state_dir = Path(out_dir) / "state"
+    if (state_dir / STATE_FILE).is_file():  # resume: same config, continue where the last save left off
+        saved = torch.load(state_dir / STATE_FILE, map_location="cpu", weights_only=True)
+        load_model(model, state_dir / "model.safetensors", device=str(device))
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        rng.setstate(rng_state_tuple(saved["python_rng"]))
+        torch.set_rng_state(saved["torch_rng"])
+        order, first = list(saved["order"]), int(saved["step"])
     start = time.perf_counter()
     loss_value = float("nan")
-    for step in tqdm(range(cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2):
+    bar = tqdm(range(first, cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2, initial=first)
+    for step in bar:
         if len(order) < cfg.batch_size:
             order = list(range(len(demos)))
             rng.shuffle(order)
@@ -99,7 +157,7 @@ def bootstrap_sft(
         # next-token loss on response tokens only: position t predicts token t+1
         token_loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
         target_mask = loss_mask[:, 1:].float()
-        loss = (token_loss * target_mask).sum() / target_mask.sum()
+        loss = (token_loss * target_mask).sum() / target_mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,12 +166,31 @@ def bootstrap_sft(
         loss_value = loss.item()
         if step % 10 == 0 or step == cfg.steps - 1:
             log({"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}, step)
+        done = step + 1
+        if done < cfg.steps and (done % cfg.save_every == 0 or done == stop_after):
+            with atomic_dir(state_dir) as tmp:
+                save_model(model, str(tmp / "model.safetensors"))
+                torch.save(
+                    {
+                        "step": done,
+                        "order": order,
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "python_rng": rng.getstate(),
+                        "torch_rng": torch.get_rng_state(),
+                    },
+                    tmp / STATE_FILE,
+                )
+        if done == stop_after and done < cfg.steps:
+            raise TrainingInterrupted(f"SFT stopped after {done} steps (stop_after); state saved")
     elapsed = time.perf_counter() - start
     model.eval()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value)
+        manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value, base_model=cfg.model)
     metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed}
     log(metrics, cfg.steps)
     return SFTResult(str(out_dir), manifest["digest"], trained=True, metrics=metrics)

@@ -66,18 +66,22 @@ def prepare_preferences(
 def supervised_finetune(
     sft: SFTConfig, data: StageOutput, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
 ) -> StageOutput:
-    """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, or use the configured checkpoint."""
+    """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, fine-tune the configured model on them, or use
+    the configured checkpoint as it is; a retry resumes training from its last saved state."""
     set_threads(runtime.threads)
     folder = stage_dir(runtime.output_dir, "supervised_finetune", {"sft": sft, "data": data, "seed": seed})
-    with stage_run(tracking, "supervised_finetune", folder, flatten(sft, "sft")) as (tracker, run_id):
-        if sft.model is not None:
+    with stage_run(tracking, "supervised_finetune", folder, flatten(sft, "sft"), resume=True) as (tracker, run_id):
+        if sft.model is not None and not sft.finetune:
             result = sft_training.load_existing(sft, runtime)
         else:
             log_data_inputs(tracker, run_id, data.path, data.digest, "sft.parquet")
             log = tracker.metric_logger(run_id, progress_logger("sft", 100))
-            result = sft_training.bootstrap_sft(
-                sft, runtime, f"{data.path}/sft.parquet", f"{data.path}/train.parquet", folder, seed, log
-            )
+            demos, stop_after = f"{data.path}/sft.parquet", injected_failure("supervised_finetune", folder)
+            if sft.model is None:
+                pairs = f"{data.path}/train.parquet"
+                result = sft_training.bootstrap_sft(sft, runtime, demos, pairs, folder, seed, log, stop_after)
+            else:
+                result = sft_training.finetune_sft(sft, runtime, demos, folder, seed, log, stop_after)
             if tracking.log_checkpoints:
                 tracker.log_artifacts(run_id, folder, "sft_checkpoint")
     return StageOutput(

@@ -82,6 +82,27 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     assert clean["eval/kl"] == pytest.approx(summary["eval/kl"], rel=1e-4, abs=1e-5)
 
 
+def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_path, monkeypatch, tiny_checkpoints):
+    """sft.model + sft.finetune: the SFT stage fine-tunes the given model; a failure after 4 of 8 steps is retried
+    and resumes, and the later stages start from the fine-tuned checkpoint."""
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "supervised_finetune:4")
+    tiny = tiny_checkpoints["policy"]
+    cfg = _config(tmp_path, f"sft.model={tiny}", "sft.finetune=true", "sft.steps=8", "sft.save_every=2")
+    state = rlhf_pipeline(cfg, return_state=True)
+    summary = state.result()
+    (sft_task,) = [t for t in _task_runs(state) if t.name.startswith("supervised_finetune")]
+    assert (sft_task.state.name, sft_task.run_count) == ("Completed", 2)
+    assert summary["sft_checkpoint"] != tiny and Path(summary["sft_checkpoint"], "model.safetensors").is_file()
+
+    client = MlflowClient(cfg.tracking.uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    (run,) = client.search_runs([experiment], "tags.stage = 'supervised_finetune'")
+    assert run.info.status == "FINISHED" and run.data.params["sft.finetune"] == "True"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [0, 7]  # each step once
+    (init,) = client.search_runs([experiment], "tags.stage = 'init_policy_and_value'")
+    assert init.data.params["policy_init"] == summary["sft_checkpoint"]
+
+
 def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     """runtime.ppo_processes=2: the PPO stage runs as two gloo processes under torchrun; the first attempt dies after
     2 of 4 updates, the retry resumes both ranks from the saved state and logs into the same MLflow run."""

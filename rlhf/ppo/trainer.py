@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from rlhf import models
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.errors import TrainingInterrupted
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.rollout import GenerationSettings
@@ -23,10 +24,6 @@ from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, opt
 
 LogFn = Callable[[dict[str, float], int], None]
 GoldFn = Callable[[str, str], float]
-
-
-class TrainingInterrupted(RuntimeError):
-    """Raised by `stop_after` (tests of resume): the state was saved, a restart continues from it."""
 
 
 @dataclass
