@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response
-from rlhf.checkpoints import atomic_dir, rng_state_tuple, write_manifest
+from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
 from rlhf.ops import pairwise_reward_loss
+from rlhf.trainer_state import load_trainer_state, save_trainer_state
 
 LogFn = Callable[[dict[str, float], int], None]
-STATE_FILE = "trainer_state.pt"
 
 
 def _untied(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -141,13 +141,8 @@ def train_reward_model(
     order: list[int] = []
     best_acc, best_state, best_step, first = -1.0, None, 0, 1
     state_dir = Path(out_dir) / "state"
-    if (state_dir / STATE_FILE).is_file():  # resume: same config, continue where the last save left off
-        saved = torch.load(state_dir / STATE_FILE, map_location="cpu", weights_only=True)
-        load_model(model, state_dir / "model.safetensors", device=str(device))
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        rng.setstate(rng_state_tuple(saved["python_rng"]))
-        torch.set_rng_state(saved["torch_rng"])
+    saved = load_trainer_state(state_dir, model, optimizer, scheduler, rng, device)
+    if saved is not None:  # resume: same config, continue where the last save left off
         order, best_acc, best_step, first = (
             list(saved["order"]),
             saved["best_acc"],
@@ -187,23 +182,9 @@ def train_reward_model(
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         log(stats, step)
         if step < total and (step % cfg.save_every == 0 or step == stop_after):
-            with atomic_dir(state_dir) as tmp:
-                save_model(model, str(tmp / "model.safetensors"))
-                if best_state is not None:
-                    save_file({k: v.contiguous() for k, v in _untied(best_state).items()}, tmp / "best.safetensors")
-                torch.save(
-                    {
-                        "step": step,
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "python_rng": rng.getstate(),
-                        "torch_rng": torch.get_rng_state(),
-                        "order": order,
-                        "best_acc": best_acc,
-                        "best_step": best_step,
-                    },
-                    tmp / STATE_FILE,
-                )
+            fields = {"step": step, "order": order, "best_acc": best_acc, "best_step": best_step}
+            best = {"best.safetensors": _untied(best_state)} if best_state is not None else None
+            save_trainer_state(state_dir, model, optimizer, scheduler, rng, fields, best)
         if step == stop_after and step < total:
             raise TrainingInterrupted(f"reward-model training stopped after {step} steps (stop_after); state saved")
     if best_state is not None:

@@ -13,18 +13,17 @@ from pathlib import Path
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response
-from rlhf.checkpoints import atomic_dir, dir_digest, rng_state_tuple, text_digest, write_manifest
+from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.errors import TrainingInterrupted
+from rlhf.trainer_state import load_trainer_state, save_trainer_state
 
 LogFn = Callable[[dict[str, float], int], None]
-STATE_FILE = "trainer_state.pt"
 
 
 @dataclass
@@ -132,13 +131,8 @@ def train_sft(
     order: list[int] = []
     first = 0
     state_dir = Path(out_dir) / "state"
-    if (state_dir / STATE_FILE).is_file():  # resume: same config, continue where the last save left off
-        saved = torch.load(state_dir / STATE_FILE, map_location="cpu", weights_only=True)
-        load_model(model, state_dir / "model.safetensors", device=str(device))
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        rng.setstate(rng_state_tuple(saved["python_rng"]))
-        torch.set_rng_state(saved["torch_rng"])
+    saved = load_trainer_state(state_dir, model, optimizer, scheduler, rng, device)
+    if saved is not None:  # resume: same config, continue where the last save left off
         order, first = list(saved["order"]), int(saved["step"])
     start = time.perf_counter()
     loss_value = float("nan")
@@ -168,19 +162,7 @@ def train_sft(
             log({"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}, step)
         done = step + 1
         if done < cfg.steps and (done % cfg.save_every == 0 or done == stop_after):
-            with atomic_dir(state_dir) as tmp:
-                save_model(model, str(tmp / "model.safetensors"))
-                torch.save(
-                    {
-                        "step": done,
-                        "order": order,
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "python_rng": rng.getstate(),
-                        "torch_rng": torch.get_rng_state(),
-                    },
-                    tmp / STATE_FILE,
-                )
+            save_trainer_state(state_dir, model, optimizer, scheduler, rng, {"step": done, "order": order})
         if done == stop_after and done < cfg.steps:
             raise TrainingInterrupted(f"SFT stopped after {done} steps (stop_after); state saved")
     elapsed = time.perf_counter() - start
