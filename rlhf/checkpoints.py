@@ -1,4 +1,4 @@
-"""Atomic writes, content digests and manifests: what stages hand each other."""
+"""Atomic writes, content digests, manifests (what stages hand each other) and the trainers' resume state."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import random
+
+    import torch
 
 MANIFEST = "manifest.json"
 
@@ -107,3 +112,62 @@ def rng_state_tuple(value: Any) -> Any:
     """A ``random.Random`` state after a round trip through ``torch.save``/``torch.load`` (nested lists) as the
     nested tuples ``Random.setstate`` needs."""
     return tuple(rng_state_tuple(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+# The resume state of the single-model trainers (SFT, reward model): the model weights (``model.safetensors``,
+# tied weights handled), any extra tensor files, and ``trainer_state.pt`` with the optimizer, scheduler, Python
+# and torch RNG states and the trainer's own fields (step, data order, ...), only ever loaded with
+# ``torch.load(weights_only=True)``. torch is imported inside: data preparation uses this module without it.
+TRAINER_STATE_FILE = "trainer_state.pt"
+STATE_MODEL_FILE = "model.safetensors"
+
+
+def save_trainer_state(
+    folder: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rng: random.Random,
+    fields: dict[str, Any],
+    tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """Write the whole state to `folder` in one rename: a crash mid-save leaves the previous state intact."""
+    import torch
+    from safetensors.torch import save_file, save_model
+
+    with atomic_dir(folder) as tmp:
+        save_model(model, str(tmp / STATE_MODEL_FILE))
+        for name, tensors in (tensor_files or {}).items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name)
+        state = {
+            **fields,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "python_rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        torch.save(state, tmp / TRAINER_STATE_FILE)
+
+
+def load_trainer_state(
+    folder: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    rng: random.Random,
+    device: torch.device,
+) -> dict[str, Any] | None:
+    """Restore model, optimizer, scheduler and RNGs from `folder`; returns the saved fields (None: no state)."""
+    import torch
+    from safetensors.torch import load_model
+
+    folder = Path(folder)
+    if not (folder / TRAINER_STATE_FILE).is_file():
+        return None
+    saved = torch.load(folder / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+    load_model(model, folder / STATE_MODEL_FILE, device=str(device))
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    rng.setstate(rng_state_tuple(saved["python_rng"]))
+    torch.set_rng_state(saved["torch_rng"])
+    return saved

@@ -18,11 +18,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response
-from rlhf.checkpoints import atomic_dir, write_manifest
+from rlhf.checkpoints import atomic_dir, load_trainer_state, save_trainer_state, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
 from rlhf.ops import pairwise_reward_loss
-from rlhf.trainer_state import load_trainer_state, save_trainer_state
 
 LogFn = Callable[[dict[str, float], int], None]
 

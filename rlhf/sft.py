@@ -18,10 +18,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response
-from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
+from rlhf.checkpoints import atomic_dir, dir_digest, load_trainer_state, save_trainer_state, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.errors import TrainingInterrupted
-from rlhf.trainer_state import load_trainer_state, save_trainer_state
 
 LogFn = Callable[[dict[str, float], int], None]
 
