@@ -114,6 +114,11 @@ class DataConfig(_Section):
     )
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out fraction when there is no eval source.")
     split_seed: int = Field(0, description="Seed of the deterministic train/eval split.")
+    split_by_prompt: bool = Field(
+        True,
+        description="Hold out whole prompts, so no prompt has pairs in both train and eval (no leak into the "
+        "held-out accuracy); false splits the pairs.",
+    )
     format: Literal["auto", "explicit", "implicit", "conversational", "ranked"] = Field(
         "auto",
         description="Layout of the rows: 'auto' detects it; 'explicit' prompt/chosen/rejected strings; 'implicit' "

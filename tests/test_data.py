@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import datasets
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -290,3 +291,36 @@ def test_source_fingerprint_follows_file_content(tmp_path):
     path.write_text('{"prompt": "q", "chosen": "a", "rejected": "c"}\n')  # same path, new content
     assert source_fingerprint(cfg) != before
     assert source_fingerprint(DataConfig()) == source_fingerprint(DataConfig())  # synthetic: config only
+
+
+def test_split_by_prompt_holds_out_whole_prompts():
+    from rlhf.data.output import split_positions
+
+    # 10 prompts answered 1..10 times: 55 pairs; 20% -> 11 pairs wanted in eval
+    keys = np.repeat(np.arange(10), np.arange(1, 11))
+    kept = np.arange(100, 155)  # positions in the source table, one per key
+    train, evals = split_positions(kept, 0.2, seed=0, prompt_keys=keys)
+    assert sorted(np.concatenate([train, evals])) == list(kept)  # every pair lands once
+    prompt_of = dict(zip(kept, keys, strict=True))
+    assert not {prompt_of[p] for p in train} & {prompt_of[p] for p in evals}  # no prompt on both sides
+    assert 11 <= len(evals) < 11 + 10  # whole prompts until at least 11 pairs: at most one prompt over
+    again = split_positions(kept, 0.2, seed=0, prompt_keys=keys)
+    assert [list(a) for a in again] == [list(train), list(evals)]  # seeded
+    other = split_positions(kept, 0.2, seed=1, prompt_keys=keys)
+    assert sorted(other[1]) != sorted(evals)
+    by_pair = split_positions(kept, 0.2, seed=0)  # split_by_prompt=false: exactly 11 pairs, prompts shared
+    assert len(by_pair[1]) == 11
+    with pytest.raises(DataError, match=r"the 5 usable pairs have 1 distinct prompt\(s\): too few"):
+        split_positions(np.arange(5), 0.2, seed=0, prompt_keys=np.zeros(5, dtype=np.int64))
+
+
+def test_ranked_rows_never_straddle_the_split(tmp_path):
+    """A ranked row becomes several pairs with one prompt: they go to train or to eval together."""
+    path = tmp_path / "ranked.jsonl"
+    rows = [{"prompt": f"q{i}", "responses": ["a", "b", "c", "d"], "scores": [4.0, 3.0, 2.0, 1.0]} for i in range(30)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = prepare_preferences(DataConfig(source="local", path=str(path), eval_fraction=0.2), tmp_path / "out")
+    train, evals = pd.read_parquet(out.train), pd.read_parquet(out.eval)
+    assert len(train) + len(evals) == 90  # 30 rows x (4 - 1) pairs
+    assert not set(train["prompt"]) & set(evals["prompt"])
+    assert len(evals) == 18 and out.manifest["splits"]["eval"] == "0.2 of train, by prompt"

@@ -27,13 +27,36 @@ PAIR_COLUMNS = PAIR_SCHEMA.names
 CHUNK = 65_536  # rows gathered from the memory-mapped Arrow table at a time
 
 
-def split_positions(kept: np.ndarray, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded shuffle of the kept positions, then the first round(n * fraction) (at least 1) are held out."""
-    order = np.random.default_rng(seed).permutation(len(kept))
+def split_positions(
+    kept: np.ndarray, eval_fraction: float, seed: int, prompt_keys: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded split of the kept positions into (train, eval), eval about round(n * fraction) (at least 1) pairs.
+
+    With `prompt_keys` (one per kept position) the split is by prompt: the distinct prompts are shuffled and held
+    out whole until the eval set is big enough, so no prompt has pairs on both sides (a ranked row or a prompt
+    answered several times would otherwise leak into the held-out accuracy). Without: a shuffle of the pairs.
+    """
+    rng = np.random.default_rng(seed)
     n_eval = max(1, int(round(len(kept) * eval_fraction)))
     if len(kept) - n_eval < 1:
         raise DataError(f"only {len(kept)} usable pair(s) remain: too few to split off an eval set")
-    return kept[order[n_eval:]], kept[order[:n_eval]]
+    if prompt_keys is None:
+        order = rng.permutation(len(kept))
+        return kept[order[n_eval:]], kept[order[:n_eval]]
+    unique, group, counts = np.unique(prompt_keys, return_inverse=True, return_counts=True)
+    prompt_order = rng.permutation(len(unique))  # the held-out prompts are a prefix of this order
+    held = np.zeros(len(unique), dtype=bool)
+    taken = np.searchsorted(np.cumsum(counts[prompt_order]), n_eval) + 1  # prompts until n_eval pairs are held
+    held[prompt_order[:taken]] = True
+    is_eval = held[group]
+    if is_eval.all():
+        raise DataError(
+            f"the {len(kept)} usable pairs have {len(unique)} distinct prompt(s): too few to hold out whole prompts; "
+            "give an eval split or file, or set data.split_by_prompt to false"
+        )
+    # each side in a seeded random order (the training file is written shuffled)
+    train, evals = kept[~is_eval], kept[is_eval]
+    return train[rng.permutation(len(train))], evals[rng.permutation(len(evals))]
 
 
 def shuffled(kept: np.ndarray, seed: int) -> np.ndarray:

@@ -7,7 +7,8 @@ and reasons: validate.py.
 Output folder layout (the fixed schema every later stage reads):
 - ``train.parquet``, ``eval.parquet``: prompt, chosen, rejected (strings), margin (float, null when unknown),
   gold_chosen, gold_rejected (float, null unless the source has a gold reward); written in a seeded shuffled
-  order; eval is a seeded ``eval_fraction`` of the kept pairs unless the source has its own eval split/file;
+  order; eval is a seeded ``eval_fraction`` of the kept pairs (whole prompts, with ``split_by_prompt``) unless
+  the source has its own eval split/file;
 - ``sft.parquet``: prompt, response demonstrations (synthetic task: its demonstrations; otherwise the chosen
   responses of the training pairs);
 - ``prompts.parquet``: prompt, the PPO rollout prompts (``data.prompts_path`` or ``data.prompts_name`` when set,
@@ -167,7 +168,9 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
     validate.check_drops(outcome, cfg.max_drop_fraction, train_src.label)
     train_table = checked[0].table
     if eval_src is None:
-        train_pos, eval_pos = output.split_positions(outcome.kept[0], cfg.eval_fraction, cfg.split_seed)
+        kept = outcome.kept[0]
+        keys = train_table.column("prompt_key").to_numpy()[kept] if cfg.split_by_prompt else None
+        train_pos, eval_pos = output.split_positions(kept, cfg.eval_fraction, cfg.split_seed, keys)
         eval_table = train_table
     else:
         train_pos = output.shuffled(outcome.kept[0], cfg.split_seed)
@@ -187,7 +190,7 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
         config_name=cfg.config_name,
         data_dir=cfg.data_dir,
         revision=cfg.revision,
-        splits={"train": train_src.label, "eval": eval_src.label if eval_src else f"{cfg.eval_fraction} of train"},
+        splits={"train": train_src.label, "eval": eval_src.label if eval_src else _split_label(cfg)},
         format=plan.format,
         columns=plan.columns,
         rows=rows,
@@ -197,6 +200,10 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
         length_limit={"tokens": cfg.max_length_tokens, "chars": cfg.max_length_chars, "tokenizer": cfg.tokenizer},
         **prompt_info,
     )
+
+
+def _split_label(cfg: DataConfig) -> str:
+    return f"{cfg.eval_fraction} of train" + (", by prompt" if cfg.split_by_prompt else "")
 
 
 def _write_prompts(cfg: DataConfig, chat: ChatRenderer, tmp: Path, scratch: str, train_table, train_pos) -> dict:
