@@ -104,6 +104,11 @@ def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Te
     return torch.tensor(frame["margin"].fillna(0.0).to_numpy(), dtype=torch.float32, device=device)
 
 
+def total_steps(cfg: RewardConfig, n_pairs: int) -> int:
+    """Optimizer steps of a reward-model run: `cfg.epochs` passes over `n_pairs` in batches (at least one)."""
+    return max(1, int(cfg.epochs * math.ceil(n_pairs / cfg.batch_size)))
+
+
 def train_reward_model(
     cfg: RewardConfig,
     runtime: RuntimeConfig,
@@ -129,8 +134,7 @@ def train_reward_model(
     model = models.load_reward_model(sft_path, device, trust_remote_code=runtime.trust_remote_code)
     models.fuse_gelu(model)
     model.train()
-    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total = max(1, int(cfg.epochs * steps_per_epoch))
+    total = total_steps(cfg, len(train))
     warmup = int(cfg.warmup_ratio * total)
     optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.states import State
 
 from rlhf.errors import UserInputError
@@ -84,16 +87,60 @@ def injected_failure(stage: str, folder: Path) -> int | None:
     return int(after)
 
 
-def progress_logger(stage: str, every: int):
-    """Echo a few key metrics to the Prefect run's log every `every` steps."""
+class StepProgress:
+    """A progress artifact of a training task (the Prefect UI's progress bar), advanced as steps are logged; at
+    most one update every `min_interval` seconds, plus the last step. An artifact never fails the training."""
+
+    def __init__(self, stage: str, total: int, min_interval: float = 2.0) -> None:
+        self.stage, self.total, self.min_interval = stage, max(1, total), min_interval
+        self.last_update = 0.0
+        self.artifact_id = None
+        try:
+            self.artifact_id = create_progress_artifact(0.0, description=f"{stage}: step 0 of {self.total}")
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("could not write the %s progress artifact: %s", stage, err)
+
+    def update(self, step: int) -> None:
+        now = time.monotonic()
+        if self.artifact_id is None or (now - self.last_update < self.min_interval and step < self.total):
+            return
+        self.last_update = now
+        done = min(step, self.total)
+        try:
+            update_progress_artifact(
+                self.artifact_id, 100.0 * done / self.total, description=f"{self.stage}: step {done} of {self.total}"
+            )
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("could not update the %s progress artifact: %s", self.stage, err)
+
+
+def progress_logger(stage: str, every: int, total: int | None = None):
+    """Echo a few key metrics to the Prefect run's log every `every` steps; with `total`, also advance a progress
+    artifact of the task."""
     logger = get_run_logger()
+    progress = StepProgress(stage, total) if total else None
 
     def log(metrics: dict[str, float], step: int) -> None:
         if step % every == 0:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
             logger.info("%s step %d: %s", stage, step, shown)
+        if progress is not None:
+            progress.update(step)
 
     return log
+
+
+def echo_with_progress(stage: str, total: int, pattern: str = r"^ppo update (\d+):"):
+    """For a child command's output (data-parallel PPO): each line goes to the task's log, and lines matching
+    `pattern` advance a progress artifact to the step they name."""
+    logger, progress, step_line = get_run_logger(), StepProgress(stage, total), re.compile(pattern)
+
+    def echo(line: str) -> None:
+        logger.info("%s", line)
+        if match := step_line.match(line):
+            progress.update(int(match.group(1)))
+
+    return echo
 
 
 def retry_unless_user_error(task, task_run, state: State) -> bool:

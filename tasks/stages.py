@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pandas as pd
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from rlhf import evaluate as evaluation
@@ -17,7 +17,14 @@ from rlhf.ppo import launch
 from rlhf.ppo.state import same_vocabulary
 from rlhf.ppo.trainer import train_ppo
 from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
-from tasks.runs import injected_failure, log_data_inputs, progress_logger, retry_unless_user_error, stage_run
+from tasks.runs import (
+    echo_with_progress,
+    injected_failure,
+    log_data_inputs,
+    progress_logger,
+    retry_unless_user_error,
+    stage_run,
+)
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -75,7 +82,7 @@ def supervised_finetune(
             result = sft_training.load_existing(sft, runtime)
         else:
             log_data_inputs(tracker, run_id, data.path, data.digest, "sft.parquet")
-            log = tracker.metric_logger(run_id, progress_logger("sft", 100))
+            log = tracker.metric_logger(run_id, progress_logger("sft", 100, sft.steps))
             demos, stop_after = f"{data.path}/sft.parquet", injected_failure("supervised_finetune", folder)
             if sft.model is None:
                 pairs = f"{data.path}/train.parquet"
@@ -110,7 +117,8 @@ def train_reward_model(
     )
     with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward"), resume=True) as (tracker, run_id):
         log_data_inputs(tracker, run_id, data.path, data.digest, "train.parquet", "eval.parquet")
-        log = tracker.metric_logger(run_id, progress_logger("reward", 50))
+        steps = reward_training.total_steps(reward, data.extra["manifest"]["rows"]["train"])
+        log = tracker.metric_logger(run_id, progress_logger("reward", 50, steps))
         result = reward_training.train_reward_model(
             reward,
             runtime,
@@ -192,7 +200,7 @@ def train_policy_ppo(
                 run_id=run_id,
                 data_manifest=f"{data.path}/manifest.json",
                 stop_after=stop_after,
-                echo=get_run_logger().info,
+                echo=echo_with_progress("ppo", ppo.num_updates),
             )
         else:
             result = train_ppo(
@@ -202,7 +210,7 @@ def train_policy_ppo(
                 pd.read_parquet(f"{data.path}/prompts.parquet")["prompt"].tolist(),
                 folder,
                 seed,
-                tracker.metric_logger(run_id, progress_logger("ppo", 10)),
+                tracker.metric_logger(run_id, progress_logger("ppo", 10, ppo.num_updates)),
                 value_path=init.extra["value_init"],
                 gold_fn=prepare.gold_scorer(data.extra["manifest"]),
                 stop_after=stop_after,

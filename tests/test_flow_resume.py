@@ -125,6 +125,9 @@ def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monke
     assert sorted(p.name for p in (folder / "rollouts").iterdir())[-1] == "update_00004.parquet"
     assert len(pd.read_parquet(folder / "rollouts" / "update_00004.parquet")) == cfg.ppo.batch_size  # both ranks
     assert 0.0 <= summary["eval/win_rate_gold"] <= 1.0
+    # the processes' output drives the task's progress bar (the retry's, which finished the 4 updates)
+    ppo_bars = [a for a in _artifacts(state) if a.type == "progress" and a.description.startswith("ppo:")]
+    assert ppo_bars and ppo_bars[0].data == 100.0 and ppo_bars[0].description == "ppo: step 4 of 4"  # newest
 
     # a process count the batches cannot be split into is refused before anything runs
     with pytest.raises(ConfigError, match=r"runtime.ppo_processes=3: ppo.batch_size \(16\) must be divisible"):
@@ -141,6 +144,25 @@ def _task_runs(state):
         async with get_client() as client:
             return await client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            )
+
+    return asyncio.run(fetch())
+
+
+def _artifacts(state):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    async def fetch():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+                ),
+                sort=ArtifactSort.CREATED_DESC,
             )
 
     return asyncio.run(fetch())

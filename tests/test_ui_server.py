@@ -174,9 +174,11 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     artifacts = request(
         "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
     ).json()
-    progress = [a for a in artifacts if a["type"] == "progress"]
-    assert [a["data"] for a in progress] == [100.0]
-    assert "evaluate_policies done (6/6)" in progress[0]["description"]
+    progress = {a["description"].split(":")[0]: a for a in artifacts if a["type"] == "progress"}
+    assert set(progress) == {"RLHF pipeline", "sft", "reward", "ppo"}  # the stages, and each trainer's steps
+    assert all(a["data"] == 100.0 for a in progress.values())
+    assert "evaluate_policies done (6/6)" in progress["RLHF pipeline"]["description"]
+    assert progress["ppo"]["description"] == "ppo: step 2 of 2"
     by_key = {a["key"]: a for a in artifacts if a["key"]}
     table = json.loads(by_key["rlhf-evaluation"]["data"])
     assert {"eval/kl", "reward/eval_accuracy"} <= {row["metric"] for row in table}

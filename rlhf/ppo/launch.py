@@ -88,7 +88,7 @@ LogFn = Callable[[dict[str, float], int], None]
 def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -> tuple[LogFn, Callable[[bool], None]]:
     """A `log` callable (MLflow on rank 0 with --tracking-uri, else nothing) and a function that ends the run
     (a no-op for a run named by --run-id: its owner ends it)."""
-    printer = _printer(args.print_every) if ctx.is_main and args.print_every > 0 else None
+    printer = _printer(args.print_every, cfg.ppo.num_updates) if ctx.is_main and args.print_every > 0 else None
     if not (ctx.is_main and args.tracking_uri):
         return (printer or (lambda metrics, step: None)), (lambda failed: None)
     from rlhf.tracking import Tracker
@@ -111,11 +111,12 @@ def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -
     return log, end
 
 
-def _printer(every: int) -> LogFn:
+def _printer(every: int, total: int) -> LogFn:
+    """Print key statistics every `every` updates and at the last one (the pipeline's progress bar reads them)."""
     keys = ("objective/scores", "objective/kl", "policy/approxkl", "policy/clipfrac", "speed/episodes_per_s")
 
     def show(metrics: dict[str, float], step: int) -> None:
-        if step % every == 0:
+        if step % every == 0 or step == total:
             shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
             print(f"ppo update {step}: {shown}", flush=True)
 
