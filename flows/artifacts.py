@@ -10,17 +10,15 @@ import math
 import os
 from collections.abc import Sequence
 from typing import Any
-from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import (
     create_link_artifact,
-    create_progress_artifact,
     create_table_artifact,
-    update_progress_artifact,
 )
 
 from rlhf.tracking import Tracker
+from tasks.runs import ProgressBar
 
 DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
 # The pipeline's stages in the order the flow runs them (the task names).
@@ -68,24 +66,15 @@ class StageProgress:
         self.stages = list(stages)
         self.description = description
         self.done_count = 0
-        self.artifact_id: UUID | None = None
-        try:
-            self.artifact_id = create_progress_artifact(0.0, description=f"{description}: starting {self.stages[0]}")
-        except Exception as err:  # an artifact never fails the run
-            _warn("progress", err)
+        self.bar = ProgressBar(f"{description}: starting {self.stages[0]}")
 
     def done(self, stage: str) -> None:
         """Mark `stage` finished: progress becomes (stages done) / (all stages) in percent."""
         self.done_count += 1
-        if self.artifact_id is None:
-            return
         following = self.stages[self.done_count] if self.done_count < len(self.stages) else None
         text = f"{self.description}: {stage} done ({self.done_count}/{len(self.stages)})"
         text += f", next {following}" if following else ", finished"
-        try:
-            update_progress_artifact(self.artifact_id, 100.0 * self.done_count / len(self.stages), description=text)
-        except Exception as err:
-            _warn("progress", err)
+        self.bar.set(100.0 * self.done_count / len(self.stages), text)
 
 
 def link_mlflow_run(tracking_uri: str, experiment: str, run_id: str, text: str, key: str | None = None) -> None:

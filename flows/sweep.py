@@ -27,7 +27,7 @@ from prefect.runtime import flow_run
 from flows.artifacts import StageProgress, link_mlflow_run, publish_table
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
-from rlhf.errors import UserInputError
+from rlhf.errors import UserInputError, first_line
 from rlhf.plots import Point, reward_vs_kl
 from rlhf.preflight import preflight
 from rlhf.sweep import RANK_METRICS, SweepSpace, load_space, rank_key, ranking, variant_configs
@@ -137,7 +137,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
             run_id = record_failed_variant(
                 base.tracking, sweep_run_id, space.name, variant.label, str(state.state_details.flow_run_id)
             )
-            row |= {"status": "failed", "mlflow_run_id": run_id, "error": _first_line(state.message)}
+            row |= {"status": "failed", "mlflow_run_id": run_id, "error": first_line(state.message, "failed", 200)}
         rows.append(row)
         progress.done(config.run_name or "")
 
@@ -160,12 +160,6 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         "plot": plot,
         "tracking_uri": _tracker(base.tracking).uri,
     }
-
-
-def _first_line(message: str | None, limit: int = 200) -> str:
-    lines = (message or "").strip().splitlines()
-    line = lines[0] if lines else "failed"
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def format_ranking(result: dict[str, Any]) -> str:

@@ -16,3 +16,11 @@ class DataError(UserInputError):
 class TrainingInterrupted(RuntimeError):
     """A trainer stopped on purpose after `stop_after` steps (resume tests and drills) with its state saved; a
     restart continues from it. Not a user error: a retry is what should happen next."""
+
+
+def first_line(message: str | None, fallback: str, limit: int | None = None) -> str:
+    """The first line of an error message (library errors can be pages long), `fallback` when it is empty; with
+    `limit`, at most that many characters ('...' marks a cut)."""
+    lines = (message or "").strip().splitlines()
+    line = lines[0] if lines else fallback
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."

@@ -203,13 +203,12 @@ class Tracker:
     def pipeline_run_of_flow_run(self, flow_run_id: str) -> str | None:
         """The pipeline (parent) run that a Prefect flow run opened, if it got that far."""
         found = self.search_runs(f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
-        runs = [r for r in found if "stage" not in r.tags and r.tags.get(RUN_TYPE_TAG) != "sweep"]
+        runs = [r for r in found if r.is_pipeline_run]
         return runs[0].run_id if runs else None
 
     def pipeline_runs(self, max_results: int | None = None) -> list[RunRecord]:
         """The pipeline (parent) runs: neither stage child runs nor sweep runs."""
-        runs = self.search_runs(max_results=None)
-        found = [r for r in runs if "stage" not in r.tags and r.tags.get(RUN_TYPE_TAG) != "sweep"]
+        found = [r for r in self.search_runs(max_results=None) if r.is_pipeline_run]
         return found[:max_results] if max_results is not None else found
 
     def child_runs(self, parent_run_id: str, stage: str | None = None) -> list[RunRecord]:
@@ -252,6 +251,11 @@ class RunRecord:
     params: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_pipeline_run(self) -> bool:
+        """A pipeline (parent) run: neither a stage's child run nor a sweep run."""
+        return "stage" not in self.tags and self.tags.get(RUN_TYPE_TAG) != "sweep"
 
     @classmethod
     def from_run(cls, run: Any) -> RunRecord:

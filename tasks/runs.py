@@ -87,31 +87,42 @@ def injected_failure(stage: str, folder: Path) -> int | None:
     return int(after)
 
 
+class ProgressBar:
+    """A progress artifact (a bar in the Prefect UI) of the current flow or task run. Writing it never fails the
+    run: an API error is a warning in the run's log and the bar stops moving."""
+
+    def __init__(self, description: str) -> None:
+        self.artifact_id = None
+        try:
+            self.artifact_id = create_progress_artifact(0.0, description=description)
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("could not write the progress artifact '%s': %s", description, err)
+
+    def set(self, percent: float, description: str) -> None:
+        if self.artifact_id is None:
+            return
+        try:
+            update_progress_artifact(self.artifact_id, percent, description=description)
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("could not update the progress artifact '%s': %s", description, err)
+
+
 class StepProgress:
-    """A progress artifact of a training task (the Prefect UI's progress bar), advanced as steps are logged; at
-    most one update every `min_interval` seconds, plus the last step. An artifact never fails the training."""
+    """The progress bar of a training task, advanced as steps are logged: at most one update every
+    `min_interval` seconds, plus the last step."""
 
     def __init__(self, stage: str, total: int, min_interval: float = 2.0) -> None:
         self.stage, self.total, self.min_interval = stage, max(1, total), min_interval
         self.last_update = 0.0
-        self.artifact_id = None
-        try:
-            self.artifact_id = create_progress_artifact(0.0, description=f"{stage}: step 0 of {self.total}")
-        except Exception as err:  # noqa: BLE001
-            get_run_logger().warning("could not write the %s progress artifact: %s", stage, err)
+        self.bar = ProgressBar(f"{stage}: step 0 of {self.total}")
 
     def update(self, step: int) -> None:
         now = time.monotonic()
-        if self.artifact_id is None or (now - self.last_update < self.min_interval and step < self.total):
+        if now - self.last_update < self.min_interval and step < self.total:
             return
         self.last_update = now
         done = min(step, self.total)
-        try:
-            update_progress_artifact(
-                self.artifact_id, 100.0 * done / self.total, description=f"{self.stage}: step {done} of {self.total}"
-            )
-        except Exception as err:  # noqa: BLE001
-            get_run_logger().warning("could not update the %s progress artifact: %s", self.stage, err)
+        self.bar.set(100.0 * done / self.total, f"{self.stage}: step {done} of {self.total}")
 
 
 def progress_logger(stage: str, every: int, total: int | None = None):
@@ -130,7 +141,7 @@ def progress_logger(stage: str, every: int, total: int | None = None):
     return log
 
 
-def echo_with_progress(stage: str, total: int, pattern: str = r"^ppo update (\d+):"):
+def echo_with_progress(stage: str, total: int, pattern: str):
     """For a child command's output (data-parallel PPO): each line goes to the task's log, and lines matching
     `pattern` advance a progress artifact to the step they name."""
     logger, progress, step_line = get_run_logger(), StepProgress(stage, total), re.compile(pattern)

@@ -200,7 +200,7 @@ def train_policy_ppo(
                 run_id=run_id,
                 data_manifest=f"{data.path}/manifest.json",
                 stop_after=stop_after,
-                echo=echo_with_progress("ppo", ppo.num_updates),
+                echo=echo_with_progress("ppo", ppo.num_updates, launch.UPDATE_LINE_PATTERN),
             )
         else:
             result = train_ppo(

@@ -38,3 +38,53 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     reward.save_pretrained(root / "reward")
     tok.save_pretrained(root / "reward")
     return {"policy": str(root / "policy"), "reward": str(root / "reward")}
+
+
+# -- Reading a flow run back from the Prefect API (the test harness's server) ------------------------------------
+
+
+def _query(fetch):
+    """Run `fetch(client)` against the Prefect API and return its result."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def run():
+        async with get_client() as client:
+            return await fetch(client)
+
+    return asyncio.run(run())
+
+
+def stage_name(task_run) -> str:
+    """A task run's name without Prefect's suffix: 'train_policy_ppo-3f2' -> 'train_policy_ppo'."""
+    return task_run.name.rsplit("-", 1)[0]
+
+
+def task_runs(flow_run_id) -> list:
+    """The task runs of a flow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    return _query(lambda c: c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))))
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    """{task name: state name} of a flow run."""
+    return {stage_name(t): t.state.name for t in task_runs(flow_run_id)}
+
+
+def subflow_runs(parent_flow_run_id) -> list:
+    """The flow runs started as subflows of a flow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    parent = FlowRunFilterParentFlowRunId(any_=[parent_flow_run_id])
+    return _query(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=parent)))
+
+
+def flow_run_artifacts(flow_run_id) -> list:
+    """The artifacts of a flow run, newest first."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    by_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    return _query(lambda c: c.read_artifacts(artifact_filter=by_run, sort=ArtifactSort.CREATED_DESC))

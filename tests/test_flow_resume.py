@@ -14,8 +14,7 @@ from prefect.testing.utilities import prefect_test_harness
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from tests.conftest import REPO
-from tests.test_pipeline_flow import _task_states
+from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task_states
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,8 @@ def test_reward_change_and_deleted_outputs(harness, tmp_path):
     first = rlhf_pipeline(cfg, return_state=True).result()
 
     # a changed reward-model setting re-runs the reward model, PPO and evaluation; SFT and data are reused
-    states = _task_states(rlhf_pipeline(_config(tmp_path, "reward.lr=1e-3"), return_state=True))
+    changed = rlhf_pipeline(_config(tmp_path, "reward.lr=1e-3"), return_state=True)
+    states = task_states(changed.state_details.flow_run_id)
     assert states["prepare_preferences"] == "Cached" and states["supervised_finetune"] == "Cached"
     assert states["train_reward_model"] == "Completed"
     assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
@@ -49,7 +49,7 @@ def test_reward_change_and_deleted_outputs(harness, tmp_path):
     # a cached result whose files were deleted is recomputed, never returned dangling
     shutil.rmtree(first["policy_checkpoint"].rsplit("/final/", 1)[0])
     again = rlhf_pipeline(cfg, return_state=True)
-    states = _task_states(again)
+    states = task_states(again.state_details.flow_run_id)
     assert states["train_reward_model"] == "Cached"
     assert states["train_policy_ppo"] == "Completed"
     assert Path(first["policy_checkpoint"]).is_dir()
@@ -61,7 +61,7 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     cfg = _config(tmp_path)
     state = rlhf_pipeline(cfg, return_state=True)
     summary = state.result()
-    assert _task_states(state)["train_policy_ppo"] == "Completed"
+    assert task_states(state.state_details.flow_run_id)["train_policy_ppo"] == "Completed"
 
     client = MlflowClient(cfg.tracking.uri)
     ppo_runs = client.search_runs(
@@ -90,7 +90,7 @@ def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_pa
     cfg = _config(tmp_path, f"sft.model={tiny}", "sft.finetune=true", "sft.steps=8", "sft.save_every=2")
     state = rlhf_pipeline(cfg, return_state=True)
     summary = state.result()
-    (sft_task,) = [t for t in _task_runs(state) if t.name.startswith("supervised_finetune")]
+    (sft_task,) = [t for t in task_runs(state.state_details.flow_run_id) if t.name.startswith("supervised_finetune")]
     assert (sft_task.state.name, sft_task.run_count) == ("Completed", 2)
     assert summary["sft_checkpoint"] != tiny and Path(summary["sft_checkpoint"], "model.safetensors").is_file()
 
@@ -110,7 +110,7 @@ def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monke
     cfg = _config(tmp_path, "runtime.ppo_processes=2", "runtime.device=cpu")
     state = rlhf_pipeline(cfg, return_state=True)
     summary = state.result()
-    ppo_task = [t for t in _task_runs(state) if t.name.startswith("train_policy_ppo")]
+    ppo_task = [t for t in task_runs(state.state_details.flow_run_id) if t.name.startswith("train_policy_ppo")]
     assert [(t.state.name, t.run_count) for t in ppo_task] == [("Completed", 2)]
 
     client = MlflowClient(cfg.tracking.uri)
@@ -126,7 +126,11 @@ def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monke
     assert len(pd.read_parquet(folder / "rollouts" / "update_00004.parquet")) == cfg.ppo.batch_size  # both ranks
     assert 0.0 <= summary["eval/win_rate_gold"] <= 1.0
     # the processes' output drives the task's progress bar (the retry's, which finished the 4 updates)
-    ppo_bars = [a for a in _artifacts(state) if a.type == "progress" and a.description.startswith("ppo:")]
+    ppo_bars = [
+        a
+        for a in flow_run_artifacts(state.state_details.flow_run_id)
+        if a.type == "progress" and a.description.startswith("ppo:")
+    ]
     assert ppo_bars and ppo_bars[0].data == 100.0 and ppo_bars[0].description == "ppo: step 4 of 4"  # newest
 
     # a process count the batches cannot be split into is refused before anything runs
@@ -134,61 +138,14 @@ def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monke
         rlhf_pipeline(_config(tmp_path, "runtime.ppo_processes=3"))
 
 
-def _task_runs(state):
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async def fetch():
-        async with get_client() as client:
-            return await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
-            )
-
-    return asyncio.run(fetch())
-
-
-def _artifacts(state):
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-    from prefect.client.schemas.sorting import ArtifactSort
-
-    async def fetch():
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
-                ),
-                sort=ArtifactSort.CREATED_DESC,
-            )
-
-    return asyncio.run(fetch())
-
-
 def test_bad_data_fails_once_without_retries(harness, tmp_path):
     """Errors that retrying cannot fix (bad data) fail the task on its first attempt."""
-    import asyncio
-    import json
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": "q", "chosen": "same", "rejected": "same"}) for _ in range(5)))
     state = rlhf_pipeline(_config(tmp_path, "data.source=local", f"data.path={path}"), return_state=True)
     assert state.is_failed()
 
-    async def prepare_run_count():
-        async with get_client() as client:
-            runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
-            )
-            return {r.name.rsplit("-", 1)[0]: (r.run_count, r.state.name) for r in runs}
-
-    runs = asyncio.run(prepare_run_count())
+    runs = {stage_name(r): (r.run_count, r.state.name) for r in task_runs(state.state_details.flow_run_id)}
     assert runs["prepare_preferences"] == (1, "Failed"), runs
     assert "supervised_finetune" not in runs  # nothing downstream was loaded
     cfg = _config(tmp_path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -11,27 +10,13 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, flow_run_artifacts, task_states
 
 
 @pytest.fixture(scope="module")
 def harness():
     with prefect_test_harness(server_startup_timeout=120):
         yield
-
-
-def _task_states(flow_state) -> dict[str, str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    async def fetch():
-        async with get_client() as client:
-            runs = await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_state.state_details.flow_run_id]))
-            )
-            return {r.name.rsplit("-", 1)[0]: r.state.name for r in runs}
-
-    return asyncio.run(fetch())
 
 
 def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
@@ -123,17 +108,8 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert AutoModelForCausalLM.from_pretrained(local).config.model_type == "gpt2"
 
     # the Prefect side: the drop table of the prepare stage is a table artifact of the flow run
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
-    async def artifact_keys():
-        async with get_client() as client:
-            found = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-preferences-drops"]))
-            )
-            return [a.type for a in found]
-
-    assert "table" in asyncio.run(artifact_keys())
+    drops = [a for a in flow_run_artifacts(first.state_details.flow_run_id) if a.key == "prepare-preferences-drops"]
+    assert [a.type for a in drops] == ["table"]
 
     # second run: nothing changed, every stage is served from the cache, same summary
     second = rlhf_pipeline(cfg, return_state=True)
@@ -141,7 +117,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     # the second parent run links the stage runs that computed its (cached) results
     tags = client.get_run(second.result()["mlflow_run_id"]).data.tags
     assert tags["stage.train_policy_ppo.run_id"] == ppo.info.run_id
-    states = _task_states(second)
+    states = task_states(second.state_details.flow_run_id)
     for stage in children:
         assert states[stage] == "Cached", (stage, states)
     assert second.result()["registered_policy"] == "models:/rlhf-policy/1"  # the same policy: no new version
@@ -150,7 +126,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     changed = cfg.model_copy(deep=True)
     changed.ppo.kl_coef = 0.2
     third = rlhf_pipeline(changed, return_state=True)
-    states = _task_states(third)
+    states = task_states(third.state_details.flow_run_id)
     assert states["train_reward_model"] == "Cached" and states["supervised_finetune"] == "Cached"
     assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
     assert third.result()["registered_policy"] == "models:/rlhf-policy/2"

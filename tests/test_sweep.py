@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from rlhf.sweep import expand, load_space, parse_space, ranking, variant_config, variant_configs
-from tests.conftest import REPO
+from tests.conftest import REPO, flow_run_artifacts, stage_name, subflow_runs, task_runs
 
 # A pipeline that takes seconds: the smoke config made smaller still.
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
@@ -118,37 +116,10 @@ def harness():
 
 def _subflow_task_states(parent_flow_run_id, run_counts: bool = False) -> dict[str, dict[str, str]]:
     """{subflow run name: {task name: state name (or with `run_counts`, how often it ran)}} of a sweep's variants."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
-
-    async def fetch():
-        async with get_client() as client:
-            subflows = await client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_flow_run_id])
-                )
-            )
-            out = {}
-            for sub in subflows:
-                tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sub.id])))
-                out[sub.name] = {t.name.rsplit("-", 1)[0]: t.run_count if run_counts else t.state.name for t in tasks}
-            return out
-
-    return asyncio.run(fetch())
-
-
-def _artifact_keys(flow_run_id) -> set[str | None]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    async def fetch():
-        async with get_client() as client:
-            found = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-            )
-            return {a.key for a in found}
-
-    return asyncio.run(fetch())
+    return {
+        sub.name: {stage_name(t): t.run_count if run_counts else t.state.name for t in task_runs(sub.id)}
+        for sub in subflow_runs(parent_flow_run_id)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +154,7 @@ def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, swee
     for stage in ("prepare_preferences", "supervised_finetune", "train_reward_model"):
         assert states["t-01"][stage] == "Cached", (stage, states["t-01"])
     assert states["t-01"]["train_policy_ppo"] == "Completed"
-    assert "sweep-t" in _artifact_keys(state.state_details.flow_run_id)
+    assert "sweep-t" in {a.key for a in flow_run_artifacts(state.state_details.flow_run_id)}
 
     client = MlflowClient(uri)
     sweep_run = client.get_run(result["sweep_run_id"])

@@ -116,6 +116,23 @@ def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path
         stop(proc)
 
 
+def trigger_tiny_run(api: str, deployment_id: str, folder: Path) -> tuple[str, PipelineConfig, str]:
+    """Create a flow run of a pipeline deployment with a tiny config writing under `folder` (as the UI's form
+    would); returns (MLflow URI, config, flow-run id)."""
+    uri = f"sqlite:///{folder}/mlflow.db"
+    config = load_config(
+        REPO / "conf" / "smoke.yaml",
+        [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={folder}/art", f"runtime.output_dir={folder}/out"],
+    )
+    created = request(
+        "POST",
+        f"{api}/deployments/{deployment_id}/create_flow_run",
+        json={"parameters": {"config": config.model_dump(mode="json")}},
+    )
+    assert created.status_code == 201, created.text
+    return uri, config, created.json()["id"]
+
+
 def _flow_run_state(api: str, flow_run_id: str) -> dict | None:
     state = request("GET", f"{api}/flow_runs/{flow_run_id}").json()["state"]
     return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
@@ -154,18 +171,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         assert limit["concurrency_limit"] == 1
 
         # trigger a run as the UI's "Run" button does, with a tiny config writing to temp folders
-        uri = f"sqlite:///{tmp}/mlflow.db"
-        config = load_config(
-            REPO / "conf" / "smoke.yaml",
-            [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp}/art", f"runtime.output_dir={tmp}/out"],
-        )
-        created = request(
-            "POST",
-            f"{api}/deployments/{deployment['id']}/create_flow_run",
-            json={"parameters": {"config": config.model_dump(mode="json")}},
-        )
-        assert created.status_code == 201, created.text
-        flow_run_id = created.json()["id"]
+        uri, config, flow_run_id = trigger_tiny_run(api, deployment["id"], tmp / "served")
         state = wait_until(lambda: _flow_run_state(api, flow_run_id), 300, "the flow run", serve, log)
         assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
     finally:
@@ -211,18 +217,7 @@ def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(p
     assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
 
     # a process worker picks the run up and executes it in the checkout (the deployment's working folder)
-    uri = f"sqlite:///{tmp}/worker-mlflow.db"
-    config = load_config(
-        REPO / "conf" / "smoke.yaml",
-        [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp}/worker-art", f"runtime.output_dir={tmp}/wo"],
-    )
-    created = request(
-        "POST",
-        f"{api}/deployments/{pipeline['id']}/create_flow_run",
-        json={"parameters": {"config": config.model_dump(mode="json")}},
-    )
-    assert created.status_code == 201, created.text
-    flow_run_id = created.json()["id"]
+    uri, config, flow_run_id = trigger_tiny_run(api, pipeline["id"], tmp / "worker")
     log = tmp / "worker.log"
     worker = start([str(BIN / "prefect"), "worker", "start", "--pool", "rlhf-local", "--limit", "1"], env, log)
     try:

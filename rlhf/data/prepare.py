@@ -33,7 +33,7 @@ from rlhf.data.formats import ChatRenderer, Plan, plan_columns
 from rlhf.data.output import PAIR_COLUMNS
 from rlhf.data.sources import read_table
 from rlhf.data.validate import Checked, Limits
-from rlhf.errors import DataError
+from rlhf.errors import DataError, first_line
 
 __all__ = ["PAIR_COLUMNS", "PreparedData", "check_source", "drop_report", "gold_scorer", "prepare_preferences"]
 __all__ += ["read_table"]
@@ -117,7 +117,7 @@ def _load_tokenizer(cfg: DataConfig) -> Any:
     try:
         return load_tokenizer(cfg.tokenizer, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (one sentence, not a traceback from transformers)
-        why = sources.first_line(err)
+        why = first_line(str(err), type(err).__name__)
         raise DataError(f"data.tokenizer: could not load tokenizer '{cfg.tokenizer}': {why}") from None
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import pandas as pd
 
 from rlhf.config import DataConfig
-from rlhf.errors import DataError
+from rlhf.errors import DataError, first_line
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -121,7 +121,7 @@ def load_split(
             cache_dir=cache_dir,
         )
     except Exception as err:  # noqa: BLE001 (any library failure becomes one sentence)
-        raise DataError(f"{label} could not be loaded: {first_line(err)}") from None
+        raise DataError(f"{label} could not be loaded: {first_line(str(err), type(err).__name__)}") from None
     return rows
 
 
@@ -132,7 +132,7 @@ def load_saved(path: Path, split: str, label: str) -> Dataset:
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as err:  # noqa: BLE001
-        raise DataError(f"{label} could not be loaded: {first_line(err)}") from None
+        raise DataError(f"{label} could not be loaded: {first_line(str(err), type(err).__name__)}") from None
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
             raise DataError(f"{label}: split '{split}' not found (found: {', '.join(saved)})")
@@ -201,9 +201,3 @@ def open_prompts(cfg: DataConfig, cache_dir: str) -> Source | None:
     if not cfg.prompts_path:
         return None
     return open_local(cfg.prompts_path, cfg.prompts_split, cache_dir, "data.prompts_path")
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (library errors can be pages long)."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

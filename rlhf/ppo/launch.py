@@ -111,6 +111,11 @@ def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -
     return log, end
 
 
+# The line rank 0 prints for an update (`--print-every`); the pipeline's PPO task reads the step from it.
+UPDATE_LINE = "ppo update {step}: {stats}"
+UPDATE_LINE_PATTERN = r"^ppo update (\d+):"
+
+
 def _printer(every: int, total: int) -> LogFn:
     """Print key statistics every `every` updates and at the last one (the pipeline's progress bar reads them)."""
     keys = ("objective/scores", "objective/kl", "policy/approxkl", "policy/clipfrac", "speed/episodes_per_s")
@@ -118,7 +123,7 @@ def _printer(every: int, total: int) -> LogFn:
     def show(metrics: dict[str, float], step: int) -> None:
         if step % every == 0 or step == total:
             shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-            print(f"ppo update {step}: {shown}", flush=True)
+            print(UPDATE_LINE.format(step=step, stats=shown), flush=True)
 
     return show
 
