@@ -13,6 +13,7 @@ from prefect import flow, task
 from prefect.runtime import flow_run
 
 from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
+from flows.terminal import exit_code_of
 from rlhf.config import PipelineConfig, flatten, load_config
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import UserInputError
@@ -85,13 +86,15 @@ def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any], faile
 @flow(name="rlhf-pipeline", log_prints=True)
 def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 (Prefect form default)
     """Run the whole RLHF-with-PPO recipe; every stage is cached on its content and retried on failure."""
-    preflight(config)
+    estimates = preflight(config)
     tracking = open_pipeline_run(config)
     try:
         summary = _run_stages(config, tracking)
     except BaseException:
         close_pipeline_run(tracking, {}, failed=True)
         raise
+    # the memory each stage was estimated to need, beside what it measured (memory/<stage>_peak_mb)
+    summary |= {f"memory/{e.stage}_estimate_mb": e.total / 2**20 for e in estimates}
     close_pipeline_run(tracking, summary)
     publish_pipeline_results(summary, config.tracking.experiment)  # MLflow link and evaluation table
     return summary
@@ -189,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    summary = rlhf_pipeline(config)
-    print(format_summary(summary))
-    return 0
+    code, summary = exit_code_of(lambda: rlhf_pipeline(config))
+    if summary is not None:
+        print(format_summary(summary))
+    return code
 
 
 if __name__ == "__main__":

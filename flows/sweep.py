@@ -26,6 +26,7 @@ from prefect.runtime import flow_run
 
 from flows.artifacts import StageProgress, link_mlflow_run, publish_table
 from flows.pipeline import rlhf_pipeline
+from flows.terminal import exit_code_of
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
 from rlhf.errors import UserInputError, first_line
 from rlhf.plots import Point, reward_vs_kl
@@ -199,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep {space.name}: {len(variants)} variants ({space.method})")
     for variant, _ in variants:
         print(f"  {variant.index:02d}  {variant.label}")
-    result = rlhf_sweep(base, space)
-    print(format_ranking(result))
-    return 0
+    code, result = exit_code_of(lambda: rlhf_sweep(base, space))
+    if result is not None:
+        print(format_ranking(result))
+    return code
 
 
 if __name__ == "__main__":

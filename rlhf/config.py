@@ -60,6 +60,15 @@ class RuntimeConfig(_Section):
         description="Data-parallel processes of the PPO stage on this machine: > 1 runs it under torchrun (one per "
         "GPU; gloo processes on CPU). ppo.batch_size stays the global batch.",
     )
+    memory_check: Literal["error", "warn", "off"] = Field(
+        "error",
+        description="Before any weight loads, estimate each stage's memory from the model's config.json and compare "
+        "it with the device's free memory (RAM on CPU): 'error' stops with the estimate and the settings that would "
+        "fit, 'warn' only warns, 'off' skips the check.",
+    )
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Memory budget of the check in GiB; None uses the device's free memory."
+    )
 
 
 class SyntheticTaskConfig(_Section):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from rlhf.config import PipelineConfig
 from rlhf.data.prepare import check_source
 from rlhf.errors import ConfigError
+from rlhf.memory import StageEstimate, model_positions, plan_memory, read_model_config
 
 
 def hub_offline() -> bool:
@@ -30,12 +32,53 @@ def check_model_reference(key: str, name: str) -> None:
         )
 
 
-def preflight(config: PipelineConfig) -> None:
-    """Everything that can be checked without loading a model or reading the data set."""
+def preflight(config: PipelineConfig) -> list[StageEstimate]:
+    """Everything that can be checked without loading a model or reading the data set: paths, the data's format
+    and columns where cheap, lengths against the model's positions and memory against the device (only
+    config.json is read). Returns the per-stage memory estimates."""
     check_source(config.data)
     if config.sft.model is not None:
         check_model_reference("sft.model", config.sft.model)
     check_ppo_processes(config)
+    model_config = read_model_config(config)
+    check_lengths(config, model_config)
+    return plan_memory(config, device_type(config), model_config)
+
+
+def device_type(config: PipelineConfig) -> str:
+    """'cuda' or 'cpu': where `runtime.device` puts the models (nothing is initialised on the device)."""
+    device = config.runtime.device
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def check_lengths(config: PipelineConfig, model_config: Any) -> None:
+    """Every configured length fits in the SFT model's positions (the reward and value models share them)."""
+    positions = model_positions(model_config)
+    if not positions:
+        return
+    ppo, over = config.ppo, []
+    rollout = ppo.max_prompt_tokens + ppo.max_new_tokens
+    if rollout > positions:
+        over.append(f"ppo.max_prompt_tokens + ppo.max_new_tokens ({ppo.max_prompt_tokens} + {ppo.max_new_tokens})")
+    eval_new = config.eval.max_new_tokens
+    if eval_new is not None and ppo.max_prompt_tokens + eval_new > positions:
+        over.append(f"ppo.max_prompt_tokens + eval.max_new_tokens ({ppo.max_prompt_tokens} + {eval_new})")
+    if config.reward.max_length > positions:
+        over.append(f"reward.max_length ({config.reward.max_length})")
+    if config.sft.finetune and config.sft.max_length > positions:
+        over.append(f"sft.max_length ({config.sft.max_length})")
+    if not over:
+        return
+    where = "sft.bootstrap.n_positions" if config.sft.model is None else f"config.json of {config.sft.model}"
+    keys = ", ".join(over[:-1]) + (" and " if len(over) > 1 else "") + over[-1]
+    raise ConfigError(
+        f"{keys} {'exceed' if len(over) > 1 else 'exceeds'} the {positions} positions of the SFT model ({where}); "
+        "lower them or use a model with more positions"
+    )
 
 
 def check_ppo_processes(config: PipelineConfig) -> None:

@@ -1,0 +1,384 @@
+"""How much memory a run needs, estimated from the model's ``config.json`` before any weight is loaded.
+
+The estimate of each stage is the memory it holds for its whole run (weights, gradients, AdamW states) plus the
+largest transient of its phases (activations of a training micro-batch, the logits over the vocabulary, the
+KV cache of generation), plus a fixed overhead (CUDA context and allocator slack on a GPU; the process's own
+resident memory on CPU). Parameter counts are exact: the architecture is instantiated on torch's ``meta``
+device, which allocates nothing. The activation terms follow Korthikanti et al. (2022) for a decoder layer with
+fused attention (sdpa: no stored attention matrix), in the autocast dtype; expect agreement within about 30%.
+
+Stages and what they hold (P: causal-LM parameters, R: reward-model parameters, b: bytes of the runtime dtype):
+- ``sft``: the trained model in fp32 (16 bytes/param: weights, grads, AdamW m and v), a batch of
+  ``sft.max_length`` tokens with full-vocabulary logits;
+- ``reward``: the same for the reward model, on chosen and rejected rows of ``reward.max_length``;
+- ``ppo``: policy 16P (LoRA: fp32 base + 16 bytes per adapter parameter, no reference copy), reference P*b,
+  reward model R*b, value model 16R (``policy_head``: one head); transient: the larger of generation (KV cache
+  of the rollout batch, prefill logits of the last position) and the training pass (policy and value micro
+  batch activations, response logits), and no-grad scoring of ``forward_batch_size`` rows;
+- ``evaluate``: the SFT and PPO policies and the reward model in the runtime dtype, generation of a batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from rlhf.config import PipelineConfig
+from rlhf.errors import ConfigError
+
+GIB = 2**30
+CUDA_OVERHEAD = 1.0 * GIB  # CUDA context, cuBLAS workspaces
+ALLOCATOR_SLACK = 0.10  # fragmentation of the caching allocator
+FIT_SHARE = 0.95  # an estimate above this share of the budget does not fit
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know of an architecture (read from its config, counted on the meta device)."""
+
+    params: int  # causal LM
+    reward_params: int  # the same trunk with a scalar head, without the LM head
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_dim: int  # key/value width per token per layer (kv heads x head dim)
+    vocab: int
+    positions: int | None
+    linear_in_out: int  # sum of in + out features of the trunk's linear layers (LoRA params per unit of rank)
+
+
+def _get(cfg: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def model_positions(cfg: Any) -> int | None:
+    """The longest sequence a config's model accepts (positions of its embedding or rotary table)."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return _get(text, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def shape_of(cfg: Any) -> ModelShape:
+    """Count the parameters of `cfg`'s causal LM and reward model on the meta device (nothing is allocated)."""
+    return _shape_of_json(cfg.to_json_string(use_diff=False), type(cfg))
+
+
+@functools.lru_cache(maxsize=8)
+def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
+    cfg = config_class.from_dict(json.loads(config_json))
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    reward_cfg = copy.deepcopy(cfg)
+    reward_cfg.num_labels = 1
+    if getattr(reward_cfg, "pad_token_id", None) is None or isinstance(reward_cfg.pad_token_id, list):
+        reward_cfg.pad_token_id = 0
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(cfg)
+        rm = AutoModelForSequenceClassification.from_config(reward_cfg)
+    head = lm.get_output_embeddings()
+    in_out = sum(m.in_features + m.out_features for m in lm.modules() if isinstance(m, nn.Linear) and m is not head)
+    hidden = int(_get(text, "hidden_size", "n_embd", "d_model"))
+    heads = int(_get(text, "num_attention_heads", "n_head"))
+    head_dim = int(_get(text, "head_dim") or hidden // heads)
+    kv_heads = int(_get(text, "num_key_value_heads") or heads)
+    return ModelShape(
+        params=sum(p.numel() for p in lm.parameters()),
+        reward_params=sum(p.numel() for p in rm.parameters()),
+        layers=int(_get(text, "num_hidden_layers", "n_layer")),
+        hidden=hidden,
+        intermediate=int(_get(text, "intermediate_size", "ffn_dim", "n_inner") or 4 * hidden),
+        kv_dim=kv_heads * head_dim,
+        vocab=int(text.vocab_size),
+        positions=model_positions(cfg),
+        linear_in_out=in_out,
+    )
+
+
+def read_model_config(config: PipelineConfig, model_config: str | Path | None = None) -> Any:
+    """The SFT model's config: `model_config` (a config.json or its folder) when given, the bootstrap GPT-2's
+    when ``sft.model`` is None, else ``config.json`` of ``sft.model`` (a local folder or, with hub access, an id;
+    only that file is read)."""
+    from transformers import AutoConfig, GPT2Config
+
+    if model_config is not None:
+        path = Path(model_config)
+        return AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+    if config.sft.model is None:
+        boot = config.sft.bootstrap
+        return GPT2Config(
+            vocab_size=boot.vocab_size,
+            n_positions=boot.n_positions,
+            n_embd=boot.n_embd,
+            n_layer=boot.n_layer,
+            n_head=boot.n_head,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    try:
+        return AutoConfig.from_pretrained(
+            config.sft.model, revision=config.sft.revision, trust_remote_code=config.runtime.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"sft.model: could not read the config of '{config.sft.model}': {first}") from None
+
+
+def dtype_bytes(dtype: str, device_type: str) -> int:
+    """Bytes per element of the runtime dtype ('auto': bf16 on CUDA, fp32 elsewhere)."""
+    if dtype == "auto":
+        return 2 if device_type == "cuda" else 4
+    return 4 if dtype == "float32" else 2
+
+
+class StageEstimate(NamedTuple):
+    stage: str
+    persistent: float  # bytes held for the whole stage: weights, gradients, optimizer states
+    transient: float  # bytes of the largest phase: activations, logits, KV cache
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.persistent + self.transient + self.overhead
+
+
+def _layer_activations(shape: ModelShape, tokens: float, act_bytes: int, checkpointing: bool) -> float:
+    """Bytes stored for backward by the decoder layers for `tokens` tokens (sdpa: no attention matrix)."""
+    per_token_layer = (8 * shape.hidden + 2 * shape.kv_dim + 3 * shape.intermediate) * act_bytes
+    if checkpointing:  # only each layer's input is kept, plus one layer recomputed at a time
+        return tokens * (shape.layers * shape.hidden * act_bytes + per_token_layer)
+    return tokens * shape.layers * per_token_layer
+
+
+def _logits(shape: ModelShape, tokens: float, act_bytes: int, grad: bool) -> float:
+    """Logits over the vocabulary: the autocast output, its fp32 log-softmax and, with grad, their gradients."""
+    return tokens * shape.vocab * (act_bytes + 4 + (4 + act_bytes if grad else 0))
+
+
+def _trained(params: float) -> float:
+    return 16.0 * params  # fp32 weights, fp32 gradients, AdamW exp_avg and exp_avg_sq
+
+
+def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_rss: float = 0.0) -> list[StageEstimate]:
+    """Per-stage estimates of `config` on a device of `device_type` ('cuda' or 'cpu')."""
+    rt, ppo, sft, rw, ev = config.runtime, config.ppo, config.sft, config.reward, config.eval
+    frozen_b = dtype_bytes(rt.dtype, device_type) if hasattr(rt, "dtype") else 4
+    act_b = frozen_b  # autocast compute dtype
+    ckpt_ppo = ppo.gradient_checkpointing
+    overhead = (CUDA_OVERHEAD if device_type == "cuda" else base_rss) if device_type else 0.0
+    out: list[StageEstimate] = []
+
+    def stage(name: str, persistent: float, transient: float) -> None:
+        slack = ALLOCATOR_SLACK * (persistent + transient) if device_type == "cuda" else 0.0
+        out.append(StageEstimate(name, persistent, transient, overhead + slack))
+
+    # SFT: bootstrap or fine-tune of the causal LM
+    if sft.model is None or sft.finetune:
+        length = sft.bootstrap.n_positions if sft.model is None else min(sft.max_length, shape.positions or 1 << 30)
+        tokens = sft.batch_size * length
+        act = _layer_activations(shape, tokens, act_b, sft.gradient_checkpointing) + _logits(shape, tokens, act_b, True)
+        stage("sft", _trained(shape.params), act)
+    # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad
+    tokens = 2 * rw.batch_size * rw.max_length
+    stage("reward", _trained(shape.reward_params), _layer_activations(shape, tokens, act_b, False))
+    # PPO
+    world = max(1, rt.ppo_processes)
+    rollout = ppo.batch_size // world
+    seq = ppo.max_prompt_tokens + ppo.max_new_tokens
+    micro = max(1, ppo.mini_batch_size // world // ppo.gradient_accumulation_steps)
+    lora = ppo.lora.enabled
+    trainable = ppo.lora.r * shape.linear_in_out if lora else shape.params
+    policy = 4.0 * shape.params + 12.0 * trainable if lora else _trained(shape.params)
+    reference = 0.0 if lora else shape.params * frozen_b
+    separate_value = ppo.value_model == "separate"
+    value = _trained(shape.reward_params) if separate_value else _trained(shape.hidden + 1)
+    persistent = policy + reference + shape.reward_params * frozen_b + value
+    kv_cache = 2.0 * shape.layers * rollout * seq * shape.kv_dim * act_b
+    generation = kv_cache + rollout * shape.vocab * (act_b + 4)
+    fwd = ppo.forward_batch_size or rollout
+    scoring = fwd * seq * shape.hidden * act_b * 4 + _logits(shape, fwd * ppo.max_new_tokens, act_b, False)
+    train_tokens = micro * seq
+    training = _layer_activations(shape, train_tokens, act_b, ckpt_ppo)
+    training += _logits(shape, micro * ppo.max_new_tokens, act_b, True)
+    if separate_value:
+        training += _layer_activations(shape, train_tokens, act_b, ckpt_ppo)
+    rollout_tensors = rollout * seq * 8 * 4  # ids, masks, log-probs, values, rewards, advantages, returns
+    stage("ppo", persistent, max(generation, scoring, training) + rollout_tensors)
+    # evaluation: SFT and PPO policies and the reward model, in the runtime dtype
+    eval_seq = ppo.max_prompt_tokens + (ev.max_new_tokens or ppo.max_new_tokens)
+    eval_kv = 2.0 * shape.layers * ev.batch_size * eval_seq * shape.kv_dim * act_b
+    eval_logits = _logits(shape, ev.batch_size * eval_seq, act_b, False)
+    stage("evaluate", (2 * shape.params + shape.reward_params) * frozen_b, max(eval_kv, eval_logits))
+    return out
+
+
+def available_memory(device_type: str, device_index: int | None = None) -> float:
+    """Free bytes of the CUDA device, or the machine's available RAM on CPU."""
+    if device_type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device_index or 0)
+        return float(free)
+    import psutil
+
+    return float(psutil.virtual_memory().available)
+
+
+def process_rss() -> float:
+    import psutil
+
+    return float(psutil.Process(os.getpid()).memory_info().rss)
+
+
+def fmt_gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.0f} MiB"
+
+
+# Settings that lower the estimate, tried one at a time (then together) when a run does not fit.
+def _remedies(config: PipelineConfig) -> list[tuple[str, dict[str, Any]]]:
+    ppo = config.ppo
+    out: list[tuple[str, dict[str, Any]]] = []
+    if not ppo.gradient_checkpointing:
+        out.append(("ppo.gradient_checkpointing=true", {"ppo": {"gradient_checkpointing": True}}))
+    if ppo.value_model == "separate":
+        out.append(("ppo.value_model=policy_head", {"ppo": {"value_model": "policy_head"}}))
+    if not ppo.lora.enabled:
+        out.append(("ppo.lora.enabled=true", {"ppo": {"lora": {"enabled": True}}}))
+    accum = ppo.gradient_accumulation_steps
+    if ppo.mini_batch_size // accum > 1:
+        more = accum * 2
+        while ppo.mini_batch_size % more:
+            more += 1
+        out.append((f"ppo.gradient_accumulation_steps={more}", {"ppo": {"gradient_accumulation_steps": more}}))
+    if (ppo.forward_batch_size or ppo.batch_size) > 8:
+        out.append(("ppo.forward_batch_size=8", {"ppo": {"forward_batch_size": 8}}))
+    if config.sft.finetune and not config.sft.gradient_checkpointing:
+        out.append(("sft.gradient_checkpointing=true", {"sft": {"gradient_checkpointing": True}}))
+    if config.reward.batch_size > 4:
+        out.append(
+            (
+                f"reward.batch_size={config.reward.batch_size // 4}",
+                {"reward": {"batch_size": config.reward.batch_size // 4}},
+            )
+        )
+    return out
+
+
+def _merge(raw: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    for key, value in change.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _with(config: PipelineConfig, change: dict[str, Any]) -> PipelineConfig:
+    return PipelineConfig.model_validate(_merge(config.model_dump(), change))
+
+
+def check_fits(
+    config: PipelineConfig, shape: ModelShape, device_type: str, budget: float, base_rss: float = 0.0
+) -> list[StageEstimate]:
+    """Raise one ConfigError sentence when a stage's estimate exceeds the budget, naming settings that would fit."""
+    estimates = estimate(config, shape, device_type, base_rss)
+    worst = max(estimates, key=lambda e: e.total)
+    if worst.total <= FIT_SHARE * budget:
+        return estimates
+    fixes = []
+    combined: dict[str, Any] = {}
+    for text, change in _remedies(config):
+        combined = _merge(combined, change)
+        try:
+            trial = max(e.total for e in estimate(_with(config, change), shape, device_type, base_rss))
+        except ValueError:
+            continue
+        if trial <= FIT_SHARE * budget:
+            fixes.append(f"{text} ({fmt_gib(trial)})")
+    if not fixes and combined:
+        trial = max(e.total for e in estimate(_with(config, combined), shape, device_type, base_rss))
+        if trial <= FIT_SHARE * budget:
+            names = ", ".join(t for t, _ in _remedies(config))
+            fixes.append(f"all of {names} together ({fmt_gib(trial)})")
+    hint = (
+        "; it would fit with " + " or ".join(fixes[:3])
+        if fixes
+        else "; no single setting here makes it fit (use a smaller model or a larger device)"
+    )
+    device = "GPU" if device_type == "cuda" else "RAM"
+    raise ConfigError(
+        f"runtime.memory_check: the {worst.stage} stage needs about {fmt_gib(worst.total)} but {fmt_gib(budget)} of "
+        f"{device} is free{hint}, or set runtime.memory_check=warn to try anyway"
+    )
+
+
+def budget_bytes(config: PipelineConfig, device_type: str) -> float:
+    rt = config.runtime
+    if getattr(rt, "memory_budget_gb", None):
+        return rt.memory_budget_gb * GIB
+    index = None
+    if device_type == "cuda" and ":" in rt.device:
+        index = int(rt.device.split(":", 1)[1])
+    return available_memory(device_type, index)
+
+
+def plan_memory(config: PipelineConfig, device_type: str, model_config: Any | None = None) -> list[StageEstimate]:
+    """Preflight: estimate every stage and check it against the device's free memory (`runtime.memory_check`)."""
+    shape = shape_of(model_config if model_config is not None else read_model_config(config))
+    base = process_rss() if device_type == "cpu" else 0.0
+    mode = getattr(config.runtime, "memory_check", "error")
+    if mode == "off":
+        return estimate(config, shape, device_type, base)
+    try:
+        return check_fits(config, shape, device_type, budget_bytes(config, device_type), base)
+    except ConfigError as err:
+        if mode == "error":
+            raise
+        import warnings
+
+        warnings.warn(str(err), stacklevel=2)
+        return estimate(config, shape, device_type, base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the per-stage estimate of a config for a device size: ``python -m rlhf.memory --config X --gpu-gb 24``."""
+    import argparse
+    import sys
+
+    from rlhf.config import load_config
+    from rlhf.errors import UserInputError
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--config", default="conf/default.yaml")
+    parser.add_argument("--model-config", help="a config.json (or its folder) to use instead of sft.model's")
+    parser.add_argument("--gpu-gb", type=float, nargs="*", default=[24, 80], help="GPU sizes to compare against")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        shape = shape_of(read_model_config(config, args.model_config))
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.config}: {shape.params / 1e6:.3g}M parameters (reward model {shape.reward_params / 1e6:.3g}M)")
+    for est in estimate(config, shape, "cuda"):
+        fits = "  ".join(
+            f"{gb:g} GB: {'fits' if est.total <= FIT_SHARE * gb * 1e9 else 'does not fit'}" for gb in args.gpu_gb
+        )
+        print(
+            f"  {est.stage:<9} {fmt_gib(est.total):>10}  (held {fmt_gib(est.persistent)}, peak phase "
+            f"{fmt_gib(est.transient)})  {fits}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
