@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlhf.errors import ConfigError
 
@@ -69,6 +69,11 @@ class RuntimeConfig(_Section):
     memory_budget_gb: float | None = Field(
         None, gt=0, description="Memory budget of the check in GiB; None uses the device's free memory."
     )
+
+    @field_validator("memory_check", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
 
 
 class SyntheticTaskConfig(_Section):

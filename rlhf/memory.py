@@ -113,7 +113,9 @@ def read_model_config(config: PipelineConfig, model_config: str | Path | None = 
 
     if model_config is not None:
         path = Path(model_config)
-        return AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+        fields = json.loads((path if path.is_file() else path / "config.json").read_text())
+        fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
     if config.sft.model is None:
         boot = config.sft.bootstrap
         return GPT2Config(
@@ -215,9 +217,9 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     rollout_tensors = rollout * seq * 8 * 4  # ids, masks, log-probs, values, rewards, advantages, returns
     stage("ppo", persistent, max(generation, scoring, training) + rollout_tensors)
     # evaluation: SFT and PPO policies and the reward model, in the runtime dtype
-    eval_seq = ppo.max_prompt_tokens + (ev.max_new_tokens or ppo.max_new_tokens)
-    eval_kv = 2.0 * shape.layers * ev.batch_size * eval_seq * shape.kv_dim * act_b
-    eval_logits = _logits(shape, ev.batch_size * eval_seq, act_b, False)
+    eval_new = ev.max_new_tokens or ppo.max_new_tokens
+    eval_kv = 2.0 * shape.layers * ev.batch_size * (ppo.max_prompt_tokens + eval_new) * shape.kv_dim * act_b
+    eval_logits = _logits(shape, ev.batch_size * eval_new, act_b, False)  # log-probs of the response positions
     stage("evaluate", (2 * shape.params + shape.reward_params) * frozen_b, max(eval_kv, eval_logits))
     return out
 

@@ -30,7 +30,7 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     texts = [d.prompt + d.response for d in synthetic.demonstrations(200, seed=0)]
     tok = models.build_tokenizer(texts, vocab_size=300)
-    policy = models.build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=64, seed=0)
+    policy = models.build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=256, seed=0)
     policy.save_pretrained(root / "policy")
     tok.save_pretrained(root / "policy")
     reward = models.load_reward_model(str(root / "policy"), torch.device("cpu"))

@@ -1,0 +1,92 @@
+"""The memory estimate: exact parameter counts from a config alone, the terms that settings change, and the
+one-sentence refusal that names settings which would fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlhf.config import load_config
+from rlhf.errors import ConfigError
+from rlhf.memory import GIB, check_fits, estimate, model_positions, read_model_config, shape_of
+
+TINY = {
+    "llama": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_parameter_counts_equal_the_built_models(family):
+    cfg = AutoConfig.for_model(family, vocab_size=300, max_position_embeddings=128, **TINY[family])
+    shape = shape_of(cfg)
+    built = AutoModelForCausalLM.from_config(cfg)
+    assert shape.params == sum(p.numel() for p in built.parameters())
+    assert shape.vocab == 300 and shape.layers == 2
+    assert model_positions(cfg) == 128
+
+
+def _ppo(config, shape, device="cuda"):
+    return next(e for e in estimate(config, shape, device) if e.stage == "ppo")
+
+
+def test_settings_that_save_memory_lower_the_ppo_estimate():
+    cfg = AutoConfig.for_model("llama", vocab_size=32000, max_position_embeddings=2048, **TINY["llama"])
+    shape = shape_of(cfg)
+    base = load_config("conf/default.yaml", ["sft.model=x", "ppo.max_prompt_tokens=256", "ppo.max_new_tokens=256"])
+    ref = _ppo(base, shape)
+    lora = _ppo(load_config("conf/default.yaml", ["ppo.lora.enabled=true"]), shape)
+    head = _ppo(load_config("conf/default.yaml", ["ppo.value_model=policy_head"]), shape)
+    ckpt = _ppo(load_config("conf/default.yaml", ["ppo.gradient_checkpointing=true"]), shape)
+    small = load_config("conf/default.yaml", ["ppo.max_prompt_tokens=256", "ppo.max_new_tokens=256"])
+    assert lora.persistent < ref.persistent and head.persistent < ref.persistent
+    assert ckpt.transient <= _ppo(small, shape).transient
+    # twice the response length: more KV cache and more logits
+    assert _ppo(small, shape).transient > _ppo(load_config("conf/default.yaml"), shape).transient
+    # persistent: policy 16P, reference 2P (bf16 on CUDA) or 4P, reward and value of the trunk
+    p, r = shape.params, shape.reward_params
+    assert ref.persistent == pytest.approx(16 * p + 2 * p + 2 * r + 16 * r) or ref.persistent == pytest.approx(
+        16 * p + 4 * p + 4 * r + 16 * r
+    )
+
+
+def test_a_run_that_does_not_fit_is_one_sentence_with_settings_that_would():
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+    )
+    shape = shape_of(cfg)
+    config = load_config("conf/default.yaml", ["ppo.max_prompt_tokens=512", "ppo.max_new_tokens=256"])
+    need = max(e.total for e in estimate(config, shape, "cuda"))
+    check_fits(config, shape, "cuda", budget=2 * need)  # fits: nothing raised
+    with pytest.raises(ConfigError) as err:
+        check_fits(config, shape, "cuda", budget=0.8 * need)
+    text = str(err.value)
+    assert "GiB" in text and "free" in text and "it would fit with" in text and "\n" not in text
+    with pytest.raises(ConfigError, match="no single setting"):
+        check_fits(config, shape, "cuda", budget=0.01 * GIB)
+
+
+def test_the_bootstrap_models_shape_comes_from_its_config_section():
+    config = load_config("conf/smoke.yaml")
+    cfg = read_model_config(config)
+    assert model_positions(cfg) == config.sft.bootstrap.n_positions
+    assert shape_of(cfg).hidden == config.sft.bootstrap.n_embd
+
+
+def test_preflight_refuses_a_budget_too_small_before_anything_loads():
+    from rlhf.preflight import preflight
+
+    with pytest.raises(ConfigError, match="runtime.memory_check"):
+        preflight(load_config("conf/smoke.yaml", ["runtime.memory_budget_gb=0.01"]))
+    assert preflight(load_config("conf/smoke.yaml", ["runtime.memory_check=off", "runtime.memory_budget_gb=0.01"]))
+    torch.manual_seed(0)
