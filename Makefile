@@ -16,7 +16,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 export TOKENIZERS_PARALLELISM := false
-# No hub downloads unless asked for: `make run HF_HUB_OFFLINE=0 CONFIG=conf/examples/gpt2-hh.yaml`.
+# No hub downloads unless asked for: `make run HF_HUB_OFFLINE=0 CONFIG=conf/examples/pythia-160m-hh.yaml`.
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 

@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{args.config}: {shape.params / 1e6:.3g}M parameters (reward model {shape.reward_params / 1e6:.3g}M)")
+    print(f"{args.config}: {shape.params / 1e6:,.1f}M parameters (reward model {shape.reward_params / 1e6:,.1f}M)")
     for est in estimate(config, shape, "cuda"):
         fits = "  ".join(
             f"{gb:g} GB: {'fits' if est.total <= FIT_SHARE * gb * 1e9 else 'does not fit'}" for gb in args.gpu_gb
