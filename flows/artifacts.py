@@ -17,6 +17,7 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
+from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.tracking import Tracker
 from tasks.runs import ProgressBar
 
@@ -101,15 +102,19 @@ def publish_pipeline_results(summary: dict[str, Any], experiment: str) -> None:
         "MLflow run of this pipeline (stages are its child runs)",
         key="rlhf-mlflow-run",
     )
-    rows = [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
+    warning = summary.get(EVAL_WARNING_TAG)
+    rows = [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
+    rows += [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
     rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
+    description = (
+        "Evaluation of the PPO policy against the SFT policy on held-out prompts (gold reward where the task has "
+        "one, reward-model score, win rates at equal length, response lengths and empty answers, KL), and where "
+        "the outputs are."
+    )
+    if warning:
+        description = f"WARNING: {' '.join(warning.splitlines())} {description}"
     try:
-        create_table_artifact(
-            rows,
-            key="rlhf-evaluation",
-            description="Evaluation of the PPO policy against the SFT policy on held-out prompts "
-            "(gold reward where the task has one, reward-model score, KL), and where the outputs are.",
-        )
+        create_table_artifact(rows, key="rlhf-evaluation", description=description)
     except Exception as err:
         _warn("evaluation table", err)
 

@@ -17,6 +17,7 @@ from flows.terminal import exit_code_of
 from rlhf.config import PipelineConfig, flatten, load_config
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import UserInputError
+from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.preflight import preflight
 from rlhf.tracking import Tracker
 from tasks.caching import TrackingContext, code_version, run_stage
@@ -66,7 +67,12 @@ def register_policy(tracking: TrackingContext, summary: dict[str, Any]) -> str:
         tracking.registered_model,
         summary["stage.train_policy_ppo.run_id"],
         "ppo_checkpoint/policy",
-        tags={**metrics, "pipeline_run_id": tracking.parent_run_id, "code_version": code_version()},
+        tags={
+            **metrics,
+            **{k: v for k, v in summary.items() if k == EVAL_WARNING_TAG},
+            "pipeline_run_id": tracking.parent_run_id,
+            "code_version": code_version(),
+        },
         description=f"PPO policy of pipeline run {tracking.parent_run_id}",
     )
     return f"models:/{tracking.registered_model}/{version}"
@@ -148,24 +154,71 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
         **{f"stage.{o.stage}.run_id": o.mlflow_run_id for o in (data, sft, reward, init, policy, evaluation)},
     }
+    if evaluation.extra.get("warnings"):  # a tag of the pipeline run, a line of the summary and the Prefect table
+        summary[EVAL_WARNING_TAG] = "\n".join(evaluation.extra["warnings"])
     if tracking.registered_model:
         summary["registered_policy"] = register_policy(tracking, summary)
     return summary
 
 
+def _row(label: str, value: str) -> str:
+    return f"{label + ':':<40}{value}"
+
+
+def _rate(summary: dict[str, Any], key: str) -> str:
+    return f"{summary[key]:.1%}" if key in summary else "n/a"
+
+
+def _equal_length(summary: dict[str, Any], score: str) -> str:
+    """'52.0% (logistic fit); 50.0% of 40 length-matched pairs'."""
+    matched = f"{_rate(summary, f'eval/win_rate_{score}_len_matched')} of {int(summary.get('eval/n_len_matched', 0))}"
+    return f"{_rate(summary, f'eval/win_rate_{score}_len_controlled')} (logistic fit); {matched} length-matched pairs"
+
+
+def hacking_warnings(summary: dict[str, Any]) -> list[str]:
+    """The evaluation's reward-hacking warnings, one per line; a generic one for a flag set without its text."""
+    lines = [line for line in str(summary.get(EVAL_WARNING_TAG, "")).splitlines() if line.strip()]
+    if not lines and summary.get("eval/hacking_flag_length"):
+        lines.append("PPO's gain over SFT is mostly explained by response length (see docs/evaluation.md).")
+    if not lines and summary.get("eval/hacking_flag_empty"):
+        lines.append("PPO gives more empty answers than SFT and the reward model scores them highly.")
+    return lines
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", "== RLHF pipeline summary"]
-    lines.append(f"reward-model accuracy (held-out pairs): {summary['reward/eval_accuracy']:.3f}")
+    lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/eval_accuracy']:.3f}"))
     if "eval/win_rate_gold" in summary:
         lines.append(
-            f"PPO beats SFT on gold reward:           {summary['eval/win_rate_gold']:.1%} of "
-            f"{int(summary['eval/n_prompts'])} held-out prompts (ties {summary['eval/tie_rate_gold']:.1%})"
+            _row(
+                "PPO beats SFT on gold reward",
+                f"{summary['eval/win_rate_gold']:.1%} of {int(summary['eval/n_prompts'])} held-out prompts "
+                f"(ties {summary['eval/tie_rate_gold']:.1%})",
+            )
         )
+        if "eval/win_rate_gold_len_controlled" in summary:
+            lines.append(_row("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
         lines.append(
-            f"mean gold reward PPO / SFT:             {summary['eval/ppo_gold']:.3f} / {summary['eval/sft_gold']:.3f}"
+            _row("mean gold reward PPO / SFT", f"{summary['eval/ppo_gold']:.3f} / {summary['eval/sft_gold']:.3f}")
         )
-    lines.append(f"PPO beats SFT on reward-model score:     {summary['eval/win_rate_rm']:.1%}")
-    lines.append(f"mean KL(PPO || SFT) per response:       {summary['eval/kl']:.3f}")
+    lines.append(_row("PPO beats SFT on reward-model score", f"{summary['eval/win_rate_rm']:.1%}"))
+    if "eval/win_rate_rm_len_controlled" in summary:
+        lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
+    lines.append(_row("mean KL(PPO || SFT) per response", f"{summary['eval/kl']:.3f}"))
+    if "eval/ppo_length_mean" in summary:
+        for name in ("ppo", "sft"):
+            mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
+            lines.append(
+                _row(
+                    f"{name.upper()} response tokens",
+                    f"mean {mean:.1f}, p10/p50/p90 {p10:g}/{p50:g}/{p90:g}; "
+                    f"empty {summary[f'eval/{name}_empty_rate']:.1%}, "
+                    f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
+                )
+            )
+    warnings = hacking_warnings(summary)
+    if warnings:
+        lines += ["", *(f"WARNING: {w}" for w in warnings), ""]
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
     if "registered_policy" in summary:

@@ -31,8 +31,14 @@ SUMMARY_METRICS = (
     "eval/ppo_score",
     "eval/sft_score",
     "eval/kl",
-    "eval/ppo_length",
+    "eval/win_rate_rm_len_controlled",
+    "eval/win_rate_gold_len_controlled",
+    "eval/ppo_length_mean",
+    "eval/sft_length_mean",
+    "eval/ppo_empty_rate",
     "eval/ppo_stop_rate",
+    "eval/hacking_flag_length",
+    "eval/hacking_flag_empty",
 )
 CURVE_METRICS = ("objective/scores", "objective/kl")
 # Parameters that differ between runs without changing what was trained.

@@ -364,6 +364,12 @@ class EvalConfig(_Section):
     max_new_tokens: int | None = Field(None, ge=1, description="Response length; None uses ppo.max_new_tokens.")
     temperature: float | None = Field(None, gt=0, description="Sampling temperature; None uses ppo.temperature.")
     seed: int = Field(1234, description="Generation seed (the same for the SFT and PPO policies).")
+    length_tolerance: float = Field(
+        0.2,
+        ge=0,
+        description="Length-matched win rates count the prompts whose PPO and SFT responses differ in length by at "
+        "most this fraction of the longer one (docs/evaluation.md).",
+    )
 
 
 class PipelineConfig(_Section):

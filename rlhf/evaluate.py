@@ -1,9 +1,13 @@
-"""Evaluation generation: the PPO policy against the SFT policy on held-out prompts."""
+"""Evaluation generation: the PPO policy against the SFT policy on held-out prompts.
+
+Besides scores, KL and win rates, it reports each policy's response lengths and empty answers, win rates at
+equal length, and flags a gain over SFT that length or empty answers explain (``rlhf.length_control``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from rlhf import models
+from rlhf import length_control, models
 from rlhf.batching import pad_left
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
@@ -27,6 +31,7 @@ class EvalResult:
     folder: str
     digest: str
     summary: dict[str, float]
+    warnings: list[str] = field(default_factory=list)  # sentences, one per reward-hacking flag set
 
     @property
     def completions(self) -> Path:
@@ -76,7 +81,7 @@ def _generate_and_score(
                     "response": texts[i],
                     "score": float(scores[i]),
                     "kl": float(((logp[i] - ref_logp[i]) * mask[i]).sum()),
-                    "length": int(mask[i].sum()),
+                    "length": int(mask[i].sum()) - int(resp.contains_stop[i]),  # tokens before the stop token
                     "stopped": bool(resp.contains_stop[i]),
                 }
             )
@@ -127,7 +132,22 @@ def evaluate_policies(
             runtime,
             device,
         )
-    sft, ppo = frames["sft"], frames["ppo"]
+    table, summary, warnings = summarize(prompts, frames["sft"], frames["ppo"], gold_fn, cfg.length_tolerance)
+    log(summary, 0)
+    with atomic_dir(out_dir) as tmp:
+        table.to_parquet(tmp / "completions.parquet", index=False)
+        manifest = write_manifest(tmp, stage="evaluate", summary=summary, warnings=warnings)
+    return EvalResult(str(out_dir), manifest["digest"], summary, warnings)
+
+
+def summarize(
+    prompts: list[str], sft: pd.DataFrame, ppo: pd.DataFrame, gold_fn: GoldFn | None, length_tolerance: float
+) -> tuple[pd.DataFrame, dict[str, float], list[str]]:
+    """The completions table, the summary metrics and the reward-hacking warnings of two policies' generations.
+
+    `sft` and `ppo` have one row per prompt: response, score, kl, length (tokens before the stop token), stopped.
+    """
+    empty = {name: length_control.is_empty(f["length"], f["response"]) for name, f in (("sft", sft), ("ppo", ppo))}
     table = pd.DataFrame(
         {
             "prompt": prompts,
@@ -138,6 +158,8 @@ def evaluate_policies(
             "ppo_kl": ppo["kl"],
             "sft_length": sft["length"],
             "ppo_length": ppo["length"],
+            "sft_empty": empty["sft"],
+            "ppo_empty": empty["ppo"],
         }
     )
     summary = {
@@ -146,11 +168,22 @@ def evaluate_policies(
         "eval/sft_score": float(sft["score"].mean()),
         "eval/win_rate_rm": float(np.mean(ppo["score"] > sft["score"])),
         "eval/kl": float(ppo["kl"].mean()),
-        "eval/ppo_length": float(ppo["length"].mean()),
-        "eval/sft_length": float(sft["length"].mean()),
-        "eval/ppo_stop_rate": float(ppo["stopped"].mean()),
-        "eval/sft_stop_rate": float(sft["stopped"].mean()),
     }
+    for name, frame in (("ppo", ppo), ("sft", sft)):
+        stats = length_control.length_stats(frame["length"], empty[name])
+        summary |= {f"eval/{name}_{k}": v for k, v in stats.items()}
+        summary[f"eval/{name}_stop_rate"] = float(frame["stopped"].mean())
+    controls = {}
+
+    def add_length_control(key: str, name: str, ppo_scores, sft_scores) -> None:
+        c = length_control.length_control(ppo_scores, sft_scores, ppo["length"], sft["length"], length_tolerance)
+        controls[name] = c
+        summary[f"eval/win_rate_{key}_len_controlled"] = c.controlled_win_rate
+        if c.n_matched:  # undefined without a length-matched pair: left out rather than NaN
+            summary[f"eval/win_rate_{key}_len_matched"] = c.matched_win_rate
+        summary["eval/n_len_matched"] = float(c.n_matched)
+
+    add_length_control("rm", "reward-model score", ppo["score"], sft["score"])
     if gold_fn is not None:
         table["sft_gold"] = [gold_fn(p, r) for p, r in zip(prompts, sft["response"], strict=True)]
         table["ppo_gold"] = [gold_fn(p, r) for p, r in zip(prompts, ppo["response"], strict=True)]
@@ -162,8 +195,10 @@ def evaluate_policies(
                 "eval/tie_rate_gold": float(np.mean(table["ppo_gold"] == table["sft_gold"])),
             }
         )
-    log(summary, 0)
-    with atomic_dir(out_dir) as tmp:
-        table.to_parquet(tmp / "completions.parquet", index=False)
-        manifest = write_manifest(tmp, stage="evaluate", summary=summary)
-    return EvalResult(str(out_dir), manifest["digest"], summary)
+        add_length_control("gold", "gold reward", table["ppo_gold"], table["sft_gold"])
+    verdict = length_control.hacking_verdict(
+        controls, ppo["length"], sft["length"], empty["ppo"], empty["sft"], ppo["score"]
+    )
+    summary["eval/hacking_flag_length"] = float(verdict.length)
+    summary["eval/hacking_flag_empty"] = float(verdict.empty)
+    return table, summary, verdict.warnings

@@ -213,7 +213,8 @@ def variant_configs(base: PipelineConfig, space: SweepSpace) -> list[tuple[Varia
     return [(v, variant_config(base, space, v)) for v in expand(space)]
 
 
-# Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards.
+# Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards, then the
+# reward-hacking checks (rlhf.length_control).
 RANK_METRICS = (
     "eval/ppo_gold",
     "eval/win_rate_gold",
@@ -223,6 +224,11 @@ RANK_METRICS = (
     "reward/eval_accuracy",
     "eval/sft_gold",
     "eval/sft_score",
+    "eval/win_rate_rm_len_controlled",
+    "eval/ppo_length_mean",
+    "eval/ppo_empty_rate",
+    "eval/hacking_flag_length",
+    "eval/hacking_flag_empty",
 )
 
 

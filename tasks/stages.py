@@ -12,6 +12,7 @@ from rlhf import sft as sft_training
 from rlhf.checkpoints import write_manifest
 from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
 from rlhf.data import prepare
+from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.models import load_tokenizer, set_threads
 from rlhf.ppo import launch
 from rlhf.ppo.state import same_vocabulary
@@ -240,7 +241,8 @@ def evaluate_policies(
     runtime: RuntimeConfig,
     tracking: TrackingContext,
 ) -> StageOutput:
-    """Generate with the PPO and SFT policies on held-out prompts; scores, KL, win rate, completions table."""
+    """Generate with the PPO and SFT policies on held-out prompts; scores, KL, win rates (also at equal length),
+    response lengths and empty answers, reward-hacking flags, completions table."""
     set_threads(runtime.threads)
     folder = stage_dir(
         runtime.output_dir,
@@ -264,10 +266,13 @@ def evaluate_policies(
         completions = pd.read_parquet(result.completions)
         tracker.log_table(run_id, completions, "completions.json")
         tracker.log_artifacts(run_id, result.completions, "evaluation")
+        if result.warnings:
+            tracker.set_tags(run_id, {EVAL_WARNING_TAG: "\n".join(result.warnings)})
     return StageOutput(
         stage="evaluate_policies",
         path=result.folder,
         digest=result.digest,
         mlflow_run_id=run_id,
         metrics=result.summary,
+        extra={"warnings": result.warnings},
     )

@@ -77,6 +77,20 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert "reward_model/model.safetensors" in artifacts(children["train_reward_model"], "reward_model")
     assert {"ppo_checkpoint", "rollouts"} <= artifacts(ppo)
     assert "completions.json" in artifacts(children["evaluate_policies"])
+    # lengths, empty answers, win rates at equal length and the hacking flags: on the evaluation and pipeline runs
+    evaluation = children["evaluate_policies"].data
+    for key in (
+        "eval/ppo_length_mean",
+        "eval/sft_empty_rate",
+        "eval/win_rate_rm_len_controlled",
+        "eval/win_rate_gold_len_controlled",
+        "eval/hacking_flag_length",
+        "eval/hacking_flag_empty",
+    ):
+        assert evaluation.metrics[key] == pytest.approx(summary[key]), key
+        assert parent[0].data.metrics[key] == pytest.approx(summary[key]), key
+    assert evaluation.tags.get("eval.warning") == summary.get("eval.warning")
+    assert parent[0].data.tags.get("eval.warning") == summary.get("eval.warning")
 
     # the prepared data are dataset inputs of the runs that use them (schema and row count, no rows read)
     def inputs(run):
