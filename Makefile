@@ -35,8 +35,11 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf" 
 	@touch $@
 
+# The targets below call the `rlhf` command (rlhf/cli.py; `rlhf --help`), installed into the venv.
+RLHF := $(VENV)/bin/rlhf
+
 run: $(STAMP)
-	$(PY) -m flows.pipeline --config $(CONFIG) $(ARGS)
+	$(RLHF) run --config $(CONFIG) $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -52,8 +55,8 @@ bench: $(STAMP)
 	@if [ "$(PEER)" = 1 ]; then \
 		$(MAKE) --no-print-directory bench-peer | tee .bench-peer.log; \
 		peer=$$(tail -n 1 .bench-peer.log | sed -n 's/^episodes\/s: //p'); \
-		$(PY) -m rlhf.bench --peer-episodes-per-s "$$peer" $(ARGS); \
-	else $(PY) -m rlhf.bench $(ARGS); fi
+		$(RLHF) bench --peer-episodes-per-s "$$peer" $(ARGS); \
+	else $(RLHF) bench $(ARGS); fi
 
 bench-peer:
 	@test -x .bench-peer/bin/python || { echo "creating .bench-peer (TRL 0.19, transformers 4.x)"; \
@@ -68,11 +71,11 @@ mlflow-ui: $(STAMP)
 prefect-ui: $(STAMP)
 	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200
 
-# `make ui`: the Prefect server and UI, the MLflow UI, and the pipeline and sweep deployments served from this checkout
-# (flows/serve.py; run them from the Prefect UI's forms). Everything binds to 127.0.0.1 unless HOST is given on the
-# command line (`make ui HOST=0.0.0.0`). `make ui SWEEP_CRON="0 2 * * *"` schedules the sweep nightly. Ctrl-C stops all
-# (`set -m`: the servers get their own process groups, so Ctrl-C reaches the serve process first, which pauses its
-# schedules through the still running server; then the servers are stopped).
+# `make ui` (`rlhf ui`): the Prefect server and UI, the MLflow UI, and the pipeline and sweep deployments served from
+# this checkout (flows/serve.py; run them from the Prefect UI's forms). Everything binds to 127.0.0.1 unless HOST is
+# given on the command line (`make ui HOST=0.0.0.0`). `make ui SWEEP_CRON="0 2 * * *"` schedules the sweep nightly.
+# Ctrl-C stops all (the servers run in sessions of their own, so Ctrl-C reaches the serve process first, which pauses
+# its schedules through the still running server; then the servers are stopped).
 UI_HOST := $(if $(filter command line,$(origin HOST)),$(HOST),127.0.0.1)
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
@@ -80,26 +83,19 @@ SWEEP ?= conf/sweeps/kl_coef.yaml
 SWEEP_CRON ?=
 EXPERIMENT ?= rlhf-ppo
 ui: $(STAMP)
-	@mkdir -p $(PREFECT_HOME) mlruns
-	@set -m; trap 'kill $$(jobs -p) 2>/dev/null || true; wait' EXIT; \
-	$(VENV)/bin/prefect server start --host $(UI_HOST) --port $(PREFECT_PORT) > $(PREFECT_HOME)/server.log 2>&1 & \
-	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db \
-		--host $(UI_HOST) --port $(MLFLOW_PORT) --workers 2 > mlruns/mlflow-ui.log 2>&1 & \
-	echo "Prefect UI: http://127.0.0.1:$(PREFECT_PORT)  (server log: $(PREFECT_HOME)/server.log)"; \
-	echo "MLflow UI:  http://127.0.0.1:$(MLFLOW_PORT)  (log: mlruns/mlflow-ui.log)"; \
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api MLFLOW_UI_URL=$${MLFLOW_UI_URL:-http://127.0.0.1:$(MLFLOW_PORT)} \
-		$(PY) -m flows.serve --config $(CONFIG) --sweep-space $(SWEEP) $(if $(SWEEP_CRON),--sweep-cron "$(SWEEP_CRON)") $(ARGS)
+	$(RLHF) ui --host $(UI_HOST) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT) --config $(CONFIG) \
+		--sweep-space $(SWEEP) $(if $(SWEEP_CRON),--sweep-cron "$(SWEEP_CRON)") $(ARGS)
 
 # `make sweep SWEEP=conf/sweeps/kl_coef.yaml [CONFIG=...] [ARGS="ppo.total_episodes=3200"]`: every variant, ranked.
 sweep: $(STAMP)
-	$(PY) -m flows.sweep --config $(CONFIG) --space $(SWEEP) $(ARGS)
+	$(RLHF) sweep --config $(CONFIG) --space $(SWEEP) $(ARGS)
 
 # `make compare [EXPERIMENT=rlhf-ppo] [ARGS="--sweep kl_coef"]`: runs side by side, plots in outputs/compare.
 compare: $(STAMP)
-	$(PY) -m rlhf.compare --experiment $(EXPERIMENT) --tracking-uri sqlite:///$(CURDIR)/mlruns/mlflow.db $(ARGS)
+	$(RLHF) compare --experiment $(EXPERIMENT) --tracking-uri sqlite:///$(CURDIR)/mlruns/mlflow.db $(ARGS)
 
 docs: $(STAMP)
-	$(PY) -m rlhf.config_docs --write-readme
+	$(RLHF) docs --write-readme
 
 clean:
 	rm -rf outputs .prefect mlruns/mlflow.db mlruns/artifacts

@@ -1,4 +1,4 @@
-"""The peer of `make bench`: TRL 0.19's PPOTrainer on the same BENCH.md shape, timed the same way.
+"""The peer of `make bench`: TRL 0.19's PPOTrainer on the same docs/benchmark.md shape, timed the same way.
 
 Runs in its own virtual environment (TRL 0.19 needs transformers 4.x): `make bench-peer` creates
 `.bench-peer/` and runs this file there. Prints `episodes/s: X`, the median over the updates after the first.

@@ -1,4 +1,4 @@
-"""PPO throughput benchmark on the fixed shape of BENCH.md (``make bench``).
+"""PPO throughput benchmark on the fixed shape of docs/benchmark.md (``make bench``).
 
 Times the same update steps the trainer runs (generate and score, advantages, PPO epochs) on randomly initialised
 GPT-2 models, and prints the per-phase times, peak memory and, last, ``episodes/s: X``: the median over the
@@ -43,9 +43,9 @@ class BenchShape:
 
 
 SHAPES = {
-    # BENCH.md: 4 layers, 4 heads, hidden 128, vocab 1000; 64 prompts of 16 tokens; 32 sampled tokens
+    # docs/benchmark.md: 4 layers, 4 heads, hidden 128, vocab 1000; 64 prompts of 16 tokens; 32 sampled tokens
     "cpu": BenchShape(n_layer=4, n_head=4, n_embd=128, vocab_size=1000, batch_size=64, prompt_len=16, response_len=32),
-    # BENCH.md, GPU: the GPT-2 124M shape, batch 64, response 64
+    # docs/benchmark.md, GPU: the GPT-2 124M shape, batch 64, response 64
     "gpt2-124m": BenchShape(
         n_layer=12, n_head=12, n_embd=768, vocab_size=50257, batch_size=64, prompt_len=16, response_len=64
     ),
@@ -91,7 +91,7 @@ def run_bench(shape: BenchShape, updates: int, device: torch.device, bf16: bool,
         record_rollouts=False,
     )
     state: TrainerState = fresh_state(m, cfg, seed, device)
-    # no stop tokens: every response is exactly response_len tokens (BENCH.md: no stop-token truncation)
+    # no stop tokens: every response is exactly response_len tokens (docs/benchmark.md: no stop-token truncation)
     settings = GenerationSettings(shape.response_len, temperature=1.0, stop_token_ids=(), pad_token_id=0)
     data = torch.Generator().manual_seed(seed)
     per_update: list[dict[str, float]] = []
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
     parser.add_argument("--updates", type=int, default=10, help="timed updates (the first is excluded; >= 9)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (BENCH.md: 2)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (docs/benchmark.md: 2)")
     parser.add_argument("--no-bf16", action="store_true", help="disable bf16 autocast on CUDA")
     parser.add_argument(
         "--peer-episodes-per-s",

@@ -1,4 +1,4 @@
-"""One PPO update, step by step (RLHF_SPEC.md "One PPO update"); each step is one call into ``rlhf.ops``."""
+"""One PPO update, step by step (docs/algorithm.md "One PPO update"); each step is one call into ``rlhf.ops``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,269 @@
+"""The ``rlhf`` command: one entry point for the pipeline, sweeps, the UIs, comparisons and the benchmark.
+
+    rlhf run [--config conf/default.yaml] [key.sub=value ...]     the whole pipeline (make run)
+    rlhf sweep --space conf/sweeps/kl_coef.yaml [--config ...] [key.sub=value ...]   every variant, ranked
+    rlhf ui [--host 127.0.0.1] [--config ...] [--sweep-space ...] [--sweep-cron CRON]   the UIs (make ui)
+    rlhf compare [--experiment rlhf-ppo] [--sweep NAME] ...      runs side by side, plots in outputs/compare
+    rlhf bench [--shape cpu] [--updates 10] ...                  PPO throughput on a fixed shape (docs/benchmark.md)
+    rlhf memory [--config ...] [--gpu-gb 24 80]                  per-stage memory estimate, before anything is loaded
+    rlhf docs [--write-readme]                                   the config reference (README.md)
+
+Run it from the root of a checkout: ``run``, ``sweep`` and ``ui`` use the Prefect flows in ``flows/``, which live in
+the repository beside ``rlhf/`` and are not installed as packages of their own (see pyproject.toml). As ``make``
+does, the command turns hub downloads off unless ``HF_HUB_OFFLINE=0`` is set, keeps Prefect's state in ``.prefect/``
+of the current folder (``PREFECT_HOME``) and Prefect's analytics off. Exit codes are those of the subcommand:
+0 on success, 2 for a user error (bad config, bad override, missing file), explained in one sentence.
+
+This module imports no Prefect: the flows are imported inside the subcommands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# The environment `make` exports (Makefile); values already set win.
+DEFAULT_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def set_default_env() -> None:
+    """The Makefile's environment, where the caller has not set it (before transformers or Prefect is imported)."""
+    for key, value in DEFAULT_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", os.environ["HF_HUB_OFFLINE"])
+    os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
+
+
+class CheckoutError(Exception):
+    """The flows of the repository cannot be found (an installation without a checkout)."""
+
+
+def checkout_root() -> Path:
+    """The repository root holding ``flows/`` and ``tasks/``, put first on ``sys.path`` so that they import.
+
+    With an editable install (``pip install -e .``, what ``make`` does) it is the folder above this package;
+    otherwise the current folder, if it is a checkout.
+    """
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (root / "flows" / "pipeline.py").is_file() and (root / "tasks" / "stages.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            return root
+    raise CheckoutError(
+        "this command needs the repository's flows/ and tasks/ folders: run it from the root of a checkout "
+        "installed with `pip install -e .` (or `make install`)"
+    )
+
+
+def pythonpath_with(root: Path) -> str:
+    """``PYTHONPATH`` with the checkout root first, for subprocesses that import the flows (Prefect's flow runs)."""
+    parts = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def sqlite_store() -> str:
+    """The MLflow store of ``make run`` in the current folder, as the Makefile names it."""
+    return f"sqlite:///{Path.cwd() / 'mlruns' / 'mlflow.db'}"
+
+
+# Each subcommand: (help line, main(argv) -> exit code). The delegated mains parse their own options, so that
+# `rlhf run --help` shows exactly the options of `python -m flows.pipeline`.
+
+
+def cmd_run(argv: list[str]) -> int:
+    checkout_root()
+    from flows.pipeline import main
+
+    return main(argv)
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    checkout_root()
+    from flows.sweep import main
+
+    return main(argv)
+
+
+def cmd_compare(argv: list[str]) -> int:
+    from rlhf.compare import main
+
+    if not any(a == "--tracking-uri" or a.startswith("--tracking-uri=") for a in argv):
+        argv = ["--tracking-uri", sqlite_store(), *argv]
+    return main(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    from rlhf.bench import main
+
+    return main(argv)
+
+
+def cmd_memory(argv: list[str]) -> int:
+    from rlhf.memory import main
+
+    return main(argv)
+
+
+def cmd_docs(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlhf docs", description="Print the config reference, or write it into README.md (make docs)."
+    )
+    parser.add_argument("--write-readme", action="store_true", help="update the reference between README's markers")
+    parser.add_argument("--readme", default="README.md", help="the README to update")
+    args = parser.parse_args(argv)
+    from rlhf.config_docs import reference_markdown, update_readme
+
+    if not args.write_readme:
+        print(reference_markdown())
+        return 0
+    if not Path(args.readme).is_file():
+        print(f"error: {args.readme} does not exist; run this from the root of a checkout", file=sys.stderr)
+        return 2
+    print(f"{args.readme} updated" if update_readme(args.readme) else f"{args.readme} already current")
+    return 0
+
+
+def cmd_ui(argv: list[str]) -> int:
+    """The Prefect server and UI, the MLflow UI, and the pipeline and sweep deployments served from this folder."""
+    parser = argparse.ArgumentParser(
+        prog="rlhf ui",
+        description=(
+            "Start the Prefect server and UI, the MLflow UI (store: mlruns/mlflow.db of the current folder), and "
+            "serve the pipeline and sweep deployments (flows/serve.py): run them from the Prefect UI's forms. "
+            "Ctrl-C stops all: the serve process first (it pauses its schedules through the running server), "
+            "then the servers. This is `make ui`."
+        ),
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address the servers bind to (0.0.0.0: all)")
+    parser.add_argument("--prefect-port", type=int, default=4200)
+    parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument("--config", default="conf/default.yaml", help="defaults of the pipeline and sweep forms")
+    parser.add_argument("--sweep-space", default="conf/sweeps/kl_coef.yaml", help="search space of the sweep")
+    parser.add_argument("--sweep-cron", default=None, help="cron schedule of the sweep, e.g. '0 2 * * *'")
+    parser.epilog = "Any other option goes to flows/serve.py: --pipeline-cron CRON, --gpu-slots N, --limit N, --wait S."
+    args, serve_args = parser.parse_known_args(argv)
+    root = checkout_root()
+    for path, what in ((args.config, "config"), (args.sweep_space, "sweep space")):
+        if not Path(path).is_file():
+            print(f"error: the {what} {path} does not exist", file=sys.stderr)
+            return 2
+
+    bindir = Path(sys.executable).parent
+    prefect_home = Path(os.environ["PREFECT_HOME"])
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    Path("mlruns").mkdir(exist_ok=True)
+    prefect_cmd = [str(bindir / "prefect"), "server", "start", "--host", args.host, "--port", str(args.prefect_port)]
+    mlflow_cmd = [
+        str(bindir / "mlflow"),
+        "ui",
+        "--backend-store-uri",
+        sqlite_store(),
+        "--host",
+        args.host,
+        "--port",
+        str(args.mlflow_port),
+        "--workers",
+        "2",
+    ]
+    serve_cmd = [sys.executable, "-m", "flows.serve", "--config", args.config, "--sweep-space", args.sweep_space]
+    if args.sweep_cron:
+        serve_cmd += ["--sweep-cron", args.sweep_cron]
+    serve_cmd += serve_args
+    mlflow_url = os.environ.get("MLFLOW_UI_URL", f"http://127.0.0.1:{args.mlflow_port}")
+    env = {**os.environ, "PYTHONPATH": pythonpath_with(root)}
+    serve_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{args.prefect_port}/api", "MLFLOW_UI_URL": mlflow_url}
+
+    servers: list[subprocess.Popen] = []
+    # The servers get sessions of their own, so a Ctrl-C in the terminal reaches the serve process (and this one) only.
+    with open(prefect_home / "server.log", "w") as prefect_log, open("mlruns/mlflow-ui.log", "w") as mlflow_log:
+        try:
+            servers.append(
+                subprocess.Popen(
+                    prefect_cmd, env=env, stdout=prefect_log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+            servers.append(
+                subprocess.Popen(
+                    mlflow_cmd,
+                    env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                    stdout=mlflow_log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            print(f"Prefect UI: http://127.0.0.1:{args.prefect_port}  (server log: {prefect_home / 'server.log'})")
+            print(f"MLflow UI:  http://127.0.0.1:{args.mlflow_port}  (log: mlruns/mlflow-ui.log)", flush=True)
+            serve = subprocess.Popen(serve_cmd, env=serve_env)
+            while True:
+                try:
+                    return serve.wait()
+                except KeyboardInterrupt:
+                    continue  # the serve process got the same Ctrl-C: wait until it has paused its schedules
+        finally:
+            for proc in servers:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            for proc in servers:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "run": ("run the whole pipeline: rlhf run [--config FILE] [key.sub=value ...]", cmd_run),
+    "sweep": ("run every variant of a sweep space and rank them: rlhf sweep --space FILE ...", cmd_sweep),
+    "ui": ("Prefect server and UI, MLflow UI, and the pipeline and sweep deployments", cmd_ui),
+    "compare": ("compare pipeline runs side by side (tables and plots in outputs/compare)", cmd_compare),
+    "bench": ("PPO throughput on a fixed shape (docs/benchmark.md)", cmd_bench),
+    "memory": ("estimate the memory of each stage of a config, before anything is loaded", cmd_memory),
+    "docs": ("print the config reference, or write it into README.md", cmd_docs),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlhf",
+        description=__doc__.split("\n\n", 1)[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_line, _) in COMMANDS.items():
+        # add_help=False: `rlhf NAME --help` reaches the subcommand's own parser, which lists its real options.
+        sub.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints the help, or the usage and an error (exit 2)
+        return 2
+    name, rest = argv[0], argv[1:]
+    set_default_env()
+    _, command = COMMANDS[name]
+    # Each delegated parser names itself `rlhf NAME` in its usage and errors.
+    sys.argv = [f"rlhf {name}", *rest]
+    try:
+        return command(rest)
+    except CheckoutError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
