@@ -63,9 +63,10 @@ class PreparedData:
 
 
 def check_source(cfg: DataConfig) -> None:
-    """Cheap checks that run before anything else: files exist, mapped columns exist where that is cheap to see."""
+    """Cheap checks that run before anything else: files exist and hold data (not Git LFS pointers), have an
+    extension we read, and mapped columns exist where that is cheap to see."""
     if cfg.source == "local":
-        sources.check_local_path("data.path", cfg.path)
+        sources.check_local_path("data.path", cfg.path, cfg.data_dir)
         sources.check_local_path("data.eval_path", cfg.eval_path)
         names = sources.peek_columns(cfg.path) if cfg.path else None
         for role, column in cfg.columns.items():
