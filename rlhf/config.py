@@ -156,7 +156,24 @@ class DataConfig(_Section):
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer (path or hub id, usually the SFT model's) for `max_length_tokens` and chat templates.",
+        description="Tokenizer (path or hub id) that renders message lists with its chat template and measures "
+        "lengths in tokens; None defaults to `sft.model` (the policy's tokenizer) when that is set. Override it only "
+        "to render for another model.",
+    )
+    tokenizer_revision: str | None = Field(
+        None, description="Hub revision of `tokenizer`; None defaults to `sft.revision` when `tokenizer` is sft.model."
+    )
+    user_marker: str = Field(
+        "\n\nHuman:",
+        description="Implicit format with a chat template: transcripts are split into user turns at these markers "
+        "(and assistant turns at `assistant_marker`) and rendered with the template.",
+    )
+    length_warn_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Warn (task log and manifest) when more than this share of the prompts or pairs is longer than "
+        "a stage's length limit (ppo.max_prompt_tokens, reward.max_length, sft.max_length).",
     )
     num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
     batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
@@ -180,10 +197,6 @@ class DataConfig(_Section):
         unknown = sorted(set(self.columns) - set(DATA_COLUMN_ROLES))
         if unknown:
             raise ValueError(f"data.columns: unknown role '{unknown[0]}' (use {', '.join(DATA_COLUMN_ROLES)})")
-        if self.max_length_tokens is not None and self.tokenizer is None:
-            raise ValueError(
-                "data.max_length_tokens needs data.tokenizer (e.g. the SFT model); or use data.max_length_chars"
-            )
         return self
 
 
@@ -364,6 +377,20 @@ class PipelineConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _data_tokenizer_is_the_policys(self) -> PipelineConfig:
+        """Chat data is rendered, and lengths measured, with the policy's tokenizer: `data.tokenizer` defaults to
+        `sft.model` (at `sft.revision`) when it is unset."""
+        if self.data.tokenizer is None and self.sft.model is not None:
+            self.data.tokenizer = self.sft.model
+            if self.data.tokenizer_revision is None:
+                self.data.tokenizer_revision = self.sft.revision
+        if self.data.max_length_tokens is not None and self.data.tokenizer is None:
+            raise ValueError(
+                "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
+            )
+        return self
 
 
 def _format_error(err: ValidationError, source: str) -> str:

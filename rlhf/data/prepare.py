@@ -29,11 +29,11 @@ import pandas as pd
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DataConfig
 from rlhf.data import output, sources, synthetic, validate
-from rlhf.data.formats import ChatRenderer, Plan, plan_columns
+from rlhf.data.formats import ChatRenderer, Markers, Plan, plan_columns
 from rlhf.data.output import PAIR_COLUMNS
 from rlhf.data.sources import read_table
 from rlhf.data.validate import Checked, Limits
-from rlhf.errors import DataError, first_line
+from rlhf.errors import ConfigError, DataError, first_line
 
 __all__ = ["PAIR_COLUMNS", "PreparedData", "check_source", "drop_report", "gold_scorer", "prepare_preferences"]
 __all__ += ["read_table"]
@@ -112,11 +112,15 @@ def _synthetic(cfg: DataConfig, tmp: Path) -> dict[str, Any]:
 
 def _load_tokenizer(cfg: DataConfig) -> Any:
     if cfg.tokenizer is None:
+        if cfg.max_length_tokens is not None:
+            raise ConfigError(
+                "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
+            )
         return None
     from rlhf.models import load_tokenizer
 
     try:
-        return load_tokenizer(cfg.tokenizer, trust_remote_code=False)
+        return load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (one sentence, not a traceback from transformers)
         why = first_line(str(err), type(err).__name__)
         raise DataError(f"data.tokenizer: could not load tokenizer '{cfg.tokenizer}': {why}") from None
@@ -160,7 +164,8 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
     limits = Limits(cfg.max_length_tokens, cfg.max_length_chars)
     train_src, eval_src = sources.open_sources(cfg, scratch)
     plan = _plan(train_src, cfg, cfg.format)
-    kwargs = dict(plan=plan, chat=chat, marker=cfg.assistant_marker, limits=limits, tokenizer=tokenizer)
+    markers = Markers(cfg.user_marker, cfg.assistant_marker)
+    kwargs = dict(plan=plan, chat=chat, markers=markers, limits=limits, tokenizer=tokenizer)
     checked = [_check(train_src, validate.validate_batch, kwargs, cfg, scratch, "train")]
     if eval_src is not None:
         eval_kwargs = {**kwargs, "plan": _plan(eval_src, cfg, plan.format)}
@@ -183,7 +188,7 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
         "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs"),
         "sft": output.write_rows(train_table, train_pos, tmp / "sft.parquet", "sft"),
     }
-    prompt_info = _write_prompts(cfg, chat, tmp, scratch, train_table, train_pos)
+    prompt_info = _write_prompts(cfg, chat, plan.format, tmp, scratch, train_table, train_pos)
     rows["prompts"] = prompt_info.pop("rows")
     return dict(
         source=cfg.name if cfg.source == "hub" else str(cfg.path),
@@ -207,7 +212,9 @@ def _split_label(cfg: DataConfig) -> str:
     return f"{cfg.eval_fraction} of train" + (", by prompt" if cfg.split_by_prompt else "")
 
 
-def _write_prompts(cfg: DataConfig, chat: ChatRenderer, tmp: Path, scratch: str, train_table, train_pos) -> dict:
+def _write_prompts(
+    cfg: DataConfig, chat: ChatRenderer, fmt: str, tmp: Path, scratch: str, train_table, train_pos
+) -> dict:
     path = tmp / "prompts.parquet"
     src = sources.open_prompts(cfg, scratch)
     if src is None:
@@ -218,7 +225,7 @@ def _write_prompts(cfg: DataConfig, chat: ChatRenderer, tmp: Path, scratch: str,
             f"data.prompts_column: column '{cfg.prompts_column}' is not in {src.label} "
             f"(found: {', '.join(src.rows.column_names)})"
         )
-    kwargs = dict(column=cfg.prompts_column, chat=chat)
+    kwargs = dict(column=cfg.prompts_column, chat=chat, fmt=fmt, markers=Markers(cfg.user_marker, cfg.assistant_marker))
     checked = _check(src, validate.validate_prompts, kwargs, cfg, scratch, "prompts")
     outcome = validate.tally([checked])
     validate.check_drops(outcome, cfg.max_drop_fraction, src.label)

@@ -111,12 +111,12 @@ def validate_batch(
     *,
     plan: Plan,
     chat: ChatRenderer,
-    marker: str,
+    markers: formats.Markers,
     limits: Limits,
     tokenizer: Any = None,
 ) -> dict[str, list]:
     """``Dataset.map`` function: the batch's would-be pairs with their drop reason ('' when kept)."""
-    cands = formats.candidates(batch, indices, plan, chat, marker)
+    cands = formats.candidates(batch, indices, plan, chat, markers)
     reasons: list[str | None] = []
     for c in cands:
         reason = c.reason or next(filter(None, map(formats.text_problem, (c.prompt, c.chosen, c.rejected))), None)
@@ -139,12 +139,27 @@ def validate_batch(
     return out
 
 
-def validate_prompts(batch: dict[str, list], indices: list[int], *, column: str, chat: ChatRenderer) -> dict[str, list]:
-    """``Dataset.map`` function for a prompt-only source: strings, or message lists rendered as prompts."""
+def validate_prompts(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    column: str,
+    chat: ChatRenderer,
+    fmt: str = "explicit",
+    markers: formats.Markers = formats.Markers("\n\nHuman:", "\n\nAssistant:"),
+) -> dict[str, list]:
+    """``Dataset.map`` function for a prompt-only source: message lists rendered as prompts, or strings rendered
+    the way the pairs' prompts of format `fmt` are (see ``formats.prompt_text``)."""
     out: dict[str, list] = {"prompt": [], "row": [], "reason": [], "key": [], "prompt_key": []}
     for value, row in zip(batch[column], indices, strict=True):
         reason = formats.message_problem(value) if isinstance(value, list) else formats.text_problem(value)
-        text = chat.prompt(value) if isinstance(value, list) and reason is None else value
+        text = value
+        if reason is None:
+            try:
+                text = chat.prompt(value) if isinstance(value, list) else formats.prompt_text(value, fmt, chat, markers)
+            except Exception:  # noqa: BLE001 (a chat template that refuses the messages)
+                text = None
+            reason = None if text is not None else MALFORMED
         out["prompt"].append(text if reason is None else None)
         out["row"].append(row)
         out["reason"].append(reason or "")
