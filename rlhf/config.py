@@ -257,8 +257,30 @@ class RewardConfig(_Section):
     use_margin: bool = Field(True, description="Subtract the data's margin column in the loss when present.")
     center_coef: float = Field(0.01, ge=0, description="Reward-centring coefficient c * mean((r_c + r_r)^2).")
     eval_every: int = Field(50, ge=1, description="Evaluate on held-out pairs every N steps; best is kept.")
-    max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response.")
+    max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response (+ EOS).")
+    truncation: Literal["drop", "truncate"] = Field(
+        "drop",
+        description="Pairs whose prompt + longer response + EOS exceed max_length: 'drop' leaves them out of "
+        "training and held-out evaluation (counted: reward/dropped_too_long; an error when more than half are); "
+        "'truncate' keeps them, the prompt cut on the left and the response on the right, at least "
+        "min_prompt_tokens of the prompt kept.",
+    )
+    min_prompt_tokens: int = Field(
+        8,
+        ge=1,
+        description="truncation 'truncate': prompt tokens that always survive (all of a shorter prompt), so no "
+        "response is scored without its prompt.",
+    )
     save_every: int = Field(100, ge=1, description="Save the full trainer state every N steps (resume point).")
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> RewardConfig:
+        if self.min_prompt_tokens >= self.max_length:
+            raise ValueError(
+                f"reward.min_prompt_tokens ({self.min_prompt_tokens}) must be less than reward.max_length "
+                f"({self.max_length}): the response needs room too"
+            )
+        return self
 
 
 class LoraConfig(_Section):
