@@ -95,7 +95,9 @@ class DataConfig(_Section):
         "'hub': a Hugging Face hub data set (see `name`).",
     )
     path: str | None = Field(
-        None, description="Local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (source 'local')."
+        None,
+        description="Local JSONL/JSON/Parquet/CSV file (the text ones also compressed: .jsonl.gz, .csv.bz2, .json.xz, "
+        "...), a `save_to_disk` folder or a folder of data files (source 'local').",
     )
     eval_path: str | None = Field(None, description="Optional separate held-out file; else `eval_fraction` is split.")
     name: str | None = Field(
