@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
 from flows.terminal import exit_code_of
 from rlhf.config import PipelineConfig, flatten, load_config
+from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import UserInputError
 from rlhf.length_control import EVAL_WARNING_TAG
@@ -110,7 +111,13 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
     common = {"runtime": config.runtime, "tracking": tracking}
     progress = StageProgress(PIPELINE_STAGES)  # a progress artifact in the Prefect UI
-    data = run_stage(prepare_preferences, data=config.data, source_digest=source_fingerprint(config.data), **common)
+    data = run_stage(
+        prepare_preferences,
+        data=config.data,
+        source_digest=source_fingerprint(config.data),
+        lengths=LengthLimits.from_config(config),  # the report's limits: a change re-prepares (same digest)
+        **common,
+    )
     progress.done(data.stage)
     sft = run_stage(supervised_finetune, sft=config.sft, data=data, seed=config.seed, **common)
     progress.done(sft.stage)

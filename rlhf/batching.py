@@ -1,16 +1,20 @@
 """Turning text into padded tensors (one convention for every stage).
 
 Prompt + response sequences are right-padded: ``[prompt | response | eos | pad ...]``; a prompt batch for
-generation is left-padded so that every row's next token is appended at the same position.
+generation is left-padded so that every row's next token is appended at the same position. A row longer than its
+budget keeps the end of its prompt and the start of its response (`fit_lengths`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
+
+from rlhf.tokens import token_counts
 
 
 class TokenBatch(NamedTuple):
@@ -44,25 +48,88 @@ def pad_left(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+class Fit(NamedTuple):
+    """How much of a prompt and a response fits in a length budget."""
+
+    prompt: int  # tokens kept from the prompt's end
+    response: int  # tokens kept from the response's start (its EOS included when one is added)
+
+
+def fit_lengths(prompt_len: int, response_len: int, max_length: int, min_prompt_tokens: int = 0) -> Fit:
+    """Tokens of a prompt (kept from its end: left truncation) and of a response (kept from its start: right
+    truncation) that fit in `max_length`.
+
+    The response keeps its tokens first, except that at least `min_prompt_tokens` of the prompt survive (all of it
+    when it is shorter; never more than ``max_length - 1``, so that one response token fits): with
+    ``min_prompt_tokens`` 0 a long response can leave no prompt at all, with 1 or more a non-empty prompt never
+    vanishes. `response_len` counts the EOS the caller appends.
+    """
+    if prompt_len + response_len <= max_length:
+        return Fit(prompt_len, response_len)
+    floor = min(prompt_len, min_prompt_tokens, max_length - 1)
+    prompt = min(prompt_len, max(floor, max_length - response_len))
+    return Fit(prompt, min(response_len, max_length - prompt))
+
+
+class Truncation(NamedTuple):
+    """What fitting a batch of (prompt, response) rows into a length cut: row counts."""
+
+    rows: int
+    truncated: int  # rows that lost any token
+    prompt_truncated: int  # rows whose prompt lost tokens
+    response_truncated: int  # rows whose response (or its EOS) lost tokens
+    prompt_lost: int  # rows whose non-empty prompt lost every token
+
+
+def pair_lengths(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], chosen: list[str], rejected: list[str], add_eos: bool = True
+) -> np.ndarray:
+    """Tokens of each pair's longer sequence, prompt + the longer response (+ EOS), exactly as
+    `encode_prompt_response` lays them out. Shape: (n,)."""
+    n = len(prompts)
+    counts = np.asarray(token_counts(tokenizer, [*prompts, *chosen, *rejected]), dtype=np.int64)
+    return counts[:n] + np.maximum(counts[n : 2 * n], counts[2 * n :]) + int(add_eos)
+
+
+def encode_and_measure(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    responses: list[str],
+    max_length: int,
+    add_eos: bool = True,
+    min_prompt_tokens: int = 0,
+) -> tuple[TokenBatch, Truncation]:
+    """Right-padded prompt + response (+ eos) rows fitted into `max_length` by `fit_lengths`, and what that cut."""
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    prompt_ids = encode_texts(tokenizer, prompts)
+    response_ids = encode_texts(tokenizer, responses)
+    rows, response_spans = [], []
+    cut = np.zeros((4, len(prompts)), dtype=bool)  # any, prompt, response, prompt lost
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        r = r + eos
+        fit = fit_lengths(len(p), len(r), max_length, min_prompt_tokens)
+        cut[1, i], cut[2, i] = fit.prompt < len(p), fit.response < len(r)
+        cut[3, i] = fit.prompt == 0 and len(p) > 0
+        p, r = p[len(p) - fit.prompt :], r[: fit.response]
+        rows.append(p + r)
+        response_spans.append((len(p), len(p) + len(r)))
+    cut[0] = cut[1] | cut[2]
+    ids, mask = pad_right(rows, tokenizer.pad_token_id)
+    loss_mask = torch.zeros_like(mask)
+    for i, (start, end) in enumerate(response_spans):
+        loss_mask[i, start:end] = 1
+    return TokenBatch(ids, mask, loss_mask), Truncation(len(rows), *(int(c.sum()) for c in cut))
+
+
 def encode_prompt_response(
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     responses: list[str],
     max_length: int,
     add_eos: bool = True,
+    min_prompt_tokens: int = 0,
 ) -> TokenBatch:
-    """Right-padded prompt+response(+eos); prompts are left-truncated so the response always fits."""
-    eos = [tokenizer.eos_token_id] if add_eos else []
-    prompt_ids = encode_texts(tokenizer, prompts)
-    response_ids = encode_texts(tokenizer, responses)
-    rows, response_spans = [], []
-    for p, r in zip(prompt_ids, response_ids, strict=True):
-        r = (r + eos)[:max_length]
-        p = p[-(max_length - len(r)) :] if max_length > len(r) else []
-        rows.append(p + r)
-        response_spans.append((len(p), len(p) + len(r)))
-    ids, mask = pad_right(rows, tokenizer.pad_token_id)
-    loss_mask = torch.zeros_like(mask)
-    for i, (start, end) in enumerate(response_spans):
-        loss_mask[i, start:end] = 1
-    return TokenBatch(ids, mask, loss_mask)
+    """Right-padded prompt+response(+eos) rows of at most `max_length` tokens: the prompt is left-truncated and
+    the response right-truncated as `fit_lengths` says (the response first, but `min_prompt_tokens` of the prompt
+    survive)."""
+    return encode_and_measure(tokenizer, prompts, responses, max_length, add_eos, min_prompt_tokens)[0]

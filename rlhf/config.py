@@ -109,7 +109,9 @@ class DataConfig(_Section):
         "'hub': a Hugging Face hub data set (see `name`).",
     )
     path: str | None = Field(
-        None, description="Local JSONL/JSON/Parquet/CSV file or a `save_to_disk` folder (source 'local')."
+        None,
+        description="Local JSONL/JSON/Parquet/CSV file (the text ones also compressed: .jsonl.gz, .csv.bz2, .json.xz, "
+        "...), a `save_to_disk` folder or a folder of data files (source 'local').",
     )
     eval_path: str | None = Field(None, description="Optional separate held-out file; else `eval_fraction` is split.")
     name: str | None = Field(
@@ -170,7 +172,24 @@ class DataConfig(_Section):
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer (path or hub id, usually the SFT model's) for `max_length_tokens` and chat templates.",
+        description="Tokenizer (path or hub id) that renders message lists with its chat template and measures "
+        "lengths in tokens; None defaults to `sft.model` (the policy's tokenizer) when that is set. Override it only "
+        "to render for another model.",
+    )
+    tokenizer_revision: str | None = Field(
+        None, description="Hub revision of `tokenizer`; None defaults to `sft.revision` when `tokenizer` is sft.model."
+    )
+    user_marker: str = Field(
+        "\n\nHuman:",
+        description="Implicit format with a chat template: transcripts are split into user turns at these markers "
+        "(and assistant turns at `assistant_marker`) and rendered with the template.",
+    )
+    length_warn_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Warn (task log and manifest) when more than this share of the prompts or pairs is longer than "
+        "a stage's length limit (ppo.max_prompt_tokens, reward.max_length, sft.max_length).",
     )
     num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
     batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
@@ -194,10 +213,6 @@ class DataConfig(_Section):
         unknown = sorted(set(self.columns) - set(DATA_COLUMN_ROLES))
         if unknown:
             raise ValueError(f"data.columns: unknown role '{unknown[0]}' (use {', '.join(DATA_COLUMN_ROLES)})")
-        if self.max_length_tokens is not None and self.tokenizer is None:
-            raise ValueError(
-                "data.max_length_tokens needs data.tokenizer (e.g. the SFT model); or use data.max_length_chars"
-            )
         return self
 
 
@@ -258,8 +273,30 @@ class RewardConfig(_Section):
     use_margin: bool = Field(True, description="Subtract the data's margin column in the loss when present.")
     center_coef: float = Field(0.01, ge=0, description="Reward-centring coefficient c * mean((r_c + r_r)^2).")
     eval_every: int = Field(50, ge=1, description="Evaluate on held-out pairs every N steps; best is kept.")
-    max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response.")
+    max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response (+ EOS).")
+    truncation: Literal["drop", "truncate"] = Field(
+        "drop",
+        description="Pairs whose prompt + longer response + EOS exceed max_length: 'drop' leaves them out of "
+        "training and held-out evaluation (counted: reward/dropped_too_long; an error when more than half are); "
+        "'truncate' keeps them, the prompt cut on the left and the response on the right, at least "
+        "min_prompt_tokens of the prompt kept.",
+    )
+    min_prompt_tokens: int = Field(
+        8,
+        ge=1,
+        description="truncation 'truncate': prompt tokens that always survive (all of a shorter prompt), so no "
+        "response is scored without its prompt.",
+    )
     save_every: int = Field(100, ge=1, description="Save the full trainer state every N steps (resume point).")
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> RewardConfig:
+        if self.min_prompt_tokens >= self.max_length:
+            raise ValueError(
+                f"reward.min_prompt_tokens ({self.min_prompt_tokens}) must be less than reward.max_length "
+                f"({self.max_length}): the response needs room too"
+            )
+        return self
 
 
 class LoraConfig(_Section):
@@ -384,6 +421,20 @@ class PipelineConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _data_tokenizer_is_the_policys(self) -> PipelineConfig:
+        """Chat data is rendered, and lengths measured, with the policy's tokenizer: `data.tokenizer` defaults to
+        `sft.model` (at `sft.revision`) when it is unset."""
+        if self.data.tokenizer is None and self.sft.model is not None:
+            self.data.tokenizer = self.sft.model
+            if self.data.tokenizer_revision is None:
+                self.data.tokenizer_revision = self.sft.revision
+        if self.data.max_length_tokens is not None and self.data.tokenizer is None:
+            raise ValueError(
+                "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
+            )
+        return self
 
 
 def _format_error(err: ValidationError, source: str) -> str:

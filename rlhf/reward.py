@@ -17,13 +17,14 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
-from rlhf.batching import encode_prompt_response
+from rlhf.batching import encode_prompt_response, pair_lengths
 from rlhf.checkpoints import atomic_dir, load_trainer_state, save_trainer_state, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
-from rlhf.errors import TrainingInterrupted
+from rlhf.errors import ConfigError, TrainingInterrupted
 from rlhf.ops import pairwise_reward_loss
 
 LogFn = Callable[[dict[str, float], int], None]
+MAX_DROPPED_FRACTION = 0.5  # reward.truncation 'drop': dropping more of a split than this is a config error
 
 
 def _untied(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -51,11 +52,12 @@ def score_pairs(
     frame: pd.DataFrame,
     max_length: int,
     device: torch.device,
+    min_prompt_tokens: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Scores of chosen and rejected responses. Shape: (n,), (n,)."""
     prompts = frame["prompt"].tolist() * 2
     responses = frame["chosen"].tolist() + frame["rejected"].tolist()
-    batch = encode_prompt_response(tokenizer, prompts, responses, max_length)
+    batch = encode_prompt_response(tokenizer, prompts, responses, max_length, min_prompt_tokens=min_prompt_tokens)
     scores = models.sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
     return scores[: len(frame)], scores[len(frame) :]
 
@@ -88,7 +90,8 @@ def evaluate_pairs(
     model.eval()
     chosen, rejected = [], []
     for start in range(0, len(frame), batch_size):
-        c, r = score_pairs(model, tokenizer, frame.iloc[start : start + batch_size], cfg.max_length, device)
+        rows = frame.iloc[start : start + batch_size]
+        c, r = score_pairs(model, tokenizer, rows, cfg.max_length, device, cfg.min_prompt_tokens)
         chosen.append(c)
         rejected.append(r)
     model.train(was_training)
@@ -102,6 +105,40 @@ def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Te
     if not cfg.use_margin or "margin" not in frame or frame["margin"].isna().all():
         return None
     return torch.tensor(frame["margin"].fillna(0.0).to_numpy(), dtype=torch.float32, device=device)
+
+
+def length_policy(
+    train: pd.DataFrame, evals: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, cfg: RewardConfig
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
+    """Apply `cfg.truncation` to the pairs longer than `cfg.max_length` (prompt + the longer response + EOS).
+
+    'drop': they leave training and held-out evaluation, counted; a ConfigError when every pair of a split, or
+    more than MAX_DROPPED_FRACTION of it, is too long. 'truncate': they stay and are counted; `score_pairs` cuts
+    them keeping at least `cfg.min_prompt_tokens` of the prompt. Returns the pairs to use and the counts.
+    """
+    kept, over_counts = [], []
+    for split, frame in (("training", train), ("held-out", evals)):
+        texts = (frame[c].tolist() for c in ("prompt", "chosen", "rejected"))
+        over = pair_lengths(tokenizer, *texts) > cfg.max_length
+        n_over = int(over.sum())
+        if cfg.truncation == "drop" and n_over > MAX_DROPPED_FRACTION * len(frame):  # all of them, too
+            raise ConfigError(
+                f"reward.max_length ({cfg.max_length} tokens) is shorter than {n_over} of the {len(frame)} {split} "
+                f"pairs ({n_over / len(frame):.0%}, prompt + the longer response + EOS), and reward.truncation "
+                "'drop' would leave them out: raise reward.max_length, or set reward.truncation to 'truncate'"
+            )
+        kept.append(frame[~over].reset_index(drop=True) if cfg.truncation == "drop" else frame)
+        over_counts.append(n_over)
+    n_pairs, n_over = len(train) + len(evals), sum(over_counts)
+    dropped = n_over if cfg.truncation == "drop" else 0
+    stats = {
+        "reward/dropped_too_long": float(dropped),
+        "reward/dropped_too_long_fraction": dropped / max(n_pairs, 1),
+        "reward/train_dropped_too_long": float(over_counts[0] if dropped else 0),
+        "reward/eval_dropped_too_long": float(over_counts[1] if dropped else 0),
+        "reward/truncated_fraction": (n_over - dropped) / max(n_pairs, 1),
+    }
+    return kept[0], kept[1], stats
 
 
 def total_steps(cfg: RewardConfig, n_pairs: int) -> int:
@@ -131,6 +168,7 @@ def train_reward_model(
     evals = pd.read_parquet(eval_file)
     torch.manual_seed(seed)
     tokenizer = models.load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
+    train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
     model = models.load_reward_model(sft_path, device, trust_remote_code=runtime.trust_remote_code)
     models.fuse_gelu(model)
     model.train()
@@ -154,6 +192,7 @@ def train_reward_model(
         )
         if (state_dir / "best.safetensors").is_file():
             best_state = load_file(state_dir / "best.safetensors", device=str(device))
+    pending = dict(length_stats)  # logged once, with the first step of this run
     start = time.perf_counter()
     for step in tqdm(
         range(first, total + 1),
@@ -169,7 +208,7 @@ def train_reward_model(
         rows = train.iloc[order[: cfg.batch_size]]
         order = order[cfg.batch_size :]
         with models.autocast(device, runtime.bf16):
-            chosen, rejected = score_pairs(model, tokenizer, rows, cfg.max_length, device)
+            chosen, rejected = score_pairs(model, tokenizer, rows, cfg.max_length, device, cfg.min_prompt_tokens)
         out = pairwise_reward_loss(chosen, rejected, _margins(rows, cfg, device), cfg.center_coef)
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -177,7 +216,8 @@ def train_reward_model(
         optimizer.step()
         scheduler.step()
         stats = pair_stats("train", chosen.detach(), rejected.detach(), out.loss.detach())
-        stats.update({"train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0]})
+        stats.update({"train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0], **pending})
+        pending = {}
         if step % cfg.eval_every == 0 or step == total:
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
             if stats["eval/accuracy"] > best_acc:
@@ -197,6 +237,7 @@ def train_reward_model(
         "reward/eval_accuracy": final["eval/accuracy"],
         "reward/best_step": float(best_step),
         "reward/seconds": time.perf_counter() - start,
+        **length_stats,
     }
     log(metrics, total)
     model.eval()

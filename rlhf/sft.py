@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
-from rlhf.batching import encode_prompt_response
+from rlhf.batching import encode_and_measure
 from rlhf.checkpoints import atomic_dir, dir_digest, load_trainer_state, save_trainer_state, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.errors import TrainingInterrupted
@@ -115,6 +115,10 @@ def train_sft(
 ) -> SFTResult:
     """Next-token loss on the response tokens (and the closing EOS) only, for `cfg.steps` AdamW steps.
 
+    A demonstration longer than `max_length` keeps its response first and loses the start of its prompt (the
+    response is cut on the right only when it does not fit alone); the shares cut are logged once
+    (``sft/truncated_fraction``, ``sft/response_truncated_fraction``, ``sft/prompt_lost_fraction``).
+
     The full state (weights, optimizer, scheduler, RNGs, data order, step) is saved atomically to
     ``out_dir/state`` every ``cfg.save_every`` steps; a restart with the same config continues from it and logs
     only the steps after it. `stop_after` ends training after that many steps, as a crash would (resume tests).
@@ -125,7 +129,14 @@ def train_sft(
     models.fuse_gelu(model)
     optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
-    batch = encode_prompt_response(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), max_length)
+    # the response keeps its tokens first, the prompt is cut on the left; the share cut is measured and logged
+    batch, cut = encode_and_measure(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), max_length)
+    rows = max(cut.rows, 1)
+    length_stats = {
+        "sft/truncated_fraction": cut.truncated / rows,
+        "sft/response_truncated_fraction": cut.response_truncated / rows,
+        "sft/prompt_lost_fraction": cut.prompt_lost / rows,
+    }
     rng = random.Random(seed)
     order: list[int] = []
     first = 0
@@ -133,6 +144,7 @@ def train_sft(
     saved = load_trainer_state(state_dir, model, optimizer, scheduler, rng, device)
     if saved is not None:  # resume: same config, continue where the last save left off
         order, first = list(saved["order"]), int(saved["step"])
+    pending = dict(length_stats)  # logged once, with the first logged step
     start = time.perf_counter()
     loss_value = float("nan")
     bar = tqdm(range(first, cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2, initial=first)
@@ -158,7 +170,9 @@ def train_sft(
         scheduler.step()
         loss_value = loss.item()
         if step % 10 == 0 or step == cfg.steps - 1:
-            log({"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}, step)
+            stats = {"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}
+            log({**stats, **pending}, step)
+            pending = {}
         done = step + 1
         if done < cfg.steps and (done % cfg.save_every == 0 or done == stop_after):
             save_trainer_state(state_dir, model, optimizer, scheduler, rng, {"step": done, "order": order})
@@ -172,6 +186,6 @@ def train_sft(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value, base_model=cfg.model)
-    metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed}
+    metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed, **length_stats}
     log(metrics, cfg.steps)
     return SFTResult(str(out_dir), manifest["digest"], trained=True, metrics=metrics)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pandas as pd
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.exceptions import MissingContextError
 
 from rlhf import evaluate as evaluation
 from rlhf import reward as reward_training
@@ -12,6 +15,7 @@ from rlhf import sft as sft_training
 from rlhf.checkpoints import write_manifest
 from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
 from rlhf.data import prepare
+from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.models import load_tokenizer, set_threads
 from rlhf.ppo import launch
@@ -37,20 +41,35 @@ STAGE = dict(
 )
 
 
+def task_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect task run's logger (lines in the task's log), or this module's outside a run (`.fn` calls)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
 @task(name="prepare_preferences", tags=["data"], **STAGE)
 def prepare_preferences(
-    data: DataConfig, source_digest: str, runtime: RuntimeConfig, tracking: TrackingContext
+    data: DataConfig,
+    source_digest: str,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
+    lengths: LengthLimits | None = None,
 ) -> StageOutput:
     """Validate the preference data and write train/eval/SFT/prompt Parquet files with a manifest.
 
-    `source_digest` (the content of the local files read) is part of the cache key only.
+    `source_digest` (the content of the local files read) is part of the cache key only. `lengths`: the later
+    stages' length limits, which the manifest's length report measures the data against (part of the key too).
     """
-    folder = stage_dir(runtime.output_dir, "prepare_preferences", {"data": data, "source_digest": source_digest})
+    key = {"data": data, "source_digest": source_digest, "lengths": lengths}
+    folder = stage_dir(runtime.output_dir, "prepare_preferences", key)
     with stage_run(tracking, "prepare_preferences", folder, flatten(data, "data")) as (tracker, run_id):
-        prepared = prepare.prepare_preferences(data, folder)
+        prepared = prepare.prepare_preferences(data, folder, lengths)
         manifest, drops = prepared.manifest, prepare.drop_report(prepared.manifest)
         metrics = {f"data/rows_{k}": v for k, v in manifest["rows"].items()}
         metrics |= {f"data/dropped_{d['reason']}": d["count"] for d in drops}
+        metrics |= length_metrics(manifest)
         tracker.log_metrics(run_id, metrics, 0)
         table = pd.DataFrame(drops, columns=["reason", "count", "fraction", "example", "meaning"])
         tracker.log_table(run_id, table, "data/dropped.json")
@@ -59,6 +78,16 @@ def prepare_preferences(
             key="prepare-preferences-drops",
             description=f"Rows dropped while preparing {manifest['source']} ({manifest.get('rows_in')} in).",
         )
+        length_rows = prepare.length_table(manifest)
+        tracker.log_table(run_id, pd.DataFrame(length_rows), "data/lengths.json")
+        unit = manifest.get("lengths", {}).get("unit", "tokens")
+        create_table_artifact(
+            length_rows,
+            key="prepare-preferences-lengths",
+            description=f"Lengths ({unit}) of the prepared {manifest['source']} data against the stages' limits.",
+        )
+        for line in manifest.get("warnings", []):
+            task_logger().warning("%s", line)
         tracker.log_artifacts(run_id, folder, "data")
         log_data_inputs(tracker, run_id, prepared.folder, prepared.digest)
     return StageOutput(

@@ -9,6 +9,7 @@ import pytest
 
 from rlhf import models
 from rlhf.config import DataConfig, RuntimeConfig
+from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import drop_report, prepare_preferences
 from rlhf.errors import DataError
 
@@ -167,6 +168,7 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
 
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in good(10) + good(2)))
+    models.build_tokenizer(["good bad q"] * 20, vocab_size=300).save_pretrained(tmp_path / "tok")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = Tracker(uri, "t", str(tmp_path / "artifacts"))
     ctx = TrackingContext(
@@ -174,15 +176,23 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
     )
     with prefect_test_harness(server_startup_timeout=120):  # the task also writes a Prefect table artifact
         result = prepare_task.fn(
-            DataConfig(source="local", path=str(path)), "digest", RuntimeConfig(output_dir=str(tmp_path / "o")), ctx
+            DataConfig(source="local", path=str(path), tokenizer=str(tmp_path / "tok")),
+            "digest",
+            RuntimeConfig(output_dir=str(tmp_path / "o")),
+            ctx,
+            LengthLimits(prompt_tokens=1, pair_tokens=64, sft_tokens=64),
         )
     metrics = MlflowClient(uri).get_run(result.mlflow_run_id).data.metrics
     assert metrics["data/dropped_duplicate"] == 2 and metrics["data/dropped_missing"] == 0
     assert metrics["data/rows_prompts"] == 9  # the distinct training prompts (one of 10 pairs is held out)
     table = drop_report(result.extra["manifest"])
     assert {"reason": "duplicate", "count": 2}.items() <= table[-1].items()
+    # the length report: every prompt ("q0".."q9", 2 tokens or more) is over 1 token, no pair over 64
+    assert metrics["data/over_ppo_max_prompt_tokens_fraction"] == 1.0
+    assert metrics["data/over_reward_max_length_fraction"] == 0.0
+    assert result.extra["manifest"]["warnings"][0].startswith("100% of the PPO prompts (9 of 9) are longer than")
     names = [a.path for a in MlflowClient(uri).list_artifacts(result.mlflow_run_id, "data")]
-    assert "data/dropped.json" in names and "data/prompts.parquet" in names
+    assert {"data/dropped.json", "data/lengths.json", "data/prompts.parquet"} <= set(names)
 
 
 def test_token_lengths_match_the_tokenizer_call():

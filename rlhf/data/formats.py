@@ -13,7 +13,10 @@ to these roles):
 - ``explicit``: ``prompt``, ``chosen``, ``rejected`` strings.
 - ``implicit``: ``chosen``, ``rejected`` full transcripts without a prompt column (Anthropic HH-RLHF). The prompt
   is their longest common prefix cut after its last ``data.assistant_marker`` ("\\n\\nAssistant:"); the
-  responses are what follows the prompt.
+  responses are what follows the prompt. The text is used as it is, unless ``data.tokenizer`` has a chat template:
+  then the prompt is split into turns at ``data.user_marker`` ("\\n\\nHuman:") and the assistant marker, and
+  prompt and responses are rendered with the template like conversational rows (a transcript that does not split
+  into turns, or a response that goes on with another turn, is ``malformed``).
 
 Plain chat template (no tokenizer, or one without a chat template): each message is ``"\\n\\n<Role>: <content>"``
 with the role capitalised ("\\n\\nUser: hi"), and the prompt ends with the generation marker
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, NamedTuple
 
 from rlhf.errors import DataError
@@ -141,6 +145,20 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any | None = None) -> None:
         self.tokenizer = tokenizer if getattr(tokenizer, "chat_template", None) else None
 
+    @property
+    def templated(self) -> bool:
+        """Whether message lists are rendered with a tokenizer's chat template (not the plain template)."""
+        return self.tokenizer is not None
+
+    def pair(self, context: list[dict], chosen: dict, rejected: dict) -> tuple[str, str, str] | None:
+        """(prompt, chosen, rejected) texts of a conversation and its two answers; None when the chat template
+        refuses the conversation (some templates raise on roles that do not alternate)."""
+        try:
+            text = self.prompt(context)
+            return text, self.response(context, text, chosen), self.response(context, text, rejected)
+        except Exception:  # noqa: BLE001 (a template error is a malformed row, not a crash)
+            return None
+
     def prompt(self, messages: list[dict]) -> str:
         if self.tokenizer is not None:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -188,21 +206,70 @@ def _conversational(row: int, prompt: Any, chosen: Any, rejected: Any, margin: f
         return Candidate(row, None, None, None, None, MISSING)
     if chosen[:-1] != rejected[:-1]:
         return Candidate(row, None, None, None, None, MALFORMED)  # the two sides answer different conversations
-    text = chat.prompt(context)
-    return Candidate(
-        row, text, chat.response(context, text, chosen[-1]), chat.response(context, text, rejected[-1]), margin
-    )
+    texts = chat.pair(context, chosen[-1], rejected[-1])
+    if texts is None:
+        return Candidate(row, None, None, None, None, MALFORMED)
+    return Candidate(row, *texts, margin)
 
 
-def _implicit(row: int, chosen: Any, rejected: Any, margin: float | None, marker: str) -> Candidate:
+class Markers(NamedTuple):
+    """Turn markers of implicit transcripts ("\\n\\nHuman:", "\\n\\nAssistant:" in HH-RLHF)."""
+
+    user: str
+    assistant: str
+
+
+def transcript_messages(text: str, markers: Markers) -> list[dict] | None:
+    """A transcript ``"\\n\\nHuman: hi\\n\\nAssistant: hello"`` as messages (contents stripped); a final empty
+    assistant turn (the prompt's generation slot) is left out. None when the text does not start with a marker."""
+    pattern = "(" + "|".join(re.escape(m) for m in sorted(set(markers), key=len, reverse=True)) + ")"
+    parts = re.split(pattern, text)
+    if parts[0].strip() or len(parts) < 3:
+        return None
+    roles = {markers.user: "user", markers.assistant: "assistant"}
+    messages = [{"role": roles[m], "content": c.strip()} for m, c in zip(parts[1::2], parts[2::2], strict=True)]
+    if messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+        messages.pop()
+    return messages
+
+
+def _implicit(
+    row: int, chosen: Any, rejected: Any, margin: float | None, markers: Markers, chat: ChatRenderer
+) -> Candidate:
     problem = text_problem(chosen) or text_problem(rejected) or (IDENTICAL if chosen == rejected else None)
     if problem:
         return Candidate(row, None, None, None, None, problem)
+    marker = markers.assistant
     cut = os.path.commonprefix([chosen, rejected]).rfind(marker)
     if cut < 0:
         return Candidate(row, None, None, None, None, MALFORMED)
     cut += len(marker)
-    return Candidate(row, chosen[:cut], chosen[cut:], rejected[cut:], margin)
+    if not chat.templated:
+        return Candidate(row, chosen[:cut], chosen[cut:], rejected[cut:], margin)
+    # with a chat template: the prompt's turns and each response as one assistant message, rendered
+    context = transcript_messages(chosen[:cut], markers)
+    answers = [chosen[cut:], rejected[cut:]]
+    if not context or any(m in a for a in answers for m in markers):
+        return Candidate(row, None, None, None, None, MALFORMED)  # no turns, or a response that goes on
+    problem = message_problem(context) or next(filter(None, map(text_problem, answers)), None)
+    if problem:
+        return Candidate(row, None, None, None, None, problem)
+    texts = chat.pair(context, *({"role": "assistant", "content": a.strip()} for a in answers))
+    if texts is None:
+        return Candidate(row, None, None, None, None, MALFORMED)
+    return Candidate(row, *texts, margin)
+
+
+def prompt_text(value: str, fmt: str, chat: ChatRenderer, markers: Markers) -> str | None:
+    """A prompt string of a separate prompt source, rendered the way the pairs' prompts are: a user turn of a
+    conversational data set, a transcript of an implicit one when a chat template renders it (None: it does not
+    split into turns); as it is otherwise."""
+    if fmt == "conversational":
+        return chat.prompt([{"role": "user", "content": value}])
+    if fmt == "implicit" and chat.templated:
+        messages = transcript_messages(value, markers)
+        return chat.prompt(messages) if messages and not message_problem(messages) else None
+    return value
 
 
 def _ranked(row: int, prompt: Any, responses: Any, scores: Any, ranks: Any) -> list[Candidate]:
@@ -226,7 +293,9 @@ def _ranked(row: int, prompt: Any, responses: Any, scores: Any, ranks: Any) -> l
     return out
 
 
-def candidates(batch: dict[str, list], rows: list[int], plan: Plan, chat: ChatRenderer, marker: str) -> list[Candidate]:
+def candidates(
+    batch: dict[str, list], rows: list[int], plan: Plan, chat: ChatRenderer, markers: Markers
+) -> list[Candidate]:
     """The would-be pairs of one batch of source rows (ranked rows give several)."""
     cols = plan.columns
 
@@ -241,7 +310,8 @@ def candidates(batch: dict[str, list], rows: list[int], plan: Plan, chat: ChatRe
             margin = _margin(batch, plan, i)
             out.append(_conversational(row, get("prompt", i), get("chosen", i), get("rejected", i), margin, chat))
         elif plan.format == "implicit":
-            out.append(_implicit(row, get("chosen", i), get("rejected", i), _margin(batch, plan, i), marker))
+            margin = _margin(batch, plan, i)
+            out.append(_implicit(row, get("chosen", i), get("rejected", i), margin, markers, chat))
         else:
             out.append(Candidate(row, get("prompt", i), get("chosen", i), get("rejected", i), _margin(batch, plan, i)))
     return out

@@ -14,7 +14,8 @@ Output folder layout (the fixed schema every later stage reads):
 - ``prompts.parquet``: prompt, the PPO rollout prompts (``data.prompts_path`` or ``data.prompts_name`` when set,
   else the distinct training prompts in training order);
 - ``manifest.json``: source, revision, format, column mapping, row counts, drops per reason with an example row,
-  gold reward name and the folder's content digest.
+  the length report against the later stages' limits (``lengths``, see lengths.py) and its ``warnings``, gold
+  reward name and the folder's content digest.
 """
 
 from __future__ import annotations
@@ -24,19 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DataConfig
 from rlhf.data import output, sources, synthetic, validate
-from rlhf.data.formats import ChatRenderer, Plan, plan_columns
+from rlhf.data.formats import ChatRenderer, Markers, Plan, plan_columns
+from rlhf.data.lengths import LengthLimits, length_report, length_table
 from rlhf.data.output import PAIR_COLUMNS
 from rlhf.data.sources import read_table
-from rlhf.data.validate import Checked, Limits
-from rlhf.errors import DataError, first_line
+from rlhf.data.validate import Checked, Limits, text_lengths
+from rlhf.errors import ConfigError, DataError, first_line
 
 __all__ = ["PAIR_COLUMNS", "PreparedData", "check_source", "drop_report", "gold_scorer", "prepare_preferences"]
-__all__ += ["read_table"]
+__all__ += ["LengthLimits", "length_table", "read_table"]
+LENS = ("prompt_len", "chosen_len", "rejected_len")
 
 
 @dataclass
@@ -63,9 +67,10 @@ class PreparedData:
 
 
 def check_source(cfg: DataConfig) -> None:
-    """Cheap checks that run before anything else: files exist, mapped columns exist where that is cheap to see."""
+    """Cheap checks that run before anything else: files exist and hold data (not Git LFS pointers), have an
+    extension we read, and mapped columns exist where that is cheap to see."""
     if cfg.source == "local":
-        sources.check_local_path("data.path", cfg.path)
+        sources.check_local_path("data.path", cfg.path, cfg.data_dir)
         sources.check_local_path("data.eval_path", cfg.eval_path)
         names = sources.peek_columns(cfg.path) if cfg.path else None
         for role, column in cfg.columns.items():
@@ -91,7 +96,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
     return text_digest(cfg.source, parts)
 
 
-def _synthetic(cfg: DataConfig, tmp: Path) -> dict[str, Any]:
+def _synthetic(cfg: DataConfig, tmp: Path, limits: LengthLimits) -> dict[str, Any]:
     task = cfg.synthetic
     train = pd.DataFrame(synthetic.preference_pairs(task.n_train_pairs, task.seed, task.label_noise, "train"))
     # Held-out pairs are labelled by the gold reward without noise, so accuracy measures the true preference.
@@ -106,16 +111,39 @@ def _synthetic(cfg: DataConfig, tmp: Path) -> dict[str, Any]:
         "sft": output.write_frame(sft, tmp / "sft.parquet", output.SFT_SCHEMA),
         "prompts": output.write_frame(prompts, tmp / "prompts.parquet", output.PROMPT_SCHEMA),
     }
-    return dict(source="synthetic", format="explicit", rows=rows, rows_in=len(train) + len(evals))
+    tokenizer = _load_tokenizer(cfg)
+    pairs = pd.concat([train, evals])
+    lengths, warnings = length_report(
+        *(np.asarray(text_lengths(pairs[k].tolist(), tokenizer)) for k in ("prompt", "chosen", "rejected")),
+        np.asarray(text_lengths(sft["prompt"].tolist(), tokenizer))
+        + np.asarray(text_lengths(sft["response"].tolist(), tokenizer)),
+        np.asarray(text_lengths(prompts["prompt"].tolist(), tokenizer)),
+        limits,
+        "tokens" if tokenizer is not None else "characters",
+        cfg.length_warn_fraction,
+    )
+    lengths["tokenizer"] = cfg.tokenizer
+    return dict(
+        source="synthetic",
+        format="explicit",
+        rows=rows,
+        rows_in=len(train) + len(evals),
+        lengths=lengths,
+        warnings=warnings,
+    )
 
 
 def _load_tokenizer(cfg: DataConfig) -> Any:
     if cfg.tokenizer is None:
+        if cfg.max_length_tokens is not None:
+            raise ConfigError(
+                "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
+            )
         return None
     from rlhf.models import load_tokenizer
 
     try:
-        return load_tokenizer(cfg.tokenizer, trust_remote_code=False)
+        return load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 (one sentence, not a traceback from transformers)
         why = first_line(str(err), type(err).__name__)
         raise DataError(f"data.tokenizer: could not load tokenizer '{cfg.tokenizer}': {why}") from None
@@ -127,8 +155,10 @@ def _check(src: sources.Source, fn: Any, kwargs: dict[str, Any], cfg: DataConfig
 
     features = {"prompt": "string", "chosen": "string", "rejected": "string", "margin": "float64"}
     features |= {"row": "int64", "reason": "string", "key": "int64", "prompt_key": "int64"}
+    features |= {"prompt_len": "int32", "chosen_len": "int32", "rejected_len": "int32"}
     if fn is validate.validate_prompts:
-        features = {k: v for k, v in features.items() if k not in ("chosen", "rejected", "margin")}
+        drop = ("chosen", "rejected", "margin", "chosen_len", "rejected_len")
+        features = {k: v for k, v in features.items() if k not in drop}
     rows = src.rows
     checked = rows.map(
         fn,
@@ -153,13 +183,14 @@ def _plan(src: sources.Source, cfg: DataConfig, fmt: str) -> Plan:
     return plan_columns(list(src.rows.column_names), sample, fmt, cfg.columns, src.label)
 
 
-def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
+def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str, length_limits: LengthLimits) -> dict[str, Any]:
     tokenizer = _load_tokenizer(cfg)
     chat = ChatRenderer(tokenizer)
     limits = Limits(cfg.max_length_tokens, cfg.max_length_chars)
     train_src, eval_src = sources.open_sources(cfg, scratch)
     plan = _plan(train_src, cfg, cfg.format)
-    kwargs = dict(plan=plan, chat=chat, marker=cfg.assistant_marker, limits=limits, tokenizer=tokenizer)
+    markers = Markers(cfg.user_marker, cfg.assistant_marker)
+    kwargs = dict(plan=plan, chat=chat, markers=markers, limits=limits, tokenizer=tokenizer)
     checked = [_check(train_src, validate.validate_batch, kwargs, cfg, scratch, "train")]
     if eval_src is not None:
         eval_kwargs = {**kwargs, "plan": _plan(eval_src, cfg, plan.format)}
@@ -182,8 +213,19 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
         "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs"),
         "sft": output.write_rows(train_table, train_pos, tmp / "sft.parquet", "sft"),
     }
-    prompt_info = _write_prompts(cfg, chat, tmp, scratch, train_table, train_pos)
+    prompt_info, prompt_table, prompt_pos = _write_prompts(
+        cfg, chat, plan.format, tmp, scratch, train_table, train_pos, tokenizer
+    )
     rows["prompts"] = prompt_info.pop("rows")
+
+    def column(table, name: str, positions) -> np.ndarray:
+        return table.column(name).to_numpy()[positions].astype(np.int64)
+
+    pairs = [np.concatenate([column(train_table, k, train_pos), column(eval_table, k, eval_pos)]) for k in LENS]
+    demos = column(train_table, "prompt_len", train_pos) + column(train_table, "chosen_len", train_pos)
+    ppo_prompts = column(prompt_table, "prompt_len", prompt_pos)
+    unit = "tokens" if tokenizer is not None else "characters"
+    lengths, warnings = length_report(*pairs, demos, ppo_prompts, length_limits, unit, cfg.length_warn_fraction)
     return dict(
         source=cfg.name if cfg.source == "hub" else str(cfg.path),
         source_kind=cfg.source,
@@ -198,6 +240,8 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str) -> dict[str, Any]:
         dropped=outcome.dropped,
         drop_examples=outcome.examples,
         length_limit={"tokens": cfg.max_length_tokens, "chars": cfg.max_length_chars, "tokenizer": cfg.tokenizer},
+        lengths={**lengths, "tokenizer": cfg.tokenizer},
+        warnings=warnings,
         **prompt_info,
     )
 
@@ -206,36 +250,47 @@ def _split_label(cfg: DataConfig) -> str:
     return f"{cfg.eval_fraction} of train" + (", by prompt" if cfg.split_by_prompt else "")
 
 
-def _write_prompts(cfg: DataConfig, chat: ChatRenderer, tmp: Path, scratch: str, train_table, train_pos) -> dict:
+def _write_prompts(
+    cfg: DataConfig, chat: ChatRenderer, fmt: str, tmp: Path, scratch: str, train_table, train_pos, tokenizer: Any
+) -> tuple[dict, Any, np.ndarray]:
+    """Write prompts.parquet; returns its manifest fields, and the checked table and positions it was written from."""
     path = tmp / "prompts.parquet"
     src = sources.open_prompts(cfg, scratch)
     if src is None:
-        n = output.write_rows(train_table, output.first_prompt_positions(train_table, train_pos), path, "prompts")
-        return {"rows": n, "prompts_source": "train"}
+        positions = output.first_prompt_positions(train_table, train_pos)
+        n = output.write_rows(train_table, positions, path, "prompts")
+        return {"rows": n, "prompts_source": "train"}, train_table, positions
     if cfg.prompts_column not in src.rows.column_names:
         raise DataError(
             f"data.prompts_column: column '{cfg.prompts_column}' is not in {src.label} "
             f"(found: {', '.join(src.rows.column_names)})"
         )
-    kwargs = dict(column=cfg.prompts_column, chat=chat)
+    markers = Markers(cfg.user_marker, cfg.assistant_marker)
+    kwargs = dict(column=cfg.prompts_column, chat=chat, fmt=fmt, markers=markers, tokenizer=tokenizer)
     checked = _check(src, validate.validate_prompts, kwargs, cfg, scratch, "prompts")
     outcome = validate.tally([checked])
     validate.check_drops(outcome, cfg.max_drop_fraction, src.label)
     n = output.write_rows(checked.table, outcome.kept[0], path, "prompts")
     info = {"rows": n, "prompts_source": src.label, "prompts_dropped": outcome.dropped}
-    return info | ({"prompts_revision": cfg.prompts_revision} if cfg.prompts_name else {})
+    info |= {"prompts_revision": cfg.prompts_revision} if cfg.prompts_name else {}
+    return info, checked.table, outcome.kept[0]
 
 
-def prepare_preferences(cfg: DataConfig, out_dir: str | Path) -> PreparedData:
-    """Read, validate and write the preference data set; atomic (a crash leaves no half-written folder)."""
+def prepare_preferences(cfg: DataConfig, out_dir: str | Path, limits: LengthLimits | None = None) -> PreparedData:
+    """Read, validate and write the preference data set; atomic (a crash leaves no half-written folder).
+
+    `limits`: the later stages' length limits (``LengthLimits.from_config``) that the manifest's length report
+    measures the data against; None measures lengths only.
+    """
     check_source(cfg)
+    limits = limits or LengthLimits()
     with tempfile.TemporaryDirectory(prefix="rlhf-prepare-") as scratch, atomic_dir(out_dir) as tmp:
         if cfg.source == "synthetic":
-            fields = _synthetic(cfg, tmp)
+            fields = _synthetic(cfg, tmp, limits)
             gold = synthetic.GOLD_REWARD_NAME
             fields["dropped"] = dict.fromkeys(validate.REASONS, 0)  # generated valid: nothing to drop
         else:
-            fields, gold = _prepare_pairs(cfg, tmp, scratch), None
+            fields, gold = _prepare_pairs(cfg, tmp, scratch, limits), None
         manifest = write_manifest(tmp, gold_reward=gold, **fields)
     return PreparedData(str(out_dir), manifest["digest"], manifest)
 

@@ -3,13 +3,17 @@
 Every source becomes a ``datasets.Dataset`` (Arrow, memory-mapped), so later steps work in batches and memory
 stays bounded. Hub ids and local files go through the same call, ``datasets.load_dataset(builder, config_name,
 data_files=..., revision=..., split=...)``: a local file only picks the packaged builder from its extension
-("json", "parquet" or "csv") and passes itself as ``data_files``. A folder written by ``save_to_disk`` is opened
+("json", "parquet" or "csv"; a compression suffix such as ``.jsonl.gz`` is looked through, and ``datasets``
+decompresses the file) and passes itself as ``data_files``. A Git LFS pointer (a clone without git-lfs) is
+refused with one sentence before anything is read. A folder written by ``save_to_disk`` is opened
 with ``datasets.load_from_disk``. Any failure inside ``datasets`` becomes one :class:`DataError` sentence.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -23,6 +27,20 @@ if TYPE_CHECKING:
 
 # Extension -> packaged `datasets` builder.
 BUILDERS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+# Compression suffix of a text file (.jsonl.gz, .csv.bz2, ...) -> (name, the module that reads it): what
+# `datasets` decompresses (the standard library's gzip, bz2, lzma; zstd and lz4 when their packages are installed).
+COMPRESSIONS = {
+    ".gz": ("gzip", "gzip"),
+    ".gzip": ("gzip", "gzip"),
+    ".bz2": ("bz2", "bz2"),
+    ".xz": ("xz", "lzma"),
+    ".zst": ("zstd", "zstandard"),
+    ".zstd": ("zstd", "zstandard"),
+    ".lz4": ("lz4", "lz4"),
+}
+SUPPORTED = ".jsonl, .json, .parquet, .csv (the text ones also as .gz, .bz2, .xz, .zst) or a save_to_disk folder"
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
+LFS_POINTER_MAX_BYTES = 1024  # the Git LFS spec: pointer files are smaller than this
 
 
 class Source(NamedTuple):
@@ -32,24 +50,115 @@ class Source(NamedTuple):
     label: str
 
 
+class FileKind(NamedTuple):
+    """How a local data file is read: its data extension, the packaged builder and the compression (None: plain)."""
+
+    suffix: str  # ".jsonl" of "train.jsonl.gz"
+    builder: str
+    compression: str | None
+
+
+def file_kind(path: str | Path, key: str = "data.path") -> FileKind:
+    """The builder and compression of a data file from its name (``train.jsonl.gz`` -> json, gzip); one
+    DataError sentence for an extension we cannot read or a compression whose package is not installed."""
+    suffixes = Path(Path(path).name.lower()).suffixes
+    shown = "".join(suffixes[-2:] if suffixes and suffixes[-1] in COMPRESSIONS else suffixes[-1:]) or "(none)"
+    compression = None
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        compression, module = COMPRESSIONS[suffixes[-1]]
+        suffixes = suffixes[:-1]
+        if importlib.util.find_spec(module) is None:
+            raise DataError(
+                f"{key}: {path} is {compression}-compressed and reading it needs the '{module}' package "
+                f"(pip install {module}), or decompress it first"
+            )
+    builder = BUILDERS.get(suffixes[-1]) if suffixes else None
+    if builder is None or (compression and builder == "parquet"):
+        raise DataError(f"{key}: {path} has an unsupported extension '{shown}' (use {SUPPORTED})")
+    return FileKind(suffixes[-1], builder, compression)
+
+
+def open_text(path: str | Path, compression: str | None):
+    """A local text file opened for reading, decompressed on the fly."""
+    if compression is None:
+        return open(path, encoding="utf-8", newline="")
+    if compression == "gzip":
+        import gzip
+
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    if compression == "bz2":
+        import bz2
+
+        return bz2.open(path, "rt", encoding="utf-8", newline="")
+    if compression == "xz":
+        import lzma
+
+        return lzma.open(path, "rt", encoding="utf-8", newline="")
+    if compression == "zstd":
+        import zstandard
+
+        return zstandard.open(path, "rt", encoding="utf-8", newline="")
+    import lz4.frame
+
+    return lz4.frame.open(path, "rt", encoding="utf-8", newline="")
+
+
+def is_lfs_pointer(path: Path) -> bool:
+    """A Git LFS pointer file (what a clone without git-lfs holds instead of the data): a small text file starting
+    ``version https://git-lfs.github.com/spec/v1``."""
+    try:
+        if not path.is_file() or path.stat().st_size >= LFS_POINTER_MAX_BYTES:
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(LFS_POINTER)) == LFS_POINTER
+    except OSError:
+        return False
+
+
+def lfs_pointers(folder: Path) -> list[Path]:
+    """The Git LFS pointer files under a folder (hidden files and folders such as .git are skipped)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [Path(root) / f for f in sorted(files) if not f.startswith(".") and is_lfs_pointer(Path(root) / f)]
+    return found
+
+
+def check_lfs(key: str, path: str | Path, data_dir: str | None = None) -> None:
+    """Refuse a Git LFS pointer (the file, or any file of a data folder) with one sentence naming it."""
+    local = Path(path)
+    if local.is_dir():
+        pointers = lfs_pointers(local / data_dir if data_dir and (local / data_dir).is_dir() else local)
+        if pointers:
+            more = f" (and {len(pointers) - 1} more file(s) under {path})" if len(pointers) > 1 else ""
+            raise DataError(
+                f"{key}: {pointers[0]}{more} is a Git LFS pointer, not the data: the repository was cloned without "
+                "git-lfs; run `git lfs pull` in it"
+            )
+    elif is_lfs_pointer(local):
+        raise DataError(
+            f"{key}: {path} is a Git LFS pointer, not the data: the repository was cloned without git-lfs; run "
+            "`git lfs pull` in it"
+        )
+
+
 def read_table(path: str | Path) -> pd.DataFrame:
-    """Read a small local JSONL / JSON / Parquet / CSV file into a frame, with one clear error when it cannot."""
+    """Read a small local JSONL / JSON / Parquet / CSV file (optionally compressed) into a frame, with one clear
+    error when it cannot."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data file {path} does not exist")
-    suffix = path.suffix.lower()
+    check_lfs("data file", path)
+    kind = file_kind(path, "data file")
     try:
-        if suffix in (".jsonl", ".ndjson"):
-            return pd.read_json(path, lines=True)
-        if suffix == ".json":
-            return pd.read_json(path)
-        if suffix == ".parquet":
+        if kind.builder == "parquet":
             return pd.read_parquet(path)
-        if suffix == ".csv":
-            return pd.read_csv(path)
+        with open_text(path, kind.compression) as f:
+            if kind.builder == "csv":
+                return pd.read_csv(f)
+            return pd.read_json(f, lines=kind.suffix in (".jsonl", ".ndjson"))
     except ValueError as err:
-        raise DataError(f"data file {path} could not be parsed as {suffix[1:]}: {err}") from None
-    raise DataError(f"data file {path} has an unsupported extension '{suffix}' (use .jsonl, .json, .parquet or .csv)")
+        raise DataError(f"data file {path} could not be parsed as {kind.builder}: {err}") from None
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -57,41 +166,43 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in ("state.json", "dataset_dict.json"))
 
 
-def check_local_path(key: str, path: str | None) -> None:
-    """The file or folder named by config `key` exists and is a kind we can read (one sentence otherwise)."""
+def check_local_path(key: str, path: str | None, data_dir: str | None = None) -> None:
+    """The file or folder named by config `key` exists, holds data rather than Git LFS pointers, and is a kind we
+    can read (one sentence otherwise)."""
     if not path:
         return
     local = Path(path)
     if not local.exists():
         raise DataError(f"{key}: file {path} does not exist")
-    if local.is_file() and local.suffix.lower() not in BUILDERS:
-        raise DataError(
-            f"{key}: {path} has an unsupported extension '{local.suffix}' (use .jsonl, .json, .parquet, .csv "
-            "or a save_to_disk folder)"
-        )
+    check_lfs(key, local, data_dir)
+    if local.is_file():
+        file_kind(local, key)
 
 
 def peek_columns(path: str | Path) -> list[str] | None:
-    """Column names of a local source when they are cheap to read (Parquet schema, CSV header, first JSONL line)."""
+    """Column names of a local source when they are cheap to read (Parquet schema, CSV header, first JSONL line;
+    compressed files are decompressed as far as that)."""
     local = Path(path)
-    suffix = local.suffix.lower()
     try:
         if is_saved_dataset(local):
             info = next(local.rglob("dataset_info.json"), None)
             return list(json.loads(info.read_text()).get("features", {})) if info else None
-        if suffix == ".parquet":
+        if not local.is_file():
+            return None
+        kind = file_kind(local)
+        if kind.builder == "parquet":
             import pyarrow.parquet as pq
 
             return list(pq.read_schema(local).names)
-        if suffix == ".csv":
-            with open(local, newline="") as f:
+        if kind.builder == "csv":
+            with open_text(local, kind.compression) as f:
                 return pd.read_csv(f, nrows=0).columns.tolist()
-        if suffix in (".jsonl", ".ndjson"):
-            with open(local) as f:
+        if kind.suffix in (".jsonl", ".ndjson"):
+            with open_text(local, kind.compression) as f:
                 first = f.readline()
             row = json.loads(first) if first.strip() else None
             return list(row) if isinstance(row, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError, DataError):
         return None  # the full load reports the problem with its own sentence
     return None
 
@@ -142,7 +253,7 @@ def load_saved(path: Path, split: str, label: str) -> Dataset:
 
 def open_local(path: str, split: str, cache_dir: str, key: str = "data.path", data_dir: str | None = None) -> Source:
     """A local file (through its packaged builder), a save_to_disk folder, or a folder of data files."""
-    check_local_path(key, path)
+    check_local_path(key, path, data_dir)
     local = Path(path)
     if is_saved_dataset(local):
         return Source(load_saved(local, split, path), path)
@@ -151,7 +262,7 @@ def open_local(path: str, split: str, cache_dir: str, key: str = "data.path", da
             raise DataError(f"data.data_dir: {path} has no sub-folder '{data_dir}'")
         label = f"{path} ({data_dir})" if data_dir else path
         return Source(load_split(str(local), split, data_dir=data_dir, cache_dir=cache_dir, label=label), label)
-    builder = BUILDERS[local.suffix.lower()]
+    builder = file_kind(local, key).builder  # datasets decompresses .gz, .bz2, ... from the name itself
     return Source(load_split(builder, "train", data_files=str(local), cache_dir=cache_dir, label=path), path)
 
 

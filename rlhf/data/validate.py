@@ -10,8 +10,9 @@ then lengths, then duplicates among the rows that passed everything else):
 - ``not_string``: content that is not a string (a number, a list where text belongs);
 - ``tie``: a ranked response scored the same as the best one (no preference to learn);
 - ``identical``: chosen and rejected are the same text;
-- ``too_long``: prompt + chosen or prompt + rejected is longer than ``data.max_length_tokens`` (measured with
-  ``data.tokenizer``, batched) or ``data.max_length_chars``;
+- ``too_long``: prompt + chosen or prompt + rejected is longer than ``data.max_length_tokens`` (tokens of
+  ``data.tokenizer``, prompt and response tokenized separately without special tokens, as the stages encode them;
+  batched) or ``data.max_length_chars``;
 - ``duplicate``: the same (prompt, chosen, rejected) as an earlier kept pair (the first is kept; an eval row
   that repeats a training pair counts too).
 
@@ -32,6 +33,7 @@ import pyarrow.compute as pc
 from rlhf.data import formats
 from rlhf.data.formats import IDENTICAL, MALFORMED, MISSING, NOT_STRING, TIE, ChatRenderer, Plan
 from rlhf.errors import DataError
+from rlhf.tokens import token_counts
 
 TOO_LONG, DUPLICATE = "too_long", "duplicate"
 REASONS = (MALFORMED, MISSING, NOT_STRING, TIE, IDENTICAL, TOO_LONG, DUPLICATE)
@@ -54,7 +56,8 @@ class Limits(NamedTuple):
 
 
 class Checked(NamedTuple):
-    """One validated source split: Arrow columns prompt, chosen, rejected, margin, row, reason, key, prompt_key."""
+    """One validated source split: Arrow columns prompt, chosen, rejected, margin, row, reason, key, prompt_key,
+    prompt_len, chosen_len, rejected_len (prompt_len only for a prompt source)."""
 
     table: pa.Table
     label: str
@@ -76,32 +79,37 @@ def content_key(*texts: str) -> int:
 
 
 def token_lengths(tokenizer: Any, texts: list[str]) -> list[int]:
-    """Token counts of a batch of texts (one batched tokenizer call), special tokens included as encoded by default.
-
-    A fast tokenizer without saved truncation or padding is called through its Rust backend's
-    ``encode_batch_fast`` (no offsets: about twice as fast); the counts are the same as ``tokenizer(texts)``'s.
-    """
-    if not texts:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    fast = getattr(backend, "encode_batch_fast", None)
-    if fast is not None and backend.truncation is None and backend.padding is None:
-        return [len(encoding) for encoding in fast(texts, add_special_tokens=True)]
-    ids = tokenizer(texts, return_attention_mask=False, verbose=False)["input_ids"]
-    return [len(x) for x in ids]
+    """Token counts of a batch of texts (one batched tokenizer call), special tokens included as encoded by default."""
+    return token_counts(tokenizer, texts, add_special_tokens=True)
 
 
-def _too_long(cands: list[formats.Candidate], ok: list[int], limits: Limits, tokenizer: Any) -> set[int]:
+def text_lengths(texts: list[str], tokenizer: Any) -> list[int]:
+    """Lengths of texts in tokens (without special tokens, as the stages encode a prompt or a response; repeated
+    texts are tokenized once) or, without a tokenizer, in characters."""
+    if tokenizer is None:
+        return [len(t) for t in texts]
+    distinct = list(dict.fromkeys(texts))
+    counts = dict(zip(distinct, token_counts(tokenizer, distinct), strict=True))
+    return [counts[t] for t in texts]
+
+
+def _measure(cands: list[formats.Candidate], ok: list[int], tokenizer: Any) -> list[tuple[int, int, int]]:
+    """(prompt, chosen, rejected) lengths of the candidates at positions `ok`: one batched tokenizer call."""
+    texts = [cands[i].prompt for i in ok] + [cands[i].chosen for i in ok] + [cands[i].rejected for i in ok]
+    lengths, n = text_lengths(texts, tokenizer), len(ok)
+    return list(zip(lengths[:n], lengths[n : 2 * n], lengths[2 * n :], strict=True))
+
+
+def _too_long(
+    cands: list[formats.Candidate], ok: list[int], lengths: list[tuple[int, int, int]], limits: Limits, tokenizer: Any
+) -> set[int]:
     long: set[int] = set()
     if limits.max_chars is not None:
         long |= {
             i for i in ok if len(cands[i].prompt) + max(len(cands[i].chosen), len(cands[i].rejected)) > limits.max_chars
         }
     if limits.max_tokens is not None and tokenizer is not None:
-        texts = [cands[i].prompt + cands[i].chosen for i in ok] + [cands[i].prompt + cands[i].rejected for i in ok]
-        lengths = token_lengths(tokenizer, texts)
-        n = len(ok)
-        long |= {i for j, i in enumerate(ok) if max(lengths[j], lengths[n + j]) > limits.max_tokens}
+        long |= {i for i, (p, c, r) in zip(ok, lengths, strict=True) if p + max(c, r) > limits.max_tokens}
     return long
 
 
@@ -111,22 +119,25 @@ def validate_batch(
     *,
     plan: Plan,
     chat: ChatRenderer,
-    marker: str,
+    markers: formats.Markers,
     limits: Limits,
     tokenizer: Any = None,
 ) -> dict[str, list]:
-    """``Dataset.map`` function: the batch's would-be pairs with their drop reason ('' when kept)."""
-    cands = formats.candidates(batch, indices, plan, chat, marker)
+    """``Dataset.map`` function: the batch's would-be pairs with their drop reason ('' when kept) and the lengths
+    of the kept ones (prompt_len, chosen_len, rejected_len: tokens of `tokenizer`, else characters)."""
+    cands = formats.candidates(batch, indices, plan, chat, markers)
     reasons: list[str | None] = []
     for c in cands:
         reason = c.reason or next(filter(None, map(formats.text_problem, (c.prompt, c.chosen, c.rejected))), None)
         reasons.append(reason or (IDENTICAL if c.chosen == c.rejected else None))
     ok = [i for i, r in enumerate(reasons) if r is None]
-    for i in _too_long(cands, ok, limits, tokenizer):
+    measured = _measure(cands, ok, tokenizer)
+    for i in _too_long(cands, ok, measured, limits, tokenizer):
         reasons[i] = TOO_LONG
+    lengths = dict(zip(ok, measured, strict=True))
     out: dict[str, list] = {k: [] for k in ("prompt", "chosen", "rejected", "margin", "row", "reason", "key")}
-    out["prompt_key"] = []
-    for c, reason in zip(cands, reasons, strict=True):
+    out |= {k: [] for k in ("prompt_key", "prompt_len", "chosen_len", "rejected_len")}
+    for i, (c, reason) in enumerate(zip(cands, reasons, strict=True)):
         keep = reason is None
         out["prompt"].append(c.prompt if keep else None)
         out["chosen"].append(c.chosen if keep else None)
@@ -136,20 +147,43 @@ def validate_batch(
         out["reason"].append(reason or "")
         out["key"].append(content_key(c.prompt, c.chosen, c.rejected) if keep else 0)
         out["prompt_key"].append(content_key(c.prompt) if keep else 0)
+        p, ch, r = lengths[i] if keep else (0, 0, 0)
+        out["prompt_len"].append(p)
+        out["chosen_len"].append(ch)
+        out["rejected_len"].append(r)
     return out
 
 
-def validate_prompts(batch: dict[str, list], indices: list[int], *, column: str, chat: ChatRenderer) -> dict[str, list]:
-    """``Dataset.map`` function for a prompt-only source: strings, or message lists rendered as prompts."""
+def validate_prompts(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    column: str,
+    chat: ChatRenderer,
+    fmt: str = "explicit",
+    markers: formats.Markers = formats.Markers("\n\nHuman:", "\n\nAssistant:"),
+    tokenizer: Any = None,
+) -> dict[str, list]:
+    """``Dataset.map`` function for a prompt-only source: message lists rendered as prompts, or strings rendered
+    the way the pairs' prompts of format `fmt` are (see ``formats.prompt_text``); with their lengths."""
     out: dict[str, list] = {"prompt": [], "row": [], "reason": [], "key": [], "prompt_key": []}
     for value, row in zip(batch[column], indices, strict=True):
         reason = formats.message_problem(value) if isinstance(value, list) else formats.text_problem(value)
-        text = chat.prompt(value) if isinstance(value, list) and reason is None else value
+        text = value
+        if reason is None:
+            try:
+                text = chat.prompt(value) if isinstance(value, list) else formats.prompt_text(value, fmt, chat, markers)
+            except Exception:  # noqa: BLE001 (a chat template that refuses the messages)
+                text = None
+            reason = None if text is not None else MALFORMED
         out["prompt"].append(text if reason is None else None)
         out["row"].append(row)
         out["reason"].append(reason or "")
         out["key"].append(content_key(text) if reason is None else 0)
         out["prompt_key"].append(out["key"][-1])
+    kept = [t for t in out["prompt"] if t is not None]
+    lengths = iter(text_lengths(kept, tokenizer))
+    out["prompt_len"] = [next(lengths) if t is not None else 0 for t in out["prompt"]]
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from rlhf.ppo.stats import peak_memory_mb, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
 
 LogFn = Callable[[dict[str, float], int], None]
+PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
+logger = logging.getLogger(__name__)
 GoldFn = Callable[[str, str], float]
 
 
@@ -76,7 +79,7 @@ def train_ppo(
         distributed.broadcast_parameters(m.policy)
         distributed.broadcast_parameters(m.value_trainable())
     settings = generation_settings(cfg, m)
-    prompt_ids = [ids[-cfg.max_prompt_tokens :] for ids in m.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    prompt_ids, pending = truncated_prompts(m.tokenizer(prompts, add_special_tokens=False)["input_ids"], cfg, dist)
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -115,7 +118,8 @@ def train_ppo(
         state.kl_ctl.update(stats["objective/kl"], cfg.batch_size)
         state.step = update + 1
         if dist.is_main and (state.step % cfg.log_every == 0 or state.step == total):
-            log(stats, state.step)
+            log({**stats, **pending}, state.step)
+            pending = {}  # the prompts' truncation share: logged once, with the first logged update
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
             checkpoint_state(out_dir / "state", m, state, dist)
@@ -133,6 +137,22 @@ def train_ppo(
         param_digest = distributed.parameter_digest(m.policy, m.value_trainable())
     value_path = final / "value" / "value_head.safetensors" if m.shared_value_head else final / "value"
     return PPOResult(str(final / "policy"), str(value_path), digest, state.step, stats, param_digest)
+
+
+def truncated_prompts(
+    encoded: list[list[int]], cfg: PPOConfig, dist: DistContext
+) -> tuple[list[list[int]], dict[str, float]]:
+    """The prompts' token ids left-truncated to `cfg.max_prompt_tokens`, and the share that was cut (a warning
+    above PROMPT_TRUNCATION_WARN)."""
+    cut = sum(len(ids) > cfg.max_prompt_tokens for ids in encoded) / max(len(encoded), 1)
+    if cut > PROMPT_TRUNCATION_WARN and dist.is_main:
+        logger.warning(
+            "%.0f%% of the PPO prompts are longer than ppo.max_prompt_tokens (%d) and lose their start (cut on the "
+            "left); raise ppo.max_prompt_tokens to keep them whole",
+            100 * cut,
+            cfg.max_prompt_tokens,
+        )
+    return [ids[-cfg.max_prompt_tokens :] for ids in encoded], {"ppo/prompts_truncated_fraction": cut}
 
 
 def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistContext) -> None:

@@ -1,0 +1,146 @@
+"""Files as users have them: compressed data files and Git LFS pointers (a clone without git-lfs)."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import importlib.util
+import json
+import lzma
+
+import pandas as pd
+import pytest
+
+from rlhf.config import DataConfig, load_config
+from rlhf.data.prepare import check_source, prepare_preferences
+from rlhf.data.sources import file_kind, peek_columns, read_table
+from rlhf.errors import DataError
+
+POINTER = (
+    "version https://git-lfs.github.com/spec/v1\n"
+    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+    "size 13215402\n"
+)
+
+
+def hh_rows(n: int, start: int = 0) -> list[dict]:
+    """Anthropic HH-RLHF layout: chosen/rejected full transcripts that differ in the last assistant turn."""
+    rows = []
+    for i in range(start, start + n):
+        history = f"\n\nHuman: hi {i}\n\nAssistant: hello\n\nHuman: what is {i} + 1?\n\nAssistant:"
+        rows.append({"chosen": history + f" It is {i + 1}.", "rejected": history + " No idea."})
+    return rows
+
+
+def jsonl(rows: list[dict]) -> bytes:
+    return "\n".join(json.dumps(r) for r in rows).encode()
+
+
+@pytest.mark.parametrize(
+    "name, pack",
+    [
+        ("train.jsonl.gz", lambda rows: gzip.compress(jsonl(rows))),
+        ("train.jsonl.bz2", lambda rows: bz2.compress(jsonl(rows))),
+        ("train.jsonl.xz", lambda rows: lzma.compress(jsonl(rows))),
+        ("train.json.gz", lambda rows: gzip.compress(json.dumps(rows).encode())),
+    ],
+)
+def test_compressed_hh_file_is_read_as_data_path(tmp_path, name, pack):
+    path = tmp_path / name
+    path.write_bytes(pack(hh_rows(20)))
+    cfg = DataConfig(source="local", path=str(path), eval_fraction=0.25)
+    check_source(cfg)
+    out = prepare_preferences(cfg, tmp_path / "out")
+    assert out.manifest["format"] == "implicit" and out.manifest["rows"]["train"] + out.manifest["rows"]["eval"] == 20
+    train = pd.read_parquet(out.train)
+    assert train["prompt"].str.endswith("\n\nAssistant:").all() and train["chosen"].str.startswith(" It is").all()
+
+
+def test_compressed_csv_eval_and_prompt_files(tmp_path):
+    rows = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(12)]
+    train, held, prompts = tmp_path / "train.csv.gz", tmp_path / "test.jsonl.gz", tmp_path / "prompts.csv.gz"
+    pd.DataFrame(rows).to_csv(train, index=False)  # pandas compresses from the name
+    held.write_bytes(gzip.compress(jsonl([{"prompt": "e1", "chosen": "a", "rejected": "b"}])))
+    pd.DataFrame({"text": ["p1", "p2"]}).to_csv(prompts, index=False)
+    cfg = DataConfig(
+        source="local", path=str(train), eval_path=str(held), prompts_path=str(prompts), prompts_column="text"
+    )
+    check_source(cfg)
+    out = prepare_preferences(cfg, tmp_path / "out")
+    assert out.manifest["rows"]["train"] == 12 and out.manifest["rows"]["eval"] == 1
+    assert pd.read_parquet(out.prompts)["prompt"].tolist() == ["p1", "p2"]
+    # the cheap column check looks inside the compressed files too
+    assert peek_columns(train) == peek_columns(held) == ["prompt", "chosen", "rejected"]
+    with pytest.raises(DataError, match=r"data.columns.prompt: column 'question' is not in .*train.csv.gz"):
+        check_source(cfg.model_copy(update={"columns": {"prompt": "question"}}))
+    assert read_table(held)["prompt"].tolist() == ["e1"]
+
+
+def test_extensions_and_compressions():
+    assert file_kind("a/train.jsonl.gz") == (".jsonl", "json", "gzip")
+    assert file_kind("x.CSV.BZ2") == (".csv", "csv", "bz2")
+    assert file_kind("x.v2.parquet") == (".parquet", "parquet", None)
+    with pytest.raises(DataError, match=r"data.path: x.txt.gz has an unsupported extension '.txt.gz' \(use .jsonl"):
+        file_kind("x.txt.gz")
+    with pytest.raises(DataError, match=r"unsupported extension '.parquet.gz'"):
+        file_kind("x.parquet.gz")  # Parquet is compressed inside
+    if importlib.util.find_spec("zstandard") is None:
+        with pytest.raises(DataError, match=r"x.jsonl.zst is zstd-compressed and reading it needs the 'zstandard'"):
+            file_kind("x.jsonl.zst")
+    else:
+        assert file_kind("x.jsonl.zst") == (".jsonl", "json", "zstd")
+
+
+def test_git_lfs_pointer_is_refused_with_one_sentence(tmp_path):
+    pointer = tmp_path / "train.jsonl.gz"
+    pointer.write_text(POINTER)
+    real = tmp_path / "real.jsonl"
+    real.write_bytes(jsonl(hh_rows(10)))
+    sentence = r"is a Git LFS pointer, not the data: the repository was cloned without git-lfs; run `git lfs pull`"
+    cases = [
+        ("data.path", DataConfig(source="local", path=str(pointer))),
+        ("data.eval_path", DataConfig(source="local", path=str(real), eval_path=str(pointer))),
+        ("data.prompts_path", DataConfig(source="local", path=str(real), prompts_path=str(pointer))),
+        ("data.prompts_path", DataConfig(source="hub", name="org/x", prompts_path=str(pointer))),
+    ]
+    for key, cfg in cases:
+        with pytest.raises(DataError, match=rf"^{key}: .*train.jsonl.gz {sentence} in it$"):
+            check_source(cfg)
+        if cfg.source == "local":
+            with pytest.raises(DataError, match=rf"^{key}: .*train.jsonl.gz {sentence}"):
+                prepare_preferences(cfg, tmp_path / "out")
+    with pytest.raises(DataError, match=sentence):
+        read_table(pointer)
+
+
+def test_git_lfs_pointer_inside_a_data_folder(tmp_path):
+    """A clone of Anthropic/hh-rlhf without git-lfs: its subsets' files are pointers."""
+    for subset in ("helpful-base", "harmless-base"):
+        (tmp_path / "hh" / subset).mkdir(parents=True)
+        for split in ("train", "test"):
+            (tmp_path / "hh" / subset / f"{split}.jsonl.gz").write_text(POINTER)
+    (tmp_path / "hh" / ".git").mkdir()
+    (tmp_path / "hh" / ".git" / "HEAD").write_text("ref: refs/heads/main\n")  # not data: not looked at
+    cfg = DataConfig(source="local", path=str(tmp_path / "hh"), eval_split="test")
+    first = r"^data.path: .*harmless-base/test.jsonl.gz \(and 3 more file\(s\) under .*hh\) is a Git LFS pointer"
+    with pytest.raises(DataError, match=first):
+        check_source(cfg)
+    # `git lfs pull --include "helpful-base/*"` fetched one subset: that subset reads, the others are not looked at
+    for split, n, start in (("train", 12, 0), ("test", 4, 100)):
+        (tmp_path / "hh" / "helpful-base" / f"{split}.jsonl.gz").write_bytes(gzip.compress(jsonl(hh_rows(n, start))))
+    subset = cfg.model_copy(update={"data_dir": "helpful-base"})
+    check_source(subset)
+    out = prepare_preferences(subset, tmp_path / "out")
+    assert out.manifest["rows"]["train"] == 12 and out.manifest["rows"]["eval"] == 4
+    with pytest.raises(DataError, match=r"^data.path: .*harmless-base/test.jsonl.gz \(and 1 more"):
+        prepare_preferences(cfg.model_copy(update={"data_dir": "harmless-base"}), tmp_path / "out2")
+
+
+def test_preflight_refuses_a_git_lfs_pointer(tmp_path):
+    from rlhf.preflight import preflight
+
+    pointer = tmp_path / "train.jsonl"
+    pointer.write_text(POINTER)
+    config = load_config(None, ["data.source=local", f"data.path={pointer}"])
+    with pytest.raises(DataError, match=r"^data.path: .*train.jsonl is a Git LFS pointer"):
+        preflight(config)
