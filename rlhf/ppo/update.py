@@ -146,6 +146,7 @@ def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistCon
         missing_stop_mode=cfg.missing_eos_mode,
         min_length=cfg.min_response_length,
         min_length_penalty=cfg.min_length_penalty,
+        min_length_mode=cfg.missing_eos_mode,
     )
     tr = per_token_rewards(shaped.scores, r.logprobs, r.ref_logprobs, mask, kl_coef, cfg.kl_estimator)
     rewards = whiten(tr.rewards, cfg.whiten_rewards_keep_mean) if cfg.whiten_rewards else tr.rewards
