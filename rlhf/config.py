@@ -69,6 +69,12 @@ class RuntimeConfig(_Section):
     memory_budget_gb: float | None = Field(
         None, gt=0, description="Memory budget of the check in GiB; None uses the device's free memory."
     )
+    on_nonfinite: Literal["stop", "skip_update"] = Field(
+        "stop",
+        description="When a trainer's loss or gradient norm is NaN or infinite (SFT, reward model, PPO): 'stop' fails "
+        "the stage with the stage, step and statistic, keeping the last saved state (a rerun resumes from it; Prefect "
+        "does not retry); 'skip_update' skips that optimizer step and counts it in the metric */skipped_nonfinite.",
+    )
 
     @field_validator("memory_check", mode="before")
     @classmethod

@@ -21,6 +21,7 @@ from rlhf.batching import encode_prompt_response
 from rlhf.checkpoints import atomic_dir, dir_digest, load_trainer_state, save_trainer_state, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.errors import TrainingInterrupted
+from rlhf.nonfinite import skip_nonfinite
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -135,6 +136,7 @@ def train_sft(
         order, first = list(saved["order"]), int(saved["step"])
     start = time.perf_counter()
     loss_value = float("nan")
+    skipped = 0  # steps skipped for a non-finite loss or gradient norm (runtime.on_nonfinite: skip_update)
     bar = tqdm(range(first, cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2, initial=first)
     for step in bar:
         if len(order) < cfg.batch_size:
@@ -154,11 +156,16 @@ def train_sft(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        skip = skip_nonfinite({"sft/loss": loss, "sft/grad_norm": grad_norm}, "SFT", step, runtime.on_nonfinite, log)
+        skipped += skip
+        if not skip:
+            optimizer.step()
         scheduler.step()
         loss_value = loss.item()
-        if step % 10 == 0 or step == cfg.steps - 1:
+        if step % 10 == 0 or step == cfg.steps - 1 or skip:
             log({"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}, step)
+            if skipped:
+                log({"sft/skipped_nonfinite": float(skipped)}, step)
         done = step + 1
         if done < cfg.steps and (done % cfg.save_every == 0 or done == stop_after):
             save_trainer_state(state_dir, model, optimizer, scheduler, rng, {"step": done, "order": order})

@@ -7,7 +7,6 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,7 +93,8 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+        # NaN and inf are logged as they are (MLflow stores them): a diverged loss must show, not vanish
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for start in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[start : start + 500])
 

@@ -14,7 +14,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.states import State
 
-from rlhf.errors import UserInputError
+from rlhf.errors import NonFiniteError, UserInputError
 from rlhf.tracking import Tracker
 from tasks.caching import TrackingContext, code_version
 
@@ -155,10 +155,11 @@ def echo_with_progress(stage: str, total: int, pattern: str):
 
 
 def retry_unless_user_error(task, task_run, state: State) -> bool:
-    """Retry crashes and lost resources; never a bad config or bad data (retrying cannot fix those)."""
+    """Retry crashes and lost resources; never a bad config or bad data, nor a NaN loss (the same steps would give
+    it again: a rerun after a change resumes from the last saved state)."""
     try:
         state.result()
-    except UserInputError:
+    except (UserInputError, NonFiniteError):
         return False
     except Exception:
         return True

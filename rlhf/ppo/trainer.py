@@ -100,7 +100,9 @@ def train_ppo(
         # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
-        optim = optimize(m, state, rollout, cfg, runtime.bf16, dist)
+        optim = optimize(
+            m, state, rollout, cfg, runtime.bf16, dist, runtime.on_nonfinite, log if dist.is_main else None
+        )
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
