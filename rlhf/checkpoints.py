@@ -42,22 +42,83 @@ def text_digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root` and the folders themselves to the disk (before they are renamed into place)."""
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _siblings(final: Path, kind: str) -> list[Path]:
+    """The ``.{name}.old-*`` (kind "old") or ``.{name}.tmp-*`` (kind "tmp") folders that atomic_dir leaves beside
+    `final` when a process dies mid-swap."""
+    return [p for p in final.parent.glob(f".{final.name}.{kind}-*") if p.is_dir()]
+
+
+def restore_interrupted_swap(final: str | Path, required: str | None = None) -> bool:
+    """After a crash between atomic_dir's two renames `final` is missing and the previous folder waits beside it as
+    ``.{name}.old-<pid>``: rename the newest such folder (holding the file `required`, when given) back. Returns
+    whether it did. Several processes may call this at once (the ranks of a run): one rename wins."""
+    final = Path(final)
+    if final.exists() or not final.parent.is_dir():
+        return False
+    olds = [p for p in _siblings(final, "old") if required is None or (p / required).is_file()]
+    for old in sorted(olds, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            os.replace(old, final)
+        except OSError:
+            if final.exists():  # another rank restored it first
+                return False
+            continue
+        for stale in _siblings(final, "tmp"):  # the unfinished new folder
+            shutil.rmtree(stale, ignore_errors=True)
+        return True
+    return False
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `final` in one rename, on error it is removed."""
+    """Yield a temporary sibling folder; on success it replaces `final`, on error it is removed.
+
+    The new files are fsynced before the swap. `final` is first moved aside to ``.{name}.old-<pid>`` and removed
+    only once the new folder is in place: a crash between the two renames leaves the previous folder there, and
+    `restore_interrupted_swap` (called by the trainers' state loaders) puts it back. Folders left by such crashes
+    are removed after the next successful swap.
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except BaseException:  # put the previous folder back at once (a crash here leaves it for the loaders)
+        restore_interrupted_swap(final)
+        raise
+    _fsync_dir(final.parent)
+    for stale in [old, *_siblings(final, "old"), *_siblings(final, "tmp")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -162,6 +223,7 @@ def load_trainer_state(
     from safetensors.torch import load_model
 
     folder = Path(folder)
+    restore_interrupted_swap(folder, TRAINER_STATE_FILE)  # a crash mid-save: the previous state
     if not (folder / TRAINER_STATE_FILE).is_file():
         return None
     saved = torch.load(folder / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
