@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -11,6 +12,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rlhf.errors import CheckpointWriteError
 
 if TYPE_CHECKING:
     import random
@@ -89,6 +92,17 @@ def restore_interrupted_swap(final: str | Path, required: str | None = None) -> 
     return False
 
 
+def _disk_full(err: BaseException) -> bool:
+    """ENOSPC anywhere in the exception's chain (libraries wrap OSError), or torch's writer saying so."""
+    chain: list[BaseException] = []
+    while err is not None and err not in chain and len(chain) < 20:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return any(
+        (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e) for e in chain
+    )
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `final`, on error it is removed.
@@ -104,8 +118,11 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_tree(tmp)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):
+            previous = "the previous checkpoint is intact" if final.exists() else "there was no previous checkpoint"
+            raise CheckpointWriteError(f"no space left on the device while writing {final}; {previous}") from err
         raise
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():

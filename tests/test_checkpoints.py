@@ -84,3 +84,30 @@ def test_recovery_restores_the_newest_complete_previous_folder(tmp_path):
     assert checkpoints.restore_interrupted_swap(folder) is True
     assert (folder / "step").read_text() == "2"
     assert checkpoints.restore_interrupted_swap(folder) is False  # nothing to do once the folder is there
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypatch):
+    import errno
+
+    from rlhf.errors import CheckpointWriteError
+
+    folder = tmp_path / "state"
+    model, opt, sched, rng = _trainer(0)
+    save_trainer_state(folder, model, opt, sched, rng, {"step": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointWriteError) as err:
+        save_trainer_state(folder, model, opt, sched, rng, {"step": 2})
+    assert str(err.value) == f"no space left on the device while writing {folder}; the previous checkpoint is intact"
+    assert isinstance(err.value.__cause__, OSError)
+    monkeypatch.undo()
+    saved = load_trainer_state(folder, *_trainer(1), torch.device("cpu"))
+    assert saved is not None and saved["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+    with pytest.raises(CheckpointWriteError, match=r"while writing .*fresh; there was no previous checkpoint$"):
+        with atomic_dir(tmp_path / "fresh"):
+            full()
