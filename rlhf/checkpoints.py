@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -11,6 +12,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rlhf.errors import CheckpointWriteError
 
 if TYPE_CHECKING:
     import random
@@ -42,22 +45,97 @@ def text_digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root` and the folders themselves to the disk (before they are renamed into place)."""
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _siblings(final: Path, kind: str) -> list[Path]:
+    """The ``.{name}.old-*`` (kind "old") or ``.{name}.tmp-*`` (kind "tmp") folders that atomic_dir leaves beside
+    `final` when a process dies mid-swap."""
+    return [p for p in final.parent.glob(f".{final.name}.{kind}-*") if p.is_dir()]
+
+
+def restore_interrupted_swap(final: str | Path, required: str | None = None) -> bool:
+    """After a crash between atomic_dir's two renames `final` is missing and the previous folder waits beside it as
+    ``.{name}.old-<pid>``: rename the newest such folder (holding the file `required`, when given) back. Returns
+    whether it did. Several processes may call this at once (the ranks of a run): one rename wins."""
+    final = Path(final)
+    if final.exists() or not final.parent.is_dir():
+        return False
+    olds = [p for p in _siblings(final, "old") if required is None or (p / required).is_file()]
+    for old in sorted(olds, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            os.replace(old, final)
+        except OSError:
+            if final.exists():  # another rank restored it first
+                return False
+            continue
+        for stale in _siblings(final, "tmp"):  # the unfinished new folder
+            shutil.rmtree(stale, ignore_errors=True)
+        return True
+    return False
+
+
+def _disk_full(err: BaseException) -> bool:
+    """ENOSPC anywhere in the exception's chain (libraries wrap OSError), or torch's writer saying so."""
+    chain: list[BaseException] = []
+    while err is not None and err not in chain and len(chain) < 20:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return any(
+        (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e) for e in chain
+    )
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `final` in one rename, on error it is removed."""
+    """Yield a temporary sibling folder; on success it replaces `final`, on error it is removed.
+
+    The new files are fsynced before the swap. `final` is first moved aside to ``.{name}.old-<pid>`` and removed
+    only once the new folder is in place: a crash between the two renames leaves the previous folder there, and
+    `restore_interrupted_swap` (called by the trainers' state loaders) puts it back. Folders left by such crashes
+    are removed after the next successful swap.
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
-    except BaseException:
+        _fsync_tree(tmp)
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(err):
+            previous = "the previous checkpoint is intact" if final.exists() else "there was no previous checkpoint"
+            raise CheckpointWriteError(f"no space left on the device while writing {final}; {previous}") from err
         raise
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except BaseException:  # put the previous folder back at once (a crash here leaves it for the loaders)
+        restore_interrupted_swap(final)
+        raise
+    _fsync_dir(final.parent)
+    for stale in [old, *_siblings(final, "old"), *_siblings(final, "tmp")]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -162,6 +240,7 @@ def load_trainer_state(
     from safetensors.torch import load_model
 
     folder = Path(folder)
+    restore_interrupted_swap(folder, TRAINER_STATE_FILE)  # a crash mid-save: the previous state
     if not (folder / TRAINER_STATE_FILE).is_file():
         return None
     saved = torch.load(folder / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)

@@ -69,6 +69,12 @@ class RuntimeConfig(_Section):
     memory_budget_gb: float | None = Field(
         None, gt=0, description="Memory budget of the check in GiB; None uses the device's free memory."
     )
+    on_nonfinite: Literal["stop", "skip_update"] = Field(
+        "stop",
+        description="When a trainer's loss or gradient norm is NaN or infinite (SFT, reward model, PPO): 'stop' fails "
+        "the stage with the stage, step and statistic, keeping the last saved state (a rerun resumes from it; Prefect "
+        "does not retry); 'skip_update' skips that optimizer step and counts it in the metric */skipped_nonfinite.",
+    )
 
     @field_validator("memory_check", mode="before")
     @classmethod
@@ -343,7 +349,9 @@ class PPOConfig(_Section):
         "subtract", description="'subtract': score - missing_eos_penalty; 'replace': score = missing_eos_penalty."
     )
     min_response_length: int | None = Field(None, ge=1, description="Responses shorter than this are penalised.")
-    min_length_penalty: float | None = Field(None, description="Penalty for short responses (same modes as EOS).")
+    min_length_penalty: float | None = Field(
+        None, description="Penalty for short responses, in the mode of ppo.missing_eos_mode ('subtract' or 'replace')."
+    )
     score_clip: float | None = Field(None, gt=0, description="Clip reward-model scores to [-c, c]; None disables.")
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="Constant or adaptive KL coefficient.")
     kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target sequence KL (Ziegler et al.).")

@@ -24,3 +24,12 @@ def first_line(message: str | None, fallback: str, limit: int | None = None) -> 
     lines = (message or "").strip().splitlines()
     line = lines[0] if lines else fallback
     return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."
+
+
+class NonFiniteError(RuntimeError):
+    """A trainer's loss or gradient norm became NaN or infinite (runtime.on_nonfinite: stop). The last saved state
+    is kept, so a rerun resumes from it; an automatic retry would only repeat the same steps, so none is made."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint or stage output could not be written for lack of disk space; the previous one is intact."""

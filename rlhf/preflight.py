@@ -10,6 +10,7 @@ from rlhf.config import PipelineConfig
 from rlhf.data.prepare import check_source
 from rlhf.errors import ConfigError
 from rlhf.memory import StageEstimate, model_positions, plan_memory, read_model_config
+from rlhf.tracking import check_tracking_uri
 
 
 def hub_offline() -> bool:
@@ -36,6 +37,7 @@ def preflight(config: PipelineConfig) -> list[StageEstimate]:
     """Everything that can be checked without loading a model or reading the data set: paths, the data's format
     and columns where cheap, lengths against the model's positions and memory against the device (only
     config.json is read). Returns the per-stage memory estimates."""
+    check_tracking_uri(config.tracking.uri)  # first: a tracking server that is down fails before any work
     check_source(config.data)
     if config.sft.model is not None:
         check_model_reference("sft.model", config.sft.model)

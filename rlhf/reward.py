@@ -21,6 +21,7 @@ from rlhf.batching import encode_prompt_response, pair_lengths
 from rlhf.checkpoints import atomic_dir, load_trainer_state, save_trainer_state, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError, TrainingInterrupted
+from rlhf.nonfinite import skip_nonfinite
 from rlhf.ops import pairwise_reward_loss
 
 LogFn = Callable[[dict[str, float], int], None]
@@ -194,6 +195,7 @@ def train_reward_model(
             best_state = load_file(state_dir / "best.safetensors", device=str(device))
     pending = dict(length_stats)  # logged once, with the first step of this run
     start = time.perf_counter()
+    skipped = 0  # steps skipped for a non-finite loss or gradient norm (runtime.on_nonfinite: skip_update)
     for step in tqdm(
         range(first, total + 1),
         desc="reward",
@@ -213,11 +215,17 @@ def train_reward_model(
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
         stats = pair_stats("train", chosen.detach(), rejected.detach(), out.loss.detach())
         stats.update({"train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0], **pending})
         pending = {}
+        checked = ("train/loss", "train/grad_norm")
+        skip = skip_nonfinite(stats, "reward model", step, runtime.on_nonfinite, log, checked)
+        skipped += skip
+        if not skip:
+            optimizer.step()
+        scheduler.step()
+        if skipped:
+            stats["train/skipped_nonfinite"] = float(skipped)
         if step % cfg.eval_every == 0 or step == total:
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
             if stats["eval/accuracy"] > best_acc:

@@ -21,6 +21,7 @@ from rlhf.batching import encode_and_measure
 from rlhf.checkpoints import atomic_dir, dir_digest, load_trainer_state, save_trainer_state, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.errors import TrainingInterrupted
+from rlhf.nonfinite import skip_nonfinite
 
 LogFn = Callable[[dict[str, float], int], None]
 
@@ -147,6 +148,7 @@ def train_sft(
     pending = dict(length_stats)  # logged once, with the first logged step
     start = time.perf_counter()
     loss_value = float("nan")
+    skipped = 0  # steps skipped for a non-finite loss or gradient norm (runtime.on_nonfinite: skip_update)
     bar = tqdm(range(first, cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2, initial=first)
     for step in bar:
         if len(order) < cfg.batch_size:
@@ -166,11 +168,16 @@ def train_sft(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        skip = skip_nonfinite({"sft/loss": loss, "sft/grad_norm": grad_norm}, "SFT", step, runtime.on_nonfinite, log)
+        skipped += skip
+        if not skip:
+            optimizer.step()
         scheduler.step()
         loss_value = loss.item()
-        if step % 10 == 0 or step == cfg.steps - 1:
+        if step % 10 == 0 or step == cfg.steps - 1 or skip:
             stats = {"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}
+            if skipped:
+                stats["sft/skipped_nonfinite"] = float(skipped)
             log({**stats, **pending}, step)
             pending = {}
         done = step + 1

@@ -7,7 +7,6 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +46,48 @@ def resolve_tracking_uri(uri: str) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         return prefix + str(path)
     return uri
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse, in one sentence (ConfigError), a tracking store that cannot work: an http(s) server that does not
+    answer within `timeout` seconds (any HTTP answer counts: the server is up), or a SQLite file whose folder cannot
+    be created or written. Other URIs pass unchecked. Nothing is created."""
+    import os
+    import urllib.error
+    import urllib.request
+
+    from rlhf.errors import ConfigError
+
+    scheme = urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+                return
+        except urllib.error.HTTPError:
+            return  # it answered (an auth proxy, an older server without /health): the client will say more
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise ConfigError(
+                f"tracking.uri: no MLflow tracking server answers at {uri} ({reason}); start it "
+                "or point tracking.uri at one, e.g. the default sqlite:///mlruns/mlflow.db"
+            ) from None
+    prefix = "sqlite:///"
+    if uri.startswith(prefix):
+        path = Path(uri[len(prefix) :]).resolve()
+        existing = path.parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        writable = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+        if path.exists():
+            writable = path.is_file() and os.access(path, os.R_OK | os.W_OK) and os.access(path.parent, os.W_OK)
+        if not writable:
+            raise ConfigError(
+                f"tracking.uri: cannot write the SQLite store {path} ({existing} is not a writable folder); "
+                "point tracking.uri at a writable place"
+            )
 
 
 class Tracker:
@@ -94,7 +135,8 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and math.isfinite(v)]
+        # NaN and inf are logged as they are (MLflow stores them): a diverged loss must show, not vanish
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for start in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[start : start + 500])
 

@@ -14,7 +14,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.states import State
 
-from rlhf.errors import UserInputError
+from rlhf.errors import CheckpointWriteError, NonFiniteError, UserInputError
 from rlhf.tracking import Tracker
 from tasks.caching import TrackingContext, code_version
 
@@ -155,10 +155,12 @@ def echo_with_progress(stage: str, total: int, pattern: str):
 
 
 def retry_unless_user_error(task, task_run, state: State) -> bool:
-    """Retry crashes and lost resources; never a bad config or bad data (retrying cannot fix those)."""
+    """Retry crashes and lost resources; never a bad config or bad data, a NaN loss (the same steps would give it
+    again) or a full disk (it stays full for the next seconds): a rerun after a change resumes from the last saved
+    state."""
     try:
         state.result()
-    except UserInputError:
+    except (UserInputError, NonFiniteError, CheckpointWriteError):
         return False
     except Exception:
         return True

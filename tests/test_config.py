@@ -122,3 +122,48 @@ def test_existing_sft_checkpoint_skips_the_bootstrap(tiny_checkpoints):
     result = load_existing(SFTConfig(model=tiny_checkpoints["policy"]), RuntimeConfig())
     assert not result.trained and result.path == tiny_checkpoints["policy"]
     assert result.digest == dir_digest(tiny_checkpoints["policy"])
+
+
+def test_preflight_refuses_a_tracking_server_that_is_down_before_anything_else(monkeypatch):
+    import time
+
+    from rlhf import preflight as preflight_module
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data source was checked before the tracking server")
+
+    monkeypatch.setattr(preflight_module, "check_source", no_data)
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        preflight_module.preflight(load_config(None, ["tracking.uri=http://127.0.0.1:1"]))
+    assert time.monotonic() - start < 5
+    message = str(err.value)
+    assert message.startswith("tracking.uri: no MLflow tracking server answers at http://127.0.0.1:1")
+    assert "\n" not in message
+
+
+def test_tracking_probe_accepts_a_live_server_and_a_writable_sqlite_folder(tmp_path):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rlhf.tracking import check_tracking_uri
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check_tracking_uri(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    check_tracking_uri(f"sqlite:///{tmp_path}/not/yet/mlflow.db")  # a folder that can be created
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^tracking.uri: cannot write the SQLite store .*file/mlflow.db"):
+        check_tracking_uri(f"sqlite:///{tmp_path}/file/mlflow.db")  # its 'folder' is a file

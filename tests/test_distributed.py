@@ -259,3 +259,43 @@ def test_launcher_writes_no_digest_in_one_process(launch_inputs, tmp_path):
     assert "on 1 process(es)" in result.stdout
     assert (out / "final" / "policy" / "config.json").is_file()
     assert not list(out.glob("param_digest*"))
+
+
+def _digest_worker(rank: int, port: int, ck: dict[str, str], prompts: list[str], out: Path, want: bool) -> None:
+    from rlhf.config import RuntimeConfig
+    from rlhf.ppo.trainer import train_ppo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    real = distributed.parameter_digest
+
+    def counted(*modules):
+        (out / f"digest_called.rank{rank}").write_text("yes")
+        return real(*modules)
+
+    distributed.parameter_digest = counted
+    try:
+        cfg = PPOConfig(total_episodes=8, batch_size=8, num_mini_batches=1, num_ppo_epochs=1, max_new_tokens=4)
+        runtime = RuntimeConfig(device="cpu", progress=False)
+        ctx = distributed.DistContext(rank=rank, world_size=2)
+        result = train_ppo(
+            cfg, runtime, ck["policy"], ck["reward"], prompts, out, 0, lambda m, s: None, dist=ctx, param_digest=want
+        )
+        (out / f"digest.rank{rank}").write_text(result.param_digest)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("want", [False, True])
+def test_parameter_digest_only_when_asked(tiny_checkpoints, tmp_path, want):
+    # hashing every parameter is a test aid: a plain data-parallel run does not pay for it
+    prompts = sorted({d.prompt for d in synthetic.demonstrations(50, seed=0)})
+    mp.spawn(_digest_worker, args=(_free_port(), tiny_checkpoints, prompts, tmp_path, want), nprocs=2, join=True)
+    called = sorted(p.name for p in tmp_path.glob("digest_called.*"))
+    digests = [(tmp_path / f"digest.rank{r}").read_text() for r in range(2)]
+    if want:
+        assert called == ["digest_called.rank0", "digest_called.rank1"]
+        assert digests[0] == digests[1] and len(digests[0]) == 64
+    else:
+        assert called == [] and digests == ["", ""]

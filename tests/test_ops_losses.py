@@ -120,3 +120,22 @@ def test_pairwise_loss_plain() -> None:
     out = pairwise_reward_loss(torch.tensor([2.0, 0.5]), torch.tensor([1.0, 1.0]))
     # logits 1.0, -0.5: (log(1 + exp(-1)) + log(1 + exp(0.5))) / 2 = (0.313262 + 0.974077) / 2 = 0.643669
     assert out.loss.item() == pytest.approx(0.643669, abs=1e-6)
+
+
+def test_value_loss_clip_fraction_is_zero_when_nothing_is_clipped() -> None:
+    # |V - V_old| = 0.13 < 0.2: V_old + (V - V_old) rounds away from V in float32, clamping V itself does not
+    values = torch.tensor([[0.09]], requires_grad=True)
+    old, returns, mask = torch.tensor([[-0.04]]), torch.tensor([[1.0]]), torch.ones(1, 1)
+    out = value_loss(values, old, returns, mask, 0.2)
+    assert out.clipfrac.item() == 0.0
+    expected = 0.5 * (torch.tensor(0.09) - 1.0) ** 2
+    torch.testing.assert_close(out.loss, expected)
+    out.loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.09 - 1.0]]))
+    # clipped from above and below: the clipped error is the larger one, the gradient is 0
+    values = torch.tensor([[0.5, -0.5]], requires_grad=True)
+    out = value_loss(values, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), 0.2)
+    assert out.clipfrac.item() == 1.0
+    torch.testing.assert_close(out.loss, torch.tensor(0.5 * (0.8**2 + 0.8**2) / 2))
+    out.loss.backward()
+    torch.testing.assert_close(values.grad, torch.zeros(1, 2))

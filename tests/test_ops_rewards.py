@@ -106,3 +106,36 @@ def test_per_token_rewards_padding_invariance_and_empty_row() -> None:
     empty = torch.tensor([[1, 1, 1], [0, 0, 0]])
     out = per_token_rewards(torch.tensor([1.0, 2.0]), LOGPROBS, REF_LOGPROBS, empty, kl_coef=0.1)
     torch.testing.assert_close(out.rewards[1], torch.zeros(3))
+
+
+def test_compute_advantages_applies_the_eos_mode_to_the_min_length_penalty() -> None:
+    # ppo.min_length_penalty uses the same mode as the EOS penalty: in "replace" mode short rows score the penalty
+    from rlhf.config import PPOConfig
+    from rlhf.ppo.rollout import Responses
+    from rlhf.ppo.update import Rollout, compute_advantages
+
+    cfg = PPOConfig(
+        missing_eos_penalty=-1.0,
+        missing_eos_mode="replace",
+        min_response_length=4,
+        min_length_penalty=-1.0,
+        whiten_advantages=False,
+    )
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    resp = Responses(
+        tokens=torch.zeros(3, 5, dtype=torch.long), mask=mask, contains_stop=torch.tensor([1, 1, 0]).bool()
+    )
+    zeros = torch.zeros(3, 5)
+    r = Rollout(
+        [0, 1, 2],
+        torch.zeros(3, 7, dtype=torch.long),
+        torch.ones(3, 7),
+        2,
+        resp,
+        zeros,
+        zeros,
+        zeros,
+        torch.tensor([2.0, 2.0, 2.0]),
+    )
+    compute_advantages(r, cfg, kl_coef=0.0)
+    torch.testing.assert_close(r.shaped_scores, torch.tensor([2.0, -1.0, -1.0]))

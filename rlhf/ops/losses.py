@@ -76,7 +76,7 @@ def value_loss(
 ) -> ValueLossOutput:
     """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clipped - R)^2))``.
 
-    ``V_clipped = V_old + clip(V - V_old, -eps_v, eps_v)``. With ``cliprange_value=None`` there is no clipping:
+    ``V_clipped = clip(V, V_old - eps_v, V_old + eps_v)``. With ``cliprange_value=None`` there is no clipping:
     ``0.5 * mean((V - R)^2)`` and a clip fraction of 0. Means are over real tokens; the statistics are detached.
 
     Shape: values, old_values, returns and mask (b, t); outputs ().
@@ -91,7 +91,8 @@ def value_loss(
         loss = 0.5 * masked_mean(err_unclipped, mask)
         clipfrac = torch.zeros((), dtype=values.dtype, device=values.device)
     else:
-        values_clipped = old_values + torch.clamp(values_real - old_values, -cliprange_value, cliprange_value)
+        # clamp V itself: V_old + clamp(V - V_old) rounds away from V in float32 and would count as clipped
+        values_clipped = torch.clamp(values_real, old_values - cliprange_value, old_values + cliprange_value)
         err_clipped = (values_clipped - returns) ** 2
         loss = 0.5 * masked_mean(torch.maximum(err_unclipped, err_clipped), mask)
         with torch.no_grad():

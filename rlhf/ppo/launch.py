@@ -187,6 +187,7 @@ def _main(args: argparse.Namespace) -> int:
             gold_fn=_gold_fn(args.data_manifest),
             stop_after=args.stop_after,
             dist=ctx,
+            param_digest=args.write_param_digest,
         )
     except TrainingInterrupted as stop:
         end_run(True)

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response, pad_left
-from rlhf.checkpoints import atomic_dir
+from rlhf.checkpoints import atomic_dir, restore_interrupted_swap
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.models import unwrap
@@ -215,6 +215,7 @@ def load_state(
     by a different number of processes cannot be resumed (the shards of the prompt batches would change).
     """
     state = fresh_state(m, cfg, seed, device, rank)
+    restore_interrupted_swap(folder, STATE_FILE)  # a crash mid-save: the previous state
     if not (folder / STATE_FILE).is_file():
         return state
     saved: dict[str, Any] = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)

@@ -36,7 +36,7 @@ class PPOResult:
     digest: str
     updates: int
     metrics: dict[str, float] = field(default_factory=dict)
-    param_digest: str = ""  # several processes: this rank's digest of the final policy and value parameters
+    param_digest: str = ""  # several processes, when asked: this rank's digest of the final parameters
 
 
 def generation_settings(cfg: PPOConfig, m: PPOModels) -> GenerationSettings:
@@ -58,6 +58,7 @@ def train_ppo(
     gold_fn: GoldFn | None = None,
     stop_after: int | None = None,
     dist: DistContext | None = None,
+    param_digest: bool = False,
 ) -> PPOResult:
     """Train the policy with PPO against the reward model; resumes from ``out_dir/state`` when it exists.
 
@@ -68,6 +69,7 @@ def train_ppo(
     processes: ppo.batch_size is the global batch and each rank generates its slice of it; gradients are averaged
     across ranks, whitening uses the moments of the global batch, statistics are reduced across ranks, and rank 0
     alone calls `log` and writes rollout records, the trainer state and the final models. None: one process.
+    `param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
     """
     out_dir = Path(out_dir)
     dist = dist if dist is not None else DistContext(device=models.resolve_device(runtime.device))
@@ -103,7 +105,9 @@ def train_ppo(
         # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
-        optim = optimize(m, state, rollout, cfg, runtime.bf16, dist)
+        optim = optimize(
+            m, state, rollout, cfg, runtime.bf16, dist, runtime.on_nonfinite, log if dist.is_main else None
+        )
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
@@ -131,12 +135,13 @@ def train_ppo(
         with atomic_dir(final) as tmp:
             save_final(tmp, m)
             digest = write_manifest(tmp, stage="ppo", updates=state.step)["digest"]
-    param_digest = ""
+    params = ""
     if dist.world_size > 1:
         digest = distributed.broadcast_object(digest)  # also waits until rank 0 has written `final`
-        param_digest = distributed.parameter_digest(m.policy, m.value_trainable())
+        if param_digest:
+            params = distributed.parameter_digest(m.policy, m.value_trainable())
     value_path = final / "value" / "value_head.safetensors" if m.shared_value_head else final / "value"
-    return PPOResult(str(final / "policy"), str(value_path), digest, state.step, stats, param_digest)
+    return PPOResult(str(final / "policy"), str(value_path), digest, state.step, stats, params)
 
 
 def truncated_prompts(

@@ -14,6 +14,7 @@ from torch import Tensor
 from rlhf import models
 from rlhf.config import PPOConfig
 from rlhf.models import unwrap
+from rlhf.nonfinite import LogFn, skip_nonfinite
 from rlhf.ops import gae, masked_mean, masked_quantiles, masked_whiten, per_token_rewards, policy_loss, shape_scores
 from rlhf.ops import value_loss as value_loss_fn
 from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients, masked_mean_var
@@ -146,6 +147,7 @@ def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistCon
         missing_stop_mode=cfg.missing_eos_mode,
         min_length=cfg.min_response_length,
         min_length_penalty=cfg.min_length_penalty,
+        min_length_mode=cfg.missing_eos_mode,
     )
     tr = per_token_rewards(shaped.scores, r.logprobs, r.ref_logprobs, mask, kl_coef, cfg.kl_estimator)
     rewards = whiten(tr.rewards, cfg.whiten_rewards_keep_mean) if cfg.whiten_rewards else tr.rewards
@@ -193,6 +195,9 @@ def _value_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, bf16: 
     return vl
 
 
+# the statistics whose NaN or inf stops (or skips) an optimizer step
+_CHECKED = ("policy/loss", "value/loss", "policy/grad_norm", "value/grad_norm")
+
 _VALUE_WORKER: ThreadPoolExecutor | None = None
 
 
@@ -228,7 +233,14 @@ def _global_approxkl(running: OptimStats, world_size: int, device: torch.device)
 
 
 def optimize(
-    m: PPOModels, state: TrainerState, r: Rollout, cfg: PPOConfig, bf16: bool, dist: DistContext | None = None
+    m: PPOModels,
+    state: TrainerState,
+    r: Rollout,
+    cfg: PPOConfig,
+    bf16: bool,
+    dist: DistContext | None = None,
+    on_nonfinite: str = "stop",
+    log: LogFn | None = None,
 ) -> OptimResult:
     """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop.
 
@@ -239,6 +251,10 @@ def optimize(
     With `dist` over W > 1 processes, `r` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
     is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
     takes the same optimizer step. The shuffle generator is the same on all ranks (a permutation of local rows).
+
+    A NaN or infinite loss or gradient norm in a minibatch stops the update with NonFiniteError (after logging the
+    minibatch's statistics through `log`) or, with `on_nonfinite="skip_update"`, skips that minibatch's optimizer
+    steps and counts it in ``ppo/skipped_nonfinite``.
     """
     t0 = time.perf_counter()
     device = r.query_responses.device
@@ -247,6 +263,7 @@ def optimize(
     mini_size = cfg.mini_batch_size // world_size
     micro_size = mini_size // cfg.gradient_accumulation_steps
     stopped_early = 0.0
+    skipped = 0
     m.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
     m.value.train()
     with two_streams(device, m, world_size) as concurrent:
@@ -288,11 +305,17 @@ def optimize(
                         "value/grad_norm": torch.nn.utils.clip_grad_norm_(state.value_params, cfg.max_grad_norm),
                     }
                 )
-                state.policy_opt.step()
-                state.value_opt.step()
+                mb_means = mb_stats.means()
+                skip = skip_nonfinite(mb_means, "PPO", state.step + 1, on_nonfinite, log, _CHECKED)
+                if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
+                    skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
+                skipped += skip
+                if not skip:
+                    state.policy_opt.step()
+                    state.value_opt.step()
                 state.policy_opt.zero_grad(set_to_none=True)
                 state.value_opt.zero_grad(set_to_none=True)
-                per_minibatch.append(mb_stats.means())
+                per_minibatch.append(mb_means)
                 running.add(per_minibatch[-1])
             if cfg.target_kl is not None and _global_approxkl(running, world_size, device) > cfg.target_kl:
                 stopped_early = 1.0
@@ -311,5 +334,7 @@ def optimize(
             "time/optimize": time.perf_counter() - t0,
         }
     )
+    if on_nonfinite == "skip_update":
+        stats["ppo/skipped_nonfinite"] = float(skipped)
     quantiles = masked_quantiles(all_ratios, torch.ones_like(all_ratios))
     return OptimResult(stats, per_minibatch, quantiles)
