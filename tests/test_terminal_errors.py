@@ -38,9 +38,8 @@ def test_lengths_past_the_models_positions_are_refused_before_the_flow(tmp_path)
     assert "Beginning flow run" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-def test_bad_data_found_inside_the_flow_is_one_sentence(tmp_path):
-    # HH's red-team-attempts layout: transcripts and ratings, no preference pairs; found when the task reads it
+def test_a_file_without_preference_pairs_is_refused_from_its_first_rows(tmp_path):
+    # HH's red-team-attempts layout: transcripts and ratings, no pairs; seen from the first rows, before the flow
     path = tmp_path / "red_team_attempts.jsonl"
     rows = [
         {"transcript": "\n\nHuman: hi\n\nAssistant: hello", "rating": i % 4, "task_description": "x"} for i in range(20)
@@ -48,3 +47,15 @@ def test_bad_data_found_inside_the_flow_is_one_sentence(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     proc = run_pipeline(tmp_path, "data.source=local", f"data.path={path}")
     assert_one_sentence(proc, str(path), "no recognisable preference format")
+    assert "Beginning flow run" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_bad_data_found_inside_the_flow_is_one_sentence(tmp_path):
+    # HH layout, but every pair's two answers are the same: only the full validation inside the task sees it
+    path = tmp_path / "pairs.jsonl"
+    text = "\n\nHuman: Review of The Silent River:\n\nAssistant: the plot was superb."
+    path.write_text("\n".join(json.dumps({"chosen": text, "rejected": text}) for _ in range(40)) + "\n")
+    proc = run_pipeline(tmp_path, "data.source=local", f"data.path={path}")
+    assert "Beginning flow run" in proc.stdout + proc.stderr
+    assert_one_sentence(proc, str(path))

@@ -78,6 +78,9 @@ def check_source(cfg: DataConfig) -> None:
                 raise DataError(
                     f"data.columns.{role}: column '{column}' is not in {cfg.path} (found: {', '.join(names)})"
                 )
+        sample = sources.peek_rows(cfg.path) if cfg.path else None
+        if sample:  # the format and its columns, from the first rows: the same decision the full read makes
+            plan_columns(list(sample), sample, cfg.format, cfg.columns, str(cfg.path))
     if cfg.source != "synthetic":
         sources.check_local_path("data.prompts_path", cfg.prompts_path)
 

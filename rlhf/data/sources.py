@@ -207,6 +207,39 @@ def peek_columns(path: str | Path) -> list[str] | None:
     return None
 
 
+def peek_rows(path: str | Path, n: int = 100) -> dict[str, list] | None:
+    """The first `n` rows of a local JSONL, CSV or Parquet file as columns (compressed files too), when that is
+    cheap; None for folders, JSON arrays and anything unreadable (the full load then reports the problem)."""
+    local = Path(path)
+    try:
+        if not local.is_file():
+            return None
+        kind = file_kind(local)
+        if kind.builder == "parquet":
+            import pyarrow.parquet as pq
+
+            batch = next(pq.ParquetFile(local).iter_batches(batch_size=n), None)
+            return batch.to_pydict() if batch is not None else None
+        if kind.builder == "csv":
+            with open_text(local, kind.compression) as f:
+                return pd.read_csv(f, nrows=n).to_dict("list")
+        if kind.suffix in (".jsonl", ".ndjson"):
+            rows = []
+            with open_text(local, kind.compression) as f:
+                for line in f:
+                    if line.strip():
+                        rows.append(json.loads(line))
+                    if len(rows) >= n:
+                        break
+            if not rows or not all(isinstance(r, dict) for r in rows):
+                return None
+            names = list(dict.fromkeys(k for r in rows for k in r))
+            return {k: [r.get(k) for r in rows] for k in names}
+    except (OSError, ValueError, EOFError, DataError):
+        return None
+    return None
+
+
 def load_split(
     builder: str,
     split: str,
