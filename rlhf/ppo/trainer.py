@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf import models
+from rlhf.batching import encode_prompts
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
@@ -76,7 +77,8 @@ def train_ppo(
         distributed.broadcast_parameters(m.policy)
         distributed.broadcast_parameters(m.value_trainable())
     settings = generation_settings(cfg, m)
-    prompt_ids = [ids[-cfg.max_prompt_tokens :] for ids in m.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    prompt_ids = encode_prompts(m.tokenizer, prompts, cfg.max_prompt_tokens)
+    dtype = models.compute_dtype(runtime.dtype, device)
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -95,12 +97,12 @@ def train_ppo(
             cfg,
             settings,
             state.sample_generator,
-            runtime.bf16,
+            dtype,
         )
         # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
-        optim = optimize(m, state, rollout, cfg, runtime.bf16, dist)
+        optim = optimize(m, state, rollout, cfg, dtype, dist)
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
