@@ -1,8 +1,10 @@
 """Turning text into padded tensors (one convention for every stage).
 
-Prompt + response sequences are right-padded: ``[prompt | response | eos | pad ...]``; a prompt batch for
-generation is left-padded so that every row's next token is appended at the same position. A row longer than its
-budget keeps the end of its prompt and the start of its response (`fit_lengths`).
+Prompt + response sequences are right-padded: ``[bos | prompt | response | eos | pad ...]``; a prompt batch for
+generation is left-padded so that every row's next token is appended at the same position. Every prompt is encoded
+by `encode_prompts`: it starts with the tokenizer's BOS when the tokenizer adds one (Llama, Mistral, Gemma, OPT),
+as the model saw its texts in training; the BOS is absent for tokenizers without one (GPT-2, Qwen, Pythia). A row
+longer than its budget keeps the BOS, the end of its prompt and the start of its response (`fit_lengths`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,39 @@ class TokenBatch(NamedTuple):
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of texts as they are, with no special tokens added."""
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def bos_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """``[bos]`` when the tokenizer puts its BOS at the start of a text it encodes, else ``[]``."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    added = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    return [bos] if added[:1] == [bos] and plain[:1] != [bos] else []
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_tokens: int | None = None
+) -> list[list[int]]:
+    """Token ids of prompts, each starting with the tokenizer's BOS once when it adds one (a prompt rendered by a
+    chat template that wrote the BOS text already has it), left-truncated to `max_tokens` with the BOS kept."""
+    prefix = bos_prefix(tokenizer)
+    rows = [prefix + _without(ids, prefix) for ids in encode_texts(tokenizer, prompts)]
+    return rows if max_tokens is None else [keep_last(row, len(prefix), max_tokens) for row in rows]
+
+
+def _without(ids: list[int], prefix: list[int]) -> list[int]:
+    """`ids` without `prefix` when they start with it (a BOS the chat template wrote)."""
+    return ids[len(prefix) :] if prefix and ids[: len(prefix)] == prefix else ids
+
+
+def keep_last(ids: list[int], n_prefix: int, max_tokens: int) -> list[int]:
+    """The first `n_prefix` ids (the BOS) and the last ones of the rest, `max_tokens` in all (left truncation)."""
+    body = ids[n_prefix:]
+    return ids[:n_prefix] + body[max(0, len(body) - max(0, max_tokens - n_prefix)) :]
 
 
 def pad_right(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -88,7 +122,7 @@ def pair_lengths(
     `encode_prompt_response` lays them out. Shape: (n,)."""
     n = len(prompts)
     counts = np.asarray(token_counts(tokenizer, [*prompts, *chosen, *rejected]), dtype=np.int64)
-    return counts[:n] + np.maximum(counts[n : 2 * n], counts[2 * n :]) + int(add_eos)
+    return counts[:n] + np.maximum(counts[n : 2 * n], counts[2 * n :]) + int(add_eos) + len(bos_prefix(tokenizer))
 
 
 def encode_and_measure(
@@ -101,16 +135,17 @@ def encode_and_measure(
 ) -> tuple[TokenBatch, Truncation]:
     """Right-padded prompt + response (+ eos) rows fitted into `max_length` by `fit_lengths`, and what that cut."""
     eos = [tokenizer.eos_token_id] if add_eos else []
-    prompt_ids = encode_texts(tokenizer, prompts)
+    prefix = bos_prefix(tokenizer)
+    prompt_ids = [_without(ids, prefix) for ids in encode_texts(tokenizer, prompts)]  # the BOS goes back below
     response_ids = encode_texts(tokenizer, responses)
     rows, response_spans = [], []
     cut = np.zeros((4, len(prompts)), dtype=bool)  # any, prompt, response, prompt lost
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
         r = r + eos
-        fit = fit_lengths(len(p), len(r), max_length, min_prompt_tokens)
+        fit = fit_lengths(len(p), len(r), max_length - len(prefix), min_prompt_tokens)
         cut[1, i], cut[2, i] = fit.prompt < len(p), fit.response < len(r)
         cut[3, i] = fit.prompt == 0 and len(p) > 0
-        p, r = p[len(p) - fit.prompt :], r[: fit.response]
+        p, r = prefix + p[len(p) - fit.prompt :], r[: fit.response]
         rows.append(p + r)
         response_spans.append((len(p), len(p) + len(r)))
     cut[0] = cut[1] | cut[2]
@@ -129,7 +164,7 @@ def encode_prompt_response(
     add_eos: bool = True,
     min_prompt_tokens: int = 0,
 ) -> TokenBatch:
-    """Right-padded prompt+response(+eos) rows of at most `max_length` tokens: the prompt is left-truncated and
-    the response right-truncated as `fit_lengths` says (the response first, but `min_prompt_tokens` of the prompt
-    survive)."""
+    """Right-padded (bos+)prompt+response(+eos) rows of at most `max_length` tokens: the prompt is left-truncated
+    (its BOS kept) and the response right-truncated as `fit_lengths` says (the response first, but
+    `min_prompt_tokens` of the prompt survive)."""
     return encode_and_measure(tokenizer, prompts, responses, max_length, add_eos, min_prompt_tokens)[0]

@@ -77,7 +77,10 @@ def build_models(shape: BenchShape, device: torch.device, seed: int = 0) -> PPOM
     )
 
 
-def run_bench(shape: BenchShape, updates: int, device: torch.device, bf16: bool, seed: int = 0) -> dict[str, float]:
+def run_bench(
+    shape: BenchShape, updates: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> dict[str, float]:
+    """Median timings of `updates` PPO updates; `dtype` is the autocast dtype on CUDA (float32: none)."""
     m = build_models(shape, device, seed)
     cfg = PPOConfig(
         total_episodes=shape.batch_size * updates,
@@ -102,10 +105,10 @@ def run_bench(shape: BenchShape, updates: int, device: torch.device, bf16: bool,
         query = torch.randint(1, shape.vocab_size, (shape.batch_size, shape.prompt_len), generator=data).to(device)
         query_mask = torch.ones_like(query)
         r = generate_and_score(
-            m, query, query_mask, list(range(shape.batch_size)), None, cfg, settings, state.sample_generator, bf16
+            m, query, query_mask, list(range(shape.batch_size)), None, cfg, settings, state.sample_generator, dtype
         )
         compute_advantages(r, cfg, state.kl_ctl.value)
-        result = optimize(m, state, r, cfg, bf16)
+        result = optimize(m, state, r, cfg, dtype)
         if device.type == "cuda":
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
@@ -129,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=10, help="timed updates (the first is excluded; >= 9)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (docs/benchmark.md: 2)")
-    parser.add_argument("--no-bf16", action="store_true", help="disable bf16 autocast on CUDA")
+    parser.add_argument(
+        "--dtype", choices=["auto", *models.DTYPES], default="auto", help="autocast dtype on CUDA (runtime.dtype)"
+    )
     parser.add_argument(
         "--peer-episodes-per-s",
         type=float,
@@ -140,11 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = models.resolve_device(args.device)
     shape = SHAPES[args.shape]
-    print(
-        f"PPO bench: shape={args.shape} {shape} device={device} threads={torch.get_num_threads()} "
-        f"bf16={device.type == 'cuda' and not args.no_bf16}"
-    )
-    summary = run_bench(shape, args.updates, device, bf16=not args.no_bf16)
+    dtype = models.compute_dtype(args.dtype, device)
+    print(f"PPO bench: shape={args.shape} {shape} device={device} threads={torch.get_num_threads()} dtype={dtype}")
+    summary = run_bench(shape, args.updates, device, dtype)
     print("median per update (updates after the first):")
     for key in (*PHASES, "time/total"):
         print(f"  {key:<18} {summary[key]:.4f} s")

@@ -49,7 +49,17 @@ class TrackingConfig(_Section):
 
 class RuntimeConfig(_Section):
     device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
-    bf16: bool = Field(True, description="Use bf16 autocast on CUDA devices that support it (ignored on CPU).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype. Trained models (SFT, reward, PPO policy and value) keep float32 weights and run "
+        "under autocast in this dtype on CUDA; frozen ones (PPO reference and reward model, evaluation) are loaded "
+        "in it. 'auto': bfloat16 on a CUDA device that supports it, else float32. float16 has no loss scaling.",
+    )
+    attn_implementation: str | None = Field(
+        "sdpa",
+        description="Attention kernel of every loaded model ('sdpa', 'eager', 'flash_attention_2', ...); 'sdpa' "
+        "falls back to eager for models without it (Gemma-2); None lets transformers choose.",
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None keeps torch's default.")
     trust_remote_code: bool = Field(False, description="Allow model/tokenizer code from the hub. Off by default.")
     output_dir: str = Field("outputs", description="Root folder for checkpoints and prepared data.")
@@ -80,6 +90,13 @@ class RuntimeConfig(_Section):
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML reads a bare `off` as false
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_is_dtype_now(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "bf16" in data:
+            raise ValueError("runtime.bf16 was replaced by runtime.dtype ('auto', 'float32', 'bfloat16' or 'float16')")
+        return data
 
 
 class SyntheticTaskConfig(_Section):

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf import length_control, models
-from rlhf.batching import pad_left
+from rlhf.batching import encode_prompts, pad_left
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
 from rlhf.ppo.rollout import GenerationSettings, policy_forward, sample_responses
@@ -62,9 +62,9 @@ def _generate_and_score(
     rows = []
     for start in tqdm(range(0, len(prompts), cfg.batch_size), desc="eval", disable=not runtime.progress):
         batch_prompts = prompts[start : start + cfg.batch_size]
-        ids = [x[-max_prompt_tokens:] for x in tok(batch_prompts, add_special_tokens=False)["input_ids"]]
+        ids = encode_prompts(tok, batch_prompts, max_prompt_tokens)
         query, query_mask = (t.to(device) for t in pad_left(ids, tok.pad_token_id))
-        with models.autocast(device, runtime.bf16):
+        with models.autocast(device, models.compute_dtype(runtime.dtype, device)):
             resp = sample_responses(policy, query, query_mask, settings, generator)
             qr = torch.cat([query, resp.tokens], 1)
             qr_mask = torch.cat([query_mask, resp.mask], 1)
@@ -105,20 +105,21 @@ def evaluate_policies(
     trc = runtime.trust_remote_code
     tok = models.load_tokenizer(policy_path, trust_remote_code=trc)
     reward_tok = models.load_tokenizer(reward_path, trust_remote_code=trc)
-    reference = models.load_causal_lm(sft_path, device, trust_remote_code=trc).eval()
-    reward = models.load_reward_model(reward_path, device, trust_remote_code=trc).eval()
+    frozen = models.load_options(runtime, device, trainable=False)
+    reference = models.load_causal_lm(sft_path, device, **frozen).eval()
+    reward = models.load_reward_model(reward_path, device, **frozen).eval()
     settings = GenerationSettings(
         cfg.max_new_tokens or ppo_cfg.max_new_tokens,
         cfg.temperature or ppo_cfg.temperature,
         ppo_cfg.top_k,
         ppo_cfg.top_p,
-        stop_token_ids(tok, ppo_cfg.stop_tokens),
+        stop_token_ids(tok, ppo_cfg.stop_tokens, reference.config, reference.generation_config),
         tok.pad_token_id,
     )
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
     for name, path in (("sft", sft_path), ("ppo", policy_path)):
-        policy = reference if name == "sft" else models.load_causal_lm(path, device, trust_remote_code=trc).eval()
+        policy = reference if name == "sft" else models.load_causal_lm(path, device, **frozen).eval()
         frames[name] = _generate_and_score(
             policy,
             reference,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -25,6 +26,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
 
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
@@ -44,10 +46,20 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def autocast(device: torch.device, bf16: bool):
-    """bf16 autocast on CUDA devices that support it; a no-op elsewhere."""
-    if device.type == "cuda" and bf16 and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`runtime.dtype` on `device`: 'auto' is bfloat16 on a CUDA device that supports it, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast in `dtype` (bfloat16 or float16) on CUDA devices; a no-op for float32 and on other devices."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast("cuda", dtype=dtype)
     return nullcontext()
 
 
@@ -94,6 +106,30 @@ def _load_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any
     return kwargs
 
 
+def load_options(runtime: RuntimeConfig, device: torch.device, trainable: bool) -> dict[str, Any]:
+    """Keyword arguments of `load_causal_lm` / `load_reward_model` under `runtime`.
+
+    A trained model gets float32 master weights (a bf16 checkpoint too) and computes under `autocast`; a frozen
+    one (reference, reward model, evaluation) is loaded in the runtime dtype.
+    """
+    return {
+        "trust_remote_code": runtime.trust_remote_code,
+        "dtype": torch.float32 if trainable else compute_dtype(runtime.dtype, device),
+        "attn_implementation": runtime.attn_implementation,
+    }
+
+
+def _from_pretrained(auto_class: Any, name: str, attn_implementation: str | None, **kwargs: Any) -> PreTrainedModel:
+    """`auto_class.from_pretrained` with an attention kernel; 'sdpa' falls back to the model's default (eager) for
+    architectures without an sdpa implementation (Gemma-2: its attention logits are soft-capped)."""
+    try:
+        return auto_class.from_pretrained(name, attn_implementation=attn_implementation, **kwargs)
+    except ValueError:
+        if attn_implementation != "sdpa":
+            raise
+    return auto_class.from_pretrained(name, **kwargs)  # transformers' choice: sdpa where it can, else eager
+
+
 def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load a tokenizer; one without a pad token pads with its EOS token (masks, not ids, mark padding here)."""
     tok = AutoTokenizer.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
@@ -103,21 +139,66 @@ def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bo
 
 
 def load_causal_lm(
-    name: str, device: torch.device, revision: str | None = None, trust_remote_code: bool = False
+    name: str,
+    device: torch.device,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = "sdpa",
 ) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
+    """A causal LM with weights in `dtype` (whatever dtype the checkpoint was saved in)."""
+    kwargs = _load_kwargs(revision, trust_remote_code)
+    model = _from_pretrained(AutoModelForCausalLM, name, attn_implementation, dtype=dtype, **kwargs)
     return model.to(device)
 
 
+def token_ids(value: int | list[int] | None) -> list[int]:
+    """The ids of a config field that holds none, one id or a list of them (Llama 3.1's eos_token_id)."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _pad_id(name: str, config: Any, kwargs: dict[str, Any]) -> int | None:
+    """The pad id of a reward model: the tokenizer's (its EOS when it has no pad token), else the first EOS id."""
+    try:
+        return load_tokenizer(name, **kwargs).pad_token_id
+    except (OSError, ValueError):  # a checkpoint without a tokenizer
+        return next(iter(token_ids(config.eos_token_id)), None)
+
+
+def _as_scalar_head(config: Any, name: str, kwargs: dict[str, Any]) -> None:
+    """Make `config` a one-output regression head: a classifier checkpoint's labels and problem type go (the next
+    stage loads what this one saves), and the pad id becomes one int (the tokenizer's)."""
+    config.problem_type = None  # regression with one label, whatever the checkpoint was trained for
+    config.num_labels = 1  # resets id2label / label2id to one label
+    if not isinstance(config.pad_token_id, int):
+        config.pad_token_id = _pad_id(name, config, kwargs)
+
+
 def load_reward_model(
-    name: str, device: torch.device, revision: str | None = None, trust_remote_code: bool = False
+    name: str,
+    device: torch.device,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = "sdpa",
 ) -> PreTrainedModel:
-    """A sequence classifier with one output (a fresh scalar head when `name` is a causal LM checkpoint)."""
-    model = AutoModelForSequenceClassification.from_pretrained(
-        name, num_labels=1, **_load_kwargs(revision, trust_remote_code)
+    """A sequence classifier with one output: a fresh scalar head when `name` is a causal LM checkpoint or a
+    classifier with another number of labels, the trained one when it is a reward model."""
+    kwargs = _load_kwargs(revision, trust_remote_code)
+    config = AutoConfig.from_pretrained(name, **kwargs)
+    labels = config.num_labels
+    _as_scalar_head(config, name, kwargs)
+    model = _from_pretrained(
+        AutoModelForSequenceClassification,
+        name,
+        attn_implementation,
+        config=config,
+        dtype=dtype,
+        ignore_mismatched_sizes=labels != 1,  # a classifier's head: a fresh scalar head replaces it
+        **kwargs,
     )
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = model.config.eos_token_id
     return model.to(device)
 
 
@@ -149,6 +230,44 @@ def adamw(params, lr: float, eps: float = 1e-8, weight_decay: float = 0.0) -> to
         return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, fused=True)
     except (RuntimeError, TypeError):
         return torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay, foreach=True)
+
+
+def hidden_width(model: PreTrainedModel) -> int:
+    """Width of the backbone's last hidden state, what the LM head reads (OPT-350m projects its hidden_size down to
+    word_embed_proj_dim)."""
+    head = model.get_output_embeddings()
+    return head.in_features if isinstance(head, nn.Linear) else model.config.hidden_size
+
+
+def lm_logits(model: PreTrainedModel, hidden: Tensor) -> Tensor:
+    """The LM head on backbone hidden states, as the model's own forward computes its logits (Gemma-2's final
+    soft-cap: cap * tanh(logits / cap)). Shape: (b, t, h) -> (b, t, v)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute activations in backward, non-reentrant (gradients reach LoRA adapters behind frozen inputs)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name in recent transformers
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_gradient_checkpointing(model: PreTrainedModel) -> bool:
+    """Whether `enable_gradient_checkpointing` is on for `model`."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
 def is_local_checkpoint(name: str) -> bool:

@@ -170,7 +170,7 @@ def train_reward_model(
     torch.manual_seed(seed)
     tokenizer = models.load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
     train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
-    model = models.load_reward_model(sft_path, device, trust_remote_code=runtime.trust_remote_code)
+    model = models.load_reward_model(sft_path, device, **models.load_options(runtime, device, trainable=True))
     models.fuse_gelu(model)
     model.train()
     total = total_steps(cfg, len(train))
@@ -209,7 +209,7 @@ def train_reward_model(
             rng.shuffle(order)
         rows = train.iloc[order[: cfg.batch_size]]
         order = order[cfg.batch_size :]
-        with models.autocast(device, runtime.bf16):
+        with models.autocast(device, models.compute_dtype(runtime.dtype, device)):
             chosen, rejected = score_pairs(model, tokenizer, rows, cfg.max_length, device, cfg.min_prompt_tokens)
         out = pairwise_reward_loss(chosen, rejected, _margins(rows, cfg, device), cfg.center_coef)
         optimizer.zero_grad(set_to_none=True)

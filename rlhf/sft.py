@@ -93,11 +93,12 @@ def finetune_sft(
     assert cfg.model is not None
     trc = runtime.trust_remote_code
     tokenizer = models.load_tokenizer(cfg.model, cfg.revision, trc)
-    model = models.load_causal_lm(cfg.model, torch.device("cpu"), cfg.revision, trc)
+    cpu = torch.device("cpu")  # train_sft moves it to the runtime device
+    model = models.load_causal_lm(cfg.model, cpu, cfg.revision, **models.load_options(runtime, cpu, trainable=True))
     positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     max_length = min(cfg.max_length, positions) if positions else cfg.max_length
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        models.enable_gradient_checkpointing(model)
     demos = pd.read_parquet(demonstrations)
     return train_sft(model, tokenizer, demos, cfg, runtime, out_dir, seed, log, max_length, stop_after)
 
@@ -127,6 +128,7 @@ def train_sft(
     device = models.resolve_device(runtime.device)
     torch.manual_seed(seed)
     model.to(device).train()
+    dtype = models.compute_dtype(runtime.dtype, device)
     models.fuse_gelu(model)
     optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
@@ -159,7 +161,7 @@ def train_sft(
         ids, mask, loss_mask = (t[idx] for t in batch)
         width = int(mask.sum(1).max())  # (b, T) -> (b, width): drop all-pad columns
         ids, mask, loss_mask = ids[:, :width].to(device), mask[:, :width].to(device), loss_mask[:, :width].to(device)
-        with models.autocast(device, runtime.bf16):
+        with models.autocast(device, dtype):
             logits = model(input_ids=ids, attention_mask=mask).logits
         # next-token loss on response tokens only: position t predicts token t+1
         token_loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
@@ -188,7 +190,7 @@ def train_sft(
     elapsed = time.perf_counter() - start
     model.eval()
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_disable()
+        models.disable_gradient_checkpointing(model)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -19,7 +19,7 @@ from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.models import load_tokenizer, set_threads
 from rlhf.ppo import launch
-from rlhf.ppo.state import same_vocabulary
+from rlhf.ppo.state import run_choices, same_vocabulary
 from rlhf.ppo.trainer import train_ppo
 from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
 from tasks.runs import (
@@ -211,6 +211,7 @@ def train_policy_ppo(
         "ppo_processes": processes,
         "reward_retokenizes": not init.extra["same_tokenizer"],
         "value_init": init.extra["value_init"],
+        **run_choices(ppo, runtime, init.extra["policy_init"]),  # resolved stop tokens (and LoRA targets)
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
         log_data_inputs(tracker, run_id, data.path, data.digest, "prompts.parquet")

@@ -40,6 +40,22 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     return {"policy": str(root / "policy"), "reward": str(root / "reward")}
 
 
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """family -> the folder of a tiny random checkpoint of that model family (tests/model_zoo.py), built once."""
+    from tests.model_zoo import build_family
+
+    root = tmp_path_factory.mktemp("zoo")
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_family(family, root / family)
+        return built[family]
+
+    return get
+
+
 # -- Reading a flow run back from the Prefect API (the test harness's server) ------------------------------------
 
 

@@ -45,6 +45,16 @@ def test_local_source_needs_a_path():
         load_config(None, ["data.source=local"])
 
 
+def test_runtime_dtype_replaces_bf16():
+    cfg = load_config(None, ["runtime.dtype=bfloat16", "runtime.attn_implementation=null"])
+    assert (cfg.runtime.dtype, cfg.runtime.attn_implementation) == ("bfloat16", None)
+    assert (PipelineConfig().runtime.dtype, PipelineConfig().runtime.attn_implementation) == ("auto", "sdpa")
+    with pytest.raises(ConfigError, match=r"runtime.bf16 was replaced by runtime.dtype"):
+        load_config(None, ["runtime.bf16=true"])
+    with pytest.raises(ConfigError, match=r"runtime.dtype"):
+        load_config(None, ["runtime.dtype=fp8"])
+
+
 def test_overrides_are_typed_and_nested():
     cfg = load_config(None, ["ppo.kl_coef=0.1", "ppo.top_k=5", "sft.model=gpt2", "ppo.stop_tokens=[7, '.']"])
     assert cfg.ppo.kl_coef == 0.1 and cfg.ppo.top_k == 5 and cfg.sft.model == "gpt2"

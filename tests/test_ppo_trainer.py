@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf import models
+from rlhf.batching import encode_prompts
 from rlhf.config import DataConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.data.prepare import prepare_preferences
@@ -72,7 +73,7 @@ def _cfg(**kw) -> PPOConfig:
 def _rollout(stack, cfg: PPOConfig):
     m = load_models(cfg, RUNTIME, stack["sft"], stack["rm"], stack["rm"], torch.device("cpu"))
     state = load_state(stack["root"] / "no-state", m, cfg, 0, torch.device("cpu"))
-    ids = [x[-cfg.max_prompt_tokens :] for x in m.tokenizer(stack["prompts"], add_special_tokens=False)["input_ids"]]
+    ids = encode_prompts(m.tokenizer, stack["prompts"], cfg.max_prompt_tokens)
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
     r = ppo_update.generate_and_score(
         m,
@@ -83,7 +84,7 @@ def _rollout(stack, cfg: PPOConfig):
         cfg,
         generation_settings(cfg, m),
         state.sample_generator,
-        bf16=False,
+        dtype=torch.float32,
     )
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     return m, state, r
@@ -94,7 +95,7 @@ def test_first_minibatch_ratio_is_exactly_one(stack, temperature):
     # forward_batch_size 5 != minibatch 8: the no-grad pass is chunked differently from the optimisation pass
     cfg = _cfg(temperature=temperature, forward_batch_size=5)
     m, state, r = _rollout(stack, cfg)
-    result = ppo_update.optimize(m, state, r, cfg, bf16=False)
+    result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
     first = result.minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/clipfrac"] == 0.0

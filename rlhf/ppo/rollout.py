@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rlhf.models import position_ids_from_mask, token_scores
+from rlhf.models import lm_logits, position_ids_from_mask, token_scores
 from rlhf.ops import entropy_from_logits, logprobs_from_logits
 
 
@@ -119,7 +119,8 @@ def policy_forward(
     """Log-probs of the response tokens under `model` at the sampling temperature.
 
     Only the hidden states that predict response tokens go through the LM head (no vocabulary projection of
-    the prompt). Shape: query_responses (b, p + r) -> (b, r).
+    the prompt), with the model's own logit post-processing (Gemma-2's soft-cap), so these are the log-probs of
+    the distribution `sample_responses` drew from. Shape: query_responses (b, p + r) -> (b, r).
     """
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(
@@ -128,7 +129,7 @@ def policy_forward(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
+    logits = lm_logits(model, hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
     labels = query_responses[:, prompt_len:]
     logprobs = logprobs_from_logits(logits, labels, temperature)
     entropy = None

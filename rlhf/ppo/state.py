@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import Tensor, nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf import models
 from rlhf.batching import encode_prompt_response, pad_left
@@ -33,8 +34,9 @@ class PolicyValueHead(nn.Module):
     def __init__(self, policy: PreTrainedModel) -> None:
         super().__init__()
         self.trunk = getattr(policy, policy.base_model_prefix)
-        self.score = nn.Linear(policy.config.hidden_size, 1, bias=False)
-        nn.init.normal_(self.score.weight, std=1.0 / (policy.config.hidden_size + 1) ** 0.5)
+        width = models.hidden_width(policy)  # the trunk's output width (not hidden_size for OPT-350m)
+        self.score = nn.Linear(width, 1, bias=False)
+        nn.init.normal_(self.score.weight, std=1.0 / (width + 1) ** 0.5)
         self.score.to(next(policy.parameters()).device)
 
 
@@ -76,9 +78,51 @@ def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> b
     return a.get_vocab() == b.get_vocab()
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_tokens: list[int | str]) -> tuple[int, ...]:
-    """EOS plus configured stop tokens; a string must be exactly one token of the policy's vocabulary."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+# Tokens that close an assistant turn in common chat templates (a fallback when rendering the template fails).
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "</s>")
+_PROBE = "Zq7Xv"  # an assistant message the probe conversation renders, to find what follows it
+
+
+def added_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Ids of the tokenizer's special and added tokens (BOS, EOS, pad, chat-template markers ...)."""
+    return set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids)
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token that closes an assistant turn of the tokenizer's chat template; None without a template.
+
+    Found by rendering a one-exchange conversation and taking the first special (added) token after the
+    assistant's message; a template that cannot render it falls back to well-known end-of-turn tokens.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    special = added_ids(tokenizer)
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # any template error (jinja, raise_exception): fall back to the known names
+        text = ""
+    if _PROBE in text:
+        after = text.split(_PROBE, 1)[1]
+        found = [i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special]
+        if found:
+            return found[0]
+    vocab = tokenizer.get_vocab()
+    return next((vocab[t] for t in END_OF_TURN_TOKENS if vocab.get(t) in special), None)
+
+
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    stop_tokens: list[int | str],
+    config: Any = None,
+    generation_config: Any = None,
+) -> tuple[int, ...]:
+    """Ids that end a response: the tokenizer's EOS, every EOS id of the generation config and of the model config
+    (an int or a list), the chat template's end-of-turn token, and the configured `stop_tokens` (a string must be
+    exactly one token of the policy's vocabulary)."""
+    eos_fields = (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None))
+    eos_fields += (getattr(config, "eos_token_id", None), end_of_turn_id(tokenizer))
+    ids = [i for field in eos_fields for i in models.token_ids(field)]
     for tok in stop_tokens:
         if isinstance(tok, int):
             ids.append(tok)
@@ -90,11 +134,53 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_tokens: list[int | s
     return tuple(dict.fromkeys(ids))
 
 
+def checkpoint_stop_tokens(path: str, stop_tokens: list[int | str], trust_remote_code: bool) -> dict[int, str]:
+    """`stop_token_ids` of a saved policy (its tokenizer, config and generation config, not its weights), each
+    with its token."""
+    tokenizer = models.load_tokenizer(path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: the model config's EOS ids stand
+        generation_config = None
+    ids = stop_token_ids(tokenizer, stop_tokens, config, generation_config)
+    return dict(zip(ids, tokenizer.convert_ids_to_tokens(list(ids)), strict=True))
+
+
+def run_choices(cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str) -> dict[str, str]:
+    """What the PPO stage takes from the policy checkpoint, as run parameters: the stop tokens and, with LoRA, the
+    adapted modules."""
+    trc = runtime.trust_remote_code
+    stops = checkpoint_stop_tokens(policy_path, cfg.stop_tokens, trc)
+    choices = {"stop_token_ids": json.dumps(list(stops)), "stop_tokens_resolved": json.dumps(list(stops.values()))}
+    if cfg.lora.enabled:
+        model_type = AutoConfig.from_pretrained(policy_path, trust_remote_code=trc).model_type
+        choices["lora_target_modules_resolved"] = json.dumps(lora_targets(model_type, cfg.lora.target_modules))
+    return choices
+
+
 def disable_dropout(model: nn.Module) -> None:
-    """PPO needs ratio == 1 before the first step: no dropout anywhere, in train mode too."""
+    """PPO needs ratio == 1 before the first step: no dropout anywhere, in train mode too.
+
+    Dropout modules get p = 0, and so do the float rates that layers pass to functional dropout in train mode
+    (OPT's ``self.dropout``, ``attention_dropout`` handed to the attention kernel, OPT's ``layerdrop``).
+    """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "drop" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
+def lora_targets(model_type: str, configured: list[str] | None) -> list[str] | str:
+    """The modules LoRA adapts: the configured ones, else peft's default for the model type, else 'all-linear'
+    (every linear layer but the output layer) for types peft has no default for (Phi-3's fused projections)."""
+    if configured is not None:
+        return configured
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    return list(defaults[model_type]) if model_type in defaults else "all-linear"
 
 
 def _apply_lora(policy: PreTrainedModel, cfg: PPOConfig) -> nn.Module:
@@ -107,7 +193,7 @@ def _apply_lora(policy: PreTrainedModel, cfg: PPOConfig) -> nn.Module:
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=cfg.lora.target_modules,
+        target_modules=lora_targets(policy.config.model_type, cfg.lora.target_modules),
     )
     return get_peft_model(policy, lora)
 
@@ -115,29 +201,34 @@ def _apply_lora(policy: PreTrainedModel, cfg: PPOConfig) -> nn.Module:
 def load_models(
     cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str, reward_path: str, value_path: str, device: torch.device
 ) -> PPOModels:
-    """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM."""
+    """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM.
+
+    Trained models (policy, value) get float32 weights, frozen ones the runtime dtype (`models.load_options`).
+    """
+    trained, frozen = (models.load_options(runtime, device, trainable) for trainable in (True, False))
     trc = runtime.trust_remote_code
-    policy = models.load_causal_lm(policy_path, device, trust_remote_code=trc)
+    policy = models.load_causal_lm(policy_path, device, **trained)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=trc)
     reward_tokenizer = models.load_tokenizer(reward_path, trust_remote_code=trc)
+    stops = stop_token_ids(tokenizer, cfg.stop_tokens, policy.config, policy.generation_config)
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    reference = None if cfg.lora.enabled else models.load_causal_lm(policy_path, device, trust_remote_code=trc)
+        models.enable_gradient_checkpointing(policy)
+    reference = None if cfg.lora.enabled else models.load_causal_lm(policy_path, device, **frozen)
     if cfg.lora.enabled:
         policy = _apply_lora(policy, cfg)
     if cfg.value_model == "policy_head":
         value: nn.Module = PolicyValueHead(unwrap(policy))
     else:
-        value = models.load_reward_model(value_path, device, trust_remote_code=trc)
+        value = models.load_reward_model(value_path, device, **trained)
         if not same_vocabulary(tokenizer, models.load_tokenizer(value_path, trust_remote_code=trc)):
             raise ConfigError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
         if cfg.gradient_checkpointing:
-            value.gradient_checkpointing_enable()
-    reward = models.load_reward_model(reward_path, device, trust_remote_code=trc)
-    for frozen in (reference, reward):
-        if frozen is not None:
-            frozen.requires_grad_(False)
-            frozen.eval()
+            models.enable_gradient_checkpointing(value)
+    reward = models.load_reward_model(reward_path, device, **frozen)
+    for frozen_model in (reference, reward):
+        if frozen_model is not None:
+            frozen_model.requires_grad_(False)
+            frozen_model.eval()
     for model in (policy, value, reward, reference):
         if model is not None:
             disable_dropout(model)
@@ -149,7 +240,7 @@ def load_models(
         reward,
         tokenizer,
         reward_tokenizer,
-        stop_token_ids(tokenizer, cfg.stop_tokens),
+        stops,
         same_vocabulary(tokenizer, reward_tokenizer),
     )
 

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf import models
+from rlhf.batching import bos_prefix, encode_prompts, keep_last
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
@@ -81,7 +82,10 @@ def train_ppo(
         distributed.broadcast_parameters(m.policy)
         distributed.broadcast_parameters(m.value_trainable())
     settings = generation_settings(cfg, m)
-    prompt_ids, pending = truncated_prompts(m.tokenizer(prompts, add_special_tokens=False)["input_ids"], cfg, dist)
+    prompt_ids, pending = truncated_prompts(
+        encode_prompts(m.tokenizer, prompts), len(bos_prefix(m.tokenizer)), cfg, dist
+    )
+    dtype = models.compute_dtype(runtime.dtype, device)
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -100,14 +104,12 @@ def train_ppo(
             cfg,
             settings,
             state.sample_generator,
-            runtime.bf16,
+            dtype,
         )
         # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
-        optim = optimize(
-            m, state, rollout, cfg, runtime.bf16, dist, runtime.on_nonfinite, log if dist.is_main else None
-        )
+        optim = optimize(m, state, rollout, cfg, dtype, dist, runtime.on_nonfinite, log if dist.is_main else None)
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
@@ -145,10 +147,10 @@ def train_ppo(
 
 
 def truncated_prompts(
-    encoded: list[list[int]], cfg: PPOConfig, dist: DistContext
+    encoded: list[list[int]], n_bos: int, cfg: PPOConfig, dist: DistContext
 ) -> tuple[list[list[int]], dict[str, float]]:
-    """The prompts' token ids left-truncated to `cfg.max_prompt_tokens`, and the share that was cut (a warning
-    above PROMPT_TRUNCATION_WARN)."""
+    """The prompts' token ids (each starting with `n_bos` BOS ids) left-truncated to `cfg.max_prompt_tokens` with
+    the BOS kept, and the share that was cut (a warning above PROMPT_TRUNCATION_WARN)."""
     cut = sum(len(ids) > cfg.max_prompt_tokens for ids in encoded) / max(len(encoded), 1)
     if cut > PROMPT_TRUNCATION_WARN and dist.is_main:
         logger.warning(
@@ -157,7 +159,8 @@ def truncated_prompts(
             100 * cut,
             cfg.max_prompt_tokens,
         )
-    return [ids[-cfg.max_prompt_tokens :] for ids in encoded], {"ppo/prompts_truncated_fraction": cut}
+    kept = [keep_last(ids, n_bos, cfg.max_prompt_tokens) for ids in encoded]
+    return kept, {"ppo/prompts_truncated_fraction": cut}
 
 
 def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistContext) -> None:

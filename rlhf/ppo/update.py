@@ -64,12 +64,15 @@ def generate_and_score(
     cfg: PPOConfig,
     settings: GenerationSettings,
     generator: torch.Generator,
-    bf16: bool,
+    dtype: torch.dtype,
 ) -> Rollout:
-    """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores."""
+    """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores.
+
+    `dtype` is the autocast dtype on CUDA (`models.compute_dtype` of runtime.dtype); float32 turns it off.
+    """
     device = query.device
     t0 = time.perf_counter()
-    with models.autocast(device, bf16):
+    with models.autocast(device, dtype):
         resp = sample_responses(unwrap(m.policy), query, query_mask, settings, generator)
     query_responses = torch.cat([query, resp.tokens], 1)
     qr_mask = torch.cat([query_mask, resp.mask], 1)
@@ -80,7 +83,7 @@ def generate_and_score(
 
     @torch.no_grad()
     def policy_and_reference() -> tuple[Tensor, Tensor]:
-        with models.autocast(device, bf16):
+        with models.autocast(device, dtype):
             logprobs = [
                 policy_forward(unwrap(m.policy), query_responses[s], qr_mask[s], p, cfg.temperature).logprobs
                 for s in chunks
@@ -90,7 +93,7 @@ def generate_and_score(
 
     @torch.no_grad()
     def values_and_scores() -> tuple[Tensor, Tensor]:
-        with models.autocast(device, bf16):
+        with models.autocast(device, dtype):
             values = torch.cat([value_forward(m.value, query_responses[s], qr_mask[s], p) for s in chunks]).float()
             scores = reward_scores(
                 m.reward,
@@ -166,9 +169,9 @@ class OptimResult:
     ratio_quantiles: list[float]
 
 
-def _policy_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, bf16: bool):
+def _policy_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
     """Policy forward, clipped loss (minus the entropy bonus) and its backward for one micro-batch."""
-    with models.autocast(micro.device, bf16):
+    with models.autocast(micro.device, dtype):
         out = policy_forward(
             unwrap(m.policy),
             r.query_responses[micro],
@@ -186,9 +189,9 @@ def _policy_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, bf16:
     return pl, entropy, ratios
 
 
-def _value_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, bf16: bool):
+def _value_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
     """Value forward, clipped value loss and its backward for one micro-batch."""
-    with models.autocast(micro.device, bf16):
+    with models.autocast(micro.device, dtype):
         new_values = value_forward(m.value, r.query_responses[micro], r.qr_mask[micro], r.prompt_len).float()
     vl = value_loss_fn(new_values, r.values[micro], r.returns[micro], r.mask[micro], cfg.cliprange_value)
     (cfg.vf_coef * vl.loss / cfg.gradient_accumulation_steps).backward()
@@ -237,7 +240,7 @@ def optimize(
     state: TrainerState,
     r: Rollout,
     cfg: PPOConfig,
-    bf16: bool,
+    dtype: torch.dtype,
     dist: DistContext | None = None,
     on_nonfinite: str = "stop",
     log: LogFn | None = None,
@@ -274,12 +277,12 @@ def optimize(
                 for micro in perm[start : start + mini_size].split(micro_size):
                     micro = micro.to(device)
                     if concurrent:
-                        value_future = _value_worker().submit(_value_micro, m, r, micro, cfg, bf16)
-                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, bf16)
+                        value_future = _value_worker().submit(_value_micro, m, r, micro, cfg, dtype)
+                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, dtype)
                         vl = value_future.result()
                     else:
-                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, bf16)
-                        vl = _value_micro(m, r, micro, cfg, bf16)
+                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, dtype)
+                        vl = _value_micro(m, r, micro, cfg, dtype)
                     ratios.append(mb_ratios)
                     mb_stats.add(
                         {
