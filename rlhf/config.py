@@ -311,6 +311,9 @@ class RewardConfig(_Section):
         "response is scored without its prompt.",
     )
     save_every: int = Field(100, ge=1, description="Save the full trainer state every N steps (resume point).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward: the reward model's activations at real lengths."
+    )
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> RewardConfig:

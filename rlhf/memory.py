@@ -174,7 +174,7 @@ def _trained(params: float) -> float:
 def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_rss: float = 0.0) -> list[StageEstimate]:
     """Per-stage estimates of `config` on a device of `device_type` ('cuda' or 'cpu')."""
     rt, ppo, sft, rw, ev = config.runtime, config.ppo, config.sft, config.reward, config.eval
-    frozen_b = dtype_bytes(rt.dtype, device_type) if hasattr(rt, "dtype") else 4
+    frozen_b = dtype_bytes(rt.dtype, device_type)
     act_b = frozen_b  # autocast compute dtype
     ckpt_ppo = ppo.gradient_checkpointing
     overhead = (CUDA_OVERHEAD if device_type == "cuda" else base_rss) if device_type else 0.0
@@ -192,7 +192,7 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
         stage("sft", _trained(shape.params), act)
     # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad
     tokens = 2 * rw.batch_size * rw.max_length
-    stage("reward", _trained(shape.reward_params), _layer_activations(shape, tokens, act_b, False))
+    stage("reward", _trained(shape.reward_params), _layer_activations(shape, tokens, act_b, rw.gradient_checkpointing))
     # PPO
     world = max(1, rt.ppo_processes)
     rollout = ppo.batch_size // world
@@ -266,6 +266,8 @@ def _remedies(config: PipelineConfig) -> list[tuple[str, dict[str, Any]]]:
         out.append(("ppo.forward_batch_size=8", {"ppo": {"forward_batch_size": 8}}))
     if config.sft.finetune and not config.sft.gradient_checkpointing:
         out.append(("sft.gradient_checkpointing=true", {"sft": {"gradient_checkpointing": True}}))
+    if not config.reward.gradient_checkpointing:
+        out.append(("reward.gradient_checkpointing=true", {"reward": {"gradient_checkpointing": True}}))
     if config.reward.batch_size > 4:
         out.append(
             (
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.config}: {shape.params / 1e6:,.1f}M parameters (reward model {shape.reward_params / 1e6:,.1f}M)")
     for est in estimate(config, shape, "cuda"):
         fits = "  ".join(
-            f"{gb:g} GB: {'fits' if est.total <= FIT_SHARE * gb * 1e9 else 'does not fit'}" for gb in args.gpu_gb
+            f"{gb:g} GiB: {'fits' if est.total <= FIT_SHARE * gb * GIB else 'does not fit'}" for gb in args.gpu_gb
         )
         print(
             f"  {est.stage:<9} {fmt_gib(est.total):>10}  (held {fmt_gib(est.persistent)}, peak phase "

@@ -172,6 +172,8 @@ def train_reward_model(
     train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
     model = models.load_reward_model(sft_path, device, **models.load_options(runtime, device, trainable=True))
     models.fuse_gelu(model)
+    if cfg.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)
     model.train()
     total = total_steps(cfg, len(train))
     warmup = int(cfg.warmup_ratio * total)
@@ -248,6 +250,8 @@ def train_reward_model(
         **length_stats,
     }
     log(metrics, total)
+    if cfg.gradient_checkpointing:
+        models.disable_gradient_checkpointing(model)
     model.eval()
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

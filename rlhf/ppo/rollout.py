@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -86,8 +87,12 @@ def sample_responses(
     ids, mask, pos = prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask)
     cache = None
     tokens = []
+    # only the last position's logits: the prefill would otherwise hold (b, p, vocab) floats (GiBs at 150k entries)
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     for _ in range(settings.max_new_tokens):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **last_only
+        )
         cache = out.past_key_values
         logits = filter_logits(out.logits[:, -1].float() / settings.temperature, settings.top_k, settings.top_p)
         nxt = sample_from_logits(logits, generator)
