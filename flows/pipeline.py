@@ -102,6 +102,7 @@ def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         raise
     # the memory each stage was estimated to need, beside what it measured (memory/<stage>_peak_mb)
     summary |= {f"memory/{e.stage}_estimate_mb": e.total / 2**20 for e in estimates}
+
     close_pipeline_run(tracking, summary)
     publish_pipeline_results(summary, config.tracking.experiment)  # MLflow link and evaluation table
     return summary
@@ -158,6 +159,12 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
         "completions": f"{evaluation.path}/completions.parquet",
         "mlflow_run_id": tracking.parent_run_id,
         "tracking_uri": tracking.uri,
+        # the measured peak memory of the training stages (logged beside the preflight estimate)
+        **{
+            f"memory/{name}_peak_mb": out.metrics["memory/peak_mb"]
+            for name, out in (("sft", sft), ("reward", reward), ("ppo", policy))
+            if "memory/peak_mb" in out.metrics
+        },
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
         **{f"stage.{o.stage}.run_id": o.mlflow_run_id for o in (data, sft, reward, init, policy, evaluation)},
     }

@@ -21,9 +21,9 @@ from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadMo
 
 from rlhf import models
 from rlhf.config import PPOConfig
+from rlhf.memory import peak_memory_mb
 from rlhf.ppo.rollout import GenerationSettings
 from rlhf.ppo.state import PPOModels, TrainerState, disable_dropout, fresh_state
-from rlhf.ppo.stats import peak_memory_mb
 from rlhf.ppo.update import compute_advantages, generate_and_score, optimize
 
 PHASES = ("time/generate", "time/score", "time/advantages", "time/optimize")

@@ -242,6 +242,31 @@ def process_rss() -> float:
     return float(psutil.Process(os.getpid()).memory_info().rss)
 
 
+def peak_memory_mb(device: Any) -> float:
+    """Peak GPU memory where there is one (since the last `reset_peak_memory`), else the process's peak resident
+    set size (over the whole process: a later stage's figure includes the earlier ones' peak)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    except ImportError:  # pragma: no cover - non-POSIX
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+def reset_peak_memory(device: Any) -> None:
+    """Start a stage's peak count afresh on a GPU (the process's peak RSS on CPU cannot be reset)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def fmt_gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= 0.1 * GIB else f"{n / 2**20:.0f} MiB"
 

@@ -21,6 +21,7 @@ from rlhf.batching import encode_prompt_response, pair_lengths
 from rlhf.checkpoints import atomic_dir, load_trainer_state, save_trainer_state, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError, TrainingInterrupted
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.nonfinite import skip_nonfinite
 from rlhf.ops import pairwise_reward_loss
 
@@ -165,6 +166,7 @@ def train_reward_model(
     `stop_after` ends training after that many steps, as a crash would (for resume tests).
     """
     device = models.resolve_device(runtime.device)
+    reset_peak_memory(device)
     train = pd.read_parquet(train_file)
     evals = pd.read_parquet(eval_file)
     torch.manual_seed(seed)
@@ -247,6 +249,7 @@ def train_reward_model(
         "reward/eval_accuracy": final["eval/accuracy"],
         "reward/best_step": float(best_step),
         "reward/seconds": time.perf_counter() - start,
+        "memory/peak_mb": peak_memory_mb(device),
         **length_stats,
     }
     log(metrics, total)

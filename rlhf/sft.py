@@ -21,6 +21,7 @@ from rlhf.batching import encode_and_measure
 from rlhf.checkpoints import atomic_dir, dir_digest, load_trainer_state, save_trainer_state, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.errors import TrainingInterrupted
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.nonfinite import skip_nonfinite
 
 LogFn = Callable[[dict[str, float], int], None]
@@ -126,6 +127,7 @@ def train_sft(
     only the steps after it. `stop_after` ends training after that many steps, as a crash would (resume tests).
     """
     device = models.resolve_device(runtime.device)
+    reset_peak_memory(device)
     torch.manual_seed(seed)
     model.to(device).train()
     dtype = models.compute_dtype(runtime.dtype, device)
@@ -195,6 +197,7 @@ def train_sft(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value, base_model=cfg.model)
-    metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed, **length_stats}
+    metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed, "memory/peak_mb": peak_memory_mb(device)}
+    metrics |= length_stats
     log(metrics, cfg.steps)
     return SFTResult(str(out_dir), manifest["digest"], trained=True, metrics=metrics)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import torch
@@ -31,20 +30,6 @@ def _pcts(prefix: str, x: Tensor, mask: Tensor | None = None) -> dict[str, float
     mask = torch.ones_like(x) if mask is None else mask
     p05, p50, p95 = masked_quantiles(x.float(), mask, (0.05, 0.5, 0.95))
     return {f"{prefix}_p05": p05, f"{prefix}_p50": p50, f"{prefix}_p95": p95}
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory where there is one, else the process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    except ImportError:  # pragma: no cover - non-POSIX
-        import psutil
-
-        return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
 @torch.no_grad()

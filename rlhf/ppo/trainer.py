@@ -17,11 +17,12 @@ from rlhf.batching import bos_prefix, encode_prompts, keep_last
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.rollout import GenerationSettings
 from rlhf.ppo.state import PPOModels, TrainerState, load_models, load_state, prompt_batch, save_final, save_state
-from rlhf.ppo.stats import peak_memory_mb, rollout_stats
+from rlhf.ppo.stats import rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
 
 LogFn = Callable[[dict[str, float], int], None]
@@ -76,6 +77,7 @@ def train_ppo(
     dist = dist if dist is not None else DistContext(device=models.resolve_device(runtime.device))
     distributed.check_world_size(cfg, dist.world_size)
     device = dist.device
+    reset_peak_memory(device)
     m = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
     state = load_state(out_dir / "state", m, cfg, seed, device, dist.rank, dist.world_size)
     if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
