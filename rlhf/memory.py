@@ -322,21 +322,25 @@ def check_fits(
     worst = max(estimates, key=lambda e: e.total)
     if worst.total <= FIT_SHARE * budget:
         return estimates
-    fixes = []
-    combined: dict[str, Any] = {}
-    for text, change in _remedies(config):
-        combined = _merge(combined, change)
+    fits = FIT_SHARE * budget
+
+    def need(change: dict[str, Any]) -> float | None:
         try:
-            trial = max(e.total for e in estimate(_with(config, change), shape, device_type, base_rss))
-        except ValueError:
-            continue
-        if trial <= FIT_SHARE * budget:
-            fixes.append(f"{text} ({fmt_gib(trial)})")
-    if not fixes and combined:
-        trial = max(e.total for e in estimate(_with(config, combined), shape, device_type, base_rss))
-        if trial <= FIT_SHARE * budget:
-            names = ", ".join(t for t, _ in _remedies(config))
-            fixes.append(f"all of {names} together ({fmt_gib(trial)})")
+            return max(e.total for e in estimate(_with(config, change), shape, device_type, base_rss))
+        except ValueError:  # a combination the config refuses
+            return None
+
+    # settings of the stages that do not fit, one at a time; else the fewest of them together, in order
+    over = {e.stage for e in estimates if e.total > fits}
+    remedies = [(t, c) for t, c in _remedies(config) if t.split(".", 1)[0] in over]
+    fixes = [f"{text} ({fmt_gib(n)})" for text, change in remedies if (n := need(change)) is not None and n <= fits]
+    combined: dict[str, Any] = {}
+    for count, (_, change) in enumerate(remedies, start=1):
+        combined = _merge(combined, change)
+        n = need(combined) if not fixes else None
+        if n is not None and n <= fits:
+            fixes.append(f"{', '.join(t for t, _ in remedies[:count])} together ({fmt_gib(n)})")
+            break
     hint = (
         "; it would fit with " + " or ".join(fixes[:3])
         if fixes

@@ -65,7 +65,7 @@ def test_a_run_that_does_not_fit_is_one_sentence_with_settings_that_would():
         num_attention_heads=8,
     )
     shape = shape_of(cfg)
-    config = load_config("conf/default.yaml", ["ppo.max_prompt_tokens=512", "ppo.max_new_tokens=256"])
+    config = load_config("conf/default.yaml", ["sft.model=x", "ppo.max_prompt_tokens=512", "ppo.max_new_tokens=256"])
     need = max(e.total for e in estimate(config, shape, "cuda"))
     check_fits(config, shape, "cuda", budget=2 * need)  # fits: nothing raised
     with pytest.raises(ConfigError) as err:
