@@ -87,7 +87,9 @@ def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_pa
     and resumes, and the later stages start from the fine-tuned checkpoint."""
     monkeypatch.setenv("RLHF_INJECT_FAILURE", "supervised_finetune:4")
     tiny = tiny_checkpoints["policy"]
-    cfg = _config(tmp_path, f"sft.model={tiny}", "sft.finetune=true", "sft.steps=8", "sft.save_every=2")
+    cfg = _config(
+        tmp_path, f"sft.model={tiny}", "sft.finetune=true", "sft.steps=8", "sft.save_every=2", "sft.max_length=128"
+    )
     state = rlhf_pipeline(cfg, return_state=True)
     summary = state.result()
     (sft_task,) = [t for t in task_runs(state.state_details.flow_run_id) if t.name.startswith("supervised_finetune")]

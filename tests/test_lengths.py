@@ -182,11 +182,18 @@ def test_ppo_prompt_truncation_share_and_warning(tok, caplog):
 
     encoded = [[1] * 3, [2] * 10, [3] * 5, [4] * 6]
     with caplog.at_level(logging.WARNING, logger="rlhf.ppo.trainer"):
-        ids, stats = truncated_prompts(encoded, PPOConfig(max_prompt_tokens=5), DistContext(device=torch.device("cpu")))
+        ids, stats = truncated_prompts(
+            encoded, 0, PPOConfig(max_prompt_tokens=5), DistContext(device=torch.device("cpu"))
+        )
     assert ids == [[1] * 3, [2] * 5, [3] * 5, [4] * 5]  # left-truncated: the last tokens
+    # a BOS (here id 9) is kept in front and counts toward the limit
+    with_bos, _ = truncated_prompts(
+        [[9, *ids] for ids in encoded], 1, PPOConfig(max_prompt_tokens=5), DistContext(device=torch.device("cpu"))
+    )
+    assert with_bos == [[9, 1, 1, 1], [9, 2, 2, 2, 2], [9, 3, 3, 3, 3], [9, 4, 4, 4, 4]]
     assert stats == {"ppo/prompts_truncated_fraction": 0.5}
     assert "50% of the PPO prompts are longer than ppo.max_prompt_tokens (5)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rlhf.ppo.trainer"):
-        truncated_prompts(encoded, PPOConfig(max_prompt_tokens=10), DistContext(device=torch.device("cpu")))
+        truncated_prompts(encoded, 0, PPOConfig(max_prompt_tokens=10), DistContext(device=torch.device("cpu")))
     assert not caplog.text
