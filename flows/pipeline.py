@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
 from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
@@ -39,6 +39,10 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
     t = config.tracking
     tracker = Tracker(t.uri, t.experiment, t.artifact_location)
     flow_run_id = flow_run.get_id()
+    # runs of a pipeline process killed earlier (SIGKILL, power loss) would stay RUNNING for ever; a killed stage's
+    # run is reopened by the stage when it resumes
+    for killed in tracker.end_orphaned_runs():
+        get_run_logger().warning("MLflow run %s of a process that is gone: marked KILLED", killed)
     run_id = tracker.start_run(
         config.run_name or f"pipeline-{flow_run.get_name() or 'local'}",
         tags={
