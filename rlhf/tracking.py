@@ -144,6 +144,17 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _store_lock(uri: str):
+    """An exclusive lock beside a ``sqlite:///`` store (``<file>.lock``), so that processes starting together do not
+    create its tables at once (SQLite: 'duplicate column name'); no lock for other stores."""
+    import contextlib
+
+    from rlhf.checkpoints import stage_lock
+
+    prefix = "sqlite:///"
+    return stage_lock(Path(uri[len(prefix) :])) if uri.startswith(prefix) else contextlib.nullcontext()
+
+
 class Tracker:
     """Runs, params, metrics and artifacts of one MLflow experiment."""
 
@@ -151,21 +162,16 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_tracking_uri(uri)
-        self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
         # (key, step) already logged in a reopened run: a resumed stage does not log a step twice
         self._logged: dict[str, set[tuple[str, int]]] = {}
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            location = _as_uri(artifact_location) if artifact_location else None
-            try:
+        with _store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
+            self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = _as_uri(artifact_location) if artifact_location else None
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-            except Exception:  # another process created it meanwhile
-                found = self.client.get_experiment_by_name(experiment)
-                if found is None:
-                    raise
-                self.experiment_id = found.experiment_id
-        else:
-            self.experiment_id = found.experiment_id
+                return
+        self.experiment_id = found.experiment_id
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
         all_tags = {**_process_tags(), **(tags or {})}
