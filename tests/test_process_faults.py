@@ -154,13 +154,23 @@ def test_sigkill_mid_training_then_the_same_command_resumes(tmp_path, uninterrup
 
 @pytest.mark.slow
 def test_repeated_sigkills_at_random_moments(tmp_path, uninterrupted):
-    """Killed 3 times at seeded random moments, saving every step: no rerun trips over a partial checkpoint."""
+    """Killed 4 times at seeded random moments (0-2 s after the flow reaches a point), saving every step: no rerun
+    trips over a partial checkpoint."""
     rng = random.Random(0)
-    for attempt in range(3):
+    out = tmp_path / "out"
+    # each attempt gets past a point of the flow (load-independent), then is killed at a random moment after it
+    points = (
+        lambda: (out / "train_reward_model").is_dir(),
+        lambda: saved_state(tmp_path, "train_reward_model"),
+        lambda: saved_state(tmp_path, "train_policy_ppo"),
+        lambda: (out / "evaluate_policies").is_dir(),
+    )
+    for attempt, reached in enumerate(points):
         proc, log = start(tmp_path, name=f"killed{attempt}")
-        delay, began = rng.uniform(9.0, 24.0), time.monotonic()
-        while proc.poll() is None and time.monotonic() - began < delay:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and not reached() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 2.0))
         kill(proc)
         assert "Traceback" not in log.read_text(), log.read_text()
     finish(*start(tmp_path, name="final"))
