@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
-from prefect import flow, task
+from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 
 from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
 from flows.terminal import exit_code_of
+from rlhf.checkpoints import stage_lock
 from rlhf.config import PipelineConfig, flatten, load_config
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
@@ -39,6 +41,10 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
     t = config.tracking
     tracker = Tracker(t.uri, t.experiment, t.artifact_location)
     flow_run_id = flow_run.get_id()
+    # runs of a pipeline process killed earlier (SIGKILL, power loss) would stay RUNNING for ever; a killed stage's
+    # run is reopened by the stage when it resumes
+    for killed in tracker.end_orphaned_runs():
+        get_run_logger().warning("MLflow run %s of a process that is gone: marked KILLED", killed)
     run_id = tracker.start_run(
         config.run_name or f"pipeline-{flow_run.get_name() or 'local'}",
         tags={
@@ -248,6 +254,24 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def prepare_prefect_database() -> None:
+    """Without a Prefect server (PREFECT_API_URL unset) every pipeline process starts a temporary one, which migrates
+    the database in PREFECT_HOME: two pipelines started together would run the same migrations at once (SQLite:
+    'index ... already exists'). Run them here first, one process at a time; the servers then find them done."""
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    if PREFECT_API_URL.value():
+        return
+    from prefect.server.database import provide_database_interface
+
+    home = Path(PREFECT_HOME.value())
+    home.mkdir(parents=True, exist_ok=True)
+    with stage_lock(home / "database"):
+        asyncio.run(provide_database_interface().create_db())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="conf/default.yaml", help="YAML config file")
@@ -259,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    prepare_prefect_database()
     code, summary = exit_code_of(lambda: rlhf_pipeline(config))
     if summary is not None:
         print(format_summary(summary))

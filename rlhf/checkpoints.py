@@ -138,6 +138,23 @@ def atomic_dir(final: str | Path) -> Iterator[Path]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def stage_lock(folder: str | Path) -> Iterator[None]:
+    """Hold an exclusive lock on the stage output `folder` (an ``flock`` of the sibling file ``<folder>.lock``)
+    while a stage computes it: a second process computing the same stage waits, then finds the finished output.
+    The kernel releases the lock when its holder dies, even of SIGKILL."""
+    import fcntl
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,6 +91,70 @@ def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
             )
 
 
+# SQLite errors of two processes writing one store at once (MLflow sets a busy timeout, but SQLite gives up at once
+# on some lock upgrades, and two processes may create the tables of a new store together): retried.
+_TRANSIENT = re.compile(r"database (table )?is locked|table \w+ already exists")
+RETRY_ATTEMPTS, RETRY_DELAY_S = 8, 0.25
+
+
+class _RetryingClient:
+    """An ``MlflowClient`` whose calls are retried, with a growing delay, on a transient SQLite error."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for attempt in range(RETRY_ATTEMPTS):
+                try:
+                    return method(*args, **kwargs)
+                except Exception as err:
+                    if attempt == RETRY_ATTEMPTS - 1 or not _TRANSIENT.search(str(err)):
+                        raise
+                    time.sleep(RETRY_DELAY_S * 2**attempt)
+            raise AssertionError("unreachable")
+
+        return call
+
+
+# Tags of the process that runs a run: a RUNNING run whose process is gone was killed (end_orphaned_runs).
+PID_TAG, HOST_TAG = "rlhf.pid", "rlhf.host"
+
+
+def _process_tags() -> dict[str, str]:
+    import os
+    import socket
+
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+
+
+def _process_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _store_lock(uri: str):
+    """An exclusive lock beside a ``sqlite:///`` store (``<file>.lock``), so that processes starting together do not
+    create its tables at once (SQLite: 'duplicate column name'); no lock for other stores."""
+    import contextlib
+
+    from rlhf.checkpoints import stage_lock
+
+    prefix = "sqlite:///"
+    return stage_lock(Path(uri[len(prefix) :])) if uri.startswith(prefix) else contextlib.nullcontext()
+
+
 class Tracker:
     """Runs, params, metrics and artifacts of one MLflow experiment."""
 
@@ -97,24 +162,46 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = resolve_tracking_uri(uri)
-        self.client = MlflowClient(tracking_uri=self.uri)
-        found = self.client.get_experiment_by_name(experiment)
-        if found is None:
-            location = _as_uri(artifact_location) if artifact_location else None
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-        else:
-            self.experiment_id = found.experiment_id
+        # (key, step) already logged in a reopened run: a resumed stage does not log a step twice
+        self._logged: dict[str, set[tuple[str, int]]] = {}
+        with _store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
+            self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = _as_uri(artifact_location) if artifact_location else None
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                return
+        self.experiment_id = found.experiment_id
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
-        all_tags = dict(tags or {})
+        all_tags = {**_process_tags(), **(tags or {})}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         return run.info.run_id
 
     def reopen_run(self, run_id: str) -> None:
-        """Mark a failed or finished run as running again (a retried stage continues its own run)."""
+        """Mark a failed, killed or finished run as running again (a retried or rerun stage continues its own run),
+        in this process; the steps it logged already are not logged again."""
         self.client.update_run(run_id, status="RUNNING")
+        self.set_tags(run_id, _process_tags())
+        logged = set()
+        for key in self.client.get_run(run_id).data.metrics:
+            logged |= {(key, m.step) for m in self.client.get_metric_history(run_id, key)}
+        self._logged[run_id] = logged
+
+    def end_orphaned_runs(self) -> list[str]:
+        """Mark KILLED the RUNNING runs of this experiment started on this host by a process that is gone (killed
+        with SIGKILL, or its machine lost power): runs of processes still alive, or of other hosts, are left
+        alone. Returns their ids."""
+        this_host = _process_tags()[HOST_TAG]
+        ended = []
+        for run in self.search_runs("attributes.status = 'RUNNING'"):
+            pid = run.tags.get(PID_TAG, "")
+            if run.tags.get(HOST_TAG) == this_host and pid.isdigit() and not _process_alive(int(pid)):
+                self.client.set_terminated(run.run_id, status="KILLED")
+                ended.append(run.run_id)
+        return ended
 
     def end_run(self, run_id: str, failed: bool = False) -> None:
         self.client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
@@ -136,7 +223,10 @@ class Tracker:
 
         now = int(time.time() * 1000)
         # NaN and inf are logged as they are (MLflow stores them): a diverged loss must show, not vanish
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        logged = self._logged.get(run_id, set())
+        items = [
+            Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and (k, step) not in logged
+        ]
         for start in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[start : start + 500])
 

@@ -18,7 +18,7 @@ from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 import rlhf
-from rlhf.checkpoints import is_complete
+from rlhf.checkpoints import is_complete, stage_lock
 
 
 class StageOutput(BaseModel):
@@ -83,9 +83,13 @@ def content_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> st
 
 
 def run_stage(task, **parameters: Any) -> Any:
-    """Call a stage task; refresh its cache entry when its output folder is missing or incomplete."""
+    """Call a stage task; refresh its cache entry when its output folder is missing or incomplete.
+
+    The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process on the same output folder
+    waits for the first to finish the stage, then finds it complete and gets the cached result."""
     runtime = parameters["runtime"]
     folder = stage_dir(runtime.output_dir, task.name, parameters)
-    # PPO keeps its resume state beside the final models, which carry the manifest in final/.
-    complete = is_complete(folder) or is_complete(folder / "final")
-    return task.with_options(refresh_cache=not complete)(**parameters)
+    with stage_lock(folder):
+        # PPO keeps its resume state beside the final models, which carry the manifest in final/.
+        complete = is_complete(folder) or is_complete(folder / "final")
+        return task.with_options(refresh_cache=not complete)(**parameters)

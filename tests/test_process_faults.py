@@ -1,0 +1,213 @@
+"""Process-level faults, with real processes: the pipeline killed with SIGKILL (once, or again and again) and then
+run again with the same command, and two pipelines started together on one output folder and MLflow store."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from mlflow.tracking import MlflowClient
+
+STAGES = (
+    "prepare_preferences",
+    "supervised_finetune",
+    "train_reward_model",
+    "init_policy_and_value",
+    "train_policy_ppo",
+    "evaluate_policies",
+)
+RESULT_METRICS = ("eval/win_rate_gold", "eval/win_rate_rm", "eval/kl", "eval/ppo_gold", "reward/eval_accuracy")
+
+
+def start(root: Path, prefect_home: Path | None = None, name: str = "run") -> tuple[subprocess.Popen, Path]:
+    """`python -m flows.pipeline --config conf/smoke.yaml` on the store and output folder under `root`, saving every
+    step, in a session of its own (its process group holds its temporary Prefect server too); output to a file."""
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home or root / "prefect"), "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml"]
+    args += [f"tracking.uri=sqlite:///{root}/mlflow.db", f"runtime.output_dir={root}/out"]
+    args += ["ppo.save_every=1", "reward.save_every=1"]
+    log = root / f"{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+    """Wait for a run; its output, asserted free of errors."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 0, output
+    assert "Traceback" not in output, output
+    return output
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
+    """SIGKILL the run's whole process group as soon as `ready()` holds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "the moment to kill never came"
+        time.sleep(0.02)
+    kill(proc)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def saved_state(root: Path, stage: str) -> bool:
+    return any((root / "out" / stage).glob("*/state/trainer_state.pt"))
+
+
+def runs(root: Path) -> list:
+    client = MlflowClient(f"sqlite:///{root}/mlflow.db")
+    (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
+    return client.search_runs([experiment.experiment_id], max_results=1000)
+
+
+def stage_runs(root: Path, stage: str) -> list:
+    return [r for r in runs(root) if r.data.tags.get("stage") == stage]
+
+
+def pipeline_runs(root: Path) -> list:
+    return [r for r in runs(root) if "stage" not in r.data.tags]
+
+
+def steps(root: Path, run, key: str) -> list[int]:
+    return sorted(m.step for m in MlflowClient(f"sqlite:///{root}/mlflow.db").get_metric_history(run.info.run_id, key))
+
+
+def result(root: Path) -> dict:
+    """The finished pipeline run's figures and the final policy's content digest."""
+    (finished,) = [r for r in pipeline_runs(root) if r.info.status == "FINISHED"]
+    (manifest,) = (root / "out" / "train_policy_ppo").glob("*/final/manifest.json")
+    figures = {k: finished.data.metrics[k] for k in RESULT_METRICS}
+    return {**figures, "digest": json.loads(manifest.read_text())["digest"]}
+
+
+def cached(output: str) -> set[str]:
+    """The stages whose Prefect task run finished in state Cached."""
+    return {s for s in STAGES if f"Task run '{s}-" in output and _finished_cached(output, s)}
+
+
+def _finished_cached(output: str, stage: str) -> bool:
+    return any(f"Task run '{stage}-" in line and "Finished in state Cached" in line for line in output.splitlines())
+
+
+def assert_clean_store(root: Path) -> None:
+    """No run left RUNNING; one finished run per stage; the killed attempts' pipeline runs marked KILLED."""
+    statuses = Counter(r.info.status for r in runs(root))
+    assert statuses["RUNNING"] == 0, statuses
+    for stage in STAGES:
+        assert [r.info.status for r in stage_runs(root, stage)].count("FINISHED") == 1, stage
+    parents = Counter(r.info.status for r in pipeline_runs(root))
+    assert parents["FINISHED"] == 1 and set(parents) <= {"FINISHED", "KILLED"}, parents
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The figures of an uninterrupted run of the same config (deterministic on CPU)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    finish(*start(root))
+    return result(root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["train_policy_ppo", "train_reward_model"])
+def test_sigkill_mid_training_then_the_same_command_resumes(tmp_path, uninterrupted, stage):
+    proc, _ = start(tmp_path, name="killed")
+    kill_when(proc, lambda: saved_state(tmp_path, stage))
+    (killed_parent,) = pipeline_runs(tmp_path)
+    (killed_stage_run,) = stage_runs(tmp_path, stage)
+    assert killed_parent.info.status == killed_stage_run.info.status == "RUNNING"  # nothing ended them
+
+    output = finish(*start(tmp_path, name="rerun"))
+    earlier = STAGES[: STAGES.index(stage)]
+    assert cached(output) == set(earlier), output  # the finished stages come from the cache
+    for name in STAGES:
+        assert len(stage_runs(tmp_path, name)) == 1, name  # computed once: the killed stage continues its run
+    (run,) = stage_runs(tmp_path, stage)
+    assert run.info.run_id == killed_stage_run.info.run_id and run.info.status == "FINISHED"
+    key, total = ("objective/kl", 4) if stage == "train_policy_ppo" else ("train/loss", 8)
+    assert steps(tmp_path, run, key) == list(range(1, total + 1)), "every step logged once"
+    assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(killed_parent.info.run_id).info.status == "KILLED"
+    assert_clean_store(tmp_path)
+    assert result(tmp_path) == uninterrupted
+
+
+@pytest.mark.slow
+def test_repeated_sigkills_at_random_moments(tmp_path, uninterrupted):
+    """Killed 4 times at seeded random moments (0-2 s after the flow reaches a point), saving every step: no rerun
+    trips over a partial checkpoint."""
+    rng = random.Random(0)
+    out = tmp_path / "out"
+    # each attempt gets past a point of the flow (load-independent), then is killed at a random moment after it
+    points = (
+        lambda: (out / "train_reward_model").is_dir(),
+        lambda: saved_state(tmp_path, "train_reward_model"),
+        lambda: saved_state(tmp_path, "train_policy_ppo"),
+        lambda: (out / "evaluate_policies").is_dir(),
+    )
+    for attempt, reached in enumerate(points):
+        proc, log = start(tmp_path, name=f"killed{attempt}")
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and not reached() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 2.0))
+        kill(proc)
+        assert "Traceback" not in log.read_text(), log.read_text()
+    finish(*start(tmp_path, name="final"))
+    assert_clean_store(tmp_path)
+    for stage, key in (("train_reward_model", "train/loss"), ("train_policy_ppo", "objective/kl")):
+        (run,) = [r for r in stage_runs(tmp_path, stage) if r.info.status == "FINISHED"]
+        logged = steps(tmp_path, run, key)
+        assert logged == sorted(set(logged)), f"{stage}: a step logged twice"
+    assert result(tmp_path) == uninterrupted
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_on_one_checkout(tmp_path, uninterrupted):
+    """Two pipelines started together on one output folder, MLflow store and Prefect home: both succeed with the
+    same figures, and each stage is computed once (the second waits on the stage's lock, then gets it cached)."""
+    first, second = start(tmp_path, name="first"), start(tmp_path, name="second")
+    outputs = [finish(*first), finish(*second)]
+
+    def summary(output: str) -> list[str]:
+        block = output.split("== RLHF pipeline summary", 1)[1].split("MLflow run ", 1)[0]
+        return [line for line in block.splitlines() if line.strip()]
+
+    assert summary(outputs[0]) == summary(outputs[1])
+    for stage in STAGES:
+        assert len(stage_runs(tmp_path, stage)) == 1, stage  # computed once, by one of them
+        assert cached(outputs[0]) | cached(outputs[1]) >= {stage}, stage  # the other got the cached result
+    for folder in (tmp_path / "out").glob("*/*-*"):
+        if folder.is_dir() and not folder.name.startswith("."):
+            assert (folder / "manifest.json").is_file() or (folder / "final" / "manifest.json").is_file(), folder
+    assert Counter(r.info.status for r in runs(tmp_path)) == Counter(FINISHED=len(STAGES) + 2)
+    assert result_of_both(tmp_path) == uninterrupted
+
+
+def result_of_both(root: Path) -> dict:
+    finished = [r for r in pipeline_runs(root) if r.info.status == "FINISHED"]
+    assert len(finished) == 2
+    figures = [{k: r.data.metrics[k] for k in RESULT_METRICS} for r in finished]
+    assert figures[0] == figures[1]
+    (manifest,) = (root / "out" / "train_policy_ppo").glob("*/final/manifest.json")
+    return {**figures[0], "digest": json.loads(manifest.read_text())["digest"]}
