@@ -21,6 +21,8 @@ from rlhf.data import synthetic
 from rlhf.ppo import distributed
 from rlhf.ppo.state import prompt_batch
 
+pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 TIMEOUT_S = 120

@@ -16,6 +16,8 @@ from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task_states
 
+pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+
 
 @pytest.fixture(scope="module")
 def harness():

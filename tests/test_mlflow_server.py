@@ -22,6 +22,8 @@ from rlhf.config import load_config
 from rlhf.tracking import Tracker
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+
 BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 

@@ -27,6 +27,8 @@ from rlhf.config import PipelineConfig, load_config
 from rlhf.sweep import SweepSpace, load_space
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+
 BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 MLFLOW_UI_URL = "http://127.0.0.1:5999"
