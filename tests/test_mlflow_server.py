@@ -34,11 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """`mlflow server` in its own process group (killed with its workers afterwards); yields (url, temp folder)."""
-    tmp = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
+def start_server(tmp: Path, port: int) -> subprocess.Popen:
+    """`mlflow server` on `port` over the store in `tmp`, in its own process group; returns once it answers."""
     url = f"http://127.0.0.1:{port}"
     cmd = [
         str(BIN / "mlflow"),
@@ -56,29 +53,42 @@ def mlflow_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     ]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = tmp / "server.log"
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            pytest.fail(f"mlflow server did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(1.0)
+
+
+def stop_server(proc: subprocess.Popen, signals=((signal.SIGTERM, 15), (signal.SIGKILL, 10))) -> None:
+    for sig, wait in signals:
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+            break
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """`mlflow server` in its own process group (killed with its workers afterwards); yields (url, temp folder)."""
+    tmp = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    proc = start_server(tmp, port)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not start:\n{log.read_text(errors='replace')[-3000:]}")
-            time.sleep(1.0)
-        yield url, tmp
+        yield f"http://127.0.0.1:{port}", tmp
     finally:
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_server(proc)
 
 
 def test_tracker_round_trip_through_a_server(mlflow_server, tmp_path):
@@ -133,3 +143,49 @@ def test_smoke_pipeline_logs_to_a_tracking_server(mlflow_server, harness, tmp_pa
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/scores")] == [1, 2]
     # checkpoints were uploaded to the server's artifact store, not written beside the client
     assert list((server_tmp / "artifacts" / "remote-smoke").rglob("model.safetensors"))
+
+
+def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path):
+    """The tracking server dies while PPO trains: the run fails with PPO's saved state kept; once the server is back,
+    the same command resumes PPO from that state in the same MLflow run, every update logged once.
+
+    MLflow's client retries a request that finds no server (7 times, exponential backoff: minutes) before the stage
+    fails; this test turns those retries off to see the failure at once."""
+    port, store = free_port(), tmp_path / "server"
+    store.mkdir()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env |= {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", f"tracking.uri={url}"]
+    args += [f"runtime.output_dir={tmp_path}/out", "ppo.save_every=1", "tracking.experiment=server-goes-away"]
+    args += ["tracking.log_checkpoints=false"]
+    ppo_states = tmp_path / "out" / "train_policy_ppo"
+
+    server = start_server(store, port)
+    with open(tmp_path / "first.log", "w") as log:
+        run = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(ppo_states.glob("*/state/trainer_state.pt")):
+            assert run.poll() is None, (tmp_path / "first.log").read_text()
+            assert time.monotonic() < deadline, "PPO never saved a state"
+            time.sleep(0.05)
+        stop_server(server, ((signal.SIGKILL, 10),))  # the server goes away mid-PPO
+        assert run.wait(300) != 0
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    (state,) = ppo_states.glob("*/state/trainer_state.pt")  # the training done so far is on disk
+    assert not any(ppo_states.glob("*/final/manifest.json"))
+
+    server = start_server(store, port)  # back, with the same store
+    try:
+        rerun = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        tracker = Tracker(url, "server-goes-away")
+        ppo_runs = [r for r in tracker.search_runs() if r.tags.get("stage") == "train_policy_ppo"]
+        (ppo,) = ppo_runs  # the rerun continued the run of the first attempt
+        assert ppo.status == "FINISHED"
+        assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2, 3, 4]
+    finally:
+        stop_server(server)
