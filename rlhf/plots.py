@@ -56,7 +56,8 @@ def reward_vs_kl(
         ax.scatter([0.0], [baseline], color="gray", marker="*", s=90, zorder=3, label="SFT policy (KL 0)")
         ax.legend(loc="best", fontsize=8)
     ax.margins(x=0.25, y=0.1)  # room for the labels
-    ax.set_xlim(left=0.0)
+    # KL 0 (the SFT policy) stays in view, and so do runs whose k1 estimate of the KL came out slightly negative
+    ax.set_xlim(left=min([0.0, *(p.kl for p in shown)]) - 0.05 * (ax.get_xlim()[1] - ax.get_xlim()[0]))
     ax.set_xlabel("mean KL(PPO || SFT) per response")
     ax.set_ylabel(reward_name)
     ax.set_title(title)
