@@ -23,6 +23,8 @@ from rlhf.ops import entropy_from_logits, logprobs_from_logits
 
 
 class PolicyOutput(NamedTuple):
+    """`policy_forward`'s log-probs of the response tokens and, when asked, the policy's entropy there."""
+
     logprobs: Tensor  # (b, r)
     entropy: Tensor | None  # (b, r)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf import evaluate as evaluation
+from rlhf import scoring
 from rlhf.batching import encode_prompt_response, encode_prompts, pad_left
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
@@ -188,7 +188,7 @@ def _assert_bos_led(family: str, path: str, rows: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ppo_trains_with_a_value_model_from_the_reward_model(stacks, data, family, monkeypatch):
-    prompts = _spy_prompts(monkeypatch, ppo_update)
+    prompts = _spy_prompts(monkeypatch, scoring)  # PPO rollouts sample through rlhf.scoring
     stack = stacks(family)
     stack.ppo = None  # this test runs PPO (the evaluation test reuses the result)
     result = _ppo(stack, data)
@@ -204,7 +204,7 @@ def test_ppo_trains_with_a_value_model_from_the_reward_model(stacks, data, famil
 def test_evaluation_compares_the_ppo_and_sft_policies(stacks, data, family, tmp_path, monkeypatch):
     stack = stacks(family)
     policy_path = _ppo(stack, data).policy_path
-    prompts = _spy_prompts(monkeypatch, evaluation)
+    prompts = _spy_prompts(monkeypatch, scoring)  # and so does evaluation
     result = evaluate_policies(
         EvalConfig(n_prompts=4, batch_size=4, max_new_tokens=6),
         _ppo_cfg(),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from rlhf import scoring
 from rlhf.config import PPOConfig
 from rlhf.generation import GenerationSettings, Responses
 from rlhf.logs import LogFn
@@ -23,7 +24,6 @@ from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import OptimStats
-from rlhf.scoring import generate_and_score as generate_and_score_responses
 from rlhf.scoring import policy_forward, value_forward
 
 
@@ -71,7 +71,7 @@ def generate_and_score(
     (`compute_dtype` of runtime.dtype); float32 turns it off. Shape: query, query_mask (b, p).
     """
     texts = [prompts[i] for i in indices] if prompts is not None else None
-    scored = generate_and_score_responses(
+    scored = scoring.generate_and_score(
         models.scoring(), query, query_mask, texts, settings, generator, dtype, cfg.forward_batch_size
     )
     assert scored.values is not None  # PPO has a value model
