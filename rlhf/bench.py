@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
 
-from rlhf import models
 from rlhf.config import PPOConfig
+from rlhf.generation import GenerationSettings
 from rlhf.memory import peak_memory_mb
-from rlhf.ppo.rollout import GenerationSettings
-from rlhf.ppo.state import PPOModels, TrainerState, disable_dropout, fresh_state
+from rlhf.models.device import DTYPES, compute_dtype, resolve_device
+from rlhf.models.training import disable_dropout, fuse_gelu
+from rlhf.ppo.models import PPOModels
+from rlhf.ppo.state import TrainerState, fresh_state
 from rlhf.ppo.update import compute_advantages, generate_and_score, optimize
 
 PHASES = ("time/generate", "time/score", "time/advantages", "time/optimize")
@@ -70,7 +72,7 @@ def build_models(shape: BenchShape, device: torch.device, seed: int = 0) -> PPOM
     reward = GPT2ForSequenceClassification(config).to(device).requires_grad_(False)
     for model in (policy, reference, value, reward):
         disable_dropout(model)
-        models.fuse_gelu(model)
+        fuse_gelu(model)
         model.eval()
     return PPOModels(
         policy, reference, value, reward, tokenizer=None, reward_tokenizer=None, stop_token_ids=(), same_tokenizer=True
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (docs/benchmark.md: 2)")
     parser.add_argument(
-        "--dtype", choices=["auto", *models.DTYPES], default="auto", help="autocast dtype on CUDA (runtime.dtype)"
+        "--dtype", choices=["auto", *DTYPES], default="auto", help="autocast dtype on CUDA (runtime.dtype)"
     )
     parser.add_argument(
         "--peer-episodes-per-s",
@@ -143,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    device = models.resolve_device(args.device)
+    device = resolve_device(args.device)
     shape = SHAPES[args.shape]
-    dtype = models.compute_dtype(args.dtype, device)
+    dtype = compute_dtype(args.dtype, device)
     print(f"PPO bench: shape={args.shape} {shape} device={device} threads={torch.get_num_threads()} dtype={dtype}")
     summary = run_bench(shape, args.updates, device, dtype)
     print("median per update (updates after the first):")

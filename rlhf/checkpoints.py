@@ -209,12 +209,44 @@ def rng_state_tuple(value: Any) -> Any:
     return tuple(rng_state_tuple(v) for v in value) if isinstance(value, list | tuple) else value
 
 
-# The resume state of the single-model trainers (SFT, reward model): the model weights (``model.safetensors``,
-# tied weights handled), any extra tensor files, and ``trainer_state.pt`` with the optimizer, scheduler, Python
-# and torch RNG states and the trainer's own fields (step, data order, ...), only ever loaded with
-# ``torch.load(weights_only=True)``. torch is imported inside: data preparation uses this module without it.
+# The resume state of every trainer (SFT, reward model, PPO) is one folder written in one rename: safetensors
+# files of weights (tied weights handled) and ``trainer_state.pt`` with the optimizer, scheduler and RNG states and
+# the trainer's own fields (step, data order, ...), only ever loaded with ``torch.load(weights_only=True)``. torch
+# is imported inside: data preparation uses this module without it.
 TRAINER_STATE_FILE = "trainer_state.pt"
 STATE_MODEL_FILE = "model.safetensors"
+
+
+def write_state(
+    folder: str | Path,
+    fields: dict[str, Any],
+    models: dict[str, torch.nn.Module] | None = None,
+    tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
+) -> None:
+    """Write a resume state to `folder` atomically (a crash mid-save leaves the previous state intact): each model
+    of `models` and each tensor dict of `tensor_files` to the safetensors file it is keyed by, `fields` to
+    ``trainer_state.pt``."""
+    import torch
+    from safetensors.torch import save_file, save_model
+
+    with atomic_dir(folder) as tmp:
+        for name, model in (models or {}).items():
+            save_model(model, str(tmp / name))
+        for name, tensors in (tensor_files or {}).items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name)
+        torch.save(fields, tmp / TRAINER_STATE_FILE)
+
+
+def read_state(folder: str | Path) -> dict[str, Any] | None:
+    """The fields of the resume state in `folder` (None: no state), after putting back a state that a crash
+    mid-save left aside."""
+    import torch
+
+    folder = Path(folder)
+    restore_interrupted_swap(folder, TRAINER_STATE_FILE)  # a crash mid-save: the previous state
+    if not (folder / TRAINER_STATE_FILE).is_file():
+        return None
+    return torch.load(folder / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
 
 
 def save_trainer_state(
@@ -226,22 +258,17 @@ def save_trainer_state(
     fields: dict[str, Any],
     tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Write the whole state to `folder` in one rename: a crash mid-save leaves the previous state intact."""
+    """The state of a single-model trainer: its weights, optimizer, scheduler, Python and torch RNGs, `fields`."""
     import torch
-    from safetensors.torch import save_file, save_model
 
-    with atomic_dir(folder) as tmp:
-        save_model(model, str(tmp / STATE_MODEL_FILE))
-        for name, tensors in (tensor_files or {}).items():
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / name)
-        state = {
-            **fields,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "python_rng": rng.getstate(),
-            "torch_rng": torch.get_rng_state(),
-        }
-        torch.save(state, tmp / TRAINER_STATE_FILE)
+    state = {
+        **fields,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "python_rng": rng.getstate(),
+        "torch_rng": torch.get_rng_state(),
+    }
+    write_state(folder, state, {STATE_MODEL_FILE: model}, tensor_files)
 
 
 def load_trainer_state(
@@ -256,12 +283,10 @@ def load_trainer_state(
     import torch
     from safetensors.torch import load_model
 
-    folder = Path(folder)
-    restore_interrupted_swap(folder, TRAINER_STATE_FILE)  # a crash mid-save: the previous state
-    if not (folder / TRAINER_STATE_FILE).is_file():
+    saved = read_state(folder)
+    if saved is None:
         return None
-    saved = torch.load(folder / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
-    load_model(model, folder / STATE_MODEL_FILE, device=str(device))
+    load_model(model, Path(folder) / STATE_MODEL_FILE, device=str(device))
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     rng.setstate(rng_state_tuple(saved["python_rng"]))

@@ -110,7 +110,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_memory(argv: list[str]) -> int:
-    from rlhf.memory import main
+    from rlhf.memory_report import main
 
     return main(argv)
 
@@ -122,7 +122,7 @@ def cmd_docs(argv: list[str]) -> int:
     parser.add_argument("--write-readme", action="store_true", help="update the reference between README's markers")
     parser.add_argument("--readme", default="README.md", help="the README to update")
     args = parser.parse_args(argv)
-    from rlhf.config_docs import reference_markdown, update_readme
+    from rlhf.config.docs import reference_markdown, update_readme
 
     if not args.write_readme:
         print(reference_markdown())

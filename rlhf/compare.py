@@ -19,7 +19,9 @@ import pandas as pd
 
 from rlhf.config import TrackingConfig
 from rlhf.plots import Point, reward_vs_kl, training_curves
-from rlhf.tracking import RunRecord, Tracker, experiment_names, store_exists
+from rlhf.ranking import GOLD_METRIC, reward_metric
+from rlhf.tracking import RunRecord, Tracker, experiment_names
+from rlhf.tracking_store import store_exists
 
 # Final metrics of a pipeline run (logged on the parent run by the flow), in display order.
 SUMMARY_METRICS = (
@@ -89,9 +91,7 @@ def ppo_run(tracker: Tracker, run: RunRecord) -> RunRecord | None:
 
 def reward_key(runs: list[RunRecord]) -> str:
     """Gold reward when every run has one (the synthetic task), else the reward-model score."""
-    if runs and all("eval/ppo_gold" in r.metrics for r in runs):
-        return "eval/ppo_gold"
-    return "eval/ppo_score"
+    return reward_metric([GOLD_METRIC in r.metrics for r in runs])
 
 
 def compare(tracker: Tracker, runs: list[RunRecord], out_dir: str | Path, all_params: bool = False) -> Comparison:

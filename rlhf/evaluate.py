@@ -6,7 +6,6 @@ equal length, and flags a gain over SFT that length or empty answers explain (``
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,15 +14,17 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from rlhf import length_control, models
+from rlhf import length_control
 from rlhf.batching import encode_prompts, pad_left
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
-from rlhf.ppo.rollout import GenerationSettings, policy_forward, sample_responses
-from rlhf.ppo.state import reward_scores, same_vocabulary, stop_token_ids
-
-GoldFn = Callable[[str, str], float]
-LogFn = Callable[[dict[str, float], int], None]
+from rlhf.generation import GenerationSettings
+from rlhf.logs import GoldFn, LogFn
+from rlhf.models.device import compute_dtype, resolve_device
+from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
+from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
+from rlhf.ops import kl_per_token
+from rlhf.scoring import ScoringModels, generate_and_score
 
 
 @dataclass
@@ -43,13 +44,8 @@ def eval_prompts(eval_file: str | Path, n: int) -> list[str]:
     return list(dict.fromkeys(pd.read_parquet(eval_file)["prompt"].tolist()))[:n]
 
 
-@torch.no_grad()
 def _generate_and_score(
-    policy,
-    reference,
-    reward,
-    tok,
-    reward_tok,
+    models: ScoringModels,
     prompts: list[str],
     cfg: EvalConfig,
     settings: GenerationSettings,
@@ -57,30 +53,31 @@ def _generate_and_score(
     runtime: RuntimeConfig,
     device: torch.device,
 ) -> pd.DataFrame:
+    """One policy's responses to `prompts` in batches (`rlhf.scoring.generate_and_score`, as PPO rollouts are
+    made), with their reward-model score and their KL from the reference (the k1 estimator summed over the
+    response), one row per prompt."""
+    tokenizer = models.tokenizer
     generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
-    same_tok = same_vocabulary(tok, reward_tok)
+    dtype = compute_dtype(runtime.dtype, device)
     rows = []
     for start in tqdm(range(0, len(prompts), cfg.batch_size), desc="eval", disable=not runtime.progress):
         batch_prompts = prompts[start : start + cfg.batch_size]
-        ids = encode_prompts(tok, batch_prompts, max_prompt_tokens)
-        query, query_mask = (t.to(device) for t in pad_left(ids, tok.pad_token_id))
-        with models.autocast(device, models.compute_dtype(runtime.dtype, device)):
-            resp = sample_responses(policy, query, query_mask, settings, generator)
-            qr = torch.cat([query, resp.tokens], 1)
-            qr_mask = torch.cat([query_mask, resp.mask], 1)
-            p = query.shape[1]
-            logp = policy_forward(policy, qr, qr_mask, p, settings.temperature).logprobs.float()
-            ref_logp = policy_forward(reference, qr, qr_mask, p, settings.temperature).logprobs.float()
-            scores = reward_scores(reward, reward_tok, tok, same_tok, batch_prompts, qr, qr_mask, resp, None, device)
+        ids = encode_prompts(tokenizer, batch_prompts, max_prompt_tokens)
+        query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
+        scored = generate_and_score(models, query, query_mask, batch_prompts, settings, generator, dtype)
+        resp = scored.resp
         mask = resp.mask.float()
-        texts = tok.batch_decode(resp.tokens.masked_fill(resp.mask == 0, tok.pad_token_id), skip_special_tokens=True)
+        kl = kl_per_token(scored.logprobs, scored.ref_logprobs, "k1") * mask  # (b, r)
+        texts = tokenizer.batch_decode(
+            resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
+        )
         for i, prompt in enumerate(batch_prompts):
             rows.append(
                 {
                     "prompt": prompt,
                     "response": texts[i],
-                    "score": float(scores[i]),
-                    "kl": float(((logp[i] - ref_logp[i]) * mask[i]).sum()),
+                    "score": float(scored.scores[i]),
+                    "kl": float(kl[i].sum()),
                     "length": int(mask[i].sum()) - int(resp.contains_stop[i]),  # tokens before the stop token
                     "stopped": bool(resp.contains_stop[i]),
                 }
@@ -101,38 +98,28 @@ def evaluate_policies(
     log: LogFn,
 ) -> EvalResult:
     """Generate with the PPO and SFT policies (same prompts, same seed) and compare them."""
-    device = models.resolve_device(runtime.device)
-    trc = runtime.trust_remote_code
-    tok = models.load_tokenizer(policy_path, trust_remote_code=trc)
-    reward_tok = models.load_tokenizer(reward_path, trust_remote_code=trc)
-    frozen = models.load_options(runtime, device, trainable=False)
-    reference = models.load_causal_lm(sft_path, device, **frozen).eval()
-    reward = models.load_reward_model(reward_path, device, **frozen).eval()
+    device = resolve_device(runtime.device)
+    trust_remote_code = runtime.trust_remote_code
+    tokenizer = load_tokenizer(policy_path, trust_remote_code=trust_remote_code)
+    reward_tokenizer = load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
+    frozen = load_options(runtime, device, trainable=False)
+    reference = load_causal_lm(sft_path, device, **frozen).eval()
+    reward = load_reward_model(reward_path, device, **frozen).eval()
     settings = GenerationSettings(
         cfg.max_new_tokens or ppo_cfg.max_new_tokens,
         cfg.temperature or ppo_cfg.temperature,
         ppo_cfg.top_k,
         ppo_cfg.top_p,
-        stop_token_ids(tok, ppo_cfg.stop_tokens, reference.config, reference.generation_config),
-        tok.pad_token_id,
+        stop_token_ids(tokenizer, ppo_cfg.stop_tokens, reference.config, reference.generation_config),
+        tokenizer.pad_token_id,
     )
+    same_tokenizer = same_vocabulary(tokenizer, reward_tokenizer)
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
     for name, path in (("sft", sft_path), ("ppo", policy_path)):
-        policy = reference if name == "sft" else models.load_causal_lm(path, device, **frozen).eval()
-        frames[name] = _generate_and_score(
-            policy,
-            reference,
-            reward,
-            tok,
-            reward_tok,
-            prompts,
-            cfg,
-            settings,
-            ppo_cfg.max_prompt_tokens,
-            runtime,
-            device,
-        )
+        policy = reference if name == "sft" else load_causal_lm(path, device, **frozen).eval()
+        models = ScoringModels(policy, reference, reward, tokenizer, reward_tokenizer, same_tokenizer)  # no value
+        frames[name] = _generate_and_score(models, prompts, cfg, settings, ppo_cfg.max_prompt_tokens, runtime, device)
     table, summary, warnings = summarize(prompts, frames["sft"], frames["ppo"], gold_fn, cfg.length_tolerance)
     log(summary, 0)
     with atomic_dir(out_dir) as tmp:

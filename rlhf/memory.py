@@ -379,39 +379,3 @@ def plan_memory(config: PipelineConfig, device_type: str, model_config: Any | No
 
         warnings.warn(str(err), stacklevel=2)
         return estimate(config, shape, device_type, base)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the per-stage estimate of a config for a device size: ``python -m rlhf.memory --config X --gpu-gb 24``."""
-    import argparse
-    import sys
-
-    from rlhf.config import load_config
-    from rlhf.errors import UserInputError
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--config", default="conf/default.yaml")
-    parser.add_argument("--model-config", help="a config.json (or its folder) to use instead of sft.model's")
-    parser.add_argument("--gpu-gb", type=float, nargs="*", default=[24, 80], help="GPU sizes to compare against")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        shape = shape_of(read_model_config(config, args.model_config))
-    except UserInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"{args.config}: {shape.params / 1e6:,.1f}M parameters (reward model {shape.reward_params / 1e6:,.1f}M)")
-    for est in estimate(config, shape, "cuda"):
-        fits = "  ".join(
-            f"{gb:g} GiB: {'fits' if est.total <= FIT_SHARE * gb * GIB else 'does not fit'}" for gb in args.gpu_gb
-        )
-        print(
-            f"  {est.stage:<9} {fmt_gib(est.total):>10}  (held {fmt_gib(est.persistent)}, peak phase "
-            f"{fmt_gib(est.transient)})  {fits}"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from torch import Tensor
 
 from rlhf.errors import NonFiniteError
-
-LogFn = Callable[[dict[str, float], int], None]
+from rlhf.logs import LogFn
 
 
 def skip_nonfinite(

@@ -10,7 +10,7 @@ from rlhf.config import PipelineConfig
 from rlhf.data.prepare import check_source
 from rlhf.errors import ConfigError
 from rlhf.memory import StageEstimate, model_positions, plan_memory, read_model_config
-from rlhf.tracking import check_tracking_uri
+from rlhf.tracking_store import check_tracking_uri
 
 
 def hub_offline() -> bool:

@@ -5,27 +5,29 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from rlhf import models
 from rlhf.batching import encode_prompt_response, pair_lengths
-from rlhf.checkpoints import atomic_dir, load_trainer_state, save_trainer_state, write_manifest
+from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
-from rlhf.errors import ConfigError, TrainingInterrupted
+from rlhf.errors import ConfigError
+from rlhf.logs import LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
-from rlhf.nonfinite import skip_nonfinite
+from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.heads import sequence_scores
+from rlhf.models.loading import load_options, load_reward_model, load_tokenizer
+from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing, fuse_gelu
 from rlhf.ops import pairwise_reward_loss
+from rlhf.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
-LogFn = Callable[[dict[str, float], int], None]
 MAX_DROPPED_FRACTION = 0.5  # reward.truncation 'drop': dropping more of a split than this is a config error
 
 
@@ -60,7 +62,7 @@ def score_pairs(
     prompts = frame["prompt"].tolist() * 2
     responses = frame["chosen"].tolist() + frame["rejected"].tolist()
     batch = encode_prompt_response(tokenizer, prompts, responses, max_length, min_prompt_tokens=min_prompt_tokens)
-    scores = models.sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    scores = sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
     return scores[: len(frame)], scores[len(frame) :]
 
 
@@ -165,83 +167,77 @@ def train_reward_model(
     ``out_dir/state`` every ``cfg.save_every`` steps; a restart with the same config continues from it.
     `stop_after` ends training after that many steps, as a crash would (for resume tests).
     """
-    device = models.resolve_device(runtime.device)
+    device = resolve_device(runtime.device)
     reset_peak_memory(device)
     train = pd.read_parquet(train_file)
     evals = pd.read_parquet(eval_file)
     torch.manual_seed(seed)
-    tokenizer = models.load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
+    tokenizer = load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
     train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
-    model = models.load_reward_model(sft_path, device, **models.load_options(runtime, device, trainable=True))
-    models.fuse_gelu(model)
+    model = load_reward_model(sft_path, device, **load_options(runtime, device, trainable=True))
+    fuse_gelu(model)
     if cfg.gradient_checkpointing:
-        models.enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model)
     model.train()
     total = total_steps(cfg, len(train))
     warmup = int(cfg.warmup_ratio * total)
-    optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
-    )
-    rng = random.Random(seed)
-    order: list[int] = []
-    best_acc, best_state, best_step, first = -1.0, None, 0, 1
+    optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)  # linear warm-up, then linear decay to 0
+    dtype = compute_dtype(runtime.dtype, device)
+    best_acc, best_state, best_step = -1.0, None, 0
     state_dir = Path(out_dir) / "state"
-    saved = load_trainer_state(state_dir, model, optimizer, scheduler, rng, device)
-    if saved is not None:  # resume: same config, continue where the last save left off
-        order, best_acc, best_step, first = (
-            list(saved["order"]),
-            saved["best_acc"],
-            saved["best_step"],
-            saved["step"] + 1,
-        )
-        if (state_dir / "best.safetensors").is_file():
-            best_state = load_file(state_dir / "best.safetensors", device=str(device))
     pending = dict(length_stats)  # logged once, with the first step of this run
     start = time.perf_counter()
-    skipped = 0  # steps skipped for a non-finite loss or gradient norm (runtime.on_nonfinite: skip_update)
-    for step in tqdm(
-        range(first, total + 1),
-        desc="reward",
-        disable=not runtime.progress,
-        mininterval=2,
-        initial=first - 1,
-        total=total,
-    ):
-        if len(order) < cfg.batch_size:
-            order = list(range(len(train)))
-            rng.shuffle(order)
-        rows = train.iloc[order[: cfg.batch_size]]
-        order = order[cfg.batch_size :]
-        with models.autocast(device, models.compute_dtype(runtime.dtype, device)):
+
+    def on_resume(saved: dict[str, Any]) -> None:
+        nonlocal best_acc, best_step, best_state
+        best_acc, best_step = saved["best_acc"], saved["best_step"]
+        if (state_dir / "best.safetensors").is_file():
+            best_state = load_file(state_dir / "best.safetensors", device=str(device))
+
+    def step_fn(batch_rows: list[int]) -> StepOutput:
+        """Pairwise loss of one batch of pairs; the statistics of its chosen (b,) and rejected (b,) scores."""
+        nonlocal pending
+        rows = train.iloc[batch_rows]
+        with autocast(device, dtype):
             chosen, rejected = score_pairs(model, tokenizer, rows, cfg.max_length, device, cfg.min_prompt_tokens)
         out = pairwise_reward_loss(chosen, rejected, _margins(rows, cfg, device), cfg.center_coef)
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         stats = pair_stats("train", chosen.detach(), rejected.detach(), out.loss.detach())
-        stats.update({"train/grad_norm": float(grad_norm), "train/lr": scheduler.get_last_lr()[0], **pending})
+        stats.update({"train/lr": scheduler.get_last_lr()[0], **pending})
         pending = {}
-        checked = ("train/loss", "train/grad_norm")
-        skip = skip_nonfinite(stats, "reward model", step, runtime.on_nonfinite, log, checked)
-        skipped += skip
-        if not skip:
-            optimizer.step()
-        scheduler.step()
-        if skipped:
-            stats["train/skipped_nonfinite"] = float(skipped)
-        if step % cfg.eval_every == 0 or step == total:
+        return StepOutput(out.loss, stats)
+
+    def after_step(end: StepEnd) -> None:
+        nonlocal best_acc, best_step, best_state
+        stats = end.stats
+        if end.skipped:
+            stats["train/skipped_nonfinite"] = float(end.skipped)
+        if end.step % cfg.eval_every == 0 or end.step == total:
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
             if stats["eval/accuracy"] > best_acc:
-                best_acc, best_step = stats["eval/accuracy"], step
+                best_acc, best_step = stats["eval/accuracy"], end.step
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        log(stats, step)
-        if step < total and (step % cfg.save_every == 0 or step == stop_after):
-            fields = {"step": step, "order": order, "best_acc": best_acc, "best_step": best_step}
-            best = {"best.safetensors": _untied(best_state)} if best_state is not None else None
-            save_trainer_state(state_dir, model, optimizer, scheduler, rng, fields, best)
-        if step == stop_after and step < total:
-            raise TrainingInterrupted(f"reward-model training stopped after {step} steps (stop_after); state saved")
+        log(stats, end.step)
+
+    settings = LoopSettings(
+        stage="reward model",
+        total_steps=total,
+        batch_size=cfg.batch_size,
+        n_rows=len(train),
+        save_every=cfg.save_every,
+        on_nonfinite=runtime.on_nonfinite,
+        grad_norm_key="train/grad_norm",
+        checked=("train/loss", "train/grad_norm"),
+        first_step=1,
+        desc="reward",
+        progress=runtime.progress,
+        extra_fields=lambda: {"best_acc": best_acc, "best_step": best_step},
+        tensor_files=lambda: {"best.safetensors": _untied(best_state)} if best_state is not None else None,
+    )
+    rng = random.Random(seed)
+    run_supervised(
+        model, optimizer, scheduler, rng, state_dir, device, settings, step_fn, log, after_step, on_resume, stop_after
+    )
     if best_state is not None:
         model.load_state_dict(best_state, strict=False)
     final = evaluate_pairs(model, tokenizer, evals, cfg, device)
@@ -254,7 +250,7 @@ def train_reward_model(
     }
     log(metrics, total)
     if cfg.gradient_checkpointing:
-        models.disable_gradient_checkpointing(model)
+        disable_gradient_checkpointing(model)
     model.eval()
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -3,28 +3,26 @@ model on them, or use an existing checkpoint as it is."""
 
 from __future__ import annotations
 
-import math
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_with_min_lr_schedule_with_warmup
 
-from rlhf import models
 from rlhf.batching import encode_and_measure
-from rlhf.checkpoints import atomic_dir, dir_digest, load_trainer_state, save_trainer_state, text_digest, write_manifest
+from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
-from rlhf.errors import TrainingInterrupted
+from rlhf.logs import LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
-from rlhf.nonfinite import skip_nonfinite
-
-LogFn = Callable[[dict[str, float], int], None]
+from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
+from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.loading import is_local_checkpoint, load_causal_lm, load_options, load_tokenizer
+from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing, fuse_gelu
+from rlhf.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
 
 @dataclass
@@ -35,23 +33,11 @@ class SFTResult:
     metrics: dict[str, float]
 
 
-def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
-    """Linear warm-up, then cosine decay to 10% of the peak."""
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return fn
-
-
 def load_existing(cfg: SFTConfig, runtime: RuntimeConfig) -> SFTResult:
     """Use a configured checkpoint as the SFT policy (its tokenizer and config must load)."""
     assert cfg.model is not None
-    models.load_tokenizer(cfg.model, cfg.revision, runtime.trust_remote_code)
-    if models.is_local_checkpoint(cfg.model):
+    load_tokenizer(cfg.model, cfg.revision, runtime.trust_remote_code)
+    if is_local_checkpoint(cfg.model):
         digest = dir_digest(cfg.model)
     else:
         digest = text_digest(cfg.model, cfg.revision)
@@ -75,9 +61,9 @@ def bootstrap_sft(
 ) -> SFTResult:
     """Train a byte-level BPE tokenizer and a tiny GPT-2 from scratch on prompt -> response demonstrations."""
     demos = pd.read_parquet(demonstrations)
-    tokenizer = models.build_tokenizer(tokenizer_corpus(demos, pd.read_parquet(pairs)), cfg.bootstrap.vocab_size)
+    tokenizer = build_tokenizer(tokenizer_corpus(demos, pd.read_parquet(pairs)), cfg.bootstrap.vocab_size)
     boot = cfg.bootstrap
-    model = models.build_tiny_gpt2(tokenizer, boot.n_layer, boot.n_head, boot.n_embd, boot.n_positions, seed)
+    model = build_tiny_gpt2(tokenizer, boot.n_layer, boot.n_head, boot.n_embd, boot.n_positions, seed)
     return train_sft(model, tokenizer, demos, cfg, runtime, out_dir, seed, log, boot.n_positions, stop_after)
 
 
@@ -92,14 +78,13 @@ def finetune_sft(
 ) -> SFTResult:
     """Fine-tune the configured model (`sft.model`: a path or hub id) on prompt -> response demonstrations."""
     assert cfg.model is not None
-    trc = runtime.trust_remote_code
-    tokenizer = models.load_tokenizer(cfg.model, cfg.revision, trc)
+    tokenizer = load_tokenizer(cfg.model, cfg.revision, runtime.trust_remote_code)
     cpu = torch.device("cpu")  # train_sft moves it to the runtime device
-    model = models.load_causal_lm(cfg.model, cpu, cfg.revision, **models.load_options(runtime, cpu, trainable=True))
+    model = load_causal_lm(cfg.model, cpu, cfg.revision, **load_options(runtime, cpu, trainable=True))
     positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     max_length = min(cfg.max_length, positions) if positions else cfg.max_length
     if cfg.gradient_checkpointing:
-        models.enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model)
     demos = pd.read_parquet(demonstrations)
     return train_sft(model, tokenizer, demos, cfg, runtime, out_dir, seed, log, max_length, stop_after)
 
@@ -126,14 +111,15 @@ def train_sft(
     ``out_dir/state`` every ``cfg.save_every`` steps; a restart with the same config continues from it and logs
     only the steps after it. `stop_after` ends training after that many steps, as a crash would (resume tests).
     """
-    device = models.resolve_device(runtime.device)
+    device = resolve_device(runtime.device)
     reset_peak_memory(device)
     torch.manual_seed(seed)
     model.to(device).train()
-    dtype = models.compute_dtype(runtime.dtype, device)
-    models.fuse_gelu(model)
-    optimizer = models.adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.warmup_steps, cfg.steps))
+    dtype = compute_dtype(runtime.dtype, device)
+    fuse_gelu(model)
+    optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # linear warm-up, then cosine decay to 10% of the peak
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=0.1)
     # the response keeps its tokens first, the prompt is cut on the left; the share cut is measured and logged
     batch, cut = encode_and_measure(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), max_length)
     rows = max(cut.rows, 1)
@@ -142,57 +128,55 @@ def train_sft(
         "sft/response_truncated_fraction": cut.response_truncated / rows,
         "sft/prompt_lost_fraction": cut.prompt_lost / rows,
     }
-    rng = random.Random(seed)
-    order: list[int] = []
-    first = 0
-    state_dir = Path(out_dir) / "state"
-    saved = load_trainer_state(state_dir, model, optimizer, scheduler, rng, device)
-    if saved is not None:  # resume: same config, continue where the last save left off
-        order, first = list(saved["order"]), int(saved["step"])
     pending = dict(length_stats)  # logged once, with the first logged step
     start = time.perf_counter()
     loss_value = float("nan")
-    skipped = 0  # steps skipped for a non-finite loss or gradient norm (runtime.on_nonfinite: skip_update)
-    bar = tqdm(range(first, cfg.steps), desc="sft", disable=not runtime.progress, mininterval=2, initial=first)
-    for step in bar:
-        if len(order) < cfg.batch_size:
-            order = list(range(len(demos)))
-            rng.shuffle(order)
-        idx = torch.tensor(order[: cfg.batch_size])
-        order = order[cfg.batch_size :]
+
+    def step_fn(batch_rows: list[int]) -> StepOutput:
+        """Next-token loss on the response tokens of one batch. Shapes: (b, T) rows cut to (b, width)."""
+        idx = torch.tensor(batch_rows)
         ids, mask, loss_mask = (t[idx] for t in batch)
         width = int(mask.sum(1).max())  # (b, T) -> (b, width): drop all-pad columns
         ids, mask, loss_mask = ids[:, :width].to(device), mask[:, :width].to(device), loss_mask[:, :width].to(device)
-        with models.autocast(device, dtype):
+        with autocast(device, dtype):
             logits = model(input_ids=ids, attention_mask=mask).logits
         # next-token loss on response tokens only: position t predicts token t+1
         token_loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
         target_mask = loss_mask[:, 1:].float()
         loss = (token_loss * target_mask).sum() / target_mask.sum().clamp(min=1)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        skip = skip_nonfinite({"sft/loss": loss, "sft/grad_norm": grad_norm}, "SFT", step, runtime.on_nonfinite, log)
-        skipped += skip
-        if not skip:
-            optimizer.step()
-        scheduler.step()
-        loss_value = loss.item()
-        if step % 10 == 0 or step == cfg.steps - 1 or skip:
-            stats = {"sft/loss": loss_value, "sft/grad_norm": float(grad_norm), "sft/lr": scheduler.get_last_lr()[0]}
-            if skipped:
-                stats["sft/skipped_nonfinite"] = float(skipped)
-            log({**stats, **pending}, step)
+        return StepOutput(loss, {"sft/loss": loss})
+
+    def after_step(end: StepEnd) -> None:
+        nonlocal loss_value, pending
+        loss_value = end.loss.item()
+        if end.step % 10 == 0 or end.done == cfg.steps or end.skip:
+            grad_norm = float(end.stats["sft/grad_norm"])
+            stats = {"sft/loss": loss_value, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0]}
+            if end.skipped:
+                stats["sft/skipped_nonfinite"] = float(end.skipped)
+            log({**stats, **pending}, end.step)
             pending = {}
-        done = step + 1
-        if done < cfg.steps and (done % cfg.save_every == 0 or done == stop_after):
-            save_trainer_state(state_dir, model, optimizer, scheduler, rng, {"step": done, "order": order})
-        if done == stop_after and done < cfg.steps:
-            raise TrainingInterrupted(f"SFT stopped after {done} steps (stop_after); state saved")
+
+    settings = LoopSettings(
+        stage="SFT",
+        total_steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        n_rows=len(demos),
+        save_every=cfg.save_every,
+        on_nonfinite=runtime.on_nonfinite,
+        grad_norm_key="sft/grad_norm",
+        desc="sft",
+        progress=runtime.progress,
+    )
+    rng = random.Random(seed)
+    state_dir = Path(out_dir) / "state"
+    run_supervised(
+        model, optimizer, scheduler, rng, state_dir, device, settings, step_fn, log, after_step, None, stop_after
+    )
     elapsed = time.perf_counter() - start
     model.eval()
     if cfg.gradient_checkpointing:
-        models.disable_gradient_checkpointing(model)
+        disable_gradient_checkpointing(model)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

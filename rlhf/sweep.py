@@ -30,8 +30,9 @@ import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlhf.config import PipelineConfig, apply_overrides, build_config
+from rlhf.config import PipelineConfig, apply_overrides, build_config, format_validation_error, read_yaml
 from rlhf.errors import ConfigError
+from rlhf.ranking import GOLD_METRIC, reward_metric
 
 # Keys a sweep may not vary: the variants must share one MLflow store, and the sweep names the runs.
 FIXED_PREFIXES = ("tracking", "run_name")
@@ -115,17 +116,6 @@ def check_key(key: str) -> None:
             raise ValueError(f"parameters.{key} is a config section; name one of its fields")
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    # a dict given for a `list | Range` value: report the Range's problem, not "should be a valid list"
-    first = sorted(err.errors(), key=lambda e: "list[any]" in e["loc"])[0]
-    key = ".".join(str(p) for p in first["loc"] if not isinstance(p, int) and p not in ("list[any]", "Range"))
-    if first["type"] == "value_error":
-        return f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
-    if first["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{key}'"
-    return f"{source}: {key or '(top level)'}: {first['msg']}"
-
-
 def parse_space(raw: Any, source: str = "sweep space") -> SweepSpace:
     """Validate a raw mapping (from YAML or the Prefect form); problems become one ConfigError sentence."""
     if not isinstance(raw, dict):
@@ -145,19 +135,12 @@ def parse_space(raw: Any, source: str = "sweep space") -> SweepSpace:
     try:
         return SweepSpace.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(format_validation_error(err, source)) from None
 
 
 def load_space(path: str | Path) -> SweepSpace:
     """Read and validate a sweep space YAML file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep space file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
-    return parse_space(raw, str(path))
+    return parse_space(read_yaml(path, "sweep space file"), str(path))
 
 
 def _round(value: float) -> float:
@@ -235,9 +218,7 @@ RANK_METRICS = (
 def rank_key(frame: pd.DataFrame) -> str:
     """The metric variants are ranked by: mean gold reward when every finished variant has it, else RM score."""
     finished = frame[frame["status"] == "completed"] if "status" in frame else frame
-    if "eval/ppo_gold" in finished and len(finished) and finished["eval/ppo_gold"].notna().all():
-        return "eval/ppo_gold"
-    return "eval/ppo_score"
+    return reward_metric(finished[GOLD_METRIC].notna().tolist() if GOLD_METRIC in finished else [])
 
 
 def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:

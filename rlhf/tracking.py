@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import pandas as pd
+
+from rlhf.logs import LogFn
+from rlhf.tracking_store import (
+    HOST_TAG,
+    PID_TAG,
+    as_uri,
+    process_alive,
+    process_tags,
+    resolve_tracking_uri,
+    store_lock,
+)
 
 MAX_PARAM_LEN = 6000
 
@@ -30,65 +39,6 @@ _MLFLOW_TYPES = {
     "bool": "boolean",
     "binary": "binary",
 }
-
-
-def _as_uri(location: str) -> str:
-    """A local folder becomes an absolute file URI; URIs pass through."""
-    if urlparse(location).scheme in ("", "file") and not location.startswith("file:"):
-        return Path(location).resolve().as_uri()
-    return location
-
-
-def resolve_tracking_uri(uri: str) -> str:
-    """Make a relative ``sqlite:///path`` absolute and create its folder, so any working directory works."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = Path(uri[len(prefix) :]).resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return prefix + str(path)
-    return uri
-
-
-PROBE_TIMEOUT_S = 3.0
-
-
-def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """Refuse, in one sentence (ConfigError), a tracking store that cannot work: an http(s) server that does not
-    answer within `timeout` seconds (any HTTP answer counts: the server is up), or a SQLite file whose folder cannot
-    be created or written. Other URIs pass unchecked. Nothing is created."""
-    import os
-    import urllib.error
-    import urllib.request
-
-    from rlhf.errors import ConfigError
-
-    scheme = urlparse(uri).scheme
-    if scheme in ("http", "https"):
-        try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
-                return
-        except urllib.error.HTTPError:
-            return  # it answered (an auth proxy, an older server without /health): the client will say more
-        except (OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
-            raise ConfigError(
-                f"tracking.uri: no MLflow tracking server answers at {uri} ({reason}); start it "
-                "or point tracking.uri at one, e.g. the default sqlite:///mlruns/mlflow.db"
-            ) from None
-    prefix = "sqlite:///"
-    if uri.startswith(prefix):
-        path = Path(uri[len(prefix) :]).resolve()
-        existing = path.parent
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        writable = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
-        if path.exists():
-            writable = path.is_file() and os.access(path, os.R_OK | os.W_OK) and os.access(path.parent, os.W_OK)
-        if not writable:
-            raise ConfigError(
-                f"tracking.uri: cannot write the SQLite store {path} ({existing} is not a writable folder); "
-                "point tracking.uri at a writable place"
-            )
 
 
 # SQLite errors of two processes writing one store at once (MLflow sets a busy timeout, but SQLite gives up at once
@@ -121,40 +71,6 @@ class _RetryingClient:
         return call
 
 
-# Tags of the process that runs a run: a RUNNING run whose process is gone was killed (end_orphaned_runs).
-PID_TAG, HOST_TAG = "rlhf.pid", "rlhf.host"
-
-
-def _process_tags() -> dict[str, str]:
-    import os
-    import socket
-
-    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
-
-
-def _process_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _store_lock(uri: str):
-    """An exclusive lock beside a ``sqlite:///`` store (``<file>.lock``), so that processes starting together do not
-    create its tables at once (SQLite: 'duplicate column name'); no lock for other stores."""
-    import contextlib
-
-    from rlhf.checkpoints import stage_lock
-
-    prefix = "sqlite:///"
-    return stage_lock(Path(uri[len(prefix) :])) if uri.startswith(prefix) else contextlib.nullcontext()
-
-
 class Tracker:
     """Runs, params, metrics and artifacts of one MLflow experiment."""
 
@@ -164,17 +80,17 @@ class Tracker:
         self.uri = resolve_tracking_uri(uri)
         # (key, step) already logged in a reopened run: a resumed stage does not log a step twice
         self._logged: dict[str, set[tuple[str, int]]] = {}
-        with _store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
+        with store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
             self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
-                location = _as_uri(artifact_location) if artifact_location else None
+                location = as_uri(artifact_location) if artifact_location else None
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
                 return
         self.experiment_id = found.experiment_id
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
-        all_tags = {**_process_tags(), **(tags or {})}
+        all_tags = {**process_tags(), **(tags or {})}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
@@ -184,7 +100,7 @@ class Tracker:
         """Mark a failed, killed or finished run as running again (a retried or rerun stage continues its own run),
         in this process; the steps it logged already are not logged again."""
         self.client.update_run(run_id, status="RUNNING")
-        self.set_tags(run_id, _process_tags())
+        self.set_tags(run_id, process_tags())
         logged = set()
         for key in self.client.get_run(run_id).data.metrics:
             logged |= {(key, m.step) for m in self.client.get_metric_history(run_id, key)}
@@ -194,11 +110,11 @@ class Tracker:
         """Mark KILLED the RUNNING runs of this experiment started on this host by a process that is gone (killed
         with SIGKILL, or its machine lost power): runs of processes still alive, or of other hosts, are left
         alone. Returns their ids."""
-        this_host = _process_tags()[HOST_TAG]
+        this_host = process_tags()[HOST_TAG]
         ended = []
         for run in self.search_runs("attributes.status = 'RUNNING'"):
             pid = run.tags.get(PID_TAG, "")
-            if run.tags.get(HOST_TAG) == this_host and pid.isdigit() and not _process_alive(int(pid)):
+            if run.tags.get(HOST_TAG) == this_host and pid.isdigit() and not process_alive(int(pid)):
                 self.client.set_terminated(run.run_id, status="KILLED")
                 ended.append(run.run_id)
         return ended
@@ -230,7 +146,7 @@ class Tracker:
         for start in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[start : start + 500])
 
-    def metric_logger(self, run_id: str, also: Callable[[dict[str, float], int], None] | None = None):
+    def metric_logger(self, run_id: str, also: LogFn | None = None) -> LogFn:
         """A ``log(metrics, step)`` callable for the library's training loops."""
 
         def log(metrics: dict[str, float], step: int) -> None:
@@ -406,14 +322,6 @@ class RunRecord:
     @property
     def parent_run_id(self) -> str | None:
         return self.tags.get("mlflow.parentRunId")
-
-
-def store_exists(uri: str) -> bool:
-    """False for a ``sqlite:///`` store whose file is missing (opening it would create an empty one)."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix):
-        return Path(uri[len(prefix) :]).is_file()
-    return True
 
 
 def experiment_names(uri: str) -> list[str]:

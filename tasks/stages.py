@@ -17,9 +17,11 @@ from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, Runtime
 from rlhf.data import prepare
 from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.length_control import EVAL_WARNING_TAG
-from rlhf.models import load_tokenizer, set_threads
+from rlhf.models.device import set_threads
+from rlhf.models.loading import load_tokenizer
+from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
-from rlhf.ppo.state import run_choices, same_vocabulary
+from rlhf.ppo.models import run_choices
 from rlhf.ppo.trainer import train_ppo
 from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
 from tasks.runs import (

@@ -18,8 +18,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from rlhf import models  # noqa: E402
 from rlhf.data import synthetic  # noqa: E402
+from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer  # noqa: E402
+from rlhf.models.loading import load_reward_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,11 +30,11 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """A tiny GPT-2 policy and a scalar-head model from it, saved and loadable with the Auto classes."""
     root = tmp_path_factory.mktemp("tiny")
     texts = [d.prompt + d.response for d in synthetic.demonstrations(200, seed=0)]
-    tok = models.build_tokenizer(texts, vocab_size=300)
-    policy = models.build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=256, seed=0)
+    tok = build_tokenizer(texts, vocab_size=300)
+    policy = build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=256, seed=0)
     policy.save_pretrained(root / "policy")
     tok.save_pretrained(root / "policy")
-    reward = models.load_reward_model(str(root / "policy"), torch.device("cpu"))
+    reward = load_reward_model(str(root / "policy"), torch.device("cpu"))
     torch.nn.init.normal_(reward.score.weight, std=0.5)  # a non-trivial head, so scores differ
     reward.save_pretrained(root / "reward")
     tok.save_pretrained(root / "reward")

@@ -102,7 +102,7 @@ def test_cli_reports_bad_config_before_loading_anything(tmp_path, capsys):
 
 
 def test_readme_config_reference_is_current():
-    from rlhf.config_docs import README_END, README_START, reference_markdown
+    from rlhf.config.docs import README_END, README_START, reference_markdown
 
     readme = (REPO / "README.md").read_text()
     block = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
@@ -156,7 +156,7 @@ def test_tracking_probe_accepts_a_live_server_and_a_writable_sqlite_folder(tmp_p
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from rlhf.tracking import check_tracking_uri
+    from rlhf.tracking_store import check_tracking_uri
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802

@@ -8,9 +8,9 @@ import json
 import pandas as pd
 import pytest
 
-from rlhf import models
 from rlhf.config import load_config
 from rlhf.data.prepare import prepare_preferences
+from rlhf.models.bootstrap import build_tokenizer
 
 QWEN_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -140,7 +140,7 @@ def test_hh_transcripts_rendered_with_the_chat_template(tmp_path, chat_tokenizer
         expected[prompt] = (prompt, f"It is {i + 1}.{END}", f"No idea.{END}")
     check_everywhere(train, evals, sft, prompts, expected)
     # the policy has no chat template (the tiny GPT-2): HH text is used as it is, the documented plain fallback
-    plain = models.build_tokenizer(["hello world"] * 10, vocab_size=300)
+    plain = build_tokenizer(["hello world"] * 10, vocab_size=300)
     plain.save_pretrained(tmp_path / "plain")
     (tmp_path / "plain" / "config.json").write_text("{}")
     _, train, *_ = prepare(tmp_path, rows[:8], None, f"data.tokenizer={tmp_path / 'plain'}")

@@ -7,11 +7,11 @@ import json
 import pandas as pd
 import pytest
 
-from rlhf import models
 from rlhf.config import DataConfig
 from rlhf.data.formats import ChatRenderer, plan_columns
 from rlhf.data.prepare import prepare_preferences
 from rlhf.errors import DataError
+from rlhf.models.bootstrap import build_tokenizer
 
 
 def prepare(tmp_path, rows: list[dict], **cfg):
@@ -101,7 +101,7 @@ def test_conversational_mapped_with_prompt_messages(tmp_path):
 
 
 def test_conversational_uses_the_tokenizer_chat_template(tmp_path):
-    tok = models.build_tokenizer(["hello world"] * 10, vocab_size=300)
+    tok = build_tokenizer(["hello world"] * 10, vocab_size=300)
     tok.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"

@@ -10,10 +10,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlhf import models
 from rlhf.config import load_config
 from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.data.prepare import length_table, prepare_preferences
+from rlhf.models.bootstrap import build_tokenizer
+from rlhf.models.loading import load_tokenizer
 
 WORDS = "the a film plot music was great dull superb long short story actor scene".split()
 
@@ -42,7 +43,7 @@ def hh_file(path, n: int = 50, seed: int = 0) -> str:
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tok")
-    models.build_tokenizer([" ".join(WORDS)] * 20, vocab_size=300).save_pretrained(folder)
+    build_tokenizer([" ".join(WORDS)] * 20, vocab_size=300).save_pretrained(folder)
     return str(folder)
 
 
@@ -61,7 +62,7 @@ def test_length_shares_match_a_direct_count(tmp_path, tokenizer_dir):
     assert section["unit"] == "tokens" and section["tokenizer"] == tokenizer_dir
 
     # a direct count over the written files with the tokenizer, as the stages encode the texts
-    tok = models.load_tokenizer(tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
 
     def n(texts) -> np.ndarray:
         return np.array([len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts])

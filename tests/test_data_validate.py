@@ -7,11 +7,11 @@ import json
 import pandas as pd
 import pytest
 
-from rlhf import models
 from rlhf.config import DataConfig, RuntimeConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import drop_report, prepare_preferences
 from rlhf.errors import DataError
+from rlhf.models.bootstrap import build_tokenizer
 
 
 def good(n: int, start: int = 0) -> list[dict]:
@@ -109,7 +109,7 @@ def test_length_limit_in_characters(tmp_path):
 
 
 def test_length_limit_in_tokens_uses_the_tokenizer(tmp_path):
-    tok = models.build_tokenizer(["good bad hello world"] * 20, vocab_size=300)
+    tok = build_tokenizer(["good bad hello world"] * 20, vocab_size=300)
     tok.save_pretrained(tmp_path / "tok")
     long_text = " ".join(["hello"] * 30)
     rows = good(10) + [{"prompt": "q", "chosen": "fine", "rejected": long_text}]
@@ -168,7 +168,7 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
 
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in good(10) + good(2)))
-    models.build_tokenizer(["good bad q"] * 20, vocab_size=300).save_pretrained(tmp_path / "tok")
+    build_tokenizer(["good bad q"] * 20, vocab_size=300).save_pretrained(tmp_path / "tok")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = Tracker(uri, "t", str(tmp_path / "artifacts"))
     ctx = TrackingContext(
@@ -198,7 +198,7 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
 def test_token_lengths_match_the_tokenizer_call():
     from rlhf.data.validate import token_lengths
 
-    tok = models.build_tokenizer(["good bad hello world"] * 20, vocab_size=300)
+    tok = build_tokenizer(["good bad hello world"] * 20, vocab_size=300)
     texts = ["hello world", "good", "ünïcödé 😀 \n\nAssistant: x", ""]
     expected = [len(ids) for ids in tok(texts)["input_ids"]]
     assert token_lengths(tok, texts) == expected  # the fast backend path

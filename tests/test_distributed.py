@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf.config import PPOConfig
 from rlhf.data import synthetic
 from rlhf.ppo import distributed
-from rlhf.ppo.state import prompt_batch
+from rlhf.ppo.prompts import prompt_batch
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
 

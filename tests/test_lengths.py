@@ -13,7 +13,7 @@ from rlhf import reward as reward_module
 from rlhf.batching import Fit, encode_and_measure, encode_prompt_response, fit_lengths, pair_lengths
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, load_config
 from rlhf.errors import ConfigError
-from rlhf.models import load_tokenizer
+from rlhf.models.loading import load_tokenizer
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
 

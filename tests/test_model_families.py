@@ -15,25 +15,23 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf import evaluate as evaluation
-from rlhf import models
+from rlhf import scoring
 from rlhf.batching import encode_prompt_response, encode_prompts, pad_left
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.evaluate import evaluate_policies
-from rlhf.models import unwrap
+from rlhf.generation import GenerationSettings, sample_responses
+from rlhf.models.heads import PolicyValueHead, sequence_scores, token_scores
+from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
+from rlhf.models.stop_tokens import checkpoint_stop_tokens
+from rlhf.models.training import adamw, is_gradient_checkpointing, unwrap
 from rlhf.ppo import update as ppo_update
-from rlhf.ppo.rollout import GenerationSettings, policy_forward, sample_responses
-from rlhf.ppo.state import (
-    PolicyValueHead,
-    checkpoint_stop_tokens,
-    load_models,
-    load_state,
-    prompt_batch,
-    run_choices,
-)
+from rlhf.ppo.models import load_models, run_choices
+from rlhf.ppo.prompts import prompt_batch
+from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import PPOResult, generation_settings, train_ppo
 from rlhf.reward import train_reward_model
+from rlhf.scoring import policy_forward
 from rlhf.sft import finetune_sft
 from tests.model_zoo import CHAT_FAMILIES, FAMILIES, SPECS, build_family
 
@@ -162,11 +160,11 @@ def test_reward_model_trains_from_the_sft_checkpoint(stacks, data, family):
     path = _rm(stacks(family), data)
     config = AutoConfig.from_pretrained(path)
     assert config.num_labels == 1 and isinstance(config.pad_token_id, int)  # Llama 3: eos_token_id is a list
-    rm = models.load_reward_model(path, CPU)
-    tok = models.load_tokenizer(path)
+    rm = load_reward_model(path, CPU)
+    tok = load_tokenizer(path)
     batch = encode_prompt_response(tok, PROMPTS, [" the plot was good.", " the cast was bad."], 48)
     with torch.no_grad():
-        scores = models.sequence_scores(rm, batch.input_ids, batch.attention_mask)
+        scores = sequence_scores(rm, batch.input_ids, batch.attention_mask)
     assert scores.shape == (2,) and torch.isfinite(scores).all()
 
 
@@ -184,13 +182,13 @@ def _spy_prompts(monkeypatch, module) -> list[torch.Tensor]:
 
 
 def _assert_bos_led(family: str, path: str, rows: list[torch.Tensor]) -> None:
-    bos = models.load_tokenizer(path).bos_token_id
+    bos = load_tokenizer(path).bos_token_id
     assert rows and all((int(row[0]) == bos) == SPECS[family].style.add_bos for row in rows)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ppo_trains_with_a_value_model_from_the_reward_model(stacks, data, family, monkeypatch):
-    prompts = _spy_prompts(monkeypatch, ppo_update)
+    prompts = _spy_prompts(monkeypatch, scoring)  # PPO rollouts sample through rlhf.scoring
     stack = stacks(family)
     stack.ppo = None  # this test runs PPO (the evaluation test reuses the result)
     result = _ppo(stack, data)
@@ -206,7 +204,7 @@ def test_ppo_trains_with_a_value_model_from_the_reward_model(stacks, data, famil
 def test_evaluation_compares_the_ppo_and_sft_policies(stacks, data, family, tmp_path, monkeypatch):
     stack = stacks(family)
     policy_path = _ppo(stack, data).policy_path
-    prompts = _spy_prompts(monkeypatch, evaluation)
+    prompts = _spy_prompts(monkeypatch, scoring)  # and so does evaluation
     result = evaluate_policies(
         EvalConfig(n_prompts=4, batch_size=4, max_new_tokens=6),
         _ppo_cfg(),
@@ -231,7 +229,7 @@ def test_lora_default_targets_with_a_policy_head_value(stacks, data, family, tmp
     cfg = _ppo_cfg(value_model="policy_head", gradient_checkpointing=True, lora={"enabled": True, "r": 2, "alpha": 4})
     m = load_models(cfg, RUNTIME, stack.sft, _rm(stack, data), _rm(stack, data), CPU)
     assert isinstance(m.value, PolicyValueHead)
-    assert models.is_gradient_checkpointing(unwrap(m.policy))
+    assert is_gradient_checkpointing(unwrap(m.policy))
     adapted = {
         name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in m.policy.named_parameters() if "lora_A" in name
     }
@@ -261,7 +259,7 @@ def test_first_minibatch_ratio_is_exactly_one(stacks, data, family):
     stack = stacks(family)
     cfg = _ppo_cfg(forward_batch_size=3, gradient_checkpointing=True)
     m = load_models(cfg, RUNTIME, stack.sft, _rm(stack, data), _rm(stack, data), CPU)
-    assert models.is_gradient_checkpointing(m.policy) and models.is_gradient_checkpointing(m.value)
+    assert is_gradient_checkpointing(m.policy) and is_gradient_checkpointing(m.value)
     state = load_state(stack.root / "no-state", m, cfg, 0, CPU)
     ids = encode_prompts(m.tokenizer, data.prompts, cfg.max_prompt_tokens)
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
@@ -282,8 +280,8 @@ def test_logprobs_are_those_of_the_sampling_distribution(family_checkpoint, fami
     """policy_forward's log-probs equal log_softmax of the logits the sampler drew from (KV cache, left padding)
     and of the model's own full forward of each row alone (Gemma-2: with its final logit soft-cap)."""
     path = str(family_checkpoint(family))
-    tok = models.load_tokenizer(path)
-    policy = models.load_causal_lm(path, CPU).eval()
+    tok = load_tokenizer(path)
+    policy = load_causal_lm(path, CPU).eval()
     with torch.no_grad():  # logits of a trained model's size (std ~2), where Gemma-2's soft-cap shows
         policy.get_output_embeddings().weight.mul_(20.0)
     ids, mask = pad_left(encode_prompts(tok, PROMPTS), tok.pad_token_id)
@@ -349,7 +347,7 @@ def test_end_of_turn_is_found_from_the_chat_template_alone(family_checkpoint, fa
     shutil.copytree(family_checkpoint(family), folder)
     (folder / "generation_config.json").unlink()
     config = json.loads((folder / "config.json").read_text())
-    tok = models.load_tokenizer(str(folder))
+    tok = load_tokenizer(str(folder))
     config["eos_token_id"] = tok.eos_token_id
     (folder / "config.json").write_text(json.dumps(config))
     stops = checkpoint_stop_tokens(str(folder), [], trust_remote_code=False)
@@ -359,7 +357,7 @@ def test_end_of_turn_is_found_from_the_chat_template_alone(family_checkpoint, fa
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prompts_start_with_one_bos_when_the_tokenizer_adds_one(family_checkpoint, family):
-    tok = models.load_tokenizer(str(family_checkpoint(family)))
+    tok = load_tokenizer(str(family_checkpoint(family)))
     bos = [tok.bos_token_id] if SPECS[family].style.add_bos else []
     texts = [PROMPTS[1]]
     if tok.chat_template:  # the Llama 3, Mistral and Gemma templates write the BOS text: no second BOS
@@ -383,13 +381,13 @@ def test_prompts_start_with_one_bos_when_the_tokenizer_adds_one(family_checkpoin
 def test_a_bf16_checkpoint_trains_with_float32_master_weights(tmp_path):
     path = str(build_family("qwen2", tmp_path / "qwen2-bf16", dtype=torch.bfloat16))
     assert AutoConfig.from_pretrained(path).dtype == torch.bfloat16
-    frozen = models.load_causal_lm(path, CPU, **models.load_options(RuntimeConfig(dtype="bfloat16"), CPU, False))
+    frozen = load_causal_lm(path, CPU, **load_options(RuntimeConfig(dtype="bfloat16"), CPU, False))
     assert frozen.dtype == torch.bfloat16  # a frozen model: the runtime dtype
-    model = models.load_causal_lm(path, CPU, **models.load_options(RUNTIME, CPU, trainable=True))
+    model = load_causal_lm(path, CPU, **load_options(RUNTIME, CPU, trainable=True))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    opt = models.adamw(model.parameters(), lr=1e-5)
-    tok = models.load_tokenizer(path)
+    opt = adamw(model.parameters(), lr=1e-5)
+    tok = load_tokenizer(path)
     ids = torch.tensor(encode_prompts(tok, [PROMPTS[1]]))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
@@ -427,7 +425,7 @@ def test_reward_model_from_a_two_label_classifier(family_checkpoint, tmp_path, d
     config.problem_type = "single_label_classification"
     classifier = AutoModelForSequenceClassification.from_pretrained(base, config=config)
     classifier.save_pretrained(tmp_path / "classifier")
-    models.load_tokenizer(str(base)).save_pretrained(tmp_path / "classifier")
+    load_tokenizer(str(base)).save_pretrained(tmp_path / "classifier")
     rm_cfg = RewardConfig(epochs=1, batch_size=4, lr=1e-3, eval_every=100, max_length=48)
     rm = train_reward_model(
         rm_cfg, RUNTIME, str(tmp_path / "classifier"), data.train, data.eval, tmp_path / "rm", 0, _nolog
@@ -440,13 +438,13 @@ def test_reward_model_from_a_two_label_classifier(family_checkpoint, tmp_path, d
 
 
 def test_models_load_with_the_runtime_attention_implementation(family_checkpoint):
-    def attn(family: str, runtime: RuntimeConfig, loader=models.load_causal_lm) -> str:
-        model = loader(str(family_checkpoint(family)), CPU, **models.load_options(runtime, CPU, trainable=True))
+    def attn(family: str, runtime: RuntimeConfig, loader=load_causal_lm) -> str:
+        model = loader(str(family_checkpoint(family)), CPU, **load_options(runtime, CPU, trainable=True))
         return model.config._attn_implementation
 
     assert attn("llama", RUNTIME) == "sdpa"
     assert attn("llama", RuntimeConfig(attn_implementation="eager")) == "eager"
-    assert attn("llama", RuntimeConfig(attn_implementation="eager"), models.load_reward_model) == "eager"
+    assert attn("llama", RuntimeConfig(attn_implementation="eager"), load_reward_model) == "eager"
     assert attn("gemma2", RUNTIME) == "eager"  # no sdpa kernel for soft-capped attention logits: eager
 
 
@@ -454,13 +452,13 @@ def test_models_load_with_the_runtime_attention_implementation(family_checkpoint
 def test_scores_do_not_depend_on_left_padding(family_checkpoint, family):
     """Value and reward scores of a left-padded batch are those of each row alone (positions skip the padding)."""
     path = str(family_checkpoint(family))
-    tok = models.load_tokenizer(path)
-    model = models.load_reward_model(path, CPU).eval()
+    tok = load_tokenizer(path)
+    model = load_reward_model(path, CPU).eval()
     with torch.no_grad():
         torch.nn.init.normal_(model.score.weight, std=1.0)
         ids, mask = pad_left(encode_prompts(tok, PROMPTS), tok.pad_token_id)
-        batched = models.token_scores(model, ids, mask)
+        batched = token_scores(model, ids, mask)
         for row in range(len(ids)):
             n = int(mask[row].sum())
-            alone = models.token_scores(model, ids[row : row + 1, -n:], mask[row : row + 1, -n:])
+            alone = token_scores(model, ids[row : row + 1, -n:], mask[row : row + 1, -n:])
             torch.testing.assert_close(batched[row, -n:], alone[0], atol=1e-4, rtol=1e-4)

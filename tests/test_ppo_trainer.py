@@ -8,16 +8,19 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf import models
 from rlhf.batching import encode_prompts
 from rlhf.config import DataConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.data.prepare import prepare_preferences
+from rlhf.errors import TrainingInterrupted as RMInterrupted
+from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
+from rlhf.models.loading import load_causal_lm
 from rlhf.ops import GAEOutput
 from rlhf.ppo import update as ppo_update
-from rlhf.ppo.state import load_models, load_state, prompt_batch
+from rlhf.ppo.models import load_models
+from rlhf.ppo.prompts import prompt_batch
+from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import TrainingInterrupted, generation_settings, train_ppo
-from rlhf.reward import TrainingInterrupted as RMInterrupted
 from rlhf.reward import train_reward_model
 from rlhf.sft import bootstrap_sft
 
@@ -275,13 +278,13 @@ def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
         lambda m, s: logged.__setitem__(s, m),
     )
     assert result.updates == 2 and all(math.isfinite(logged[s]["policy/loss"]) for s in (1, 2))
-    policy = models.load_causal_lm(result.policy_path, torch.device("cpu"))  # merged LoRA loads as a plain model
+    policy = load_causal_lm(result.policy_path, torch.device("cpu"))  # merged LoRA loads as a plain model
     assert policy.config.model_type == "gpt2"
     if options.get("lora"):
         # LoRA's B starts at zero: the policy equals its adapters-disabled base, the reference, at update 1 ...
         assert logged[1]["objective/kl"] == pytest.approx(0.0, abs=1e-6)
         # ... and training moved the adapters only, so the merged policy differs from the SFT model
-        sft = models.load_causal_lm(stack["sft"], torch.device("cpu"))
+        sft = load_causal_lm(stack["sft"], torch.device("cpu"))
         assert not torch.equal(policy.transformer.h[0].attn.c_attn.weight, sft.transformer.h[0].attn.c_attn.weight)
         assert torch.equal(policy.transformer.h[0].mlp.c_fc.weight, sft.transformer.h[0].mlp.c_fc.weight)
 
@@ -289,8 +292,8 @@ def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
 def test_reward_model_with_a_different_tokenizer_retokenizes(stack, tmp_path):
     # a reward model whose tokenizer has a different vocabulary: scores go through decoded text
     texts = [d.prompt + d.response for d in synthetic.demonstrations(300, seed=5)]
-    tok = models.build_tokenizer(texts, vocab_size=290)
-    lm = models.build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=128, seed=1)
+    tok = build_tokenizer(texts, vocab_size=290)
+    lm = build_tiny_gpt2(tok, n_layer=1, n_head=2, n_embd=32, n_positions=128, seed=1)
     lm.save_pretrained(tmp_path / "other")
     tok.save_pretrained(tmp_path / "other")
     cfg = _cfg(total_episodes=16)

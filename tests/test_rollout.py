@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from rlhf import models
 from rlhf.batching import pad_left
+from rlhf.generation import GenerationSettings, filter_logits, sample_responses, truncate_at_stop
+from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.ops import logprobs_from_logits
-from rlhf.ppo.rollout import GenerationSettings, filter_logits, policy_forward, sample_responses, truncate_at_stop
+from rlhf.scoring import policy_forward
 
 
 def test_truncate_at_stop_keeps_the_stop_token_and_pads_after():
@@ -26,8 +27,8 @@ def test_filter_logits_top_k_and_top_p():
 
 
 def _setup(tiny_checkpoints):
-    tok = models.load_tokenizer(tiny_checkpoints["policy"])
-    policy = models.load_causal_lm(tiny_checkpoints["policy"], torch.device("cpu")).eval()
+    tok = load_tokenizer(tiny_checkpoints["policy"])
+    policy = load_causal_lm(tiny_checkpoints["policy"], torch.device("cpu")).eval()
     prompts = ["Review of The Silent River:", "Review of The Paper Horizon, a long one:"]
     ids, mask = pad_left(tok(prompts, add_special_tokens=False)["input_ids"], tok.pad_token_id)
     return tok, policy, ids, mask
@@ -81,7 +82,7 @@ def test_sampling_is_seeded_and_stops(tiny_checkpoints):
 
 
 def test_sample_from_logits_matches_the_distribution():
-    from rlhf.ppo.rollout import sample_from_logits
+    from rlhf.generation import sample_from_logits
 
     probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
     logits = torch.log(probs).expand(40000, 4)  # the zero-probability token is -inf

@@ -54,7 +54,7 @@ def generate(path: Path, rows: int, seed: int = 0, chunk: int = 100_000) -> None
 
 def save_tokenizer(folder: Path) -> str:
     """A small byte-level BPE tokenizer trained on a sample of the generated text."""
-    from rlhf.models import build_tokenizer
+    from rlhf.models.bootstrap import build_tokenizer
 
     rng = random.Random(1)
     texts = [" ".join(make_row(i, rng).values()) for i in range(2000)]

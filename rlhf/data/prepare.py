@@ -143,7 +143,7 @@ def _load_tokenizer(cfg: DataConfig) -> Any:
                 "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
             )
         return None
-    from rlhf.models import load_tokenizer
+    from rlhf.models.loading import load_tokenizer
 
     try:
         return load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision, trust_remote_code=False)

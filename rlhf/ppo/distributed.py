@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from rlhf import models
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
+from rlhf.models.device import resolve_device
 from rlhf.ops import masked_mean, masked_var
 
 
@@ -51,7 +51,7 @@ def _env_int(name: str, default: int) -> int:
 
 def _device(runtime: RuntimeConfig, local_rank: int) -> torch.device:
     """CUDA devices are one per process, picked by the local rank ('cuda:N' in the config is overridden)."""
-    device = models.resolve_device(runtime.device)
+    device = resolve_device(runtime.device)
     if device.type != "cuda":
         return device
     if local_rank >= torch.cuda.device_count():
@@ -68,7 +68,7 @@ def init_distributed(runtime: RuntimeConfig) -> DistContext:
     """The context of this process; initialises the process group only when WORLD_SIZE > 1."""
     world_size = world_size_from_env()
     if world_size <= 1:
-        return DistContext(device=models.resolve_device(runtime.device))
+        return DistContext(device=resolve_device(runtime.device))
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     device = _device(runtime, local_rank)
     if device.type == "cuda":

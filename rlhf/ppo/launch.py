@@ -33,6 +33,7 @@ import yaml
 from rlhf.checkpoints import atomic_write_text
 from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_config
 from rlhf.errors import ConfigError
+from rlhf.logs import LogFn
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.trainer import PPOResult, TrainingInterrupted, train_ppo
@@ -80,9 +81,6 @@ def read_prompts(path: str) -> list[str]:
     if "prompt" not in frame.columns:
         raise ConfigError(f"--prompts: {file} has no 'prompt' column (columns: {', '.join(frame.columns)})")
     return frame["prompt"].astype(str).tolist()
-
-
-LogFn = Callable[[dict[str, float], int], None]
 
 
 def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -> tuple[LogFn, Callable[[bool], None]]:

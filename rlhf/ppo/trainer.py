@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,23 +11,24 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from rlhf import models
 from rlhf.batching import bos_prefix, encode_prompts, keep_last
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
+from rlhf.generation import GenerationSettings
+from rlhf.logs import GoldFn, LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
+from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
-from rlhf.ppo.rollout import GenerationSettings
-from rlhf.ppo.state import PPOModels, TrainerState, load_models, load_state, prompt_batch, save_final, save_state
+from rlhf.ppo.models import PPOModels, load_models
+from rlhf.ppo.prompts import prompt_batch
+from rlhf.ppo.state import TrainerState, load_state, save_final, save_state
 from rlhf.ppo.stats import rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
 
-LogFn = Callable[[dict[str, float], int], None]
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
 logger = logging.getLogger(__name__)
-GoldFn = Callable[[str, str], float]
 
 
 @dataclass
@@ -41,9 +41,9 @@ class PPOResult:
     param_digest: str = ""  # several processes, when asked: this rank's digest of the final parameters
 
 
-def generation_settings(cfg: PPOConfig, m: PPOModels) -> GenerationSettings:
+def generation_settings(cfg: PPOConfig, models: PPOModels) -> GenerationSettings:
     return GenerationSettings(
-        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, m.stop_token_ids, m.tokenizer.pad_token_id
+        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, models.stop_token_ids, models.tokenizer.pad_token_id
     )
 
 
@@ -74,20 +74,20 @@ def train_ppo(
     `param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
     """
     out_dir = Path(out_dir)
-    dist = dist if dist is not None else DistContext(device=models.resolve_device(runtime.device))
+    dist = dist if dist is not None else DistContext(device=resolve_device(runtime.device))
     distributed.check_world_size(cfg, dist.world_size)
     device = dist.device
     reset_peak_memory(device)
-    m = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
-    state = load_state(out_dir / "state", m, cfg, seed, device, dist.rank, dist.world_size)
+    models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
+    state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
     if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
-        distributed.broadcast_parameters(m.policy)
-        distributed.broadcast_parameters(m.value_trainable())
-    settings = generation_settings(cfg, m)
+        distributed.broadcast_parameters(models.policy)
+        distributed.broadcast_parameters(models.value_trainable())
+    settings = generation_settings(cfg, models)
     prompt_ids, pending = truncated_prompts(
-        encode_prompts(m.tokenizer, prompts), len(bos_prefix(m.tokenizer)), cfg, dist
+        encode_prompts(models.tokenizer, prompts), len(bos_prefix(models.tokenizer)), cfg, dist
     )
-    dtype = models.compute_dtype(runtime.dtype, device)
+    dtype = compute_dtype(runtime.dtype, device)
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -95,10 +95,10 @@ def train_ppo(
     for update in bar:
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
-        pad_id = m.tokenizer.pad_token_id
+        pad_id = models.tokenizer.pad_token_id
         batch = prompt_batch(prompt_ids, update, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size)
         rollout = generate_and_score(
-            m,
+            models,
             batch.ids.to(device),
             batch.mask.to(device),
             batch.indices,
@@ -111,12 +111,12 @@ def train_ppo(
         # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
-        optim = optimize(m, state, rollout, cfg, dtype, dist, runtime.on_nonfinite, log if dist.is_main else None)
+        optim = optimize(models, state, rollout, cfg, dtype, dist, runtime.on_nonfinite, log if dist.is_main else None)
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
         if cfg.record_rollouts or gold_fn is not None:
-            records = rollout_records(m, update, prompts, rollout, gold_fn)
+            records = rollout_records(models, update, prompts, rollout, gold_fn)
             if gold_fn is not None:
                 stats["objective/gold_score"] = float(records["gold_score"].mean())
             if cfg.record_rollouts:
@@ -130,21 +130,21 @@ def train_ppo(
             pending = {}  # the prompts' truncation share: logged once, with the first logged update
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
-            checkpoint_state(out_dir / "state", m, state, dist)
+            checkpoint_state(out_dir / "state", models, state, dist)
         if stop_after is not None and state.step == stop_after and state.step < total:
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
     final = out_dir / "final"
     digest = ""
     if dist.is_main:
         with atomic_dir(final) as tmp:
-            save_final(tmp, m)
+            save_final(tmp, models)
             digest = write_manifest(tmp, stage="ppo", updates=state.step)["digest"]
     params = ""
     if dist.world_size > 1:
         digest = distributed.broadcast_object(digest)  # also waits until rank 0 has written `final`
         if param_digest:
-            params = distributed.parameter_digest(m.policy, m.value_trainable())
-    value_path = final / "value" / "value_head.safetensors" if m.shared_value_head else final / "value"
+            params = distributed.parameter_digest(models.policy, models.value_trainable())
+    value_path = final / "value" / "value_head.safetensors" if models.shared_value_head else final / "value"
     return PPOResult(str(final / "policy"), str(value_path), digest, state.step, stats, params)
 
 
@@ -176,33 +176,33 @@ def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistC
     records.to_parquet(out_dir / "rollouts" / f"update_{update + 1:05d}.parquet", index=False)
 
 
-def checkpoint_state(folder: Path, m: PPOModels, state: TrainerState, dist: DistContext) -> None:
+def checkpoint_state(folder: Path, models: PPOModels, state: TrainerState, dist: DistContext) -> None:
     """Save the resume state: rank 0 writes it, with every rank's sampling generator state."""
     if dist.world_size == 1:
-        save_state(folder, m, state)
+        save_state(folder, models, state)
         return
     sample_rngs = distributed.all_gather_object(state.sample_generator.get_state())
     if dist.is_main:
-        save_state(folder, m, state, sample_rngs)
+        save_state(folder, models, state, sample_rngs)
     distributed.barrier()  # a rank that raises TrainingInterrupted next finds the state written
 
 
 def update_stats(
-    r: Rollout, optim_stats: dict[str, float], ratio_quantiles: list[float], kl_coef: float
+    rollout: Rollout, optim_stats: dict[str, float], ratio_quantiles: list[float], kl_coef: float
 ) -> dict[str, float]:
     stats = rollout_stats(
-        scores=r.scores,
-        shaped_scores=r.shaped_scores,
-        contains_stop=r.resp.contains_stop,
-        logprobs=r.logprobs,
-        ref_logprobs=r.ref_logprobs,
-        kl=r.kl,
-        non_score_rewards=r.non_score_rewards,
-        response_mask=r.mask,
-        query_lengths=r.qr_mask[:, : r.prompt_len].sum(1),
-        advantages=r.advantages,
-        returns=r.returns,
-        values=r.values,
+        scores=rollout.scores,
+        shaped_scores=rollout.shaped_scores,
+        contains_stop=rollout.resp.contains_stop,
+        logprobs=rollout.logprobs,
+        ref_logprobs=rollout.ref_logprobs,
+        kl=rollout.kl,
+        non_score_rewards=rollout.non_score_rewards,
+        response_mask=rollout.mask,
+        query_lengths=rollout.qr_mask[:, : rollout.prompt_len].sum(1),
+        advantages=rollout.advantages,
+        returns=rollout.returns,
+        values=rollout.values,
         kl_coef=kl_coef,
     )
     stats.update(optim_stats)
@@ -211,7 +211,7 @@ def update_stats(
 
 
 def speed_stats(
-    r: Rollout,
+    rollout: Rollout,
     stats: dict[str, float],
     t0: float,
     t_stats: float,
@@ -224,32 +224,34 @@ def speed_stats(
     now = time.perf_counter()
     total = now - t0
     return {
-        **r.timings,
+        **rollout.timings,
         "time/stats": now - t_stats,
         "time/total": total,
         "speed/episodes_per_s": batch_size / total,
-        "speed/tokens_per_s": float(r.mask.sum()) * world_size / total,
+        "speed/tokens_per_s": float(rollout.mask.sum()) * world_size / total,
         "memory/peak_mb": peak_memory_mb(device),
     }
 
 
-def rollout_records(m: PPOModels, update: int, prompts: list[str], r: Rollout, gold_fn: GoldFn | None) -> pd.DataFrame:
+def rollout_records(
+    models: PPOModels, update: int, prompts: list[str], rollout: Rollout, gold_fn: GoldFn | None
+) -> pd.DataFrame:
     """Per-sample records of one update (the Parquet artifact of the rollouts)."""
-    tok = m.tokenizer
-    responses = tok.batch_decode(
-        r.resp.tokens.masked_fill(r.resp.mask == 0, tok.pad_token_id), skip_special_tokens=True
+    tokenizer = models.tokenizer
+    responses = tokenizer.batch_decode(
+        rollout.resp.tokens.masked_fill(rollout.resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
     )
     frame = pd.DataFrame(
         {
             "update": update + 1,
-            "prompt": [prompts[i] for i in r.indices],
+            "prompt": [prompts[i] for i in rollout.indices],
             "response": responses,
-            "score": r.scores.cpu().numpy(),
-            "shaped_score": r.shaped_scores.cpu().numpy(),
-            "kl": r.kl.sum(1).cpu().numpy(),
-            "non_score_reward": r.non_score_rewards.sum(1).cpu().numpy(),
-            "response_len": r.resp.mask.sum(1).cpu().numpy(),
-            "contains_stop": r.resp.contains_stop.cpu().numpy(),
+            "score": rollout.scores.cpu().numpy(),
+            "shaped_score": rollout.shaped_scores.cpu().numpy(),
+            "kl": rollout.kl.sum(1).cpu().numpy(),
+            "non_score_reward": rollout.non_score_rewards.sum(1).cpu().numpy(),
+            "response_len": rollout.resp.mask.sum(1).cpu().numpy(),
+            "contains_stop": rollout.resp.contains_stop.cpu().numpy(),
         }
     )
     if gold_fn is not None:

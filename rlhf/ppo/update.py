@@ -11,16 +11,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhf import models
+from rlhf import scoring
 from rlhf.config import PPOConfig
-from rlhf.models import unwrap
-from rlhf.nonfinite import LogFn, skip_nonfinite
+from rlhf.generation import GenerationSettings, Responses
+from rlhf.logs import LogFn
+from rlhf.models.device import autocast
+from rlhf.models.training import unwrap
+from rlhf.nonfinite import skip_nonfinite
 from rlhf.ops import gae, masked_mean, masked_quantiles, masked_whiten, per_token_rewards, policy_loss, shape_scores
 from rlhf.ops import value_loss as value_loss_fn
 from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients, masked_mean_var
-from rlhf.ppo.rollout import GenerationSettings, Responses, policy_forward, sample_responses, value_forward
-from rlhf.ppo.state import PPOModels, TrainerState, reference_logprobs, reward_scores
+from rlhf.ppo.models import PPOModels
+from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import OptimStats
+from rlhf.scoring import policy_forward, value_forward
 
 
 @dataclass
@@ -50,13 +54,8 @@ class Rollout:
         return self.resp.mask.float()
 
 
-def _chunks(n: int, size: int | None) -> list[slice]:
-    size = size or n
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def generate_and_score(
-    m: PPOModels,
+    models: PPOModels,
     query: Tensor,
     query_mask: Tensor,
     indices: list[int],
@@ -68,73 +67,36 @@ def generate_and_score(
 ) -> Rollout:
     """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores.
 
-    `dtype` is the autocast dtype on CUDA (`models.compute_dtype` of runtime.dtype); float32 turns it off.
+    `indices` are the rows of `prompts` in the batch; `dtype` is the autocast dtype on CUDA
+    (`compute_dtype` of runtime.dtype); float32 turns it off. Shape: query, query_mask (b, p).
     """
-    device = query.device
-    t0 = time.perf_counter()
-    with models.autocast(device, dtype):
-        resp = sample_responses(unwrap(m.policy), query, query_mask, settings, generator)
-    query_responses = torch.cat([query, resp.tokens], 1)
-    qr_mask = torch.cat([query_mask, resp.mask], 1)
-    p = query.shape[1]
-    t1 = time.perf_counter()
-    chunks = _chunks(len(query), cfg.forward_batch_size)
     texts = [prompts[i] for i in indices] if prompts is not None else None
-
-    @torch.no_grad()
-    def policy_and_reference() -> tuple[Tensor, Tensor]:
-        with models.autocast(device, dtype):
-            logprobs = [
-                policy_forward(unwrap(m.policy), query_responses[s], qr_mask[s], p, cfg.temperature).logprobs
-                for s in chunks
-            ]
-            ref = [reference_logprobs(m, query_responses[s], qr_mask[s], p, cfg.temperature) for s in chunks]
-        return torch.cat(logprobs).float(), torch.cat(ref).float()
-
-    @torch.no_grad()
-    def values_and_scores() -> tuple[Tensor, Tensor]:
-        with models.autocast(device, dtype):
-            values = torch.cat([value_forward(m.value, query_responses[s], qr_mask[s], p) for s in chunks]).float()
-            scores = reward_scores(
-                m.reward,
-                m.reward_tokenizer,
-                m.tokenizer,
-                m.same_tokenizer,
-                texts,
-                query_responses,
-                qr_mask,
-                resp,
-                cfg.forward_batch_size,
-                device,
-            )
-        return values, scores
-
-    # (Running these two in two threads, as optimize does, measured no faster: batch-64 forwards use both cores.)
-    logprobs, ref_logprobs = policy_and_reference()
-    values, scores = values_and_scores()
-    t2 = time.perf_counter()
+    scored = scoring.generate_and_score(
+        models.scoring(), query, query_mask, texts, settings, generator, dtype, cfg.forward_batch_size
+    )
+    assert scored.values is not None  # PPO has a value model
     return Rollout(
         indices,
-        query_responses,
-        qr_mask,
-        p,
-        resp,
-        logprobs,
-        ref_logprobs,
-        values,
-        scores,
-        timings={"time/generate": t1 - t0, "time/score": t2 - t1},
+        scored.query_responses,
+        scored.qr_mask,
+        scored.prompt_len,
+        scored.resp,
+        scored.logprobs,
+        scored.ref_logprobs,
+        scored.values,
+        scored.scores,
+        timings=scored.timings,
     )
 
 
-def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistContext | None = None) -> Rollout:
+def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistContext | None = None) -> Rollout:
     """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), GAE, whitening.
 
     With several processes (`dist`), the whitening moments are those of the global batch (every rank's shard),
     so W processes whiten as one process with the same global batch would.
     """
     t0 = time.perf_counter()
-    mask = r.mask
+    mask = rollout.mask
     several = dist is not None and dist.world_size > 1
 
     def whiten(x: Tensor, restore_mean: bool) -> Tensor:
@@ -142,9 +104,9 @@ def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistCon
         return masked_whiten(x, mask, restore_mean=restore_mean, moments=moments)
 
     shaped = shape_scores(
-        r.scores,
-        r.resp.mask.sum(1),
-        r.resp.contains_stop,
+        rollout.scores,
+        rollout.resp.mask.sum(1),
+        rollout.resp.contains_stop,
         clip=cfg.score_clip,
         missing_stop_penalty=cfg.missing_eos_penalty,
         missing_stop_mode=cfg.missing_eos_mode,
@@ -152,14 +114,22 @@ def compute_advantages(r: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistCon
         min_length_penalty=cfg.min_length_penalty,
         min_length_mode=cfg.missing_eos_mode,
     )
-    tr = per_token_rewards(shaped.scores, r.logprobs, r.ref_logprobs, mask, kl_coef, cfg.kl_estimator)
-    rewards = whiten(tr.rewards, cfg.whiten_rewards_keep_mean) if cfg.whiten_rewards else tr.rewards
-    adv = gae(rewards, r.values, mask, cfg.gamma, cfg.lam)
-    r.shaped_scores, r.kl, r.non_score_rewards = shaped.scores, tr.kl, tr.non_score_rewards
-    r.advantages, r.returns = adv.advantages, adv.returns
-    r.loss_advantages = whiten(adv.advantages, False) if cfg.whiten_advantages else adv.advantages
-    r.timings["time/advantages"] = time.perf_counter() - t0
-    return r
+    token_rewards = per_token_rewards(
+        shaped.scores, rollout.logprobs, rollout.ref_logprobs, mask, kl_coef, cfg.kl_estimator
+    )
+    rewards = (
+        whiten(token_rewards.rewards, cfg.whiten_rewards_keep_mean) if cfg.whiten_rewards else token_rewards.rewards
+    )
+    adv = gae(rewards, rollout.values, mask, cfg.gamma, cfg.lam)
+    rollout.shaped_scores, rollout.kl, rollout.non_score_rewards = (
+        shaped.scores,
+        token_rewards.kl,
+        token_rewards.non_score_rewards,
+    )
+    rollout.advantages, rollout.returns = adv.advantages, adv.returns
+    rollout.loss_advantages = whiten(adv.advantages, False) if cfg.whiten_advantages else adv.advantages
+    rollout.timings["time/advantages"] = time.perf_counter() - t0
+    return rollout
 
 
 @dataclass
@@ -169,31 +139,35 @@ class OptimResult:
     ratio_quantiles: list[float]
 
 
-def _policy_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
+def _policy_micro(models: PPOModels, rollout: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
     """Policy forward, clipped loss (minus the entropy bonus) and its backward for one micro-batch."""
-    with models.autocast(micro.device, dtype):
+    with autocast(micro.device, dtype):
         out = policy_forward(
-            unwrap(m.policy),
-            r.query_responses[micro],
-            r.qr_mask[micro],
-            r.prompt_len,
+            unwrap(models.policy),
+            rollout.query_responses[micro],
+            rollout.qr_mask[micro],
+            rollout.prompt_len,
             cfg.temperature,
             with_entropy=True,
             entropy_grad=cfg.entropy_coef > 0,
         )
-    mb_mask = r.mask[micro]
-    pl = policy_loss(out.logprobs, r.logprobs[micro], r.loss_advantages[micro], mb_mask, cfg.cliprange)
+    mb_mask = rollout.mask[micro]
+    pl = policy_loss(out.logprobs, rollout.logprobs[micro], rollout.loss_advantages[micro], mb_mask, cfg.cliprange)
     entropy = masked_mean(out.entropy, mb_mask)
     ((pl.loss - cfg.entropy_coef * entropy) / cfg.gradient_accumulation_steps).backward()
-    ratios = torch.exp(out.logprobs.detach() - r.logprobs[micro])[mb_mask.bool()]
+    ratios = torch.exp(out.logprobs.detach() - rollout.logprobs[micro])[mb_mask.bool()]
     return pl, entropy, ratios
 
 
-def _value_micro(m: PPOModels, r: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
+def _value_micro(models: PPOModels, rollout: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
     """Value forward, clipped value loss and its backward for one micro-batch."""
-    with models.autocast(micro.device, dtype):
-        new_values = value_forward(m.value, r.query_responses[micro], r.qr_mask[micro], r.prompt_len).float()
-    vl = value_loss_fn(new_values, r.values[micro], r.returns[micro], r.mask[micro], cfg.cliprange_value)
+    with autocast(micro.device, dtype):
+        new_values = value_forward(
+            models.value, rollout.query_responses[micro], rollout.qr_mask[micro], rollout.prompt_len
+        ).float()
+    vl = value_loss_fn(
+        new_values, rollout.values[micro], rollout.returns[micro], rollout.mask[micro], cfg.cliprange_value
+    )
     (cfg.vf_coef * vl.loss / cfg.gradient_accumulation_steps).backward()
     return vl
 
@@ -212,13 +186,13 @@ def _value_worker() -> ThreadPoolExecutor:
 
 
 @contextlib.contextmanager
-def two_streams(device: torch.device, m: PPOModels, world_size: int = 1) -> Iterator[bool]:
+def two_streams(device: torch.device, models: PPOModels, world_size: int = 1) -> Iterator[bool]:
     """On a multi-threaded CPU with a separate value model, run policy-side and value-side work in two threads,
     each op single-threaded (no oversubscription); yields whether to. Small models' matmuls do not keep two
     cores busy on their own: this measured about 7% faster on the bench shape with 2 cores. Not with several
     processes: they already share the cores."""
     threads = torch.get_num_threads()
-    concurrent = device.type == "cpu" and not m.shared_value_head and threads > 1 and world_size == 1
+    concurrent = device.type == "cpu" and not models.shared_value_head and threads > 1 and world_size == 1
     if concurrent:
         torch.set_num_threads(1)
     try:
@@ -236,9 +210,9 @@ def _global_approxkl(running: OptimStats, world_size: int, device: torch.device)
 
 
 def optimize(
-    m: PPOModels,
+    models: PPOModels,
     state: TrainerState,
-    r: Rollout,
+    rollout: Rollout,
     cfg: PPOConfig,
     dtype: torch.dtype,
     dist: DistContext | None = None,
@@ -251,7 +225,7 @@ def optimize(
     value model on the CPU, the value model's forward and backward run in a second thread beside the policy's
     (each op single-threaded), which keeps both cores busy where one model's small matmuls would not.
 
-    With `dist` over W > 1 processes, `r` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
+    With `dist` over W > 1 processes, `rollout` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
     is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
     takes the same optimizer step. The shuffle generator is the same on all ranks (a permutation of local rows).
 
@@ -260,29 +234,29 @@ def optimize(
     steps and counts it in ``ppo/skipped_nonfinite``.
     """
     t0 = time.perf_counter()
-    device = r.query_responses.device
+    device = rollout.query_responses.device
     world_size = dist.world_size if dist is not None else 1
     running, per_minibatch, ratios = OptimStats(), [], []
     mini_size = cfg.mini_batch_size // world_size
     micro_size = mini_size // cfg.gradient_accumulation_steps
     stopped_early = 0.0
     skipped = 0
-    m.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
-    m.value.train()
-    with two_streams(device, m, world_size) as concurrent:
+    models.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
+    models.value.train()
+    with two_streams(device, models, world_size) as concurrent:
         for _epoch in range(cfg.num_ppo_epochs):
-            perm = torch.randperm(len(r.indices), generator=state.shuffle_generator)
-            for start in range(0, len(r.indices), mini_size):
+            perm = torch.randperm(len(rollout.indices), generator=state.shuffle_generator)
+            for start in range(0, len(rollout.indices), mini_size):
                 mb_stats = OptimStats()
                 for micro in perm[start : start + mini_size].split(micro_size):
                     micro = micro.to(device)
                     if concurrent:
-                        value_future = _value_worker().submit(_value_micro, m, r, micro, cfg, dtype)
-                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, dtype)
+                        value_future = _value_worker().submit(_value_micro, models, rollout, micro, cfg, dtype)
+                        pl, entropy, mb_ratios = _policy_micro(models, rollout, micro, cfg, dtype)
                         vl = value_future.result()
                     else:
-                        pl, entropy, mb_ratios = _policy_micro(m, r, micro, cfg, dtype)
-                        vl = _value_micro(m, r, micro, cfg, dtype)
+                        pl, entropy, mb_ratios = _policy_micro(models, rollout, micro, cfg, dtype)
+                        vl = _value_micro(models, rollout, micro, cfg, dtype)
                     ratios.append(mb_ratios)
                     mb_stats.add(
                         {
@@ -323,8 +297,8 @@ def optimize(
             if cfg.target_kl is not None and _global_approxkl(running, world_size, device) > cfg.target_kl:
                 stopped_early = 1.0
                 break
-    m.policy.eval()
-    m.value.eval()
+    models.policy.eval()
+    models.value.eval()
     state.policy_sched.step()
     state.value_sched.step()
     all_ratios = torch.cat(ratios).float()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rlhf.config import PipelineConfig
+from rlhf.config.pipeline import PipelineConfig
 
 
 def reference_markdown() -> str:

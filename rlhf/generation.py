@@ -1,4 +1,7 @@
-"""Rollouts: sample responses with a KV cache, truncate at the stop token, and score them under no grad."""
+"""Sampling responses: logit filtering, inverse-CDF sampling, a KV-cached decode loop, truncation at the stop token.
+
+Used by PPO rollouts and by evaluation (through `rlhf.scoring.generate_and_score`).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rlhf.models import lm_logits, position_ids_from_mask, token_scores
-from rlhf.ops import entropy_from_logits, logprobs_from_logits
+from rlhf.models.heads import position_ids_from_mask
 
 
 @dataclass(frozen=True)
 class GenerationSettings:
+    """How responses are sampled: length, temperature, top-k / nucleus filtering, stop and pad ids."""
+
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int | None = None
@@ -105,45 +109,3 @@ def sample_responses(
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         pos = pos[:, -1:] + 1
     return truncate_at_stop(torch.stack(tokens, 1), settings.stop_token_ids, settings.pad_token_id)
-
-
-class PolicyOutput(NamedTuple):
-    logprobs: Tensor  # (b, r)
-    entropy: Tensor | None  # (b, r)
-
-
-def policy_forward(
-    model: PreTrainedModel,
-    query_responses: Tensor,
-    attention_mask: Tensor,
-    prompt_len: int,
-    temperature: float,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-) -> PolicyOutput:
-    """Log-probs of the response tokens under `model` at the sampling temperature.
-
-    Only the hidden states that predict response tokens go through the LM head (no vocabulary projection of
-    the prompt), with the model's own logit post-processing (Gemma-2's soft-cap), so these are the log-probs of
-    the distribution `sample_responses` drew from. Shape: query_responses (b, p + r) -> (b, r).
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=query_responses,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
-    logits = lm_logits(model, hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
-    labels = query_responses[:, prompt_len:]
-    logprobs = logprobs_from_logits(logits, labels, temperature)
-    entropy = None
-    if with_entropy:  # a statistic unless it is in the loss: then no backward through a softmax over the vocabulary
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
-    return PolicyOutput(logprobs, entropy)
-
-
-def value_forward(model: PreTrainedModel, query_responses: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
-    """Value estimates of the states that precede each response token. Shape: (b, p + r) -> (b, r)."""
-    return token_scores(model, query_responses, attention_mask)[:, prompt_len - 1 : -1]

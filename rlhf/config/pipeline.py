@@ -1,0 +1,112 @@
+"""The whole pipeline's config: YAML loading, ``key.sub=value`` overrides, validation, digests and flattening."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from rlhf.config.base import Section, format_validation_error, read_yaml
+from rlhf.config.sections import DataConfig, RuntimeConfig, TrackingConfig
+from rlhf.config.stages import EvalConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.errors import ConfigError
+
+
+class PipelineConfig(Section):
+    """The whole pipeline: one YAML file (conf/default.yaml) maps onto this model."""
+
+    seed: int = Field(0, description="Global seed for model init, sampling and shuffling.")
+    run_name: str | None = Field(None, description="Name of the MLflow parent run; None picks one.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _data_tokenizer_is_the_policys(self) -> PipelineConfig:
+        """Chat data is rendered, and lengths measured, with the policy's tokenizer: `data.tokenizer` defaults to
+        `sft.model` (at `sft.revision`) when it is unset."""
+        if self.data.tokenizer is None and self.sft.model is not None:
+            self.data.tokenizer = self.sft.model
+            if self.data.tokenizer_revision is None:
+                self.data.tokenizer_revision = self.sft.revision
+        if self.data.max_length_tokens is not None and self.data.tokenizer is None:
+            raise ValueError(
+                "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
+            )
+        return self
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``'ppo.kl_coef=0.1'`` -> (['ppo', 'kl_coef'], 0.1); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override '{text}' has an empty key")
+    return parts, yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides to a raw config dict (validation happens afterwards)."""
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{'.'.join(parts[: i + 1])}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def build_config(raw: dict[str, Any], source: str = "config") -> PipelineConfig:
+    """Validate a raw dict; any problem becomes one ConfigError sentence naming the key."""
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load a YAML file (None: the defaults) and apply ``key.sub=value`` overrides."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        raw = read_yaml(path, "config file") or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, not {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    return build_config(raw, source)
+
+
+def section_digest(section: BaseModel | dict[str, Any]) -> str:
+    """Stable content digest of a config section (part of the stage cache keys)."""
+    data = section.model_dump(mode="json") if isinstance(section, BaseModel) else section
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(cfg: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into dotted keys (MLflow params)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{key}.{k}" if key else k)
+        else:
+            out[key] = node
+
+    walk(cfg.model_dump(mode="json"), prefix)
+    return out

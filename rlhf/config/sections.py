@@ -1,0 +1,226 @@
+"""The run-wide config sections: tracking, runtime and data."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlhf.config.base import Section
+
+
+class TrackingConfig(Section):
+    uri: str = Field("sqlite:///mlruns/mlflow.db", description="MLflow tracking URI (SQLite file or a server URL).")
+    artifact_location: str = Field(
+        "mlruns/artifacts", description="Where new experiments store artifacts (a local folder or an object-store URI)."
+    )
+    experiment: str = Field("rlhf-ppo", description="MLflow experiment name.")
+    log_checkpoints: bool = Field(True, description="Log every model checkpoint as an MLflow artifact.")
+    registered_model: str | None = Field(
+        None,
+        description="Register each pipeline run's PPO policy as a version of this MLflow registered model (tagged "
+        "with the evaluation summary; a cached policy keeps its version). Needs log_checkpoints.",
+    )
+
+    @model_validator(mode="after")
+    def _registry_needs_checkpoints(self) -> TrackingConfig:
+        if self.registered_model is not None and not self.registered_model.strip():
+            raise ValueError("tracking.registered_model must be a non-empty name (or null)")
+        if self.registered_model and not self.log_checkpoints:
+            raise ValueError(
+                "tracking.registered_model needs tracking.log_checkpoints: a model version points at the logged "
+                "checkpoint"
+            )
+        return self
+
+
+class RuntimeConfig(Section):
+    device: str = Field("auto", description="'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Compute dtype. Trained models (SFT, reward, PPO policy and value) keep float32 weights and run "
+        "under autocast in this dtype on CUDA; frozen ones (PPO reference and reward model, evaluation) are loaded "
+        "in it. 'auto': bfloat16 on a CUDA device that supports it, else float32. float16 has no loss scaling.",
+    )
+    attn_implementation: str | None = Field(
+        "sdpa",
+        description="Attention kernel of every loaded model ('sdpa', 'eager', 'flash_attention_2', ...); 'sdpa' "
+        "falls back to eager for models without it (Gemma-2); None lets transformers choose.",
+    )
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; None keeps torch's default.")
+    trust_remote_code: bool = Field(False, description="Allow model/tokenizer code from the hub. Off by default.")
+    output_dir: str = Field("outputs", description="Root folder for checkpoints and prepared data.")
+    progress: bool = Field(True, description="Show progress bars in the terminal.")
+    ppo_processes: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel processes of the PPO stage on this machine: > 1 runs it under torchrun (one per "
+        "GPU; gloo processes on CPU). ppo.batch_size stays the global batch.",
+    )
+    memory_check: Literal["error", "warn", "off"] = Field(
+        "error",
+        description="Before any weight loads, estimate each stage's memory from the model's config.json and compare "
+        "it with the device's free memory (RAM on CPU): 'error' stops with the estimate and the settings that would "
+        "fit, 'warn' only warns, 'off' skips the check.",
+    )
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="Memory budget of the check in GiB; None uses the device's free memory."
+    )
+    on_nonfinite: Literal["stop", "skip_update"] = Field(
+        "stop",
+        description="When a trainer's loss or gradient norm is NaN or infinite (SFT, reward model, PPO): 'stop' fails "
+        "the stage with the stage, step and statistic, keeping the last saved state (a rerun resumes from it; Prefect "
+        "does not retry); 'skip_update' skips that optimizer step and counts it in the metric */skipped_nonfinite.",
+    )
+
+    @field_validator("memory_check", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` as false
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bf16_is_dtype_now(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "bf16" in data:
+            raise ValueError("runtime.bf16 was replaced by runtime.dtype ('auto', 'float32', 'bfloat16' or 'float16')")
+        return data
+
+
+class SyntheticTaskConfig(Section):
+    seed: int = Field(0, description="Seed of the generated task (prompts, demonstrations, pairs).")
+    n_sft: int = Field(4000, ge=16, description="Number of SFT demonstrations.")
+    n_train_pairs: int = Field(4000, ge=16, description="Number of training preference pairs.")
+    n_eval_pairs: int = Field(500, ge=8, description="Number of held-out preference pairs.")
+    label_noise: float = Field(
+        0.1, ge=0.0, lt=0.5, description="Probability that a training pair's label is flipped (human-like noise)."
+    )
+
+
+# Roles a source column can play (``data.columns`` maps a role to the source's column name).
+DATA_COLUMN_ROLES = (
+    "prompt",
+    "chosen",
+    "rejected",
+    "score_chosen",
+    "score_rejected",
+    "margin",
+    "responses",
+    "scores",
+    "ranks",
+)
+
+
+class DataConfig(Section):
+    """Where the preference data comes from and how it is validated (see rlhf/data/ and docs/data.md)."""
+
+    source: Literal["synthetic", "local", "hub"] = Field(
+        "synthetic",
+        description="'synthetic': the built-in task; 'local': a file or save_to_disk folder (see `path`); "
+        "'hub': a Hugging Face hub data set (see `name`).",
+    )
+    path: str | None = Field(
+        None,
+        description="Local JSONL/JSON/Parquet/CSV file (the text ones also compressed: .jsonl.gz, .csv.bz2, .json.xz, "
+        "...), a `save_to_disk` folder or a folder of data files (source 'local').",
+    )
+    eval_path: str | None = Field(None, description="Optional separate held-out file; else `eval_fraction` is split.")
+    name: str | None = Field(
+        None, description="Hub data set id (source 'hub'), e.g. 'Anthropic/hh-rlhf'; any `load_dataset` path works."
+    )
+    config_name: str | None = Field(None, description="Hub data set configuration (`load_dataset`'s `name`).")
+    data_dir: str | None = Field(
+        None,
+        description="Sub-folder of the hub data set (or of a local data folder) to read, e.g. 'helpful-base' of "
+        "Anthropic/hh-rlhf (`load_dataset`'s `data_dir`).",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the data set.")
+    train_split: str = Field("train", description="Split with the training pairs (hub and save_to_disk sources).")
+    eval_split: str | None = Field(
+        None, description="Split with held-out pairs (hub and save_to_disk); None splits off `eval_fraction`."
+    )
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0, description="Held-out fraction when there is no eval source.")
+    split_seed: int = Field(0, description="Seed of the deterministic train/eval split.")
+    split_by_prompt: bool = Field(
+        True,
+        description="Hold out whole prompts, so no prompt has pairs in both train and eval (no leak into the "
+        "held-out accuracy); false splits the pairs.",
+    )
+    format: Literal["auto", "explicit", "implicit", "conversational", "ranked"] = Field(
+        "auto",
+        description="Layout of the rows: 'auto' detects it; 'explicit' prompt/chosen/rejected strings; 'implicit' "
+        "chosen/rejected transcripts sharing a prompt; 'conversational' message lists; 'ranked' responses + scores.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Role -> source column, e.g. {prompt: question, chosen: response_j}; roles: "
+        + ", ".join(DATA_COLUMN_ROLES)
+        + ".",
+    )
+    assistant_marker: str = Field(
+        "\n\nAssistant:", description="Implicit format: the prompt ends with the last one of these markers."
+    )
+    prompts_path: str | None = Field(
+        None, description="Separate prompt-only file or folder for PPO rollouts; None uses the training prompts."
+    )
+    prompts_name: str | None = Field(
+        None,
+        description="Hub data set id of a prompt-only source for PPO rollouts (instead of `prompts_path`), e.g. "
+        "'trl-lib/ultrafeedback-prompt'.",
+    )
+    prompts_config_name: str | None = Field(None, description="Configuration of the `prompts_name` data set.")
+    prompts_revision: str | None = Field(None, description="Revision (branch, tag or commit) of `prompts_name`.")
+    prompts_split: str = Field("train", description="Split of `prompts_name` (or of a `prompts_path` folder).")
+    prompts_column: str = Field("prompt", description="Column of the prompt source that holds the prompts.")
+    max_drop_fraction: float = Field(
+        0.5, ge=0.0, le=1.0, description="Stop with an error when more than this fraction of rows is dropped."
+    )
+    max_length_tokens: int | None = Field(
+        None, ge=1, description="Drop pairs whose prompt+response is longer (tokens of `tokenizer`); None: no limit."
+    )
+    max_length_chars: int | None = Field(
+        None, ge=1, description="Drop pairs whose prompt+response is longer (characters); None: no limit."
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer (path or hub id) that renders message lists with its chat template and measures "
+        "lengths in tokens; None defaults to `sft.model` (the policy's tokenizer) when that is set. Override it only "
+        "to render for another model.",
+    )
+    tokenizer_revision: str | None = Field(
+        None, description="Hub revision of `tokenizer`; None defaults to `sft.revision` when `tokenizer` is sft.model."
+    )
+    user_marker: str = Field(
+        "\n\nHuman:",
+        description="Implicit format with a chat template: transcripts are split into user turns at these markers "
+        "(and assistant turns at `assistant_marker`) and rendered with the template.",
+    )
+    length_warn_fraction: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Warn (task log and manifest) when more than this share of the prompts or pairs is longer than "
+        "a stage's length limit (ppo.max_prompt_tokens, reward.max_length, sft.max_length).",
+    )
+    num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
+    batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
+    synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
+
+    @model_validator(mode="after")
+    def _source_needs(self) -> DataConfig:
+        if self.source == "local" and not self.path:
+            raise ValueError(
+                "data.path must name a JSONL/JSON/Parquet/CSV file or a save_to_disk folder when data.source is 'local'"
+            )
+        if self.prompts_path and self.prompts_name:
+            raise ValueError("data.prompts_path and data.prompts_name both name a prompt source; set one of them")
+        if self.source == "synthetic" and (self.prompts_path or self.prompts_name):
+            raise ValueError(
+                "data.prompts_path/prompts_name apply to 'local' and 'hub' sources: the synthetic task's gold reward "
+                "is defined on its own prompts"
+            )
+        if self.source == "hub" and not self.name:
+            raise ValueError("data.name must name a hub data set (e.g. 'Anthropic/hh-rlhf') when data.source is 'hub'")
+        unknown = sorted(set(self.columns) - set(DATA_COLUMN_ROLES))
+        if unknown:
+            raise ValueError(f"data.columns: unknown role '{unknown[0]}' (use {', '.join(DATA_COLUMN_ROLES)})")
+        return self

@@ -1,0 +1,119 @@
+"""The four PPO models: policy and frozen reference from the SFT checkpoint, value model and frozen reward model
+from the reward model; and what the stage takes from the policy checkpoint, as run parameters."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.errors import ConfigError
+from rlhf.models.heads import PolicyValueHead
+from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
+from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
+from rlhf.models.training import (
+    apply_lora,
+    disable_dropout,
+    enable_gradient_checkpointing,
+    fuse_gelu,
+    lora_targets,
+    unwrap,
+)
+from rlhf.scoring import ScoringModels
+
+
+@dataclass
+class PPOModels:
+    """The models of a PPO run and their tokenizers."""
+
+    policy: PreTrainedModel  # a peft model when LoRA is on
+    reference: PreTrainedModel | None  # None with LoRA: the policy with adapters disabled
+    value: nn.Module
+    reward: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    reward_tokenizer: PreTrainedTokenizerBase
+    stop_token_ids: tuple[int, ...]
+    same_tokenizer: bool
+
+    @property
+    def shared_value_head(self) -> bool:
+        return isinstance(self.value, PolicyValueHead)
+
+    def value_trainable(self) -> nn.Module:
+        """The value parameters the value optimizer owns (only the head when the trunk is the policy's)."""
+        return self.value.score if self.shared_value_head else self.value
+
+    def scoring(self) -> ScoringModels:
+        """The models `rlhf.scoring.generate_and_score` samples and scores a rollout with."""
+        return ScoringModels(
+            policy=self.policy,
+            reference=self.reference,
+            reward=self.reward,
+            tokenizer=self.tokenizer,
+            reward_tokenizer=self.reward_tokenizer,
+            same_tokenizer=self.same_tokenizer,
+            value=self.value,
+        )
+
+
+def run_choices(cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str) -> dict[str, str]:
+    """What the PPO stage takes from the policy checkpoint, as run parameters: the stop tokens and, with LoRA, the
+    adapted modules."""
+    trust_remote_code = runtime.trust_remote_code
+    stops = checkpoint_stop_tokens(policy_path, cfg.stop_tokens, trust_remote_code)
+    choices = {"stop_token_ids": json.dumps(list(stops)), "stop_tokens_resolved": json.dumps(list(stops.values()))}
+    if cfg.lora.enabled:
+        model_type = AutoConfig.from_pretrained(policy_path, trust_remote_code=trust_remote_code).model_type
+        choices["lora_target_modules_resolved"] = json.dumps(lora_targets(model_type, cfg.lora.target_modules))
+    return choices
+
+
+def load_models(
+    cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str, reward_path: str, value_path: str, device: torch.device
+) -> PPOModels:
+    """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM.
+
+    Trained models (policy, value) get float32 weights, frozen ones the runtime dtype (`load_options`).
+    """
+    trained, frozen = (load_options(runtime, device, trainable) for trainable in (True, False))
+    trust_remote_code = runtime.trust_remote_code
+    policy = load_causal_lm(policy_path, device, **trained)
+    tokenizer = load_tokenizer(policy_path, trust_remote_code=trust_remote_code)
+    reward_tokenizer = load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
+    stops = stop_token_ids(tokenizer, cfg.stop_tokens, policy.config, policy.generation_config)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+    reference = None if cfg.lora.enabled else load_causal_lm(policy_path, device, **frozen)
+    if cfg.lora.enabled:
+        policy = apply_lora(policy, cfg.lora)
+    if cfg.value_model == "policy_head":
+        value: nn.Module = PolicyValueHead(unwrap(policy))
+    else:
+        value = load_reward_model(value_path, device, **trained)
+        if not same_vocabulary(tokenizer, load_tokenizer(value_path, trust_remote_code=trust_remote_code)):
+            raise ConfigError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(value)
+    reward = load_reward_model(reward_path, device, **frozen)
+    for frozen_model in (reference, reward):
+        if frozen_model is not None:
+            frozen_model.requires_grad_(False)
+            frozen_model.eval()
+    for model in (policy, value, reward, reference):
+        if model is not None:
+            disable_dropout(model)
+            fuse_gelu(model)
+    return PPOModels(
+        policy,
+        reference,
+        value,
+        reward,
+        tokenizer,
+        reward_tokenizer,
+        stops,
+        same_vocabulary(tokenizer, reward_tokenizer),
+    )

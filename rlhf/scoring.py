@@ -1,0 +1,220 @@
+"""Scoring sampled responses under no grad: policy and reference log-probs, values and reward-model scores.
+
+`generate_and_score` samples responses and scores them; PPO (`rlhf.ppo.update`) and evaluation (`rlhf.evaluate`)
+both call it, so a rollout and an evaluation batch are generated and scored the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rlhf.batching import encode_prompt_response
+from rlhf.generation import GenerationSettings, Responses, sample_responses
+from rlhf.models.device import autocast
+from rlhf.models.heads import lm_logits, position_ids_from_mask, sequence_scores, token_scores
+from rlhf.models.training import unwrap
+from rlhf.ops import entropy_from_logits, logprobs_from_logits
+
+
+class PolicyOutput(NamedTuple):
+    """`policy_forward`'s log-probs of the response tokens and, when asked, the policy's entropy there."""
+
+    logprobs: Tensor  # (b, r)
+    entropy: Tensor | None  # (b, r)
+
+
+def policy_forward(
+    model: PreTrainedModel,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    prompt_len: int,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> PolicyOutput:
+    """Log-probs of the response tokens under `model` at the sampling temperature.
+
+    Only the hidden states that predict response tokens go through the LM head (no vocabulary projection of
+    the prompt), with the model's own logit post-processing (Gemma-2's soft-cap), so these are the log-probs of
+    the distribution `sample_responses` drew from. Shape: query_responses (b, p + r) -> (b, r).
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(
+        input_ids=query_responses,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    logits = lm_logits(model, hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
+    labels = query_responses[:, prompt_len:]
+    logprobs = logprobs_from_logits(logits, labels, temperature)
+    entropy = None
+    if with_entropy:  # a statistic unless it is in the loss: then no backward through a softmax over the vocabulary
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
+    return PolicyOutput(logprobs, entropy)
+
+
+def value_forward(model: PreTrainedModel, query_responses: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+    """Value estimates of the states that precede each response token. Shape: (b, p + r) -> (b, r)."""
+    return token_scores(model, query_responses, attention_mask)[:, prompt_len - 1 : -1]
+
+
+def reference_logprobs(
+    policy: nn.Module,
+    reference: PreTrainedModel | None,
+    query_responses: Tensor,
+    mask: Tensor,
+    prompt_len: int,
+    temperature: float,
+) -> Tensor:
+    """Reference log-probs: the frozen copy, or with `reference` None (LoRA) the policy with its adapters disabled.
+
+    Shape: query_responses, mask (b, p + r) -> (b, r).
+    """
+    if reference is not None:
+        return policy_forward(reference, query_responses, mask, prompt_len, temperature).logprobs
+    with policy.disable_adapter():
+        return policy_forward(unwrap(policy), query_responses, mask, prompt_len, temperature).logprobs
+
+
+@torch.no_grad()
+def reward_scores(
+    reward: PreTrainedModel,
+    reward_tokenizer: PreTrainedTokenizerBase,
+    policy_tokenizer: PreTrainedTokenizerBase,
+    same_tokenizer: bool,
+    prompts: list[str] | None,
+    query_responses: Tensor,
+    qr_mask: Tensor,
+    resp: Responses,
+    forward_batch_size: int | None,
+    device: torch.device,
+) -> Tensor:
+    """Reward-model score at the last real token of each (prompt, response). Shape: (b,).
+
+    Same tokenizer: the policy's token ids are scored as they are. Different tokenizers: the response is decoded
+    and the reward model re-tokenizes prompt and response text (a logged decision, see the PPO stage params).
+    """
+    if not same_tokenizer:
+        if prompts is None:
+            raise ValueError("the reward model's tokenizer differs from the policy's: prompt texts are needed")
+        texts = policy_tokenizer.batch_decode(
+            resp.tokens.masked_fill(resp.mask == 0, policy_tokenizer.pad_token_id), skip_special_tokens=True
+        )
+        limit = getattr(reward.config, "max_position_embeddings", None) or 1024
+        batch = encode_prompt_response(reward_tokenizer, prompts, texts, max_length=limit)
+        query_responses, qr_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    size = forward_batch_size or len(query_responses)
+    return torch.cat(
+        [
+            sequence_scores(reward, query_responses[i : i + size], qr_mask[i : i + size])
+            for i in range(0, len(query_responses), size)
+        ]
+    ).float()
+
+
+@dataclass
+class ScoringModels:
+    """The models `generate_and_score` samples and scores with.
+
+    `policy` samples (a peft model with LoRA); `reference` None means the policy with its adapters disabled; `value`
+    None (evaluation) computes no values; `same_tokenizer`: the reward model scores the policy's token ids as they
+    are, else it re-tokenizes the decoded text.
+    """
+
+    policy: nn.Module
+    reference: PreTrainedModel | None
+    reward: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    reward_tokenizer: PreTrainedTokenizerBase
+    same_tokenizer: bool
+    value: nn.Module | None = None
+
+
+@dataclass
+class ScoredResponses:
+    """Sampled responses with their scores under no grad."""
+
+    query_responses: Tensor  # (b, p + r)
+    qr_mask: Tensor  # (b, p + r)
+    prompt_len: int
+    resp: Responses  # tokens, mask (b, r), contains_stop (b,)
+    logprobs: Tensor  # (b, r) policy log-probs at the sampling temperature
+    ref_logprobs: Tensor  # (b, r)
+    values: Tensor | None  # (b, r); None without a value model
+    scores: Tensor  # (b,) reward-model scores
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _chunks(n: int, size: int | None) -> list[slice]:
+    size = size or n
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def generate_and_score(
+    models: ScoringModels,
+    query: Tensor,
+    query_mask: Tensor,
+    prompt_texts: list[str] | None,
+    settings: GenerationSettings,
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+    forward_batch_size: int | None = None,
+) -> ScoredResponses:
+    """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
+    temperature, values (when there is a value model) and reward-model scores.
+
+    `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
+    dtype on CUDA (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
+    Shape: query, query_mask (b, p) -> ScoredResponses with (b, p + r), (b, r) and (b,) tensors.
+    """
+    device = query.device
+    temperature = settings.temperature
+    t0 = time.perf_counter()
+    with autocast(device, dtype):
+        resp = sample_responses(unwrap(models.policy), query, query_mask, settings, generator)
+    query_responses = torch.cat([query, resp.tokens], 1)
+    qr_mask = torch.cat([query_mask, resp.mask], 1)
+    prompt_len = query.shape[1]
+    t1 = time.perf_counter()
+    chunks = _chunks(len(query), forward_batch_size)
+
+    with torch.no_grad(), autocast(device, dtype):
+        policy = unwrap(models.policy)
+        logprobs = torch.cat(
+            [policy_forward(policy, query_responses[s], qr_mask[s], prompt_len, temperature).logprobs for s in chunks]
+        ).float()
+        ref_logprobs = torch.cat(
+            [
+                reference_logprobs(
+                    models.policy, models.reference, query_responses[s], qr_mask[s], prompt_len, temperature
+                )
+                for s in chunks
+            ]
+        ).float()
+        values = None
+        if models.value is not None:
+            values = torch.cat(
+                [value_forward(models.value, query_responses[s], qr_mask[s], prompt_len) for s in chunks]
+            ).float()
+        scores = reward_scores(
+            models.reward,
+            models.reward_tokenizer,
+            models.tokenizer,
+            models.same_tokenizer,
+            prompt_texts,
+            query_responses,
+            qr_mask,
+            resp,
+            forward_batch_size,
+            device,
+        )
+    timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
+    return ScoredResponses(query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings)

@@ -1,0 +1,109 @@
+"""The tracking store without MLflow: URI resolution, the reachability check of a store, the tags that tie a run to
+its process (and whether that process is alive), and the lock that serialises creating a SQLite store.
+
+`rlhf.tracking` (the one module that imports mlflow) builds on these; the preflight uses them without mlflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import urllib.error
+import urllib.request
+from contextlib import AbstractContextManager
+from pathlib import Path
+from urllib.parse import urlparse
+
+from rlhf.checkpoints import stage_lock
+from rlhf.errors import ConfigError
+
+SQLITE_PREFIX = "sqlite:///"
+
+
+def as_uri(location: str) -> str:
+    """A local folder becomes an absolute file URI; URIs pass through."""
+    if urlparse(location).scheme in ("", "file") and not location.startswith("file:"):
+        return Path(location).resolve().as_uri()
+    return location
+
+
+def resolve_tracking_uri(uri: str) -> str:
+    """Make a relative ``sqlite:///path`` absolute and create its folder, so any working directory works."""
+    prefix = SQLITE_PREFIX
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        path = Path(uri[len(prefix) :]).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return prefix + str(path)
+    return uri
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def check_tracking_uri(uri: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse, in one sentence (ConfigError), a tracking store that cannot work: an http(s) server that does not
+    answer within `timeout` seconds (any HTTP answer counts: the server is up), or a SQLite file whose folder cannot
+    be created or written. Other URIs pass unchecked. Nothing is created."""
+    scheme = urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+                return
+        except urllib.error.HTTPError:
+            return  # it answered (an auth proxy, an older server without /health): the client will say more
+        except (OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise ConfigError(
+                f"tracking.uri: no MLflow tracking server answers at {uri} ({reason}); start it "
+                "or point tracking.uri at one, e.g. the default sqlite:///mlruns/mlflow.db"
+            ) from None
+    prefix = SQLITE_PREFIX
+    if uri.startswith(prefix):
+        path = Path(uri[len(prefix) :]).resolve()
+        existing = path.parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        writable = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+        if path.exists():
+            writable = path.is_file() and os.access(path, os.R_OK | os.W_OK) and os.access(path.parent, os.W_OK)
+        if not writable:
+            raise ConfigError(
+                f"tracking.uri: cannot write the SQLite store {path} ({existing} is not a writable folder); "
+                "point tracking.uri at a writable place"
+            )
+
+
+# Tags of the process that runs a run: a RUNNING run whose process is gone was killed (end_orphaned_runs).
+PID_TAG, HOST_TAG = "rlhf.pid", "rlhf.host"
+
+
+def process_tags() -> dict[str, str]:
+    """The tags naming this process and host (set on every run it starts or reopens)."""
+    return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def store_lock(uri: str) -> AbstractContextManager:
+    """An exclusive lock beside a ``sqlite:///`` store (``<file>.lock``), so that processes starting together do not
+    create its tables at once (SQLite: 'duplicate column name'); no lock for other stores."""
+    prefix = SQLITE_PREFIX
+    return stage_lock(Path(uri[len(prefix) :])) if uri.startswith(prefix) else contextlib.nullcontext()
+
+
+def store_exists(uri: str) -> bool:
+    """False for a ``sqlite:///`` store whose file is missing (opening it would create an empty one)."""
+    prefix = SQLITE_PREFIX
+    if uri.startswith(prefix):
+        return Path(uri[len(prefix) :]).is_file()
+    return True
