@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -161,6 +162,7 @@ def test_separate_prompt_source(tmp_path):
 def test_prepare_task_logs_drops_to_mlflow(tmp_path):
     from mlflow.tracking import MlflowClient
     from prefect import flow
+    from prefect.results import ResultStore
     from prefect.testing.utilities import prefect_test_harness
 
     from rlhf.tracking import Tracker
@@ -189,7 +191,12 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
 
     with prefect_test_harness(server_startup_timeout=120):
         result = prepare_only()
-    assert isinstance(result, PreparedData)
+        # the folder the task wrote is named by the key Prefect cached its result under
+        assert ResultStore().read(Path(result.path).name).result == result
+    assert (
+        isinstance(result, PreparedData)
+        and Path(result.path).parent == (tmp_path / "o").resolve() / "prepare_preferences"
+    )
     metrics = MlflowClient(uri).get_run(result.mlflow_run_id).data.metrics
     assert metrics["data/dropped_duplicate"] == 2 and metrics["data/dropped_missing"] == 0
     assert metrics["data/rows_prompts"] == 9  # the distinct training prompts (one of 10 pairs is held out)
