@@ -17,9 +17,10 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
+from rlhf.config import TrackingConfig
 from rlhf.length_control import EVAL_WARNING_TAG
-from rlhf.tracking import Tracker
-from tasks.runs import ProgressBar
+from tasks.progress import ProgressBar
+from tasks.tracking import TrackingContext, tracker_for
 
 DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
 # The pipeline's stages in the order the flow runs them (the task names).
@@ -27,7 +28,7 @@ PIPELINE_STAGES = (
     "prepare_preferences",
     "supervised_finetune",
     "train_reward_model",
-    "init_policy_and_value",
+    "plan_ppo_models",
     "train_policy_ppo",
     "evaluate_policies",
 )
@@ -78,26 +79,25 @@ class StageProgress:
         self.bar.set(100.0 * self.done_count / len(self.stages), text)
 
 
-def link_mlflow_run(tracking_uri: str, experiment: str, run_id: str, text: str, key: str | None = None) -> None:
+def link_mlflow_run(tracking: TrackingConfig | TrackingContext, run_id: str, text: str, key: str | None = None) -> None:
     """A link artifact to an MLflow run in the MLflow UI (base URL from ``$MLFLOW_UI_URL``)."""
     try:
-        experiment_id = Tracker(tracking_uri, experiment).experiment_id
+        tracker = tracker_for(tracking)
         create_link_artifact(
-            mlflow_run_url(experiment_id, run_id),
+            mlflow_run_url(tracker.experiment_id, run_id),
             link_text=text,
             key=key,
-            description=f"MLflow run {run_id} in experiment '{experiment}' ({tracking_uri}). "
+            description=f"MLflow run {run_id} in experiment '{tracking.experiment}' ({tracker.uri}). "
             "Start the MLflow UI with `make ui` or `make mlflow-ui`.",
         )
     except Exception as err:
         _warn("MLflow link", err)
 
 
-def publish_pipeline_results(summary: dict[str, Any], experiment: str) -> None:
+def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig | TrackingContext) -> None:
     """The link to the pipeline's MLflow run and a table of its evaluation summary."""
     link_mlflow_run(
-        summary["tracking_uri"],
-        experiment,
+        tracking,
         summary["mlflow_run_id"],
         "MLflow run of this pipeline (stages are its child runs)",
         key="rlhf-mlflow-run",

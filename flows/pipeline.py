@@ -22,24 +22,23 @@ from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import UserInputError
 from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.preflight import preflight
-from rlhf.tracking import Tracker
-from tasks.caching import TrackingContext, code_version, run_stage
-from tasks.runs import log_data_inputs
+from tasks.caching import code_version, run_stage
+from tasks.stage_runs import log_data_inputs
 from tasks.stages import (
     evaluate_policies,
-    init_policy_and_value,
+    plan_ppo_models,
     prepare_preferences,
     supervised_finetune,
     train_policy_ppo,
     train_reward_model,
 )
+from tasks.tracking import TrackingContext, tracker_for
 
 
 @task(name="open_pipeline_run")
 def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
     """The parent MLflow run of this pipeline run, with the whole config as params."""
-    t = config.tracking
-    tracker = Tracker(t.uri, t.experiment, t.artifact_location)
+    tracker = tracker_for(config.tracking)
     flow_run_id = flow_run.get_id()
     # runs of a pipeline process killed earlier (SIGKILL, power loss) would stay RUNNING for ever; a killed stage's
     # run is reopened by the stage when it resumes
@@ -55,19 +54,19 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
     tracker.log_params(run_id, flatten(config))
     return TrackingContext(
         uri=tracker.uri,
-        experiment=t.experiment,
-        artifact_location=t.artifact_location,
+        experiment=config.tracking.experiment,
+        artifact_location=config.tracking.artifact_location,
         parent_run_id=run_id,
         flow_run_id=flow_run_id,
-        log_checkpoints=t.log_checkpoints,
-        registered_model=t.registered_model,
+        log_checkpoints=config.tracking.log_checkpoints,
+        registered_model=config.tracking.registered_model,
     )
 
 
 @task(name="register_policy")
 def register_policy(tracking: TrackingContext, summary: dict[str, Any]) -> str:
     """The PPO policy as a version of the registered model, tagged with the evaluation summary."""
-    tracker = Tracker(tracking.uri, tracking.experiment, tracking.artifact_location)
+    tracker = tracker_for(tracking)
     assert tracking.registered_model is not None
     metrics = {k: f"{v:.6g}" for k, v in summary.items() if isinstance(v, float) and k.startswith(("eval/", "reward/"))}
     version = tracker.register_model_version(
@@ -88,7 +87,7 @@ def register_policy(tracking: TrackingContext, summary: dict[str, Any]) -> str:
 @task(name="close_pipeline_run")
 def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any], failed: bool = False) -> None:
     """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it."""
-    tracker = Tracker(tracking.uri, tracking.experiment, tracking.artifact_location)
+    tracker = tracker_for(tracking)
     if "data" in summary:
         log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
@@ -107,10 +106,10 @@ def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
         close_pipeline_run(tracking, {}, failed=True)
         raise
     # the memory each stage was estimated to need, beside what it measured (memory/<stage>_peak_mb)
-    summary |= {f"memory/{e.stage}_estimate_mb": e.total / 2**20 for e in estimates}
+    summary |= {f"memory/{estimate.stage}_estimate_mb": estimate.total / 2**20 for estimate in estimates}
 
     close_pipeline_run(tracking, summary)
-    publish_pipeline_results(summary, config.tracking.experiment)  # MLflow link and evaluation table
+    publish_pipeline_results(summary, config.tracking)  # MLflow link and evaluation table
     return summary
 
 
@@ -118,25 +117,32 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
     common = {"runtime": config.runtime, "tracking": tracking}
     progress = StageProgress(PIPELINE_STAGES)  # a progress artifact in the Prefect UI
-    data = run_stage(
+    prepared = run_stage(
         prepare_preferences,
-        data=config.data,
+        data_cfg=config.data,
         source_digest=source_fingerprint(config.data),
         lengths=LengthLimits.from_config(config),  # the report's limits: a change re-prepares (same digest)
         **common,
     )
-    progress.done(data.stage)
-    sft = run_stage(supervised_finetune, sft=config.sft, data=data, seed=config.seed, **common)
-    progress.done(sft.stage)
-    reward = run_stage(train_reward_model, reward=config.reward, sft=sft, data=data, seed=config.seed, **common)
-    progress.done(reward.stage)
-    init = run_stage(init_policy_and_value, sft=sft, reward=reward, **common)
-    progress.done(init.stage)
+    progress.done(prepared.stage)
+    sft_model = run_stage(supervised_finetune, sft_cfg=config.sft, prepared=prepared, seed=config.seed, **common)
+    progress.done(sft_model.stage)
+    reward_model = run_stage(
+        train_reward_model,
+        reward_cfg=config.reward,
+        sft_model=sft_model,
+        prepared=prepared,
+        seed=config.seed,
+        **common,
+    )
+    progress.done(reward_model.stage)
+    ppo_init = run_stage(plan_ppo_models, sft_model=sft_model, reward_model=reward_model, **common)
+    progress.done(ppo_init.stage)
     policy = run_stage(
         train_policy_ppo,
-        ppo=config.ppo,
-        init=init,
-        data=data,
+        ppo_cfg=config.ppo,
+        ppo_init=ppo_init,
+        prepared=prepared,
         seed=config.seed,
         processes=config.runtime.ppo_processes,
         **common,
@@ -144,38 +150,41 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
     progress.done(policy.stage)
     evaluation = run_stage(
         evaluate_policies,
-        evaluation_cfg=config.eval,
-        ppo=config.ppo,
+        eval_cfg=config.eval,
+        ppo_cfg=config.ppo,
         policy=policy,
-        sft=sft,
-        reward=reward,
-        data=data,
+        sft_model=sft_model,
+        reward_model=reward_model,
+        prepared=prepared,
         **common,
     )
     progress.done(evaluation.stage)
     summary: dict[str, Any] = {
-        "reward/eval_accuracy": reward.metrics["reward/eval_accuracy"],
+        "reward/eval_accuracy": reward_model.metrics["reward/eval_accuracy"],
         **evaluation.metrics,
-        "data": data.path,
-        "data_digest": data.digest,
-        "sft_checkpoint": sft.path,
-        "reward_checkpoint": reward.path,
+        "data": prepared.path,
+        "data_digest": prepared.digest,
+        "sft_checkpoint": sft_model.path,
+        "reward_checkpoint": reward_model.path,
         "policy_checkpoint": policy.path,
-        "value_checkpoint": policy.extra["value_path"],
+        "value_checkpoint": policy.value_path,
         "completions": f"{evaluation.path}/completions.parquet",
         "mlflow_run_id": tracking.parent_run_id,
         "tracking_uri": tracking.uri,
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
-            f"memory/{name}_peak_mb": out.metrics["memory/peak_mb"]
-            for name, out in (("sft", sft), ("reward", reward), ("ppo", policy))
-            if "memory/peak_mb" in out.metrics
+            f"memory/{name}_peak_mb": output.metrics["memory/peak_mb"]
+            for name, output in (("sft", sft_model), ("reward", reward_model), ("ppo", policy))
+            if "memory/peak_mb" in output.metrics
         },
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
-        **{f"stage.{o.stage}.run_id": o.mlflow_run_id for o in (data, sft, reward, init, policy, evaluation)},
+        **{
+            f"stage.{output.stage}.run_id": output.mlflow_run_id
+            for output in (prepared, sft_model, reward_model, ppo_init, policy, evaluation)
+        },
     }
-    if evaluation.extra.get("warnings"):  # a tag of the pipeline run, a line of the summary and the Prefect table
-        summary[EVAL_WARNING_TAG] = "\n".join(evaluation.extra["warnings"])
+    if evaluation.warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
+        summary[EVAL_WARNING_TAG] = "\n".join(evaluation.warnings)
     if tracking.registered_model:
         summary["registered_policy"] = register_policy(tracking, summary)
     return summary

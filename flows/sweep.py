@@ -32,18 +32,15 @@ from rlhf.errors import UserInputError, first_line
 from rlhf.plots import Point, reward_vs_kl
 from rlhf.preflight import preflight
 from rlhf.sweep import RANK_METRICS, SweepSpace, load_space, rank_key, ranking, variant_configs
-from rlhf.tracking import RUN_TYPE_TAG, Tracker
+from rlhf.tracking import RUN_TYPE_TAG
 from tasks.caching import code_version
-
-
-def _tracker(tracking: TrackingConfig) -> Tracker:
-    return Tracker(tracking.uri, tracking.experiment, tracking.artifact_location)
+from tasks.tracking import tracker_for
 
 
 @task(name="open_sweep_run", cache_policy=NO_CACHE)
 def open_sweep_run(base: PipelineConfig, space: SweepSpace, n_variants: int) -> str:
     """The sweep's MLflow run: the space and the base config as params."""
-    tracker = _tracker(base.tracking)
+    tracker = tracker_for(base.tracking)
     run_id = tracker.start_run(
         f"sweep-{space.name}",
         tags={
@@ -67,7 +64,7 @@ def record_variant(
     tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, index: int, label: str, summary: dict[str, Any]
 ) -> None:
     """Nest the variant's pipeline run under the sweep run and log its final metrics there (step = index)."""
-    tracker = _tracker(tracking)
+    tracker = tracker_for(tracking)
     tracker.attach_to_sweep(summary["mlflow_run_id"], sweep_run_id, sweep_name, label)
     tracker.log_metrics(sweep_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, index)
 
@@ -77,7 +74,7 @@ def record_failed_variant(
     tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, label: str, flow_run_id: str
 ) -> str | None:
     """Nest a failed variant's pipeline run (if it opened one) under the sweep run; returns its id."""
-    tracker = _tracker(tracking)
+    tracker = tracker_for(tracking)
     run_id = tracker.pipeline_run_of_flow_run(flow_run_id)
     if run_id is not None:
         tracker.attach_to_sweep(run_id, sweep_run_id, sweep_name, label)
@@ -89,7 +86,7 @@ def close_sweep_run(
     tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], folder: str
 ) -> str:
     """Log the ranking table and the reward-versus-KL plot on the sweep run, and end it."""
-    tracker = _tracker(tracking)
+    tracker = tracker_for(tracking)
     frame = pd.DataFrame(rows)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +94,7 @@ def close_sweep_run(
     tracker.log_table(sweep_run_id, frame, "sweep_ranking.json")
     key = rank_key(frame)
     done = frame[frame["status"] == "completed"]
-    points = [Point(r["variant"], r["eval/kl"], r[key]) for _, r in done.iterrows()]
+    points = [Point(row["variant"], row["eval/kl"], row[key]) for _, row in done.iterrows()]
     baseline_key = key.replace("ppo", "sft")
     baseline = float(done[baseline_key].mean()) if baseline_key in done and len(done) else None
     plot = reward_vs_kl(
@@ -151,7 +148,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         description=f"Sweep '{space.name}': variants ranked by {rank_key(table)} (best first); KL is the mean "
         "KL(PPO || SFT) per response on held-out prompts.",
     )
-    link_mlflow_run(base.tracking.uri, base.tracking.experiment, sweep_run_id, f"MLflow run of sweep {space.name}")
+    link_mlflow_run(base.tracking, sweep_run_id, f"MLflow run of sweep {space.name}")
     if (table["status"] != "completed").all():
         raise RuntimeError(f"every variant of sweep '{space.name}' failed; see the variants' flow runs")
     return {
@@ -159,7 +156,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         "ranking": table.to_dict("records"),
         "ranking_csv": str(folder / "ranking.csv"),
         "plot": plot,
-        "tracking_uri": _tracker(base.tracking).uri,
+        "tracking_uri": tracker_for(base.tracking).uri,
     }
 
 

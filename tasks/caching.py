@@ -1,9 +1,11 @@
 """Content-addressed cache keys and output folders for the pipeline's Prefect tasks.
 
 A stage's key is a digest of: its name, the config sections it reads, the content digests of its upstream
-outputs and the version (source digest) of the library code. The same key names the stage's output folder, so a
-cached Prefect result always points at files that were written for exactly those inputs. Cached results are
-only used while those files are still complete: otherwise the task is re-run with ``refresh_cache``.
+outputs and the version (source digest) of the library and task code. The same key names the stage's output folder,
+so a cached Prefect result always points at files that were written for exactly those inputs. Both come from the
+task's own name and parameters through `stage_key`: the cache key (`content_cache_key`), the folder a running task
+writes (`current_stage_dir`) and the folder `run_stage` checks before calling it. Cached results are only used while
+those files are still complete: otherwise the task is re-run with ``refresh_cache``.
 """
 
 from __future__ import annotations
@@ -15,48 +17,34 @@ from pathlib import Path
 from typing import Any
 
 from prefect.context import TaskRunContext
+from prefect.utilities.callables import get_call_parameters
 from pydantic import BaseModel
 
 import rlhf
+import tasks
 from rlhf.checkpoints import is_complete, stage_lock
-
-
-class StageOutput(BaseModel):
-    """What a stage hands the next one: where its files are and their content digest, never models."""
-
-    stage: str
-    path: str
-    digest: str
-    mlflow_run_id: str | None = None
-    metrics: dict[str, float] = {}
-    extra: dict[str, Any] = {}
-
-
-class TrackingContext(BaseModel):
-    """Where to log: passed explicitly to every task (MLflow's active run is thread-local)."""
-
-    uri: str
-    experiment: str
-    artifact_location: str | None = None
-    parent_run_id: str
-    flow_run_id: str | None = None
-    log_checkpoints: bool = True
-    registered_model: str | None = None
-
+from tasks.outputs import StageOutput
 
 # Parameters that never change a stage's result, so they are left out of its key.
 NOT_IN_KEY = {"tracking", "runtime"}
+# The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
+CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
+
+
+def source_digest(*packages: Path) -> str:
+    """Digest of the Python files under the package folders (with their paths inside the packages' parent)."""
+    h = hashlib.sha256()
+    for root in packages:
+        for file in sorted(root.rglob("*.py")):
+            h.update(str(file.relative_to(root.parent)).encode())
+            h.update(file.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @cache
 def code_version() -> str:
-    """Digest of the library's source: a code change invalidates the cached stages."""
-    h = hashlib.sha256()
-    root = Path(rlhf.__file__).parent
-    for file in sorted(root.rglob("*.py")):
-        h.update(str(file.relative_to(root)).encode())
-        h.update(file.read_bytes())
-    return h.hexdigest()[:16]
+    """Digest of the library's and the task layer's source: a code change invalidates the cached stages."""
+    return source_digest(*CODE_PACKAGES)
 
 
 def _key_part(value: Any) -> Any:
@@ -68,13 +56,15 @@ def _key_part(value: Any) -> Any:
 
 
 def stage_key(stage: str, parameters: dict[str, Any]) -> str:
+    """`<stage>-<digest>`: the digest of the stage's name, the code version and its parameters (not NOT_IN_KEY)."""
     parts = {k: _key_part(v) for k, v in sorted(parameters.items()) if k not in NOT_IN_KEY}
     payload = json.dumps({"stage": stage, "code": code_version(), "inputs": parts}, sort_keys=True, default=str)
     return f"{stage}-{hashlib.sha256(payload.encode()).hexdigest()[:20]}"
 
 
-def stage_dir(output_root: str | Path, stage: str, parameters: dict[str, Any]) -> Path:
-    return Path(output_root).resolve() / stage / stage_key(stage, parameters)
+def stage_dir(stage: str, parameters: dict[str, Any]) -> Path:
+    """`<runtime.output_dir>/<stage>/<stage key>`: the output folder of a stage called with these parameters."""
+    return Path(parameters["runtime"].output_dir).resolve() / stage / stage_key(stage, parameters)
 
 
 def content_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -82,13 +72,25 @@ def content_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> st
     return stage_key(context.task.name, parameters)
 
 
+def current_stage_dir() -> Path:
+    """The output folder of the running stage task, from the task name and parameters its cache key is made of."""
+    context = TaskRunContext.get()
+    if context is None:
+        raise RuntimeError("current_stage_dir() is for the body of a running stage task (call the task, not .fn)")
+    return stage_dir(context.task.name, context.parameters)
+
+
+def task_stage_dir(task, **parameters: Any) -> Path:
+    """The output folder of `task` called with these keyword arguments (its defaults filled in, as Prefect does)."""
+    return stage_dir(task.name, get_call_parameters(task.fn, (), parameters))
+
+
 def run_stage(task, **parameters: Any) -> Any:
     """Call a stage task; refresh its cache entry when its output folder is missing or incomplete.
 
     The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process on the same output folder
     waits for the first to finish the stage, then finds it complete and gets the cached result."""
-    runtime = parameters["runtime"]
-    folder = stage_dir(runtime.output_dir, task.name, parameters)
+    folder = task_stage_dir(task, **parameters)
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
         complete = is_complete(folder) or is_complete(folder / "final")

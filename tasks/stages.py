@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import pandas as pd
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_table_artifact
-from prefect.exceptions import MissingContextError
 
 from rlhf import evaluate as evaluation
 from rlhf import reward as reward_training
@@ -23,15 +20,12 @@ from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.trainer import train_ppo
-from tasks.caching import StageOutput, TrackingContext, content_cache_key, stage_dir
-from tasks.runs import (
-    echo_with_progress,
-    injected_failure,
-    log_data_inputs,
-    progress_logger,
-    retry_unless_user_error,
-    stage_run,
-)
+from tasks.caching import content_cache_key, current_stage_dir
+from tasks.faults import injected_failure, retry_unless_user_error
+from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.progress import echo_with_progress, progress_logger, task_logger
+from tasks.stage_runs import log_data_inputs, stage_run
+from tasks.tracking import TrackingContext
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -43,34 +37,25 @@ STAGE = dict(
 )
 
 
-def task_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect task run's logger (lines in the task's log), or this module's outside a run (`.fn` calls)."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger(__name__)
-
-
 @task(name="prepare_preferences", tags=["data"], **STAGE)
 def prepare_preferences(
-    data: DataConfig,
+    data_cfg: DataConfig,
     source_digest: str,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
     lengths: LengthLimits | None = None,
-) -> StageOutput:
+) -> PreparedData:
     """Validate the preference data and write train/eval/SFT/prompt Parquet files with a manifest.
 
     `source_digest` (the content of the local files read) is part of the cache key only. `lengths`: the later
     stages' length limits, which the manifest's length report measures the data against (part of the key too).
     """
-    key = {"data": data, "source_digest": source_digest, "lengths": lengths}
-    folder = stage_dir(runtime.output_dir, "prepare_preferences", key)
-    with stage_run(tracking, "prepare_preferences", folder, flatten(data, "data")) as (tracker, run_id):
-        prepared = prepare.prepare_preferences(data, folder, lengths)
-        manifest, drops = prepared.manifest, prepare.drop_report(prepared.manifest)
+    folder = current_stage_dir()
+    with stage_run(tracking, "prepare_preferences", folder, flatten(data_cfg, "data")) as (tracker, run_id):
+        written = prepare.prepare_preferences(data_cfg, folder, lengths)
+        manifest, drops = written.manifest, prepare.drop_report(written.manifest)
         metrics = {f"data/rows_{k}": v for k, v in manifest["rows"].items()}
-        metrics |= {f"data/dropped_{d['reason']}": d["count"] for d in drops}
+        metrics |= {f"data/dropped_{drop['reason']}": drop["count"] for drop in drops}
         metrics |= length_metrics(manifest)
         tracker.log_metrics(run_id, metrics, 0)
         table = pd.DataFrame(drops, columns=["reason", "count", "fraction", "example", "meaning"])
@@ -91,72 +76,72 @@ def prepare_preferences(
         for line in manifest.get("warnings", []):
             task_logger().warning("%s", line)
         tracker.log_artifacts(run_id, folder, "data")
-        log_data_inputs(tracker, run_id, prepared.folder, prepared.digest)
-    return StageOutput(
+        log_data_inputs(tracker, run_id, written.folder, written.digest)
+    return PreparedData(
         stage="prepare_preferences",
         path=str(folder),
-        digest=prepared.digest,
+        digest=written.digest,
         mlflow_run_id=run_id,
-        extra={"manifest": prepared.manifest},
+        manifest=written.manifest,
     )
 
 
 @task(name="supervised_finetune", tags=["gpu"], **STAGE)
 def supervised_finetune(
-    sft: SFTConfig, data: StageOutput, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
-) -> StageOutput:
+    sft_cfg: SFTConfig, prepared: PreparedData, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
+) -> SFTModel:
     """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, fine-tune the configured model on them, or use
     the configured checkpoint as it is; a retry resumes training from its last saved state."""
     set_threads(runtime.threads)
-    folder = stage_dir(runtime.output_dir, "supervised_finetune", {"sft": sft, "data": data, "seed": seed})
-    with stage_run(tracking, "supervised_finetune", folder, flatten(sft, "sft"), resume=True) as (tracker, run_id):
-        if sft.model is not None and not sft.finetune:
-            result = sft_training.load_existing(sft, runtime)
+    folder = current_stage_dir()
+    params = flatten(sft_cfg, "sft")
+    with stage_run(tracking, "supervised_finetune", folder, params, resume=True) as (tracker, run_id):
+        if sft_cfg.model is not None and not sft_cfg.finetune:
+            result = sft_training.load_existing(sft_cfg, runtime)
         else:
-            log_data_inputs(tracker, run_id, data.path, data.digest, "sft.parquet")
-            log = tracker.metric_logger(run_id, progress_logger("sft", 100, sft.steps))
-            demos, stop_after = f"{data.path}/sft.parquet", injected_failure("supervised_finetune", folder)
-            if sft.model is None:
-                pairs = f"{data.path}/train.parquet"
-                result = sft_training.bootstrap_sft(sft, runtime, demos, pairs, folder, seed, log, stop_after)
+            log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "sft.parquet")
+            log = tracker.metric_logger(run_id, progress_logger("sft", 100, sft_cfg.steps))
+            demos, stop_after = f"{prepared.path}/sft.parquet", injected_failure("supervised_finetune", folder)
+            if sft_cfg.model is None:
+                pairs = f"{prepared.path}/train.parquet"
+                result = sft_training.bootstrap_sft(sft_cfg, runtime, demos, pairs, folder, seed, log, stop_after)
             else:
-                result = sft_training.finetune_sft(sft, runtime, demos, folder, seed, log, stop_after)
+                result = sft_training.finetune_sft(sft_cfg, runtime, demos, folder, seed, log, stop_after)
             if tracking.log_checkpoints:
                 tracker.log_artifacts(run_id, folder, "sft_checkpoint")
-    return StageOutput(
+    return SFTModel(
         stage="supervised_finetune",
         path=result.path,
         digest=result.digest,
         mlflow_run_id=run_id,
         metrics=result.metrics,
-        extra={"trained": result.trained},
+        trained=result.trained,
     )
 
 
 @task(name="train_reward_model", tags=["gpu"], **STAGE)
 def train_reward_model(
-    reward: RewardConfig,
-    sft: StageOutput,
-    data: StageOutput,
+    reward_cfg: RewardConfig,
+    sft_model: SFTModel,
+    prepared: PreparedData,
     seed: int,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
-) -> StageOutput:
+) -> RewardModel:
     """Train a scalar-head reward model, initialised from the SFT checkpoint, on the preference pairs."""
     set_threads(runtime.threads)
-    folder = stage_dir(
-        runtime.output_dir, "train_reward_model", {"reward": reward, "sft": sft, "data": data, "seed": seed}
-    )
-    with stage_run(tracking, "train_reward_model", folder, flatten(reward, "reward"), resume=True) as (tracker, run_id):
-        log_data_inputs(tracker, run_id, data.path, data.digest, "train.parquet", "eval.parquet")
-        steps = reward_training.total_steps(reward, data.extra["manifest"]["rows"]["train"])
+    folder = current_stage_dir()
+    params = flatten(reward_cfg, "reward")
+    with stage_run(tracking, "train_reward_model", folder, params, resume=True) as (tracker, run_id):
+        log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
+        steps = reward_training.total_steps(reward_cfg, prepared.manifest["rows"]["train"])
         log = tracker.metric_logger(run_id, progress_logger("reward", 50, steps))
         result = reward_training.train_reward_model(
-            reward,
+            reward_cfg,
             runtime,
-            sft.path,
-            f"{data.path}/train.parquet",
-            f"{data.path}/eval.parquet",
+            sft_model.path,
+            f"{prepared.path}/train.parquet",
+            f"{prepared.path}/eval.parquet",
             folder,
             seed,
             log,
@@ -164,135 +149,138 @@ def train_reward_model(
         )
         if tracking.log_checkpoints:
             tracker.log_artifacts(run_id, folder, "reward_model")
-    return StageOutput(
+    return RewardModel(
         stage="train_reward_model", path=result.path, digest=result.digest, mlflow_run_id=run_id, metrics=result.metrics
     )
 
 
-@task(name="init_policy_and_value", tags=["gpu"], **STAGE)
-def init_policy_and_value(
-    sft: StageOutput, reward: StageOutput, runtime: RuntimeConfig, tracking: TrackingContext
-) -> StageOutput:
-    """Policy and frozen reference from the SFT checkpoint; value model from the reward model."""
-    folder = stage_dir(runtime.output_dir, "init_policy_and_value", {"sft": sft, "reward": reward})
-    plan = {"policy_init": sft.path, "reference_init": sft.path, "value_init": reward.path, "reward_model": reward.path}
-    with stage_run(tracking, "init_policy_and_value", folder, plan) as (tracker, run_id):
+@task(name="plan_ppo_models", tags=["gpu"], **STAGE)
+def plan_ppo_models(
+    sft_model: SFTModel, reward_model: RewardModel, runtime: RuntimeConfig, tracking: TrackingContext
+) -> PPOInit:
+    """Record which checkpoints the four PPO models start from (policy and frozen reference: the SFT model; value
+    model and reward model: the reward model) and whether the policy and the reward model share a tokenizer."""
+    folder = current_stage_dir()
+    plan = {
+        "policy_init": sft_model.path,
+        "reference_init": sft_model.path,
+        "value_init": reward_model.path,
+        "reward_model": reward_model.path,
+    }
+    with stage_run(tracking, "plan_ppo_models", folder, plan) as (tracker, run_id):
         same = same_vocabulary(
-            load_tokenizer(sft.path, trust_remote_code=runtime.trust_remote_code),
-            load_tokenizer(reward.path, trust_remote_code=runtime.trust_remote_code),
+            load_tokenizer(sft_model.path, trust_remote_code=runtime.trust_remote_code),
+            load_tokenizer(reward_model.path, trust_remote_code=runtime.trust_remote_code),
         )
         tracker.log_params(run_id, {"reward_retokenizes": not same})
         folder.mkdir(parents=True, exist_ok=True)
         write_manifest(folder, stage="init", **plan, same_tokenizer=same)
-    return StageOutput(
-        stage="init_policy_and_value",
-        path=sft.path,
-        digest=f"{sft.digest}:{reward.digest}",
+    return PPOInit(
+        stage="plan_ppo_models",
+        path=sft_model.path,
+        digest=f"{sft_model.digest}:{reward_model.digest}",
         mlflow_run_id=run_id,
-        extra={**plan, "same_tokenizer": same},
+        **plan,
+        same_tokenizer=same,
     )
 
 
 @task(name="train_policy_ppo", tags=["gpu"], **STAGE)
 def train_policy_ppo(
-    ppo: PPOConfig,
-    init: StageOutput,
-    data: StageOutput,
+    ppo_cfg: PPOConfig,
+    ppo_init: PPOInit,
+    prepared: PreparedData,
     seed: int,
     processes: int,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
-) -> StageOutput:
+) -> PPOPolicy:
     """PPO against the reward model (in `processes` data-parallel processes when > 1); a retry resumes from the
     last saved trainer state and continues the same MLflow run."""
     set_threads(runtime.threads)
-    key = {"ppo": ppo, "init": init, "data": data, "seed": seed, "processes": processes}
-    folder = stage_dir(runtime.output_dir, "train_policy_ppo", key)
+    folder = current_stage_dir()
     params = {
-        **flatten(ppo, "ppo"),
+        **flatten(ppo_cfg, "ppo"),
         "ppo_processes": processes,
-        "reward_retokenizes": not init.extra["same_tokenizer"],
-        "value_init": init.extra["value_init"],
-        **run_choices(ppo, runtime, init.extra["policy_init"]),  # resolved stop tokens (and LoRA targets)
+        "reward_retokenizes": not ppo_init.same_tokenizer,
+        "value_init": ppo_init.value_init,
+        **run_choices(ppo_cfg, runtime, ppo_init.policy_init),  # resolved stop tokens (and LoRA targets)
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
-        log_data_inputs(tracker, run_id, data.path, data.digest, "prompts.parquet")
-        models = (init.extra["policy_init"], init.extra["reward_model"])
+        log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
+        models = (ppo_init.policy_init, ppo_init.reward_model)
         stop_after = injected_failure("train_policy_ppo", folder)
         if processes > 1:
             result = launch.run_data_parallel(
                 processes,
-                ppo,
+                ppo_cfg,
                 runtime,
                 seed,
                 *models,
-                init.extra["value_init"],
-                f"{data.path}/prompts.parquet",
+                ppo_init.value_init,
+                f"{prepared.path}/prompts.parquet",
                 folder,
                 tracking_uri=tracking.uri,
                 run_id=run_id,
-                data_manifest=f"{data.path}/manifest.json",
+                data_manifest=f"{prepared.path}/manifest.json",
                 stop_after=stop_after,
-                echo=echo_with_progress("ppo", ppo.num_updates, launch.UPDATE_LINE_PATTERN),
+                echo=echo_with_progress("ppo", ppo_cfg.num_updates, launch.UPDATE_LINE_PATTERN),
             )
         else:
             result = train_ppo(
-                ppo,
+                ppo_cfg,
                 runtime,
                 *models,
-                pd.read_parquet(f"{data.path}/prompts.parquet")["prompt"].tolist(),
+                pd.read_parquet(f"{prepared.path}/prompts.parquet")["prompt"].tolist(),
                 folder,
                 seed,
-                tracker.metric_logger(run_id, progress_logger("ppo", 10, ppo.num_updates)),
-                value_path=init.extra["value_init"],
-                gold_fn=prepare.gold_scorer(data.extra["manifest"]),
+                tracker.metric_logger(run_id, progress_logger("ppo", 10, ppo_cfg.num_updates)),
+                value_path=ppo_init.value_init,
+                gold_fn=prepare.gold_scorer(prepared.manifest),
                 stop_after=stop_after,
             )
-        if ppo.record_rollouts:
+        if ppo_cfg.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")
         if tracking.log_checkpoints:
             tracker.log_artifacts(run_id, folder / "final", "ppo_checkpoint")
-    return StageOutput(
+    return PPOPolicy(
         stage="train_policy_ppo",
         path=result.policy_path,
         digest=result.digest,
         mlflow_run_id=run_id,
         metrics=result.metrics,
-        extra={"value_path": result.value_path, "updates": result.updates},
+        value_path=result.value_path,
+        updates=result.updates,
     )
 
 
 @task(name="evaluate_policies", tags=["gpu"], **STAGE)
 def evaluate_policies(
-    evaluation_cfg: EvalConfig,
-    ppo: PPOConfig,
-    policy: StageOutput,
-    sft: StageOutput,
-    reward: StageOutput,
-    data: StageOutput,
+    eval_cfg: EvalConfig,
+    ppo_cfg: PPOConfig,
+    policy: PPOPolicy,
+    sft_model: SFTModel,
+    reward_model: RewardModel,
+    prepared: PreparedData,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
-) -> StageOutput:
+) -> Evaluation:
     """Generate with the PPO and SFT policies on held-out prompts; scores, KL, win rates (also at equal length),
     response lengths and empty answers, reward-hacking flags, completions table."""
     set_threads(runtime.threads)
-    folder = stage_dir(
-        runtime.output_dir,
-        "evaluate_policies",
-        {"evaluation_cfg": evaluation_cfg, "ppo": ppo, "policy": policy, "sft": sft, "reward": reward, "data": data},
-    )
-    with stage_run(tracking, "evaluate_policies", folder, flatten(evaluation_cfg, "eval")) as (tracker, run_id):
-        log_data_inputs(tracker, run_id, data.path, data.digest, "eval.parquet")
+    folder = current_stage_dir()
+    with stage_run(tracking, "evaluate_policies", folder, flatten(eval_cfg, "eval")) as (tracker, run_id):
+        log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "eval.parquet")
         result = evaluation.evaluate_policies(
-            evaluation_cfg,
-            ppo,
+            eval_cfg,
+            ppo_cfg,
             runtime,
             policy.path,
-            sft.path,
-            reward.path,
-            f"{data.path}/eval.parquet",
+            sft_model.path,
+            reward_model.path,
+            f"{prepared.path}/eval.parquet",
             folder,
-            prepare.gold_scorer(data.extra["manifest"]),
+            prepare.gold_scorer(prepared.manifest),
             tracker.metric_logger(run_id),
         )
         completions = pd.read_parquet(result.completions)
@@ -300,11 +288,11 @@ def evaluate_policies(
         tracker.log_artifacts(run_id, result.completions, "evaluation")
         if result.warnings:
             tracker.set_tags(run_id, {EVAL_WARNING_TAG: "\n".join(result.warnings)})
-    return StageOutput(
+    return Evaluation(
         stage="evaluate_policies",
         path=result.folder,
         digest=result.digest,
         mlflow_run_id=run_id,
         metrics=result.summary,
-        extra={"warnings": result.warnings},
+        warnings=result.warnings,
     )

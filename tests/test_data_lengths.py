@@ -141,8 +141,8 @@ def test_the_limits_are_part_of_the_prepare_cache_key(tmp_path):
     from tasks.caching import stage_dir
 
     config = load_config()
-    params = {"data": config.data, "source_digest": "d", "runtime": RuntimeConfig(output_dir=str(tmp_path))}
-    base = stage_dir(tmp_path, "prepare_preferences", {**params, "lengths": LengthLimits.from_config(config)})
-    again = stage_dir(tmp_path, "prepare_preferences", {**params, "lengths": LengthLimits.from_config(config)})
+    params = {"data_cfg": config.data, "source_digest": "d", "runtime": RuntimeConfig(output_dir=str(tmp_path))}
+    base = stage_dir("prepare_preferences", {**params, "lengths": LengthLimits.from_config(config)})
+    again = stage_dir("prepare_preferences", {**params, "lengths": LengthLimits.from_config(config)})
     changed = LengthLimits.from_config(load_config(None, ["ppo.max_prompt_tokens=128"]))
-    assert base == again != stage_dir(tmp_path, "prepare_preferences", {**params, "lengths": changed})
+    assert base == again != stage_dir("prepare_preferences", {**params, "lengths": changed})

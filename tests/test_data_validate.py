@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -160,11 +161,14 @@ def test_separate_prompt_source(tmp_path):
 
 def test_prepare_task_logs_drops_to_mlflow(tmp_path):
     from mlflow.tracking import MlflowClient
+    from prefect import flow
+    from prefect.results import ResultStore
     from prefect.testing.utilities import prefect_test_harness
 
     from rlhf.tracking import Tracker
-    from tasks.caching import TrackingContext
+    from tasks.outputs import PreparedData
     from tasks.stages import prepare_preferences as prepare_task
+    from tasks.tracking import TrackingContext
 
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in good(10) + good(2)))
@@ -174,23 +178,34 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
     ctx = TrackingContext(
         uri=uri, experiment="t", artifact_location=str(tmp_path / "artifacts"), parent_run_id=tracker.start_run("p")
     )
-    with prefect_test_harness(server_startup_timeout=120):  # the task also writes a Prefect table artifact
-        result = prepare_task.fn(
+
+    @flow
+    def prepare_only() -> PreparedData:  # a task run in a flow run: its folder and its table artifact need them
+        return prepare_task(
             DataConfig(source="local", path=str(path), tokenizer=str(tmp_path / "tok")),
             "digest",
             RuntimeConfig(output_dir=str(tmp_path / "o")),
             ctx,
             LengthLimits(prompt_tokens=1, pair_tokens=64, sft_tokens=64),
         )
+
+    with prefect_test_harness(server_startup_timeout=120):
+        result = prepare_only()
+        # the folder the task wrote is named by the key Prefect cached its result under
+        assert ResultStore().read(Path(result.path).name).result == result
+    assert (
+        isinstance(result, PreparedData)
+        and Path(result.path).parent == (tmp_path / "o").resolve() / "prepare_preferences"
+    )
     metrics = MlflowClient(uri).get_run(result.mlflow_run_id).data.metrics
     assert metrics["data/dropped_duplicate"] == 2 and metrics["data/dropped_missing"] == 0
     assert metrics["data/rows_prompts"] == 9  # the distinct training prompts (one of 10 pairs is held out)
-    table = drop_report(result.extra["manifest"])
+    table = drop_report(result.manifest)
     assert {"reason": "duplicate", "count": 2}.items() <= table[-1].items()
     # the length report: every prompt ("q0".."q9", 2 tokens or more) is over 1 token, no pair over 64
     assert metrics["data/over_ppo_max_prompt_tokens_fraction"] == 1.0
     assert metrics["data/over_reward_max_length_fraction"] == 0.0
-    assert result.extra["manifest"]["warnings"][0].startswith("100% of the PPO prompts (9 of 9) are longer than")
+    assert result.manifest["warnings"][0].startswith("100% of the PPO prompts (9 of 9) are longer than")
     names = [a.path for a in MlflowClient(uri).list_artifacts(result.mlflow_run_id, "data")]
     assert {"data/dropped.json", "data/lengths.json", "data/prompts.parquet"} <= set(names)
 

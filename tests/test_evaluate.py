@@ -169,7 +169,7 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
     import flows.artifacts
     from flows.pipeline import close_pipeline_run
     from rlhf.tracking import Tracker
-    from tasks.caching import TrackingContext
+    from tasks.tracking import TrackingContext
 
     text = "PPO's gain over SFT is mostly explained by length: ...\nPPO answers nothing to 7.8% of prompts ..."
     summary = _pipeline_summary(**{"eval/hacking_flag_length": 1.0, EVAL_WARNING_TAG: text})
@@ -184,7 +184,7 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
     tables = []
     monkeypatch.setattr(flows.artifacts, "link_mlflow_run", lambda *a, **k: None)
     monkeypatch.setattr(flows.artifacts, "create_table_artifact", lambda rows, **kw: tables.append((rows, kw)))
-    flows.artifacts.publish_pipeline_results(summary, "e")
+    flows.artifacts.publish_pipeline_results(summary, context)
     ((rows, kw),) = tables
     assert rows[0] == {"metric": EVAL_WARNING_TAG, "value": text}
     assert {"metric": "eval/win_rate_rm_len_controlled", "value": 0.52} in rows

@@ -103,8 +103,8 @@ def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_pa
     (run,) = client.search_runs([experiment], "tags.stage = 'supervised_finetune'")
     assert run.info.status == "FINISHED" and run.data.params["sft.finetune"] == "True"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [0, 7]  # each step once
-    (init,) = client.search_runs([experiment], "tags.stage = 'init_policy_and_value'")
-    assert init.data.params["policy_init"] == summary["sft_checkpoint"]
+    (plan,) = client.search_runs([experiment], "tags.stage = 'plan_ppo_models'")
+    assert plan.data.params["policy_init"] == summary["sft_checkpoint"]
 
 
 def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monkeypatch):

@@ -112,7 +112,7 @@ def test_ppo_stops_or_skips_on_nan(tiny_checkpoints, data, tmp_path):
 def test_prefect_does_not_retry_a_nonfinite_stop():
     from prefect.states import Completed, Failed
 
-    from tasks.runs import retry_unless_user_error
+    from tasks.faults import retry_unless_user_error
 
     assert retry_unless_user_error(None, None, Failed(data=NonFiniteError("SFT stopped at step 3"))) is False
     assert retry_unless_user_error(None, None, Failed(data=RuntimeError("CUDA error: device lost"))) is True

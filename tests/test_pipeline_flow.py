@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect.results import ResultStore
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
+from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tests.conftest import REPO, flow_run_artifacts, task_states
 
 
@@ -47,7 +50,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
         "prepare_preferences",
         "supervised_finetune",
         "train_reward_model",
-        "init_policy_and_value",
+        "plan_ppo_models",
         "train_policy_ppo",
         "evaluate_policies",
     }
@@ -125,9 +128,35 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     drops = [a for a in flow_run_artifacts(first.state_details.flow_run_id) if a.key == "prepare-preferences-drops"]
     assert [a.type for a in drops] == ["table"]
 
-    # second run: nothing changed, every stage is served from the cache, same summary
+    # every stage wrote exactly one folder, named by the key Prefect cached its result under (its typed output), the
+    # folder `run_stage` locked and checked, and the one its MLflow run records
+    outputs = {
+        "prepare_preferences": PreparedData,
+        "supervised_finetune": SFTModel,
+        "train_reward_model": RewardModel,
+        "plan_ppo_models": PPOInit,
+        "train_policy_ppo": PPOPolicy,
+        "evaluate_policies": Evaluation,
+    }
+    assert set(outputs) == set(children)
+    store = ResultStore()
+    for stage, output_type in outputs.items():
+        (folder,) = [path for path in (tmp_path / "out" / stage).resolve().iterdir() if path.is_dir()]
+        assert folder.name.startswith(f"{stage}-"), stage
+        cached = store.read(folder.name).result
+        assert type(cached) is output_type and cached.mlflow_run_id == children[stage].info.run_id, stage
+        assert {path.name for path in folder.parent.glob("*.lock")} == {f"{folder.name}.lock"}, stage
+        assert children[stage].data.tags["output_dir"] == str(folder), stage
+        if stage != "plan_ppo_models":  # the plan's path is the SFT model's: the checkpoint PPO starts from
+            assert Path(cached.path).resolve().is_relative_to(folder), stage
+        if stage == "train_policy_ppo":
+            assert Path(cached.value_path).resolve().is_relative_to(folder / "final")
+
+    # second run: nothing changed, every stage is served from the cache (typed outputs read back), same summary
     second = rlhf_pipeline(cfg, return_state=True)
     assert second.result()["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
+    assert second.result()["value_checkpoint"] == summary["value_checkpoint"]
+    assert second.result().get("eval.warning") == summary.get("eval.warning")
     # the second parent run links the stage runs that computed its (cached) results
     tags = client.get_run(second.result()["mlflow_run_id"]).data.tags
     assert tags["stage.train_policy_ppo.run_id"] == ppo.info.run_id

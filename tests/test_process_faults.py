@@ -21,7 +21,7 @@ STAGES = (
     "prepare_preferences",
     "supervised_finetune",
     "train_reward_model",
-    "init_policy_and_value",
+    "plan_ppo_models",
     "train_policy_ppo",
     "evaluate_policies",
 )

@@ -1,0 +1,86 @@
+"""What a running task shows in Prefect: progress artifacts (bars in the UI) and lines in the task run's log."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.exceptions import MissingContextError
+
+
+def task_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect task run's logger (lines in the task's log), or this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+class ProgressBar:
+    """A progress artifact (a bar in the Prefect UI) of the current flow or task run. Writing it never fails the
+    run: an API error is a warning in the run's log and the bar stops moving."""
+
+    def __init__(self, description: str) -> None:
+        self.artifact_id = None
+        try:
+            self.artifact_id = create_progress_artifact(0.0, description=description)
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("could not write the progress artifact '%s': %s", description, err)
+
+    def set(self, percent: float, description: str) -> None:
+        if self.artifact_id is None:
+            return
+        try:
+            update_progress_artifact(self.artifact_id, percent, description=description)
+        except Exception as err:  # noqa: BLE001
+            get_run_logger().warning("could not update the progress artifact '%s': %s", description, err)
+
+
+class StepProgress:
+    """The progress bar of a training task, advanced as steps are logged: at most one update every
+    `min_interval` seconds, plus the last step."""
+
+    def __init__(self, stage: str, total: int, min_interval: float = 2.0) -> None:
+        self.stage, self.total, self.min_interval = stage, max(1, total), min_interval
+        self.last_update = 0.0
+        self.bar = ProgressBar(f"{stage}: step 0 of {self.total}")
+
+    def update(self, step: int) -> None:
+        now = time.monotonic()
+        if now - self.last_update < self.min_interval and step < self.total:
+            return
+        self.last_update = now
+        done = min(step, self.total)
+        self.bar.set(100.0 * done / self.total, f"{self.stage}: step {done} of {self.total}")
+
+
+def progress_logger(stage: str, every: int, total: int | None = None):
+    """Echo a few key metrics to the Prefect run's log every `every` steps; with `total`, also advance a progress
+    artifact of the task."""
+    logger = get_run_logger()
+    progress = StepProgress(stage, total) if total else None
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        if step % every == 0:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
+            logger.info("%s step %d: %s", stage, step, shown)
+        if progress is not None:
+            progress.update(step)
+
+    return log
+
+
+def echo_with_progress(stage: str, total: int, pattern: str):
+    """For a child command's output (data-parallel PPO): each line goes to the task's log, and lines matching
+    `pattern` advance a progress artifact to the step they name."""
+    logger, progress, step_line = get_run_logger(), StepProgress(stage, total), re.compile(pattern)
+
+    def echo(line: str) -> None:
+        logger.info("%s", line)
+        if match := step_line.match(line):
+            progress.update(int(match.group(1)))
+
+    return echo

@@ -1,0 +1,65 @@
+"""MLflow child runs of the pipeline's stages, and the prepared data files as their dataset inputs (through
+rlhf.tracking, the one module that imports mlflow)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rlhf.tracking import Tracker
+from tasks.caching import code_version
+from tasks.tracking import TrackingContext, tracker_for
+
+RUN_ID_FILE = ".mlflow_run_id"
+
+
+@contextlib.contextmanager
+def stage_run(
+    tracking: TrackingContext, stage: str, folder: Path, params: dict[str, Any] | None = None, resume: bool = False
+) -> Iterator[tuple[Tracker, str]]:
+    """A child run of the pipeline run for one stage; with `resume`, a retry continues the same run."""
+    tracker = tracker_for(tracking)
+    marker = folder / RUN_ID_FILE
+    run_id = marker.read_text().strip() if resume and marker.is_file() else None
+    if run_id is not None:
+        tracker.reopen_run(run_id)  # a retry continues the run it started
+    else:
+        run_id = tracker.start_run(
+            stage,
+            tracking.parent_run_id,
+            tags={
+                "stage": stage,
+                "prefect.flow_run_id": str(tracking.flow_run_id),
+                "code_version": code_version(),
+                "output_dir": str(folder),
+            },
+        )
+        if params:
+            tracker.log_params(run_id, params)
+        if resume:
+            folder.mkdir(parents=True, exist_ok=True)
+            marker.write_text(run_id)
+    try:
+        yield tracker, run_id
+    except BaseException:
+        tracker.end_run(run_id, failed=True)
+        raise
+    tracker.end_run(run_id)
+    tracker.set_tags(tracking.parent_run_id, {f"stage.{stage}.run_id": run_id})
+
+
+# The prepared data files as MLflow dataset inputs: file -> (dataset name, context).
+DATA_FILES = {
+    "train.parquet": ("preferences-train", "training"),
+    "eval.parquet": ("preferences-eval", "evaluation"),
+    "sft.parquet": ("sft-demonstrations", "training"),
+    "prompts.parquet": ("ppo-prompts", "training"),
+}
+
+
+def log_data_inputs(tracker: Tracker, run_id: str, folder: str | Path, digest: str, *files: str) -> None:
+    """Record prepared data files (all of them when none are named) as dataset inputs of a run."""
+    names = files or tuple(DATA_FILES)
+    tracker.log_parquet_inputs(run_id, [(Path(folder) / name, *DATA_FILES[name]) for name in names], digest)

@@ -1,0 +1,88 @@
+"""The task layer's caching contract: the code version covers tasks/, a stage's folder is named by the key its
+task is cached on, and the typed stage outputs survive Prefect's JSON result serializer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import load_config
+from rlhf.data.lengths import LengthLimits
+from tasks import caching
+from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel, StageOutput
+from tasks.tracking import TrackingContext
+from tests.conftest import REPO
+
+
+def test_the_code_version_covers_the_library_and_the_task_layer(tmp_path):
+    assert {path.name for path in caching.CODE_PACKAGES} == {"rlhf", "tasks"}
+    assert caching.code_version() == caching.source_digest(*caching.CODE_PACKAGES)
+    copies = [tmp_path / name for name in ("rlhf", "tasks")]
+    for copy in copies:
+        shutil.copytree(REPO / copy.name, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    before = caching.source_digest(*copies)
+    assert before == caching.code_version()  # the same files give the same version wherever they are
+    (tmp_path / "tasks" / "README.txt").write_text("not code")
+    assert caching.source_digest(*copies) == before
+    stages = tmp_path / "tasks" / "stages.py"
+    stages.write_text(stages.read_text() + "\n# a change in a task body\n")
+    assert caching.source_digest(*copies) != before
+
+
+def _parameters(tmp_path: Path) -> dict:
+    config = load_config(REPO / "conf" / "smoke.yaml", [f"runtime.output_dir={tmp_path}/out"])
+    tracking = TrackingContext(uri="sqlite:///unused.db", experiment="e", parent_run_id="p")
+    return {"data_cfg": config.data, "source_digest": "d", "runtime": config.runtime, "tracking": tracking}
+
+
+def test_run_stage_checks_the_folder_the_task_writes(tmp_path):
+    """`run_stage` fills in the task's defaults as Prefect does, so a left-out parameter (here `lengths`) cannot
+    give it another folder than the one the task run derives from its parameters and caches on."""
+    from tasks.stages import prepare_preferences
+
+    params = _parameters(tmp_path)
+    folder = caching.task_stage_dir(prepare_preferences, **params)
+    assert folder == caching.stage_dir("prepare_preferences", {**params, "lengths": None})
+    assert folder == tmp_path.resolve() / "out" / "prepare_preferences" / folder.name
+    assert folder.name == caching.stage_key("prepare_preferences", {**params, "lengths": None})
+    # the runtime and the tracking context are not part of the key; every other parameter is
+    moved = {**params, "runtime": params["runtime"].model_copy(update={"threads": 3})}
+    assert caching.task_stage_dir(prepare_preferences, **moved) == folder
+    limits = LengthLimits(prompt_tokens=1, pair_tokens=64, sft_tokens=64)
+    assert caching.task_stage_dir(prepare_preferences, **params, lengths=limits) != folder
+
+
+def test_current_stage_dir_needs_a_task_run():
+    with pytest.raises(RuntimeError, match="running stage task"):
+        caching.current_stage_dir()
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        PreparedData(stage="prepare_preferences", path="/d", digest="1", manifest={"rows": {"train": 3}}),
+        SFTModel(stage="supervised_finetune", path="/s", digest="2", metrics={"sft/loss": 1.5}, trained=True),
+        RewardModel(stage="train_reward_model", path="/r", digest="3"),
+        PPOInit(
+            stage="plan_ppo_models",
+            path="/s",
+            digest="2:3",
+            policy_init="/s",
+            reference_init="/s",
+            value_init="/r",
+            reward_model="/r",
+            same_tokenizer=False,
+        ),
+        PPOPolicy(stage="train_policy_ppo", path="/p", digest="4", value_path="/v", updates=4),
+        Evaluation(stage="evaluate_policies", path="/e", digest="5", warnings=["length"]),
+    ],
+)
+def test_stage_outputs_keep_their_type_through_the_json_result_serializer(output: StageOutput):
+    from prefect.serializers import JSONSerializer
+
+    again = JSONSerializer().loads(JSONSerializer().dumps(output))
+    assert type(again) is type(output) and again == output
+    # a downstream key takes the digest of an upstream output, whatever its type
+    assert caching.stage_key("s", {"x": output}) == caching.stage_key("s", {"x": StageOutput(**output.model_dump())})
