@@ -54,20 +54,20 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> floa
 
 
 def matmul_peak(
-    dtype: torch.dtype, device: torch.device, n: int = 2048, reps: int = 5, max_s: float = 0.5
+    dtype: torch.dtype, device: torch.device, n: int = 2048, reps: int = 5, max_s: float = 2.0
 ) -> tuple[float, int]:
     """(FLOP/s, size): the best of `reps` timed n x n matmuls in `dtype` on `device` (the current torch threads on
-    a CPU) after a warm-up. Where a 256 x 256 probe says one n x n matmul would take over `max_s` (bf16 on a CPU
+    a CPU) after a warm-up. Where a 512 x 512 probe says one n x n matmul would take over `max_s` (bf16 on a CPU
     without bf16 instructions runs at a fraction of fp32), the largest smaller power of two that does not."""
     gen = torch.Generator(device=device).manual_seed(0)
 
     def operands(size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.randn(size, size, generator=gen, device=device).to(dtype) for _ in range(2))
 
-    probe = operands(256)
+    probe = operands(512)
     _time_matmul(*probe, device)
-    probe_rate = 2 * 256**3 / _time_matmul(*probe, device)
-    while n > 256 and 2 * n**3 / probe_rate > max_s:
+    probe_rate = 2 * 512**3 / min(_time_matmul(*probe, device) for _ in range(3))
+    while n > 512 and 2 * n**3 / probe_rate > max_s:
         n //= 2
     a, b = operands(n)
     _time_matmul(a, b, device)
