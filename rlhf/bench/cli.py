@@ -14,6 +14,7 @@ updates after the first.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -49,12 +50,14 @@ def run_peer(label: str, venv: str, shape: str, updates: int, threads: int | Non
     if threads is not None:
         cmd += ["--threads", str(threads)]
     figure = None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines as they come
     with (
         open(ROOT / f"{venv}.log", "w") as log,
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) as proc,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env) as proc,
     ):
         for line in proc.stdout:
             log.write(line)
+            log.flush()
             if line.startswith(("update ", "episodes/s", "peer")):
                 print(f"[{label}] {line.rstrip()}", flush=True)
             if line.startswith("episodes/s: "):
