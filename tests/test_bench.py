@@ -14,6 +14,7 @@ from rlhf.bench.limit import (
     PhaseRow,
     count_flops,
     format_table,
+    format_traffic,
     generation_traffic,
     matmul_peak,
     phase_rows,
@@ -94,6 +95,12 @@ def test_generation_traffic():
     assert t.bytes_per_token == pytest.approx(t.total_bytes / 9)
 
 
+def test_traffic_line():
+    t = generation_traffic(10**6, 2, 2, 64, 4, 8, 4, 2)
+    line = format_traffic(t, seconds=t.total_bytes / 1e9, bandwidth=2e9)
+    assert "1.0 GB/s achieved, 50.0% of the measured 2 GB/s" in line
+
+
 def test_weights_read_per_step_skips_gathered_embeddings():
     lm_class, _ = model_classes(SHAPES["cpu"])
     tiny = BenchShape("gpt2", 1, 2, 16, 50, batch_size=4, prompt_len=4, response_len=4)
@@ -103,10 +110,15 @@ def test_weights_read_per_step_skips_gathered_embeddings():
 
 
 TINY = BenchShape("gpt2", 2, 2, 32, 64, batch_size=8, prompt_len=4, response_len=6, num_mini_batches=2)
+TINY_LLAMA = BenchShape(
+    "llama", 2, 4, 32, 64, batch_size=8, prompt_len=4, response_len=6, num_mini_batches=2, n_kv_head=2,
+    intermediate_size=64, gradient_checkpointing=True,
+)  # fmt: skip
 
 
-def test_smoke_on_a_tiny_shape(monkeypatch, capsys):
-    monkeypatch.setitem(SHAPES, "tiny", TINY)
+@pytest.mark.parametrize("tiny", [TINY, TINY_LLAMA], ids=["gpt2", "llama"])
+def test_smoke_on_a_tiny_shape(monkeypatch, capsys, tiny):
+    monkeypatch.setitem(SHAPES, "tiny", tiny)
     monkeypatch.setattr(cli, "matmul_peak", lambda dtype, device: (1e10, 2048))
     assert cli.main(["--shape", "tiny", "--updates", "2", "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
