@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test lint docs bench bench-peer ui sweep mlflow-ui prefect-ui compare clean
+.PHONY: install run test lint docs bench bench-peer bench-peer-trl112 ui sweep mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -48,22 +48,40 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q $(ARGS)
 
-# `make bench PEER=1` also runs the peer (TRL 0.19 PPOTrainer, in its own venv .bench-peer) on the same shape first
-# and prints the ratio; the last line stays `episodes/s: X` (this project's figure).
+# `make bench PEER=1` also runs the peers on the same shape, each in its own venv (created on first use): TRL 0.19.1
+# (.bench-peer, transformers 4.5x) and TRL 1.12.0 (.bench-peer-trl112, transformers 5.x), then this project
+# (`rlhf bench --peers`; ARGS="--rounds 3" alternates them three times) and prints each peer's figure and the ratio
+# to the best; the last line stays `episodes/s: X` (this project's figure). `make bench-peer[-trl112] ARGS=...`
+# runs one peer alone. Their output is logged to .bench-peer.log and .bench-peer-trl112.log.
 PEER_PKGS := "trl==0.19.1" "transformers>=4.51,<4.54" "accelerate>=1.4,<1.9" "datasets<4"
+PEER112_PKGS := "trl==1.12.0" "transformers>=5,<6"
 bench: $(STAMP)
 	@if [ "$(PEER)" = 1 ]; then \
-		$(MAKE) --no-print-directory bench-peer | tee .bench-peer.log; \
-		peer=$$(tail -n 1 .bench-peer.log | sed -n 's/^episodes\/s: //p'); \
-		$(RLHF) bench --peer-episodes-per-s "$$peer" $(ARGS); \
+		$(MAKE) --no-print-directory .bench-peer/.installed .bench-peer-trl112/.installed; \
+		$(RLHF) bench --peers $(ARGS); \
 	else $(RLHF) bench $(ARGS); fi
 
-bench-peer:
-	@test -x .bench-peer/bin/python || { echo "creating .bench-peer (TRL 0.19, transformers 4.x)"; \
-		$(PYTHON) -m venv .bench-peer; \
-		.bench-peer/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET); \
-		.bench-peer/bin/python -m pip install -q $(PEER_PKGS) $(PIP_QUIET); }
-	.bench-peer/bin/python benchmarks/trl_peer.py
+.bench-peer/.installed:
+	@echo "creating .bench-peer (TRL 0.19.1, transformers 4.5x)"
+	@test -x .bench-peer/bin/python || $(PYTHON) -m venv .bench-peer
+	@.bench-peer/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET)
+	@.bench-peer/bin/python -m pip install -q $(PEER_PKGS) $(PIP_QUIET)
+	@.bench-peer/bin/python -c "import trl, transformers, torch"
+	@touch $@
+
+.bench-peer-trl112/.installed:
+	@echo "creating .bench-peer-trl112 (TRL 1.12.0, transformers 5.x)"
+	@test -x .bench-peer-trl112/bin/python || $(PYTHON) -m venv .bench-peer-trl112
+	@.bench-peer-trl112/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET)
+	@.bench-peer-trl112/bin/python -m pip install -q $(PEER112_PKGS) $(PIP_QUIET)
+	@.bench-peer-trl112/bin/python -c "import trl.experimental.ppo, transformers, torch"
+	@touch $@
+
+bench-peer: .bench-peer/.installed
+	.bench-peer/bin/python benchmarks/trl_peer.py $(ARGS) | tee .bench-peer.log
+
+bench-peer-trl112: .bench-peer-trl112/.installed
+	.bench-peer-trl112/bin/python benchmarks/trl_peer.py $(ARGS) | tee .bench-peer-trl112.log
 
 mlflow-ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlruns/mlflow.db --host 127.0.0.1 --port 5000

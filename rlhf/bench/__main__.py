@@ -1,0 +1,3 @@
+from rlhf.bench.cli import main
+
+raise SystemExit(main())

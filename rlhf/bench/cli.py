@@ -1,0 +1,162 @@
+"""`rlhf bench`: PPO throughput on the fixed shapes of docs/benchmark.md, the limit report, and the peers.
+
+    rlhf bench                           # the cpu shape, 2 CPU threads
+    rlhf bench --shape cpu-long          # real vocabulary (32000), 128 sampled tokens
+    rlhf bench --shape gpt2-124m         # GPU, bf16
+    rlhf bench --shape llama-1b          # GPU, bf16, gradient checkpointing
+    rlhf bench --peers --shape cpu-long  # TRL 0.19.1 and TRL 1.12.0 (each in its venv), then this project
+
+Prints per-update and median per-phase times, the peak memory, the limit report (per-phase FLOP/s against the
+measured matmul peaks; generation's memory traffic on a GPU) and, last, `episodes/s: X`: the median over the
+updates after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .limit import (
+    copy_bandwidth,
+    format_table,
+    format_traffic,
+    generation_traffic,
+    matmul_peak,
+    phase_rows,
+    weights_read_per_step,
+)
+from .shapes import SHAPES, cuda_refusal
+
+ROOT = Path(__file__).resolve().parents[2]
+PEER_SCRIPT = ROOT / "benchmarks" / "trl_peer.py"
+# (label, virtual environment): `make bench PEER=1` creates them (docs/benchmark.md "Peers")
+PEERS = (("TRL 0.19.1", ".bench-peer"), ("TRL 1.12.0", ".bench-peer-trl112"))
+MIN_UPDATES = 9  # the figure is the median of at least 8 updates after the first
+
+
+def run_peer(label: str, venv: str, shape: str, updates: int, threads: int | None) -> float | None:
+    """Runs benchmarks/trl_peer.py in `venv`, echoing (and logging to `<venv>.log`) its output; its episodes/s."""
+    python = ROOT / venv / "bin" / "python"
+    if not python.exists():
+        print(f"[{label}] no {python}: `make bench PEER=1` creates it", flush=True)
+        return None
+    cmd = [str(python), str(PEER_SCRIPT), "--shape", shape, "--updates", str(updates)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    figure = None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines as they come
+    with (
+        open(ROOT / f"{venv}.log", "w") as log,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env) as proc,
+    ):
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith(("update ", "episodes/s", "peer")):
+                print(f"[{label}] {line.rstrip()}", flush=True)
+            if line.startswith("episodes/s: "):
+                figure = float(line.split(":", 1)[1])
+    if proc.returncode != 0:
+        print(f"[{label}] failed (exit {proc.returncode}); its output is in {venv}.log", flush=True)
+        return None
+    return figure
+
+
+def limit_report(bench, summary: dict[str, float]) -> None:
+    """The FLOPs of one extra, untimed update against the matmul peaks; on a GPU, generation's memory traffic."""
+    from .run import PHASES
+
+    device, shape = bench.device, bench.shape
+    flops = bench.count_phase_flops()
+    (peak32, n32), (peak16, n16) = matmul_peak(torch.float32, device), matmul_peak(torch.bfloat16, device)
+    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(
+        f"limit (FLOPs of one untimed update, FlopCounterMode; matmul peaks on {where}): "
+        f"fp32 {peak32 / 1e9:.1f} GFLOP/s ({n32}x{n32}), bf16 {peak16 / 1e9:.1f} GFLOP/s ({n16}x{n16})"
+    )
+    rows = phase_rows({p: summary[p] for p in PHASES}, flops)
+    print("\n".join("  " + line for line in format_table(rows, peak32, peak16).splitlines()))
+    if device.type == "cuda":
+        policy = bench.m.policy
+        elem = bench.dtype.itemsize if bench.dtype in (torch.bfloat16, torch.float16) else 4
+        traffic = generation_traffic(
+            weights_read_per_step(policy),
+            shape.n_layer,
+            shape.n_kv_head or shape.n_head,
+            shape.n_embd // shape.n_head,
+            shape.batch_size,
+            shape.prompt_len,
+            shape.response_len,
+            elem,
+        )
+        print("  " + format_traffic(traffic, summary["time/generate"], copy_bandwidth(device)))
+        tokens_per_s = shape.batch_size * shape.response_len / summary["time/generate"]
+        print(f"  generated tokens/s: {tokens_per_s:.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=list(SHAPES), default="cpu")
+    parser.add_argument(
+        "--updates", type=int, default=10, help=f"timed updates (the first is excluded; >= {MIN_UPDATES})"
+    )
+    parser.add_argument("--device", default=None, help="default: the shape's (cpu shapes: cpu; GPU shapes: cuda)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the shape's, 2)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--no-limit", action="store_true", help="skip the limit report (FLOPs, matmul peaks)")
+    parser.add_argument("--peers", action="store_true", help="run the TRL peers first, each in its own venv")
+    parser.add_argument("--rounds", type=int, default=1, help="with --peers: alternate peers and this project")
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    if (args.device or shape.device).startswith("cuda") and not torch.cuda.is_available():
+        print(cuda_refusal(args.shape), file=sys.stderr)
+        return 2
+    from rlhf.models.device import compute_dtype, resolve_device
+
+    from .run import PHASES, Bench, run_bench
+
+    threads = args.threads or shape.threads
+    torch.set_num_threads(threads)
+    device = resolve_device(args.device or shape.device)
+    dtype = compute_dtype(args.dtype, device)
+    print(f"PPO bench: shape={args.shape} {shape} device={device} threads={torch.get_num_threads()} dtype={dtype}")
+    if args.updates < MIN_UPDATES:
+        print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")
+    peer_figures: dict[str, list[float]] = {label: [] for label, _ in PEERS} if args.peers else {}
+    ours: list[float] = []
+    rounds = max(1, args.rounds if args.peers else 1)
+    for round_ in range(rounds):
+        for label, venv in PEERS if args.peers else ():
+            figure = run_peer(label, venv, args.shape, args.updates, args.threads)
+            if figure is not None:
+                peer_figures[label].append(figure)
+        torch.set_num_threads(threads)
+        if rounds > 1:
+            print(f"this project, round {round_ + 1}/{rounds}:")
+        bench = Bench(shape, device, dtype, args.updates)
+        summary = run_bench(bench)
+        ours.append(summary["episodes/s"])
+    print("median per update (updates after the first):")
+    for key in (*PHASES, "time/total"):
+        print(f"  {key:<18} {summary[key]:.4f} s")
+    print(f"  peak memory        {summary['memory/peak_mb']:.0f} MiB ({'GPU' if device.type == 'cuda' else 'RSS'})")
+    if not args.no_limit:
+        limit_report(bench, summary)
+    figure = statistics.median(ours)
+    if args.peers:
+        medians = {label: statistics.median(v) for label, v in peer_figures.items() if v}
+        for label, _ in PEERS:
+            shown = f"{medians[label]:.2f}" if label in medians else "failed"
+            ratio = f"; this project / it: {figure / medians[label]:.2f}x" if label in medians else ""
+            print(f"peer {label} episodes/s: {shown}{ratio}")
+        if medians:
+            best = max(medians, key=medians.get)
+            print(f"ratio to the best peer ({best}): {figure / medians[best]:.2f}x ({rounds} round(s), side by side)")
+    print(f"episodes/s: {figure:.2f}")
+    return 0

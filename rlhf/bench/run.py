@@ -1,0 +1,151 @@
+"""The timed PPO updates of `rlhf bench` and the FLOP count of one more (untimed) update.
+
+The only module of `rlhf.bench` that imports the PPO internals: the update steps are the trainer's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from rlhf.config import PPOConfig
+from rlhf.generation import GenerationSettings, sample_responses
+from rlhf.memory import peak_memory_mb
+from rlhf.models.device import autocast
+from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, fuse_gelu, unwrap
+from rlhf.ppo.models import PPOModels
+from rlhf.ppo.state import TrainerState, fresh_state
+from rlhf.ppo.update import compute_advantages, generate_and_score, optimize
+
+from .limit import count_flops, synchronize
+from .shapes import BenchShape, model_classes, model_config
+
+PHASES = ("time/generate", "time/score", "time/advantages", "time/optimize")
+
+
+def build_models(shape: BenchShape, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PPOModels:
+    """Random-init policy and its frozen reference copy, and separate value and frozen reward models
+    (`*ForSequenceClassification` of the same shape). As in the trainer, the trained models keep float32 weights
+    and the frozen ones are cast to the autocast dtype on CUDA."""
+    torch.manual_seed(seed)
+    config = model_config(shape)
+    lm_class, scalar_class = model_classes(shape)
+    with torch.device(device):  # initialise in place (a 1B model's init on the CPU takes a while)
+        policy, value, reward = lm_class(config), scalar_class(config), scalar_class(config)
+    frozen_dtype = dtype if device.type == "cuda" else torch.float32
+    reference = copy.deepcopy(policy).to(frozen_dtype).requires_grad_(False)
+    reward = reward.to(frozen_dtype).requires_grad_(False)
+    for model in (policy, reference, value, reward):
+        disable_dropout(model)
+        fuse_gelu(model)
+        model.eval()
+    if shape.gradient_checkpointing:
+        enable_gradient_checkpointing(policy)
+        enable_gradient_checkpointing(value)
+    return PPOModels(
+        policy, reference, value, reward, tokenizer=None, reward_tokenizer=None, stop_token_ids=(), same_tokenizer=True
+    )
+
+
+def ppo_config(shape: BenchShape, updates: int) -> PPOConfig:
+    return PPOConfig(
+        total_episodes=shape.batch_size * updates,
+        batch_size=shape.batch_size,
+        num_mini_batches=shape.num_mini_batches,
+        num_ppo_epochs=shape.num_ppo_epochs,
+        max_new_tokens=shape.response_len,
+        temperature=1.0,
+        missing_eos_penalty=None,
+        lr_schedule="constant",
+        record_rollouts=False,
+        gradient_checkpointing=shape.gradient_checkpointing,
+    )
+
+
+@dataclass
+class Bench:
+    """Models, optimizer state and settings of one benchmark run; `update()` runs one PPO update."""
+
+    shape: BenchShape
+    device: torch.device
+    dtype: torch.dtype
+    updates: int
+    seed: int = 0
+    m: PPOModels = field(init=False)
+    cfg: PPOConfig = field(init=False)
+    state: TrainerState = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.models = build_models(self.shape, self.device, self.dtype, self.seed)
+        self.cfg = ppo_config(self.shape, self.updates + 1)
+        self.state = fresh_state(self.models, self.cfg, self.seed, self.device)
+        # no stop tokens: every response has exactly response_len tokens (docs/benchmark.md)
+        self.settings = GenerationSettings(self.shape.response_len, temperature=1.0, stop_token_ids=(), pad_token_id=0)
+        self.data = torch.Generator().manual_seed(self.seed)
+
+    def query(self) -> tuple[Tensor, Tensor]:
+        s = self.shape
+        query = torch.randint(1, s.vocab_size, (s.batch_size, s.prompt_len), generator=self.data).to(self.device)
+        return query, torch.ones_like(query)
+
+    def update(self) -> dict[str, float]:
+        """One timed update: generate and score, advantages, PPO epochs; the per-phase times and the total."""
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        query, mask = self.query()
+        indices, generator = list(range(len(query))), self.state.sample_generator
+        rollout = generate_and_score(
+            self.models, query, mask, indices, None, self.cfg, self.settings, generator, self.dtype
+        )  # fmt: skip
+        compute_advantages(rollout, self.cfg, self.state.kl_ctl.value)
+        result = optimize(self.models, self.state, rollout, self.cfg, self.dtype)
+        synchronize(self.device)
+        total = time.perf_counter() - t0
+        timings = {**rollout.timings, "time/optimize": result.stats["time/optimize"], "time/total": total}
+        timings["episodes/s"] = self.shape.batch_size / total
+        return timings
+
+    def count_phase_flops(self) -> dict[str, int]:
+        """The FLOPs of each phase of one update (not a timed one). Run with one torch thread so that the CPU's
+        concurrent value-model thread stays in this one, where the (thread-local) counter sees it. Generation is
+        counted alone (the same sampling call on the same prompts), scoring as the rest of `generate_and_score`."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            query, mask = self.query()
+            sampler = torch.Generator(device=self.device).manual_seed(self.seed)
+            with autocast(self.device, self.dtype):
+                _, gen = count_flops(sample_responses, unwrap(self.models.policy), query, mask, self.settings, sampler)
+            rollout, gen_and_score = count_flops(
+                generate_and_score, self.models, query, mask, list(range(len(query))), None, self.cfg, self.settings,
+                self.state.sample_generator, self.dtype,
+            )  # fmt: skip
+            _, adv = count_flops(compute_advantages, rollout, self.cfg, self.state.kl_ctl.value)
+            _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, self.dtype)
+        finally:
+            torch.set_num_threads(threads)
+        return {"time/generate": gen, "time/score": gen_and_score - gen, "time/advantages": adv, "time/optimize": opt}
+
+
+def summarize(per_update: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over the updates after the first (the first pays for warm-up)."""
+    steady = per_update[1:] if len(per_update) > 1 else per_update
+    return {k: statistics.median(u[k] for u in steady) for k in (*PHASES, "time/total", "episodes/s")}
+
+
+def run_bench(bench: Bench, log=print) -> dict[str, float]:
+    """`bench.updates` timed updates; their medians and the peak memory."""
+    per_update = []
+    for i in range(bench.updates):
+        timings = bench.update()
+        per_update.append(timings)
+        phases = " ".join(f"{k.split('/')[1]}={timings[k]:.3f}s" for k in PHASES)
+        log(f"update {i + 1}/{bench.updates}: {timings['episodes/s']:.2f} episodes/s {phases}")
+    summary = summarize(per_update)
+    summary["memory/peak_mb"] = peak_memory_mb(bench.device)
+    return summary

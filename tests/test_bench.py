@@ -1,0 +1,136 @@
+"""`rlhf bench`: the shapes of docs/benchmark.md, the limit report's arithmetic, a smoke run on a tiny shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlhf.bench import cli
+from rlhf.bench.limit import (
+    PhaseRow,
+    count_flops,
+    format_table,
+    format_traffic,
+    generation_traffic,
+    matmul_peak,
+    phase_rows,
+    weights_read_per_step,
+)
+from rlhf.bench.shapes import SHAPES, BenchShape, model_classes, model_config
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmark.md"
+
+# docs/benchmark.md "Shapes": (arch, layers, heads, hidden, vocab, prompts, prompt length, response, minibatches of,
+# device, threads)
+DOCUMENTED = {
+    "cpu": ("gpt2", 4, 4, 128, 1000, 64, 16, 32, 16, "cpu", 2),
+    "cpu-long": ("gpt2", 4, 4, 128, 32000, 32, 64, 128, 8, "cpu", 2),
+    "gpt2-124m": ("gpt2", 12, 12, 768, 50257, 64, 16, 64, 16, "cuda", 2),
+    "llama-1b": ("llama", 22, 32, 2048, 32000, 64, 128, 256, 16, "cuda", 2),
+}
+
+
+def test_shapes_match_the_docs():
+    assert list(SHAPES) == list(DOCUMENTED)
+    text = DOCS.read_text()
+    for name, expected in DOCUMENTED.items():
+        s = SHAPES[name]
+        got = (s.arch, s.n_layer, s.n_head, s.n_embd, s.vocab_size, s.batch_size, s.prompt_len, s.response_len)
+        assert (*got, s.mini_batch_size, s.device, s.threads) == expected, name
+        assert (s.num_ppo_epochs, s.num_mini_batches) == (4, 4)
+        assert f"| `{name}`" in text
+    llama = SHAPES["llama-1b"]
+    assert (llama.n_kv_head, llama.intermediate_size, llama.gradient_checkpointing) == (4, 5632, True)
+    config = model_config(llama)
+    assert (config.num_key_value_heads, config.intermediate_size, config.num_hidden_layers) == (4, 5632, 22)
+    assert [c.__name__ for c in model_classes(llama)] == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
+    assert [c.__name__ for c in model_classes(SHAPES["cpu"])] == ["GPT2LMHeadModel", "GPT2ForSequenceClassification"]
+
+
+def test_flops_of_a_linear_layer_forward_and_backward():
+    layer = nn.Linear(64, 32)
+    x = torch.randn(8, 64)
+    _, forward = count_flops(layer, x)
+    assert forward == 2 * 8 * 64 * 32
+    _, weight_grad = count_flops(lambda: layer(x).sum().backward())
+    assert weight_grad == 2 * forward  # the backward: the weight's gradient (the input needs none)
+    x.requires_grad_()
+    _, both = count_flops(lambda: layer(x).sum().backward())
+    assert both == 3 * forward  # and the input's
+
+
+def test_flops_of_cpu_attention_are_counted():
+    q = k = v = torch.randn(2, 4, 16, 8)
+    _, flops = count_flops(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+    assert flops == 2 * (2 * 2 * 4 * 16 * 16 * 8)  # q @ k^T and scores @ v (the mask is not discounted)
+
+
+def test_phase_rows_and_percentages():
+    rows = phase_rows({"time/generate": 2.0, "time/optimize": 0.5}, {"time/generate": 4_000_000_000})
+    assert [r.phase for r in rows] == ["generate", "optimize", "total"]
+    assert rows[0].flop_per_s == 2e9 and rows[1].flop_per_s == 0.0
+    assert rows[0].percent_of(8e9) == pytest.approx(25.0)
+    assert rows[2] == PhaseRow("total", 2.5, 4_000_000_000)
+    assert rows[2].percent_of(1.6e9) == pytest.approx(100.0)
+    table = format_table(rows, peak_fp32=8e9, peak_bf16=4e9).splitlines()
+    assert table[1].split() == ["generate", "2.0000", "4.000", "2.00", "25.0%", "50.0%"]
+
+
+def test_matmul_peak_is_a_rate():
+    rate, n = matmul_peak(torch.float32, torch.device("cpu"), n=512, reps=2)
+    assert 1e6 < rate < 1e14 and n == 512
+
+
+def test_generation_traffic():
+    t = generation_traffic(
+        weight_params=1000, n_layer=2, n_kv_head=1, head_dim=4, batch=3, prompt_len=5, response_len=3, elem_bytes=2
+    )
+    # calls 1 and 2 read 6 and 7 positions; each position: 2 (k, v) x 2 layers x 1 head x 4 dims x 2 bytes
+    assert t.kv_bytes == 3 * 32 * (6 + 7)
+    assert t.total_bytes == 3 * 2000 + t.kv_bytes and t.tokens == 9
+    assert t.bytes_per_token == pytest.approx(t.total_bytes / 9)
+
+
+def test_traffic_line():
+    t = generation_traffic(10**6, 2, 2, 64, 4, 8, 4, 2)
+    line = format_traffic(t, seconds=t.total_bytes / 1e9, bandwidth=2e9)
+    assert "1.0 GB/s achieved, 50.0% of the measured 2 GB/s" in line
+
+
+def test_weights_read_per_step_skips_gathered_embeddings():
+    lm_class, _ = model_classes(SHAPES["cpu"])
+    tiny = BenchShape("gpt2", 1, 2, 16, 50, batch_size=4, prompt_len=4, response_len=4)
+    model = lm_class(model_config(tiny))  # the token embedding is the (tied) LM head: read in full
+    total = sum(p.numel() for p in model.parameters())
+    assert weights_read_per_step(model) == total - model.transformer.wpe.weight.numel()
+
+
+TINY = BenchShape("gpt2", 2, 2, 32, 64, batch_size=8, prompt_len=4, response_len=6, num_mini_batches=2)
+TINY_LLAMA = BenchShape(
+    "llama", 2, 4, 32, 64, batch_size=8, prompt_len=4, response_len=6, num_mini_batches=2, n_kv_head=2,
+    intermediate_size=64, gradient_checkpointing=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("tiny", [TINY, TINY_LLAMA], ids=["gpt2", "llama"])
+def test_smoke_on_a_tiny_shape(monkeypatch, capsys, tiny):
+    monkeypatch.setitem(SHAPES, "tiny", tiny)
+    monkeypatch.setattr(cli, "matmul_peak", lambda dtype, device: (1e10, 2048))
+    assert cli.main(["--shape", "tiny", "--updates", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("episodes/s: ") and float(out[-1].split(": ")[1]) > 0
+    assert sum(line.startswith("update ") for line in out) == 2
+    table = {line.split()[0]: line.split() for line in out if line.startswith("  ") and "%" in line}
+    assert set(table) == {"phase", "generate", "score", "advantages", "optimize", "total"}
+    assert float(table["optimize"][2]) > 0 and float(table["score"][2]) > 0 and float(table["generate"][2]) > 0
+
+
+def test_llama_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--shape", "llama-1b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "The llama-1b shape runs on a CUDA GPU (bf16) and this machine has no CUDA device."
