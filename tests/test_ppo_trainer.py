@@ -173,7 +173,7 @@ def test_reward_model_resume_matches(stack, tmp_path):
     assert b.metrics["reward/eval_accuracy"] == pytest.approx(a.metrics["reward/eval_accuracy"])
     for step in full:
         for key, value in full[step].items():
-            if key != "reward/seconds":
+            if key != "reward/seconds" and not key.startswith(NOT_DETERMINISTIC):
                 assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
 
 
