@@ -96,7 +96,7 @@ def steps(root: Path, run, key: str) -> list[int]:
 
 def result(root: Path) -> dict:
     """The finished pipeline run's figures and the final policy's content digest."""
-    (finished,) = [r for r in pipeline_runs(root) if r.info.status == "FINISHED"]
+    finished = max((r for r in pipeline_runs(root) if r.info.status == "FINISHED"), key=lambda r: r.info.start_time)
     (manifest,) = (root / "out" / "train_policy_ppo").glob("*/final/manifest.json")
     figures = {k: finished.data.metrics[k] for k in RESULT_METRICS}
     return {**figures, "digest": json.loads(manifest.read_text())["digest"]}
