@@ -7,6 +7,7 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -168,8 +169,9 @@ class Tracker:
 
     def log_parquet_inputs(self, run_id: str, files: list[tuple[str | Path, str, str]], digest: str) -> None:
         """Record Parquet files as dataset inputs of a run: `files` is (path, name, context) triples, `digest` the
-        content digest of the prepared data. Schema and row count come from the Parquet footer: no rows are read,
-        so a data set of millions of pairs costs nothing here."""
+        content digest of the prepared data folder (an input tag, ``rlhf.prepared_digest``). Each dataset's own
+        digest is its file's content digest (SHA-256, computed once per file version), so the four prepared files
+        are told apart. Schema and row count come from the Parquet footer: no rows are parsed."""
         import json
 
         import pyarrow.parquet as pq
@@ -190,13 +192,14 @@ class Tracker:
             ]
             dataset = Dataset(
                 name=name,
-                digest=digest[:36],
+                digest=parquet_digest(path)[:36],
                 source_type="local",
                 source=json.dumps({"uri": str(Path(path).resolve())}),
                 schema=json.dumps({"mlflow_colspec": colspec}),
                 profile=json.dumps({"num_rows": meta.num_rows, "num_elements": meta.num_rows * len(schema)}),
             )
-            inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", context)]))
+            tags = [InputTag("mlflow.data.context", context), InputTag("rlhf.prepared_digest", digest)]
+            inputs.append(DatasetInput(dataset, tags))
         self.client.log_inputs(run_id, datasets=inputs)
 
     def register_model_version(
@@ -285,6 +288,19 @@ class Tracker:
 
 
 RUN_TYPE_TAG = "run_type"
+
+
+def parquet_digest(path: str | Path) -> str:
+    """SHA-256 of a file's content, cached by (path, size, modification time): each prepared file is read once."""
+    stat = Path(path).stat()
+    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    from rlhf.checkpoints import file_digest
+
+    return file_digest(path)
 
 
 @dataclass

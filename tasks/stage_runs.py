@@ -13,6 +13,22 @@ from tasks.caching import code_version
 from tasks.tracking import TrackingContext, tracker_for
 
 RUN_ID_FILE = ".mlflow_run_id"
+# Short names of the stages: a stage's MLflow run is named `<pipeline run name>/<short name>`
+# (`pipeline-brave-owl/ppo`), so the legends of charts comparing runs tell the stages of different pipeline runs apart.
+STAGE_SHORT_NAMES = {
+    "prepare_preferences": "data",
+    "supervised_finetune": "sft",
+    "train_reward_model": "reward",
+    "plan_ppo_models": "plan",
+    "train_policy_ppo": "ppo",
+    "evaluate_policies": "eval",
+}
+
+
+def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
+    """`<pipeline run name>/<short stage name>`; the stage name alone without a pipeline run name."""
+    short = STAGE_SHORT_NAMES.get(stage, stage)
+    return f"{pipeline_run_name}/{short}" if pipeline_run_name else stage
 
 
 @contextlib.contextmanager
@@ -27,7 +43,7 @@ def stage_run(
         tracker.reopen_run(run_id)  # a retry continues the run it started
     else:
         run_id = tracker.start_run(
-            stage,
+            stage_run_name(tracking.run_name, stage),
             tracking.parent_run_id,
             tags={
                 "stage": stage,
