@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ _MLFLOW_TYPES = {
 # on some lock upgrades, and two processes may create the tables of a new store together): retried.
 _TRANSIENT = re.compile(r"database (table )?is locked|table \w+ already exists")
 RETRY_ATTEMPTS, RETRY_DELAY_S = 8, 0.25
+_FLUENT_LOCK = threading.Lock()
 
 
 class _RetryingClient:
@@ -201,6 +203,26 @@ class Tracker:
             tags = [InputTag("mlflow.data.context", context), InputTag("rlhf.prepared_digest", digest)]
             inputs.append(DatasetInput(dataset, tags))
         self.client.log_inputs(run_id, datasets=inputs)
+
+    def log_transformers_model(self, run_id: str, folder: str | Path, name: str = "policy_model") -> str:
+        """Log a ``save_pretrained`` folder of a causal LM (with its tokenizer) as an MLflow transformers model of
+        the run (a text-generation pipeline): it shows in the run's Models column, and ``mlflow models serve`` and
+        ``mlflow.transformers.load_model`` work on it. The model is loaded on the CPU to be logged. Returns the
+        model URI (``models:/m-...``)."""
+        import mlflow
+        import torch
+        import transformers
+
+        pipeline = transformers.pipeline("text-generation", model=str(folder), device="cpu")
+        requirements = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+        # the fluent API's tracking URI is global to the process: set for this call only, then restored as it was
+        # (unset, when it was: MLFLOW_TRACKING_URI keeps working afterwards)
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+        with _FLUENT_LOCK, _use_tracking_uri(self.uri), mlflow.start_run(run_id=run_id):
+            info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements)
+        self.client.update_run(run_id, status="RUNNING")  # leaving start_run ended it; the stage ends it
+        return info.model_uri
 
     def register_model_version(
         self, name: str, run_id: str, artifact_path: str, tags: dict[str, Any], description: str = ""

@@ -89,10 +89,13 @@ def progress_logger(stage: str, every: int, total: int | None = None):
     logger = get_run_logger()
     progress = StepProgress(stage, total) if total else None
     known: dict[str, float] = {}
+    shown_steps: set[int] = set()
 
     def log(metrics: dict[str, float], step: int) -> None:
         known.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
-        if step % every == 0 or (total is not None and step >= total):
+        due = step % every == 0 or (total is not None and step >= total)
+        if due and step not in shown_steps:  # a trainer's final metrics come at its last step again: one line
+            shown_steps.add(step)
             shown = watched_text(stage, known) or ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
             logger.info("%s step %d%s: %s", stage, step, f" of {total}" if total else "", shown)
         if progress is not None:

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from rlhf.tracking import Tracker
 from tasks.caching import code_version
 from tasks.tracking import TrackingContext, tracker_for
@@ -79,3 +81,19 @@ def log_data_inputs(tracker: Tracker, run_id: str, folder: str | Path, digest: s
     """Record prepared data files (all of them when none are named) as dataset inputs of a run."""
     names = files or tuple(DATA_FILES)
     tracker.log_parquet_inputs(run_id, [(Path(folder) / name, *DATA_FILES[name]) for name in names], digest)
+
+
+def rollout_samples(rollouts: Path, every: int, per_update: int = 8) -> pd.DataFrame | None:
+    """A sample of the PPO rollouts for an MLflow table: the first `per_update` records (prompt, response, score,
+    KL, ...) of every `every`-th update and of the last one; None when none were recorded."""
+    files = sorted(rollouts.glob("update_*.parquet"))
+    if not files:
+        return None
+    last = int(files[-1].stem.split("_")[1])
+    chosen = [f for f in files if int(f.stem.split("_")[1]) % every == 0 or int(f.stem.split("_")[1]) == last]
+    return pd.concat([pd.read_parquet(f).head(per_update) for f in chosen], ignore_index=True)
+
+
+def samples_every(num_updates: int, tables: int = 10) -> int:
+    """Every how many updates a rollout sample goes to the table: about `tables` samples over the run."""
+    return max(1, num_updates // tables)

@@ -84,7 +84,15 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert "data/train.parquet" in artifacts(children["prepare_preferences"], "data")
     assert "sft_checkpoint/model.safetensors" in artifacts(children["supervised_finetune"], "sft_checkpoint")
     assert "reward_model/model.safetensors" in artifacts(children["train_reward_model"], "reward_model")
-    assert {"ppo_checkpoint", "rollouts"} <= artifacts(ppo)
+    assert {"ppo_checkpoint", "rollouts", "rollout_samples.json"} <= artifacts(ppo)
+    # the PPO policy is an MLflow transformers model of the PPO run (Models column, load_model, models serve)
+    import mlflow
+
+    (model,) = client.search_logged_models([exp.experiment_id])
+    assert model.source_run_id == ppo.info.run_id and model.name == "policy_model"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would, to resolve models:/ URIs
+    generate = mlflow.transformers.load_model(f"models:/{model.model_id}")
+    assert generate("Review of The Silent River:", max_new_tokens=3)[0]["generated_text"]
     assert "completions.json" in artifacts(children["evaluate_policies"])
     # lengths, empty answers, win rates at equal length and the hacking flags: on the evaluation and pipeline runs
     evaluation = children["evaluate_policies"].data
