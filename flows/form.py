@@ -51,8 +51,8 @@ class PipelineRun(BaseModel):
         description="A config shipped in conf/: default.yaml is the built-in offline task (about 100 s on a CPU), "
         "smoke.yaml a tiny one (seconds), examples/ real models and data sets (need hub downloads).",
     )
-    config_path: str | None = Field(
-        None,
+    config_path: str = Field(
+        "",
         description="Another YAML config instead of config_file: a path, relative to the checkout the runs execute "
         "in, or absolute. Leave empty to use config_file.",
     )

@@ -24,7 +24,7 @@ def test_a_config_file_and_overrides_give_the_config():
     assert run.config() == load_config(REPO / "conf" / "smoke.yaml", ["ppo.kl_coef=0.1", "seed=3"])
     assert PipelineRun().config() == load_config(REPO / "conf" / "default.yaml")
     assert form_parameters("conf/smoke.yaml") == {
-        "run": {"config_file": "conf/smoke.yaml", "config_path": None, "overrides": []}
+        "run": {"config_file": "conf/smoke.yaml", "config_path": "", "overrides": []}
     }
 
 

@@ -181,7 +181,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
             serve,
             log,
         )
-        assert form["parameters"]["run"] == {"config_file": "conf/smoke.yaml", "config_path": None, "overrides": []}
+        assert form["parameters"]["run"] == {"config_file": "conf/smoke.yaml", "config_path": "", "overrides": []}
         run_schema = form["parameter_openapi_schema"]["definitions"]["PipelineRun"]["properties"]
         assert {"conf/default.yaml", "conf/smoke.yaml", "conf/examples/hh-rlhf.yaml"} <= set(
             run_schema["config_file"]["enum"]

@@ -9,7 +9,7 @@ form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
     03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
     04-mlflow-experiment.png   the experiment in MLflow's model-training view (runs table)
     05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens)
-    06-mlflow-ppo-run.png      the PPO stage's MLflow run, its model metrics charts
+    06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
 
 Needs Debian's chromium and chromium-driver (``apt-get install -y chromium chromium-driver``) and selenium (the
 make target installs it into .venv). Not part of `make test`.
@@ -37,7 +37,7 @@ CHROME_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
     "--no-first-run",
-    "--window-size=1600,1100",
+    "--window-size=1920,1200",
 ]
 
 
@@ -77,9 +77,30 @@ def browser():
     return webdriver.Chrome(options=options, service=service)
 
 
-def shoot(driver, url: str, path: Path, settle: float = 6.0) -> None:
+def shoot(driver, url: str, path: Path, settle: float = 6.0, search: str | None = None, tab: str | None = None) -> None:
+    """A screenshot of `url`; with `search`, typed into the page's first search box first (MLflow's chart filter);
+    with `tab`, the tab of that name clicked and scrolled to first."""
+    from selenium.webdriver.common.by import By
+
     driver.get(url)
     time.sleep(settle)  # both UIs render client-side: let them fetch and draw
+    for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):  # MLflow's assistant panel
+        try:
+            if button.is_displayed():
+                button.click()
+                time.sleep(1.0)
+        except Exception:  # noqa: BLE001 (a panel that is not there, or moved: the screenshot is taken anyway)
+            pass
+    if tab:
+        found = driver.find_elements(By.XPATH, f"//*[normalize-space(text())='{tab}']")
+        if found:
+            driver.execute_script("arguments[0].scrollIntoView(true); arguments[0].click();", found[-1])
+            time.sleep(3.0)
+    if search:
+        boxes = driver.find_elements(By.CSS_SELECTOR, "input[placeholder*='Search']")
+        if boxes:
+            boxes[0].send_keys(search)
+            time.sleep(2.0)
     driver.save_screenshot(str(path))
     print(f"ui-check: {path.relative_to(REPO)}  <- {url}", flush=True)
 
@@ -135,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         state = wait_for(finished, args.timeout, "the flow run")
         print(f"ui-check: flow run {state['type']}", flush=True)
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "02-prefect-run.png")
-        shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}?tab=Artifacts", out / "03-prefect-artifacts.png")
+        shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "03-prefect-artifacts.png", tab="Artifacts")
 
         from mlflow.tracking import MlflowClient
 
@@ -152,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{view}", out / "05-mlflow-run.png")
         if ppo is not None:
             url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo.info.run_id}/model-metrics?{view}"
-            shoot(driver, url, out / "06-mlflow-ppo-run.png", 8)
+            shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
         return 0 if state["type"] == "COMPLETED" else 1
     finally:
         if driver is not None:
