@@ -92,9 +92,11 @@ def shoot(driver, url: str, path: Path, settle: float = 6.0, search: str | None 
         except Exception:  # noqa: BLE001 (a panel that is not there, or moved: the screenshot is taken anyway)
             pass
     if tab:
-        found = driver.find_elements(By.XPATH, f"//*[normalize-space(text())='{tab}']")
+        xpath = f"//*[(self::button or self::a or @role='tab') and normalize-space(.)='{tab}']"
+        found = [element for element in driver.find_elements(By.XPATH, xpath) if element.is_displayed()]
         if found:
-            driver.execute_script("arguments[0].scrollIntoView(true); arguments[0].click();", found[-1])
+            driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", found[0])
+            found[0].click()
             time.sleep(3.0)
     if search:
         boxes = driver.find_elements(By.CSS_SELECTOR, "input[placeholder*='Search']")
@@ -166,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
             filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
         )
         parent = next(r for r in runs if "stage" not in r.data.tags)
-        ppo = next((r for r in runs if r.data.tags.get("stage") == "train_policy_ppo"), None)
+        # the PPO run that computed this run's policy (an earlier run's, when the stage came from the cache)
+        ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
         exp = parent.info.experiment_id
         view = "workflowType=machine_learning"
         shoot(driver, f"{mlflow_url}/#/experiments/{exp}?{view}", out / "04-mlflow-experiment.png", 8)
         shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{view}", out / "05-mlflow-run.png")
-        if ppo is not None:
-            url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo.info.run_id}/model-metrics?{view}"
+        if ppo_run_id:
+            url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{view}"
             shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
         return 0 if state["type"] == "COMPLETED" else 1
     finally:
