@@ -6,7 +6,8 @@ form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
 
     01-prefect-form.png        the deployment's run form (config drop-down, overrides)
     02-prefect-run.png         the finished flow run (task graph and states)
-    03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
+    03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link); known gap: the
+                               click does not switch the tab in Prefect 3.8.8's UI yet, so it shows the logs
     04-mlflow-experiment.png   the experiment in MLflow's model-training view (runs table)
     05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens)
     06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
