@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test lint docs bench bench-peer bench-peer-trl112 ui sweep mlflow-ui prefect-ui compare clean
+.PHONY: install run test lint docs bench bench-peer bench-peer-trl112 ui ui-check sweep mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -103,6 +103,14 @@ EXPERIMENT ?= rlhf-ppo
 ui: $(STAMP)
 	$(RLHF) ui --host $(UI_HOST) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT) --config $(CONFIG) \
 		--sweep-space $(SWEEP) $(if $(SWEEP_CRON),--sweep-cron "$(SWEEP_CRON)") $(ARGS)
+
+# `make ui-check`: start `make ui` (conf/smoke.yaml, free ports), open both UIs in headless Chromium, start a small
+# run from the short form, wait for it, and write screenshots to outputs/ui-check/ (tools/ui_check.py). Needs
+# `apt-get install -y chromium chromium-driver`; installs selenium into the venv. Not part of `make test`.
+ui-check: $(STAMP)
+	@command -v chromium >/dev/null || { echo "make ui-check needs chromium: apt-get install -y chromium chromium-driver"; exit 2; }
+	@$(PY) -c "import selenium" 2>/dev/null || $(PY) -m pip install -q selenium $(PIP_QUIET)
+	$(PY) tools/ui_check.py $(ARGS)
 
 # `make sweep SWEEP=conf/sweeps/kl_coef.yaml [CONFIG=...] [ARGS="ppo.total_episodes=3200"]`: every variant, ranked.
 sweep: $(STAMP)

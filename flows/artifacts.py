@@ -39,9 +39,19 @@ def mlflow_ui_url() -> str:
     return os.environ.get("MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL).rstrip("/")
 
 
+# MLflow 3's UI has two views of an experiment, GenAI (traces, evaluations) and model training (runs, charts,
+# models); this query parameter opens the model-training one.
+MLFLOW_VIEW = "workflowType=machine_learning"
+
+
+def mlflow_experiment_url(experiment_id: str, base: str | None = None) -> str:
+    """``http://127.0.0.1:5000/#/experiments/<exp>?workflowType=machine_learning``: the runs table and charts."""
+    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}?{MLFLOW_VIEW}"
+
+
 def mlflow_run_url(experiment_id: str, run_id: str, base: str | None = None) -> str:
-    """``http://127.0.0.1:5000/#/experiments/<exp>/runs/<run>``."""
-    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}"
+    """``http://127.0.0.1:5000/#/experiments/<exp>/runs/<run>?workflowType=machine_learning``: the run's page."""
+    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}?{MLFLOW_VIEW}"
 
 
 def artifact_key(text: str) -> str:
@@ -87,15 +97,36 @@ def link_mlflow_run(tracking: TrackingConfig | TrackingContext, run_id: str, tex
             mlflow_run_url(tracker.experiment_id, run_id),
             link_text=text,
             key=key,
-            description=f"MLflow run {run_id} in experiment '{tracking.experiment}' ({tracker.uri}). "
-            "Start the MLflow UI with `make ui` or `make mlflow-ui`.",
+            # plain text: the artifact card's preview drops code spans
+            description=f"MLflow run {run_id} of experiment '{tracking.experiment}' "
+            f"(experiment page: {mlflow_experiment_url(tracker.experiment_id)}), tracking store {tracker.uri}. "
+            "The link needs the MLflow UI running: make ui starts it with the Prefect UI, make mlflow-ui alone.",
         )
     except Exception as err:
         _warn("MLflow link", err)
 
 
+def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[dict[str, Any]]:
+    """One row per stage: whether it ran or came from the cache, and the URL of its MLflow run (for a cached stage,
+    the run that computed the result)."""
+    rows = []
+    for stage in PIPELINE_STAGES:
+        run_id = summary.get(f"stage.{stage}.run_id")
+        if run_id is None:
+            continue
+        cached = summary.get(f"stage.{stage}.cached") == "true"
+        rows.append(
+            {
+                "metric": f"stage {stage}",
+                "value": ("cached: " if cached else "ran: ") + mlflow_run_url(experiment_id, run_id),
+            }
+        )
+    return rows
+
+
 def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig | TrackingContext) -> None:
-    """The link to the pipeline's MLflow run and a table of its evaluation summary."""
+    """The link to the pipeline's MLflow run and a table of its evaluation summary, the stages (ran or cached) and
+    their MLflow runs."""
     link_mlflow_run(
         tracking,
         summary["mlflow_run_id"],
@@ -106,10 +137,14 @@ def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig |
     rows = [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
     rows += [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
     rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
+    try:
+        rows += stage_rows(summary, tracker_for(tracking).experiment_id)
+    except Exception as err:  # noqa: BLE001
+        _warn("evaluation table's stage links", err)
     description = (
         "Evaluation of the PPO policy against the SFT policy on held-out prompts (gold reward where the task has "
-        "one, reward-model score, win rates at equal length, response lengths and empty answers, KL), and where "
-        "the outputs are."
+        "one, reward-model score, win rates at equal length, response lengths and empty answers, KL), where the "
+        "outputs are, and each stage (ran, or cached: from an earlier run) with its MLflow run."
     )
     if warning:
         description = f"WARNING: {' '.join(warning.splitlines())} {description}"

@@ -23,6 +23,7 @@ from rlhf.errors import UserInputError
 from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.preflight import preflight
 from tasks.caching import code_version, run_stage
+from tasks.outputs import StageOutput
 from tasks.stage_runs import log_data_inputs
 from tasks.stages import (
     evaluate_policies,
@@ -44,8 +45,9 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
     # run is reopened by the stage when it resumes
     for killed in tracker.end_orphaned_runs():
         get_run_logger().warning("MLflow run %s of a process that is gone: marked KILLED", killed)
+    run_name = config.run_name or f"pipeline-{flow_run.get_name() or 'local'}"
     run_id = tracker.start_run(
-        config.run_name or f"pipeline-{flow_run.get_name() or 'local'}",
+        run_name,
         tags={
             "prefect.flow_run_id": str(flow_run_id),
             "code_version": code_version(),
@@ -57,6 +59,7 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
         experiment=config.tracking.experiment,
         artifact_location=config.tracking.artifact_location,
         parent_run_id=run_id,
+        run_name=run_name,
         flow_run_id=flow_run_id,
         log_checkpoints=config.tracking.log_checkpoints,
         registered_model=config.tracking.registered_model,
@@ -183,11 +186,32 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
             for output in (prepared, sft_model, reward_model, ppo_init, policy, evaluation)
         },
     }
+    summary |= cache_tags(tracking, (prepared, sft_model, reward_model, ppo_init, policy, evaluation))
     if evaluation.warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
         summary[EVAL_WARNING_TAG] = "\n".join(evaluation.warnings)
     if tracking.registered_model:
         summary["registered_policy"] = register_policy(tracking, summary)
     return summary
+
+
+CACHED_TAG, RESULTS_FROM_TAG = "rlhf.cached", "rlhf.results_from_run"
+
+
+def cache_tags(tracking: TrackingContext, outputs: tuple[StageOutput, ...]) -> dict[str, str]:
+    """Tags of the pipeline run saying which stages came from the cache: `stage.<stage>.cached` per stage, and
+    `rlhf.cached` ("true": every stage, "partial", "false"); when every stage was cached, `rlhf.results_from_run`
+    names the pipeline run that computed the evaluation (and `rlhf.results_from_run_name` its name)."""
+    tags = {f"stage.{output.stage}.cached": str(output.cached).lower() for output in outputs}
+    cached = [output.cached for output in outputs]
+    tags[CACHED_TAG] = "true" if all(cached) else "partial" if any(cached) else "false"
+    evaluation = outputs[-1]
+    if all(cached) and evaluation.mlflow_run_id:
+        tracker = tracker_for(tracking)
+        origin = tracker.get_run(evaluation.mlflow_run_id).data.tags.get("mlflow.parentRunId")
+        if origin:
+            tags[RESULTS_FROM_TAG] = origin
+            tags[f"{RESULTS_FROM_TAG}_name"] = tracker.get_run(origin).info.run_name or origin
+    return tags
 
 
 def _row(label: str, value: str) -> str:
@@ -248,6 +272,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     warnings = hacking_warnings(summary)
     if warnings:
         lines += ["", *(f"WARNING: {w}" for w in warnings), ""]
+    cached = [stage for stage in PIPELINE_STAGES if summary.get(f"stage.{stage}.cached") == "true"]
+    if cached:
+        origin = summary.get(f"{RESULTS_FROM_TAG}_name") or summary.get(RESULTS_FROM_TAG)
+        lines.append(
+            _row("stages from the cache", f"{len(cached)} of {len(PIPELINE_STAGES)}")
+            + (f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})")
+        )
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
     if "registered_policy" in summary:

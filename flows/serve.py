@@ -4,10 +4,12 @@
     python -m flows.serve [--config conf/default.yaml] [--sweep-space conf/sweeps/kl_coef.yaml]
                           [--sweep-cron "0 2 * * *"] [--pipeline-cron CRON] [--gpu-slots 1] [--limit N]
 
-Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Two deployments are created:
+Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Three deployments are created:
 
-* ``rlhf-pipeline/<config name>``: the whole pipeline; its form is the typed, documented ``PipelineConfig`` with the
-  values of ``--config`` as defaults.
+* ``rlhf-run/<config name>``: the whole pipeline from a short form: a config chosen from ``conf/`` (``--config``
+  preselected) and a list of ``key=value`` overrides, validated as a whole (flows/form.py).
+* ``rlhf-pipeline/<config name>``: the same pipeline, its form the full typed, documented ``PipelineConfig`` with
+  the values of ``--config`` as defaults (every field editable: the advanced option).
 * ``rlhf-sweep/<space name>``: a sweep over ``--sweep-space`` on top of ``--config``; with ``--sweep-cron`` it runs
   on that schedule (e.g. nightly).
 
@@ -30,6 +32,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.settings import PREFECT_API_URL
 
+from flows.form import form_parameters, rlhf_run
 from flows.pipeline import rlhf_pipeline
 from flows.sweep import rlhf_sweep
 from rlhf.config import load_config
@@ -57,12 +60,21 @@ def deployments(
     sweep_cron: str | None = None,
     pipeline_cron: str | None = None,
 ) -> list[RunnerDeployment]:
-    """The pipeline and sweep deployments (entrypoints by module path, so any working copy can run them)."""
+    """The form, pipeline and sweep deployments (entrypoints by module path, so any working copy can run them)."""
+    form = rlhf_run.to_deployment(
+        name=Path(config_path).stem,
+        parameters=form_parameters(config_path),
+        cron=pipeline_cron,
+        description=f"The RLHF pipeline: pick a config in conf/ ({config_path} preselected) and add key=value "
+        "overrides (e.g. ppo.kl_coef=0.1). The full typed config is the rlhf-pipeline deployment's form.",
+        tags=["rlhf"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
     pipeline = rlhf_pipeline.to_deployment(
         name=Path(config_path).stem,
         parameters=pipeline_parameters(config_path),
-        cron=pipeline_cron,
-        description=f"The RLHF pipeline with {config_path} as defaults: edit any field in the run form.",
+        description=f"The RLHF pipeline with {config_path} as defaults, every field of the typed config in the run "
+        "form (advanced; the rlhf-run deployment takes a config file and a few overrides).",
         tags=["rlhf"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
@@ -75,7 +87,7 @@ def deployments(
         tags=["rlhf", "sweep"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, sweep]
+    return [form, pipeline, sweep]
 
 
 def wait_for_api(timeout: float = 120.0) -> str:

@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from flows.artifacts import StageProgress, link_mlflow_run, publish_table
+from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
 from flows.pipeline import rlhf_pipeline
 from flows.terminal import exit_code_of
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
@@ -148,7 +148,12 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         description=f"Sweep '{space.name}': variants ranked by {rank_key(table)} (best first); KL is the mean "
         "KL(PPO || SFT) per response on held-out prompts.",
     )
-    link_mlflow_run(base.tracking, sweep_run_id, f"MLflow run of sweep {space.name}")
+    link_mlflow_run(
+        base.tracking,
+        sweep_run_id,
+        f"MLflow run of sweep {space.name}",
+        key=artifact_key(f"sweep-{space.name}-mlflow-run"),
+    )
     if (table["status"] != "completed").all():
         raise RuntimeError(f"every variant of sweep '{space.name}' failed; see the variants' flow runs")
     return {

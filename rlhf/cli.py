@@ -182,6 +182,10 @@ def cmd_ui(argv: list[str]) -> int:
     serve_cmd += serve_args
     mlflow_url = os.environ.get("MLFLOW_UI_URL", f"http://127.0.0.1:{args.mlflow_port}")
     env = {**os.environ, "PYTHONPATH": pythonpath_with(root)}
+    # the API address the Prefect UI (in the browser) calls: Prefect derives it from its own port setting, not from
+    # `server start --port`, so any other port than 4200 gave a UI that "can't connect to Server API"
+    ui_host = "127.0.0.1" if args.host in ("127.0.0.1", "0.0.0.0", "localhost") else args.host
+    prefect_env = {"PREFECT_UI_API_URL": f"http://{ui_host}:{args.prefect_port}/api", **env}
     serve_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{args.prefect_port}/api", "MLFLOW_UI_URL": mlflow_url}
 
     servers: list[subprocess.Popen] = []
@@ -190,7 +194,7 @@ def cmd_ui(argv: list[str]) -> int:
         try:
             servers.append(
                 subprocess.Popen(
-                    prefect_cmd, env=env, stdout=prefect_log, stderr=subprocess.STDOUT, start_new_session=True
+                    prefect_cmd, env=prefect_env, stdout=prefect_log, stderr=subprocess.STDOUT, start_new_session=True
                 )
             )
             servers.append(

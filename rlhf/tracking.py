@@ -7,7 +7,9 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
+import functools
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ _MLFLOW_TYPES = {
 # on some lock upgrades, and two processes may create the tables of a new store together): retried.
 _TRANSIENT = re.compile(r"database (table )?is locked|table \w+ already exists")
 RETRY_ATTEMPTS, RETRY_DELAY_S = 8, 0.25
+_FLUENT_LOCK = threading.Lock()
 
 
 class _RetryingClient:
@@ -168,8 +171,9 @@ class Tracker:
 
     def log_parquet_inputs(self, run_id: str, files: list[tuple[str | Path, str, str]], digest: str) -> None:
         """Record Parquet files as dataset inputs of a run: `files` is (path, name, context) triples, `digest` the
-        content digest of the prepared data. Schema and row count come from the Parquet footer: no rows are read,
-        so a data set of millions of pairs costs nothing here."""
+        content digest of the prepared data folder (an input tag, ``rlhf.prepared_digest``). Each dataset's own
+        digest is its file's content digest (SHA-256, computed once per file version), so the four prepared files
+        are told apart. Schema and row count come from the Parquet footer: no rows are parsed."""
         import json
 
         import pyarrow.parquet as pq
@@ -190,14 +194,35 @@ class Tracker:
             ]
             dataset = Dataset(
                 name=name,
-                digest=digest[:36],
+                digest=parquet_digest(path)[:36],
                 source_type="local",
                 source=json.dumps({"uri": str(Path(path).resolve())}),
                 schema=json.dumps({"mlflow_colspec": colspec}),
                 profile=json.dumps({"num_rows": meta.num_rows, "num_elements": meta.num_rows * len(schema)}),
             )
-            inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", context)]))
+            tags = [InputTag("mlflow.data.context", context), InputTag("rlhf.prepared_digest", digest)]
+            inputs.append(DatasetInput(dataset, tags))
         self.client.log_inputs(run_id, datasets=inputs)
+
+    def log_transformers_model(self, run_id: str, folder: str | Path, name: str = "policy_model") -> str:
+        """Log a ``save_pretrained`` folder of a causal LM (with its tokenizer) as an MLflow transformers model of
+        the run (a text-generation pipeline): it shows in the run's Models column, and ``mlflow models serve`` and
+        ``mlflow.transformers.load_model`` work on it. The model is loaded on the CPU to be logged. Returns the
+        model URI (``models:/m-...``)."""
+        import mlflow
+        import torch
+        import transformers
+
+        pipeline = transformers.pipeline("text-generation", model=str(folder), device="cpu")
+        requirements = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+        # the fluent API's tracking URI is global to the process: set for this call only, then restored as it was
+        # (unset, when it was: MLFLOW_TRACKING_URI keeps working afterwards)
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+        with _FLUENT_LOCK, _use_tracking_uri(self.uri), mlflow.start_run(run_id=run_id):
+            info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements)
+        self.client.update_run(run_id, status="RUNNING")  # leaving start_run ended it; the stage ends it
+        return info.model_uri
 
     def register_model_version(
         self, name: str, run_id: str, artifact_path: str, tags: dict[str, Any], description: str = ""
@@ -285,6 +310,19 @@ class Tracker:
 
 
 RUN_TYPE_TAG = "run_type"
+
+
+def parquet_digest(path: str | Path) -> str:
+    """SHA-256 of a file's content, cached by (path, size, modification time): each prepared file is read once."""
+    stat = Path(path).stat()
+    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    from rlhf.checkpoints import file_digest
+
+    return file_digest(path)
 
 
 @dataclass

@@ -86,7 +86,8 @@ def task_stage_dir(task, **parameters: Any) -> Path:
 
 
 def run_stage(task, **parameters: Any) -> Any:
-    """Call a stage task; refresh its cache entry when its output folder is missing or incomplete.
+    """Call a stage task; refresh its cache entry when its output folder is missing or incomplete. The result's
+    `cached` is true when Prefect served it from its cache.
 
     The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process on the same output folder
     waits for the first to finish the stage, then finds it complete and gets the cached result."""
@@ -94,4 +95,8 @@ def run_stage(task, **parameters: Any) -> Any:
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
         complete = is_complete(folder) or is_complete(folder / "final")
-        return task.with_options(refresh_cache=not complete)(**parameters)
+        state = task.with_options(refresh_cache=not complete)(**parameters, return_state=True)
+        result = state.result()
+        if state.name == "Cached" and isinstance(result, StageOutput):
+            result = result.model_copy(update={"cached": True})  # shown in the run's table and MLflow tags
+        return result

@@ -19,6 +19,9 @@ class StageOutput(BaseModel):
     digest: str
     mlflow_run_id: str | None = None
     metrics: dict[str, float] = {}
+    # set by run_stage when Prefect served this result from its cache (computed by an earlier run); never persisted
+    # as true
+    cached: bool = False
 
 
 class PreparedData(StageOutput):

@@ -39,36 +39,67 @@ class ProgressBar:
             get_run_logger().warning("could not update the progress artifact '%s': %s", description, err)
 
 
+# The numbers a user watches while a training stage runs, per stage: (metric key, label), in the order shown. A value
+# is the last one logged (the reward model's held-out accuracy is measured every `reward.eval_every` steps only).
+WATCHED = {
+    "ppo": (
+        ("objective/scores", "score"),
+        ("objective/kl", "KL"),
+        ("objective/kl_coef", "KL coef"),
+        ("objective/gold_score", "gold"),
+        ("objective/rlhf_reward", "RLHF reward"),
+    ),
+    "reward": (("train/loss", "loss"), ("eval/accuracy", "held-out acc"), ("train/accuracy", "train acc")),
+    "sft": (("sft/loss", "loss"), ("sft/lr", "lr")),
+}
+
+
+def watched_text(stage: str, values: dict[str, float]) -> str:
+    """'score 0.41, KL 1.2, KL coef 0.05, gold 0.33': the stage's watched numbers that are known, in order."""
+    shown = [f"{label} {values[key]:.4g}" for key, label in WATCHED.get(stage, ()) if key in values]
+    return ", ".join(shown)
+
+
 class StepProgress:
     """The progress bar of a training task, advanced as steps are logged: at most one update every
-    `min_interval` seconds, plus the last step."""
+    `min_interval` seconds, plus the last step. Its text carries the stage's watched numbers (`WATCHED`)."""
 
     def __init__(self, stage: str, total: int, min_interval: float = 2.0) -> None:
         self.stage, self.total, self.min_interval = stage, max(1, total), min_interval
         self.last_update = 0.0
+        self.values: dict[str, float] = {}
         self.bar = ProgressBar(f"{stage}: step 0 of {self.total}")
 
-    def update(self, step: int) -> None:
+    def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
+        self.values |= {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
         now = time.monotonic()
         if now - self.last_update < self.min_interval and step < self.total:
             return
         self.last_update = now
         done = min(step, self.total)
-        self.bar.set(100.0 * done / self.total, f"{self.stage}: step {done} of {self.total}")
+        numbers = watched_text(self.stage, self.values)
+        text = f"{self.stage}: step {done} of {self.total}" + (f"; {numbers}" if numbers else "")
+        self.bar.set(100.0 * done / self.total, text)
 
 
 def progress_logger(stage: str, every: int, total: int | None = None):
-    """Echo a few key metrics to the Prefect run's log every `every` steps; with `total`, also advance a progress
-    artifact of the task."""
+    """Echo the stage's watched numbers (`WATCHED`: PPO's score, KL, KL coefficient and gold score; the reward
+    model's loss and held-out accuracy; SFT's loss) to the Prefect run's log every `every` steps, as last known; with
+    `total`, also advance a progress artifact of the task that shows them."""
     logger = get_run_logger()
     progress = StepProgress(stage, total) if total else None
+    known: dict[str, float] = {}
+    shown_steps: set[int] = set()
 
     def log(metrics: dict[str, float], step: int) -> None:
-        if step % every == 0:
-            shown = ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
-            logger.info("%s step %d: %s", stage, step, shown)
+        known.update({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        due = step % every == 0 or (total is not None and step >= total)
+        if due and step not in shown_steps:  # a trainer's final metrics come at its last step again: one line
+            shown_steps.add(step)
+            shown = watched_text(stage, known) or ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
+            logger.info("%s step %d%s: %s", stage, step, f" of {total}" if total else "", shown)
         if progress is not None:
-            progress.update(step)
+            progress.update(step, metrics)
 
     return log
 

@@ -8,11 +8,29 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from rlhf.tracking import Tracker
 from tasks.caching import code_version
 from tasks.tracking import TrackingContext, tracker_for
 
 RUN_ID_FILE = ".mlflow_run_id"
+# Short names of the stages: a stage's MLflow run is named `<pipeline run name>/<short name>`
+# (`pipeline-brave-owl/ppo`), so the legends of charts comparing runs tell the stages of different pipeline runs apart.
+STAGE_SHORT_NAMES = {
+    "prepare_preferences": "data",
+    "supervised_finetune": "sft",
+    "train_reward_model": "reward",
+    "plan_ppo_models": "plan",
+    "train_policy_ppo": "ppo",
+    "evaluate_policies": "eval",
+}
+
+
+def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
+    """`<pipeline run name>/<short stage name>`; the stage name alone without a pipeline run name."""
+    short = STAGE_SHORT_NAMES.get(stage, stage)
+    return f"{pipeline_run_name}/{short}" if pipeline_run_name else stage
 
 
 @contextlib.contextmanager
@@ -27,7 +45,7 @@ def stage_run(
         tracker.reopen_run(run_id)  # a retry continues the run it started
     else:
         run_id = tracker.start_run(
-            stage,
+            stage_run_name(tracking.run_name, stage),
             tracking.parent_run_id,
             tags={
                 "stage": stage,
@@ -63,3 +81,19 @@ def log_data_inputs(tracker: Tracker, run_id: str, folder: str | Path, digest: s
     """Record prepared data files (all of them when none are named) as dataset inputs of a run."""
     names = files or tuple(DATA_FILES)
     tracker.log_parquet_inputs(run_id, [(Path(folder) / name, *DATA_FILES[name]) for name in names], digest)
+
+
+def rollout_samples(rollouts: Path, every: int, per_update: int = 8) -> pd.DataFrame | None:
+    """A sample of the PPO rollouts for an MLflow table: the first `per_update` records (prompt, response, score,
+    KL, ...) of every `every`-th update and of the last one; None when none were recorded."""
+    files = sorted(rollouts.glob("update_*.parquet"))
+    if not files:
+        return None
+    last = int(files[-1].stem.split("_")[1])
+    chosen = [f for f in files if int(f.stem.split("_")[1]) % every == 0 or int(f.stem.split("_")[1]) == last]
+    return pd.concat([pd.read_parquet(f).head(per_update) for f in chosen], ignore_index=True)
+
+
+def samples_every(num_updates: int, tables: int = 10) -> int:
+    """Every how many updates a rollout sample goes to the table: about `tables` samples over the run."""
+    return max(1, num_updates // tables)

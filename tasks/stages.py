@@ -24,7 +24,7 @@ from tasks.caching import content_cache_key, current_stage_dir
 from tasks.faults import injected_failure, retry_unless_user_error
 from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.progress import echo_with_progress, progress_logger, task_logger
-from tasks.stage_runs import log_data_inputs, stage_run
+from tasks.stage_runs import log_data_inputs, rollout_samples, samples_every, stage_run
 from tasks.tracking import TrackingContext
 
 STAGE = dict(
@@ -241,8 +241,17 @@ def train_policy_ppo(
             )
         if ppo_cfg.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")
+            # a sample of the rollouts every few updates, as an MLflow table (the run's artifacts, and Evaluation)
+            samples = rollout_samples(folder / "rollouts", samples_every(result.updates))
+            if samples is not None:
+                tracker.log_table(run_id, samples, "rollout_samples.json")
         if tracking.log_checkpoints:
             tracker.log_artifacts(run_id, folder / "final", "ppo_checkpoint")
+            try:  # the policy as an MLflow transformers model: the Models column, `mlflow models serve`
+                uri = tracker.log_transformers_model(run_id, result.policy_path, "policy_model")
+                task_logger().info("PPO policy logged as MLflow model %s", uri)
+            except Exception as err:  # noqa: BLE001 (a model-logging problem never fails a trained stage)
+                task_logger().warning("could not log the PPO policy as an MLflow transformers model: %s", err)
     return PPOPolicy(
         stage="train_policy_ppo",
         path=result.policy_path,

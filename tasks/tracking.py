@@ -15,6 +15,7 @@ class TrackingContext(BaseModel):
     experiment: str
     artifact_location: str | None = None
     parent_run_id: str
+    run_name: str | None = None  # of the parent run: the stage runs are named `<run_name>/<stage>`
     flow_run_id: str | None = None
     log_checkpoints: bool = True
     registered_model: str | None = None

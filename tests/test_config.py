@@ -109,6 +109,20 @@ def test_readme_config_reference_is_current():
     assert block == reference_markdown(), "run `make docs` to regenerate the README's config reference"
 
 
+def test_config_reference_shows_what_make_run_uses():
+    """The reference's defaults are the model's; where conf/default.yaml (what `make run` uses) sets another value,
+    a column shows it."""
+    from rlhf.config.docs import reference_markdown
+
+    rows = {line.split(" | ")[0].strip("| `"): line.split(" | ") for line in reference_markdown().splitlines()[2:]}
+    assert rows["sft.steps"][2:4] == ["`600`", "**`400`**"]
+    assert rows["ppo.total_episodes"][2:4] == ["`8192`", "**`6400`**"]
+    assert rows["ppo.lr"][2:4] == ["`0.0003`", "**`0.0001`**"]
+    assert rows["ppo.kl_coef"][3] == ""  # the same in both: left empty
+    default = load_config(REPO / "conf" / "default.yaml")
+    assert default.sft.steps == 400 and default.ppo.total_episodes == 6400
+
+
 def test_preflight_names_unreachable_models(tmp_path, monkeypatch):
     from rlhf.preflight import preflight
 

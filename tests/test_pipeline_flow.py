@@ -44,6 +44,12 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = {r.data.tags["stage"]: r for r in runs if "mlflow.parentRunId" in r.data.tags}
     assert len(parent) == 1
+    # stage runs are named after their pipeline run, so chart legends tell runs apart
+    short = {"prepare_preferences": "data", "supervised_finetune": "sft", "train_reward_model": "reward"}
+    short |= {"plan_ppo_models": "plan", "train_policy_ppo": "ppo", "evaluate_policies": "eval"}
+    for stage, run in children.items():
+        assert run.info.run_name == f"{parent[0].info.run_name}/{short[stage]}", stage
+    assert parent[0].data.tags["rlhf.cached"] == "false"
     assert parent[0].data.params["ppo.kl_coef"] == str(cfg.ppo.kl_coef)
     assert parent[0].data.tags["prefect.flow_run_id"] == str(first.state_details.flow_run_id)
     assert set(children) == {
@@ -78,7 +84,15 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert "data/train.parquet" in artifacts(children["prepare_preferences"], "data")
     assert "sft_checkpoint/model.safetensors" in artifacts(children["supervised_finetune"], "sft_checkpoint")
     assert "reward_model/model.safetensors" in artifacts(children["train_reward_model"], "reward_model")
-    assert {"ppo_checkpoint", "rollouts"} <= artifacts(ppo)
+    assert {"ppo_checkpoint", "rollouts", "rollout_samples.json"} <= artifacts(ppo)
+    # the PPO policy is an MLflow transformers model of the PPO run (Models column, load_model, models serve)
+    import mlflow
+
+    (model,) = client.search_logged_models([exp.experiment_id])
+    assert model.source_run_id == ppo.info.run_id and model.name == "policy_model"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would, to resolve models:/ URIs
+    generate = mlflow.transformers.load_model(f"models:/{model.model_id}")
+    assert generate("Review of The Silent River:", max_new_tokens=3)[0]["generated_text"]
     assert "completions.json" in artifacts(children["evaluate_policies"])
     # lengths, empty answers, win rates at equal length and the hacking flags: on the evaluation and pipeline runs
     evaluation = children["evaluate_policies"].data
@@ -97,7 +111,10 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
 
     # the prepared data are dataset inputs of the runs that use them (schema and row count, no rows read)
     def inputs(run):
-        return {(d.dataset.name, d.tags[0].value) for d in run.inputs.dataset_inputs}
+        context = {
+            d.dataset.name: {t.key: t.value for t in d.tags}["mlflow.data.context"] for d in run.inputs.dataset_inputs
+        }
+        return set(context.items())
 
     assert inputs(children["train_reward_model"]) == {
         ("preferences-train", "training"),
@@ -109,7 +126,14 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert len(inputs(children["prepare_preferences"])) == 4
     (train,) = [d.dataset for d in children["train_reward_model"].inputs.dataset_inputs if "train" in d.dataset.name]
     assert json.loads(train.profile)["num_rows"] == cfg.data.synthetic.n_train_pairs
-    assert train.digest == summary["data_digest"][:36]
+    # each file's own content digest (the four prepared files are told apart); the folder's digest is a tag
+    from rlhf.checkpoints import file_digest
+
+    assert train.digest == file_digest(Path(summary["data"]) / "train.parquet")[:36]
+    digests = {d.dataset.name: d.dataset.digest for d in children["prepare_preferences"].inputs.dataset_inputs}
+    assert len(set(digests.values())) == 4, digests
+    tags = {t.key: t.value for d in children["train_reward_model"].inputs.dataset_inputs for t in d.tags}
+    assert tags["rlhf.prepared_digest"] == summary["data_digest"]
     assert {"name": "prompt", "type": "string", "required": True} in json.loads(train.schema)["mlflow_colspec"]
 
     # the PPO policy is a version of the registered model, tagged with the evaluation, and loads from the registry
@@ -125,8 +149,21 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert AutoModelForCausalLM.from_pretrained(local).config.model_type == "gpt2"
 
     # the Prefect side: the drop table of the prepare stage is a table artifact of the flow run
-    drops = [a for a in flow_run_artifacts(first.state_details.flow_run_id) if a.key == "prepare-preferences-drops"]
+    first_artifacts = flow_run_artifacts(first.state_details.flow_run_id)
+    drops = [a for a in first_artifacts if a.key == "prepare-preferences-drops"]
     assert [a.type for a in drops] == ["table"]
+    # the link opens the run's page in MLflow's model-training view; the card's text names the absolute store
+    (link,) = [a for a in first_artifacts if a.key == "rlhf-mlflow-run"]
+    run_url = f"/#/experiments/{exp.experiment_id}/runs/{parent[0].info.run_id}?workflowType=machine_learning"
+    assert run_url in link.data and uri in link.description and " or ." not in link.description
+    # the evaluation table links each stage's MLflow run, marked as run here
+    (table,) = [a for a in first_artifacts if a.key == "rlhf-evaluation"]
+    rows = {row["metric"]: row["value"] for row in json.loads(table.data)}
+    assert rows["stage train_policy_ppo"].startswith("ran: http") and ppo.info.run_id in rows["stage train_policy_ppo"]
+    # the training tasks' progress bars carry the numbers users watch
+    bars = {a.description.split(":")[0]: a.description for a in first_artifacts if a.type == "progress"}
+    assert "score" in bars["ppo"] and "KL" in bars["ppo"] and "KL coef" in bars["ppo"] and "gold" in bars["ppo"]
+    assert "loss" in bars["reward"] and "held-out acc" in bars["reward"]
 
     # every stage wrote exactly one folder, named by the key Prefect cached its result under (its typed output), the
     # folder `run_stage` locked and checked, and the one its MLflow run records
@@ -164,6 +201,12 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     for stage in children:
         assert states[stage] == "Cached", (stage, states)
     assert second.result()["registered_policy"] == "models:/rlhf-policy/1"  # the same policy: no new version
+    # ... and says so: tagged as cached, naming the run that produced the results; stages marked cached in its table
+    assert tags["rlhf.cached"] == "true" and tags["rlhf.results_from_run"] == parent[0].info.run_id
+    assert all(tags[f"stage.{stage}.cached"] == "true" for stage in children)
+    (table,) = [a for a in flow_run_artifacts(second.state_details.flow_run_id) if a.key == "rlhf-evaluation"]
+    rows = {row["metric"]: row["value"] for row in json.loads(table.data)}
+    assert rows["stage train_policy_ppo"].startswith("cached: ") and ppo.info.run_id in rows["stage train_policy_ppo"]
 
     # a changed PPO setting re-runs PPO and evaluation only
     changed = cfg.model_copy(deep=True)
@@ -172,4 +215,5 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     states = task_states(third.state_details.flow_run_id)
     assert states["train_reward_model"] == "Cached" and states["supervised_finetune"] == "Cached"
     assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
+    assert client.get_run(third.result()["mlflow_run_id"]).data.tags["rlhf.cached"] == "partial"
     assert third.result()["registered_policy"] == "models:/rlhf-policy/2"

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from flows.form import PipelineRun
 from rlhf.config import PipelineConfig, load_config
 from rlhf.sweep import SweepSpace, load_space
 from tests.conftest import REPO
@@ -172,12 +173,65 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         limit = request("GET", f"{api}/concurrency_limits/tag/gpu").json()
         assert limit["concurrency_limit"] == 1
 
+        # the short form: a drop-down of the shipped configs (this one preselected) and a list of overrides
+        form = wait_until(
+            lambda: (r := request("GET", f"{api}/deployments/name/rlhf-run/smoke")).status_code == 200 and r.json(),
+            60,
+            "the form deployment",
+            serve,
+            log,
+        )
+        assert form["parameters"]["run"] == {"config_file": "conf/smoke.yaml", "config_path": "", "overrides": []}
+        run_schema = form["parameter_openapi_schema"]["definitions"]["PipelineRun"]["properties"]
+        assert {"conf/default.yaml", "conf/smoke.yaml", "conf/examples/hh-rlhf.yaml"} <= set(
+            run_schema["config_file"]["enum"]
+        )
+
         # trigger a run as the UI's "Run" button does, with a tiny config writing to temp folders
         uri, config, flow_run_id = trigger_tiny_run(api, deployment["id"], tmp / "served")
+        # ... and one from the short form: a shipped config and two overrides (plus the temp folders)
+        folder = tmp / "form"
+        form_uri = f"sqlite:///{folder}/mlflow.db"
+        where = [
+            f"tracking.uri={form_uri}",
+            f"tracking.artifact_location={folder}/art",
+            f"runtime.output_dir={folder}/out",
+        ]
+        run = {"config_file": "conf/smoke.yaml", "overrides": [*TINY, *where, "ppo.kl_coef=0.1", "seed=1"]}
+        created = request("POST", f"{api}/deployments/{form['id']}/create_flow_run", json={"parameters": {"run": run}})
+        assert created.status_code == 201, created.text
+        form_run_id = created.json()["id"]
+
+        # what the server's schema validation refuses: a config that is not shipped, an override without '='
+        for bad in ({"config_file": "conf/nope.yaml"}, {"config_file": "conf/smoke.yaml", "overrides": ["seed"]}):
+            refused = request(
+                "POST", f"{api}/deployments/{form['id']}/create_flow_run", json={"parameters": {"run": bad}}
+            )
+            assert refused.status_code in (409, 422), (bad, refused.status_code, refused.text)
+        # a cross-field rule: refused when the run validates its parameters, before any task runs
+        bad = {"config_file": "conf/smoke.yaml", "overrides": ["ppo.num_mini_batches=3"]}
+        created = request("POST", f"{api}/deployments/{form['id']}/create_flow_run", json={"parameters": {"run": bad}})
+        bad_run_id = created.json()["id"]
+
         state = wait_until(lambda: _flow_run_state(api, flow_run_id), 300, "the flow run", serve, log)
         assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
+        state = wait_until(lambda: _flow_run_state(api, form_run_id), 300, "the form's flow run", serve, log)
+        assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
+        state = wait_until(lambda: _flow_run_state(api, bad_run_id), 120, "the refused flow run", serve, log)
+        assert state["type"] == "FAILED" and "must divide ppo.batch_size" in state["message"], state
+        task_runs = request("POST", f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [bad_run_id]}}})
+        assert task_runs.json() == []
     finally:
         stop(serve)
+
+    form_client = MlflowClient(form_uri)
+    (form_parent,) = [
+        r
+        for r in form_client.search_runs([form_client.get_experiment_by_name(config.tracking.experiment).experiment_id])
+        if "stage" not in r.data.tags
+    ]
+    assert form_parent.data.params["ppo.kl_coef"] == "0.1" and form_parent.data.params["seed"] == "1"
+    assert form_parent.data.tags["prefect.flow_run_id"] == form_run_id
 
     artifacts = request(
         "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
@@ -186,7 +240,8 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     assert set(progress) == {"RLHF pipeline", "sft", "reward", "ppo"}  # the stages, and each trainer's steps
     assert all(a["data"] == 100.0 for a in progress.values())
     assert "evaluate_policies done (6/6)" in progress["RLHF pipeline"]["description"]
-    assert progress["ppo"]["description"] == "ppo: step 2 of 2"
+    assert progress["ppo"]["description"].startswith("ppo: step 2 of 2; score ")
+    assert "KL " in progress["ppo"]["description"]
     by_key = {a["key"]: a for a in artifacts if a["key"]}
     table = json.loads(by_key["rlhf-evaluation"]["data"])
     assert {"eval/kl", "reward/eval_accuracy"} <= {row["metric"] for row in table}
@@ -196,6 +251,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "stage" not in r.data.tags]
     assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
     link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
+    link += "?workflowType=machine_learning"
     assert link in by_key["rlhf-mlflow-run"]["data"]
 
 
@@ -238,9 +294,11 @@ def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(p
 
 def test_prefect_yaml_parameters_match_the_conf_files():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    deployments = {d["name"]: d for d in spec["deployments"]}
+    deployments = {d["name"]: d for d in spec["deployments"] if not d["entrypoint"].startswith("flows/form.py")}
     default = load_config(REPO / "conf" / "default.yaml")
     assert PipelineConfig.model_validate(deployments["default"]["parameters"]["config"]) == default
+    (form,) = [d for d in spec["deployments"] if d["entrypoint"] == "flows/form.py:rlhf_run"]
+    assert PipelineRun.model_validate(form["parameters"]["run"]).config() == default
     assert PipelineConfig.model_validate(deployments["nightly"]["parameters"]["base"]) == default
     space = load_space(REPO / "conf" / "sweeps" / "kl_coef.yaml")
     assert SweepSpace.model_validate(deployments["nightly"]["parameters"]["space"]) == space

@@ -7,12 +7,25 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from rlhf.config.pipeline import PipelineConfig
+from rlhf.config.pipeline import PipelineConfig, flatten, load_config
+
+# The config `make run` uses (the README's "embedded default"): its values are shown where they differ from the
+# model's defaults.
+DEFAULT_YAML = Path(__file__).resolve().parents[2] / "conf" / "default.yaml"
 
 
-def reference_markdown() -> str:
-    """The README's config reference: every key with its type, default and description."""
-    rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+def reference_markdown(default_yaml: str | Path | None = DEFAULT_YAML) -> str:
+    """The README's config reference: every key with its type, its default in the config model (what a YAML file
+    that leaves the key out gets), the value `make run` uses where conf/default.yaml sets another, and its
+    description."""
+    used: dict[str, object] = {}
+    if default_yaml is not None and Path(default_yaml).is_file():
+        used = flatten(load_config(default_yaml))
+    model_defaults = flatten(PipelineConfig())
+    rows = [
+        "| key | type | default | `make run` value | description |",
+        "| --- | --- | --- | --- | --- |",
+    ]
 
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
@@ -25,7 +38,9 @@ def reference_markdown() -> str:
             type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "").replace("|", "\\|")
             text = (field.description or "").replace("|", "\\|")
             default_text = json.dumps(default) if not isinstance(default, BaseModel) else ""
-            rows.append(f"| `{key}` | `{type_name}` | `{default_text}` | {text} |")
+            differs = key in used and used[key] != model_defaults.get(key)
+            run_value = f"**`{json.dumps(used[key])}`**" if differs else ""
+            rows.append(f"| `{key}` | `{type_name}` | `{default_text}` | {run_value} | {text} |")
 
     walk(PipelineConfig, "")
     return "\n".join(rows)
