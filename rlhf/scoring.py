@@ -19,7 +19,7 @@ from rlhf.generation import GenerationSettings, Responses, sample_responses
 from rlhf.models.device import autocast
 from rlhf.models.heads import lm_logits, position_ids_from_mask, sequence_scores, token_scores
 from rlhf.models.training import unwrap
-from rlhf.ops import entropy_from_logits, logprobs_from_logits
+from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 
 
 class PolicyOutput(NamedTuple):
@@ -27,6 +27,18 @@ class PolicyOutput(NamedTuple):
 
     logprobs: Tensor  # (b, r)
     entropy: Tensor | None  # (b, r)
+
+
+def _fused_head(model: PreTrainedModel, head: nn.Module | None, hidden: Tensor) -> bool:
+    """Whether `linear_logprobs` computes what `lm_logits` + `logprobs_from_logits` would: a plain float32 linear
+    LM head (no soft-cap, no adapter wrapper), outside autocast."""
+    return (
+        type(head) is nn.Linear
+        and not getattr(model.config, "final_logit_softcapping", None)
+        and hidden.dtype == torch.float32
+        and head.weight.dtype == torch.float32
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
 
 
 def policy_forward(
@@ -51,8 +63,19 @@ def policy_forward(
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
-    logits = lm_logits(model, hidden[:, prompt_len - 1 : -1])  # (b, r, v): position t predicts t+1
+    hidden = hidden[:, prompt_len - 1 : -1]  # position t predicts t+1
     labels = query_responses[:, prompt_len:]
+    head = model.get_output_embeddings()
+    if _fused_head(model, head, hidden):  # the LM head and log-softmax a chunk of positions at a time
+        b, r = labels.shape
+        logprobs, entropy = linear_logprobs(
+            hidden.reshape(b * r, -1), head.weight, head.bias, labels.reshape(-1), temperature, with_entropy
+        )
+        logprobs = logprobs.view(b, r)
+        if entropy is not None:
+            entropy = entropy.view(b, r) if entropy_grad else entropy.detach().view(b, r)
+        return PolicyOutput(logprobs, entropy)
+    logits = lm_logits(model, hidden)  # (b, r, v)
     logprobs = logprobs_from_logits(logits, labels, temperature)
     entropy = None
     if with_entropy:  # a statistic unless it is in the loss: then no backward through a softmax over the vocabulary

@@ -8,7 +8,7 @@ from rlhf.ops.kl import (
     kl_per_token,
     make_kl_controller,
 )
-from rlhf.ops.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhf.ops.logprobs import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.ops.losses import (
     PairwiseLossOutput,
     PolicyLossOutput,
@@ -41,6 +41,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "kl_per_token",
+    "linear_logprobs",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_mean",
