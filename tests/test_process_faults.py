@@ -193,7 +193,7 @@ def test_two_runs_at_once_on_one_checkout(tmp_path, uninterrupted):
     outputs = [finish(*first), finish(*second)]
 
     def summary(output: str) -> list[str]:
-        block = output.split("== RLHF pipeline summary", 1)[1].split("MLflow run ", 1)[0]
+        block = output.split("== RLHF pipeline summary", 1)[1].split("\nMLflow run ", 1)[0]
         # the figures; not the line that says which stages came from the cache (that differs between the two)
         return [line for line in block.splitlines() if line.strip() and not line.startswith("stages from the cache")]
 
