@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.batching import encode_prompt_response
 from rlhf.generation import GenerationSettings, Responses, sample_responses
 from rlhf.models.device import autocast
-from rlhf.models.heads import lm_logits, position_ids_from_mask, sequence_scores, token_scores
+from rlhf.models.heads import backbone_hidden, lm_logits, sequence_scores, token_scores
 from rlhf.models.training import unwrap
 from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 
@@ -56,14 +56,7 @@ def policy_forward(
     the prompt), with the model's own logit post-processing (Gemma-2's soft-cap), so these are the log-probs of
     the distribution `sample_responses` drew from. Shape: query_responses (b, p + r) -> (b, r).
     """
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
-        input_ids=query_responses,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).last_hidden_state
-    hidden = hidden[:, prompt_len - 1 : -1]  # position t predicts t+1
+    hidden = backbone_hidden(model, query_responses, attention_mask)[:, prompt_len - 1 : -1]  # position t predicts t+1
     labels = query_responses[:, prompt_len:]
     head = model.get_output_embeddings()
     if _fused_head(model, head, hidden):  # the LM head and log-softmax a chunk of positions at a time

@@ -51,14 +51,21 @@ def token_scores(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tens
 
     Shape: (b, t) -> (b, t).
     """
+    return _score_head(model)(backbone_hidden(model, input_ids, attention_mask)).squeeze(-1).float()
+
+
+def backbone_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The backbone's last hidden states (no LM or score head), with positions that skip left padding.
+
+    Shape: (b, t) -> (b, t, h).
+    """
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(
+    return backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
     ).last_hidden_state
-    return _score_head(model)(hidden).squeeze(-1).float()
 
 
 def sequence_scores(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
