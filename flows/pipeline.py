@@ -6,12 +6,14 @@ Run it with ``make run`` or ``python -m flows.pipeline --config conf/default.yam
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
+from prefect.states import Completed
 
 from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
 from flows.terminal import exit_code_of
@@ -19,11 +21,12 @@ from rlhf.checkpoints import stage_lock
 from rlhf.config import PipelineConfig, flatten, load_config
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
-from rlhf.errors import UserInputError
+from rlhf.errors import TrialPruned, UserInputError
 from rlhf.length_control import EVAL_WARNING_TAG
+from rlhf.optuna_search import TrialRef
 from rlhf.preflight import preflight
 from tasks.caching import code_version, run_stage
-from tasks.outputs import StageOutput
+from tasks.outputs import PreparedData, RewardModel, SFTModel, StageOutput
 from tasks.stage_runs import log_data_inputs
 from tasks.stages import (
     evaluate_policies,
@@ -37,8 +40,8 @@ from tasks.tracking import TrackingContext, tracker_for
 
 
 @task(name="open_pipeline_run")
-def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
-    """The parent MLflow run of this pipeline run, with the whole config as params."""
+def open_pipeline_run(config: PipelineConfig, trial: TrialRef | None = None) -> TrackingContext:
+    """The parent MLflow run of this pipeline run, with the whole config as params (and the sweep trial it is)."""
     tracker = tracker_for(config.tracking)
     flow_run_id = flow_run.get_id()
     # runs of a pipeline process killed earlier (SIGKILL, power loss) would stay RUNNING for ever; a killed stage's
@@ -51,16 +54,22 @@ def open_pipeline_run(config: PipelineConfig) -> TrackingContext:
         tags={
             "prefect.flow_run_id": str(flow_run_id),
             "code_version": code_version(),
+            **({"sweep.trial": str(trial.number), "sweep.study": trial.study} if trial else {}),
         },
     )
     tracker.log_params(run_id, flatten(config))
+    return tracking_context(config, run_id, run_name)
+
+
+def tracking_context(config: PipelineConfig, parent_run_id: str, run_name: str) -> TrackingContext:
+    """What the stage tasks log under: their runs are children of `parent_run_id` (a pipeline or a sweep run)."""
     return TrackingContext(
-        uri=tracker.uri,
+        uri=tracker_for(config.tracking).uri,
         experiment=config.tracking.experiment,
         artifact_location=config.tracking.artifact_location,
-        parent_run_id=run_id,
+        parent_run_id=parent_run_id,
         run_name=run_name,
-        flow_run_id=flow_run_id,
+        flow_run_id=flow_run.get_id(),
         log_checkpoints=config.tracking.log_checkpoints,
         registered_model=config.tracking.registered_model,
     )
@@ -88,23 +97,40 @@ def register_policy(tracking: TrackingContext, summary: dict[str, Any]) -> str:
 
 
 @task(name="close_pipeline_run")
-def close_pipeline_run(tracking: TrackingContext, summary: dict[str, Any], failed: bool = False) -> None:
-    """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it."""
+def close_pipeline_run(
+    tracking: TrackingContext, summary: dict[str, Any], failed: bool = False, pruned: bool = False
+) -> None:
+    """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it (KILLED, with
+    the tag ``sweep.pruned``, when its sweep's pruner stopped it)."""
     tracker = tracker_for(tracking)
     if "data" in summary:
         log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
     tracker.set_tags(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, str)})
-    tracker.end_run(tracking.parent_run_id, failed=failed)
+    if pruned:
+        tracker.set_tags(tracking.parent_run_id, {PRUNED_TAG: "true"})
+    tracker.end_run(tracking.parent_run_id, failed=failed, killed=pruned)
+
+
+PRUNED_TAG, PRUNED_STATE = "sweep.pruned", "Pruned"
 
 
 @flow(name="rlhf-pipeline", log_prints=True)
-def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:  # noqa: B008 (Prefect form default)
-    """Run the whole RLHF-with-PPO recipe; every stage is cached on its content and retried on failure."""
+def rlhf_pipeline(
+    config: PipelineConfig = PipelineConfig(),  # noqa: B008 (Prefect form default)
+    trial: TrialRef | None = None,
+) -> dict[str, Any]:
+    """Run the whole RLHF-with-PPO recipe; every stage is cached on its content and retried on failure.
+
+    `trial` (set by Optuna sweeps, leave it empty): the study trial PPO's periodic evaluations are reported to; when
+    its pruner stops the trial, the run ends in the state 'Pruned' and its MLflow run KILLED, tagged sweep.pruned."""
     estimates = preflight(config)
-    tracking = open_pipeline_run(config)
+    tracking = open_pipeline_run(config, trial)
     try:
-        summary = _run_stages(config, tracking)
+        summary = _run_stages(config, tracking, trial)
+    except TrialPruned as pruned:
+        close_pipeline_run(tracking, {}, pruned=True)
+        return Completed(name=PRUNED_STATE, message=str(pruned))
     except BaseException:
         close_pipeline_run(tracking, {}, failed=True)
         raise
@@ -116,10 +142,30 @@ def rlhf_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]: 
     return summary
 
 
-def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, Any]:
-    """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
+class Upstream(NamedTuple):
+    """The stages before PPO, which sweep variants that only change ppo.* or eval.* share."""
+
+    prepared: PreparedData
+    sft_model: SFTModel
+    reward_model: RewardModel
+
+
+def upstream_signature(config: PipelineConfig) -> str:
+    """Equal for two configs whose data, SFT and reward-model stages are the same (a sweep builds those once)."""
+    keys = {
+        "data": config.data.model_dump(mode="json"),
+        "sft": config.sft.model_dump(mode="json"),
+        "reward": config.reward.model_dump(mode="json"),
+        "seed": config.seed,
+        "lengths": LengthLimits.from_config(config).model_dump(mode="json"),
+        "output_dir": config.runtime.output_dir,
+    }
+    return json.dumps(keys, sort_keys=True, default=str)
+
+
+def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: StageProgress | None = None) -> Upstream:
+    """Preferences, SFT and reward model (from the cache when they were built before)."""
     common = {"runtime": config.runtime, "tracking": tracking}
-    progress = StageProgress(PIPELINE_STAGES)  # a progress artifact in the Prefect UI
     prepared = run_stage(
         prepare_preferences,
         data_cfg=config.data,
@@ -127,9 +173,11 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
         lengths=LengthLimits.from_config(config),  # the report's limits: a change re-prepares (same digest)
         **common,
     )
-    progress.done(prepared.stage)
+    if progress:
+        progress.done(prepared.stage)
     sft_model = run_stage(supervised_finetune, sft_cfg=config.sft, prepared=prepared, seed=config.seed, **common)
-    progress.done(sft_model.stage)
+    if progress:
+        progress.done(sft_model.stage)
     reward_model = run_stage(
         train_reward_model,
         reward_cfg=config.reward,
@@ -138,7 +186,16 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
         seed=config.seed,
         **common,
     )
-    progress.done(reward_model.stage)
+    if progress:
+        progress.done(reward_model.stage)
+    return Upstream(prepared, sft_model, reward_model)
+
+
+def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialRef | None = None) -> dict[str, Any]:
+    """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
+    common = {"runtime": config.runtime, "tracking": tracking}
+    progress = StageProgress(PIPELINE_STAGES)  # a progress artifact in the Prefect UI
+    prepared, sft_model, reward_model = run_upstream(config, tracking, progress)
     ppo_init = run_stage(plan_ppo_models, sft_model=sft_model, reward_model=reward_model, **common)
     progress.done(ppo_init.stage)
     policy = run_stage(
@@ -148,6 +205,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext) -> dict[str, 
         prepared=prepared,
         seed=config.seed,
         processes=config.runtime.ppo_processes,
+        trial=trial,
         **common,
     )
     progress.done(policy.stage)

@@ -1,14 +1,20 @@
-"""Sweeps: the pipeline once per point of a search space, as subflows, then a ranking of the variants.
+"""Sweeps: the pipeline once per point of a search space, `max_concurrency` variants at a time, then a ranking.
 
     python -m flows.sweep --config conf/default.yaml --space conf/sweeps/kl_coef.yaml [key.sub=value ...]
     make sweep SWEEP=conf/sweeps/kl_coef.yaml
 
-Stages are cached on their content, so variants that differ only in ``ppo.*`` reuse the data, SFT and reward-model
-stages of the first one. The sweep has its own MLflow run ``sweep-<name>``: each variant's pipeline run is tagged
-``sweep_run_id`` and nested under it, its final metrics are logged on the sweep run (step = variant index), and the
-sweep run gets the ranking table (``sweep_ranking.json``) and ``reward_vs_kl.png``. The ranking is also a Prefect
-table artifact. A variant that fails is ranked last with its error (its MLflow run, if it opened one, is nested
-under the sweep run too); the other variants still run.
+The stages the variants share (data, SFT, reward model) are built once, before the fan-out, as children of the
+sweep's MLflow run; the variants then find them in the cache (stages are cached on their content, and a stage being
+built is locked, so concurrent variants never build the same one twice). Variants run as subflows of the sweep,
+each pinned to a device slot (flows/variants.py), or, with ``deployment`` in the space, as flow runs of that
+pipeline deployment picked up by the workers of its work pool. ``method: optuna`` asks an Optuna study for each
+trial's point and tells it the outcome; its pruner stops hopeless trials from PPO's periodic evaluations.
+
+The sweep has its own MLflow run ``sweep-<name>``: each variant's pipeline run is tagged ``sweep_run_id`` and nested
+under it, its final metrics are logged on the sweep run (step = variant index), and the sweep run gets the ranking
+table (``sweep_ranking.json``), ``reward_vs_kl.png`` and, for Optuna, the study's own figures. The ranking is also a
+Prefect table artifact. A variant that fails is ranked last with its error (its MLflow run, if it opened one, is
+nested under the sweep run too); the other variants still run.
 """
 
 from __future__ import annotations
@@ -22,25 +28,34 @@ from typing import Any
 import pandas as pd
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
 from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
-from flows.pipeline import rlhf_pipeline
+from flows.pipeline import run_upstream, tracking_context, upstream_signature
 from flows.terminal import exit_code_of
+from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
-from rlhf.errors import UserInputError, first_line
+from rlhf.errors import UserInputError
+from rlhf.models.device import device_names
+from rlhf.optuna_search import OptunaSearch, check_points, default_storage, study_plots
 from rlhf.plots import Point, reward_vs_kl
 from rlhf.preflight import preflight
-from rlhf.sweep import RANK_METRICS, SweepSpace, load_space, rank_key, ranking, variant_configs
+from rlhf.ranking import GOLD_METRIC, RM_METRIC
+from rlhf.sweep import RANK_METRICS, Planned, SweepSpace, VariantList, expand, load_space, rank_key, ranking
 from rlhf.tracking import RUN_TYPE_TAG
 from tasks.caching import code_version
 from tasks.tracking import tracker_for
 
 
 @task(name="open_sweep_run", cache_policy=NO_CACHE)
-def open_sweep_run(base: PipelineConfig, space: SweepSpace, n_variants: int) -> str:
-    """The sweep's MLflow run: the space and the base config as params."""
+def open_sweep_run(base: PipelineConfig, space: SweepSpace, n_variants: int, resume_run_id: str | None = None) -> str:
+    """The sweep's MLflow run: the space and the base config as params (a resumed Optuna sweep reopens its run)."""
     tracker = tracker_for(base.tracking)
+    if resume_run_id is not None:
+        tracker.reopen_run(resume_run_id)
+        return resume_run_id
     run_id = tracker.start_run(
         f"sweep-{space.name}",
         tags={
@@ -50,7 +65,15 @@ def open_sweep_run(base: PipelineConfig, space: SweepSpace, n_variants: int) -> 
             "code_version": code_version(),
         },
     )
-    params = {"sweep.method": space.method, "sweep.n_variants": n_variants, "sweep.seed": space.seed}
+    params = {
+        "sweep.method": space.method,
+        "sweep.n_variants": n_variants,
+        "sweep.seed": space.seed,
+        "sweep.max_concurrency": space.max_concurrency,
+        "sweep.deployment": space.deployment,
+    }
+    if space.method == "optuna":
+        params |= {f"sweep.optuna.{k}": v for k, v in space.optuna.model_dump(mode="json").items()}
     params |= {
         f"sweep.space.{k}": json.dumps(v if isinstance(v, list) else v.model_dump())
         for k, v in space.parameters.items()
@@ -69,24 +92,25 @@ def record_variant(
     tracker.log_metrics(sweep_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, index)
 
 
-@task(name="record_failed_variant", cache_policy=NO_CACHE)
-def record_failed_variant(
-    tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, label: str, flow_run_id: str
-) -> str | None:
-    """Nest a failed variant's pipeline run (if it opened one) under the sweep run; returns its id."""
-    tracker = tracker_for(tracking)
-    run_id = tracker.pipeline_run_of_flow_run(flow_run_id)
-    if run_id is not None:
-        tracker.attach_to_sweep(run_id, sweep_run_id, sweep_name, label)
-    return run_id
+@task(name="record_unfinished_variant", cache_policy=NO_CACHE)
+def record_unfinished_variant(tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, label: str, run_id: str):
+    """Nest a failed or pruned variant's pipeline run under the sweep run."""
+    tracker_for(tracking).attach_to_sweep(run_id, sweep_run_id, sweep_name, label)
 
 
 @task(name="close_sweep_run", cache_policy=NO_CACHE)
 def close_sweep_run(
-    tracking: TrackingConfig, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], folder: str
+    tracking: TrackingConfig,
+    sweep_run_id: str,
+    sweep_name: str,
+    rows: list[dict[str, Any]],
+    folder: str,
+    figures: list[str] | None = None,
 ) -> str:
-    """Log the ranking table and the reward-versus-KL plot on the sweep run, and end it."""
+    """Log the ranking table, the reward-versus-KL plot and any other `figures` on the sweep run, and end it."""
     tracker = tracker_for(tracking)
+    for figure in figures or []:
+        tracker.log_artifacts(sweep_run_id, figure)
     frame = pd.DataFrame(rows)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,37 +135,67 @@ def close_sweep_run(
     return str(plot)
 
 
-@flow(name="rlhf-sweep", log_prints=True)
+@flow(name="rlhf-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
 def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
-    """Run the pipeline for every variant of a search space (unchanged upstream stages come from the cache)."""
+    """Run the pipeline for every variant of a search space, `max_concurrency` at a time; shared upstream stages are
+    built once first."""
     logger = get_run_logger()
-    variants = variant_configs(base, space)  # every variant is validated before anything runs
-    for _, config in variants:
+    search = variant_search(base, space)  # every variant (grid, random) or choice (optuna) is validated here
+    for config in search.configs:
         preflight(config)
-    sweep_run_id = open_sweep_run(base, space, len(variants))
-    progress = StageProgress([config.run_name or "" for _, config in variants], f"sweep {space.name}")
-    rows: list[dict[str, Any]] = []
-    for variant, config in variants:
-        logger.info("sweep %s: variant %d/%d: %s", space.name, variant.index + 1, len(variants), variant.label)
-        state = rlhf_pipeline.with_options(flow_run_name=config.run_name)(config, return_state=True)
-        row: dict[str, Any] = {"variant": config.run_name, **variant.overrides}
-        if state.is_completed():
-            summary = state.result()
-            record_variant(base.tracking, sweep_run_id, space.name, variant.index, variant.label, summary)
-            row |= {k: summary.get(k) for k in RANK_METRICS}
-            row |= {"status": "completed", "mlflow_run_id": summary["mlflow_run_id"]}
-        else:
-            logger.warning("sweep %s: variant %s failed: %s", space.name, config.run_name, state.message)
-            run_id = record_failed_variant(
-                base.tracking, sweep_run_id, space.name, variant.label, str(state.state_details.flow_run_id)
-            )
-            row |= {"status": "failed", "mlflow_run_id": run_id, "error": first_line(state.message, "failed", 200)}
-        rows.append(row)
+    if isinstance(search, OptunaSearch) and search.killed:
+        logger.warning("sweep %s: trials %s of a killed start are asked again", space.name, search.killed)
+    resumed = search.sweep_run_id if isinstance(search, OptunaSearch) else None
+    sweep_run_id = open_sweep_run(base, space, search.total, resumed)
+    if isinstance(search, OptunaSearch):
+        search.remember_sweep_run(sweep_run_id)
+    build_shared_stages(base, space, search, sweep_run_id)
+    concurrency = space.max_concurrency or len(device_names(base.runtime.device))
+    free = [] if space.deployment else device_slots(base.runtime.device, concurrency)
+    if free:
+        make_device_limits(free)
+    logger.info(
+        "sweep %s: %d variants, %d at a time %s",
+        space.name,
+        search.total,
+        concurrency,
+        f"as flow runs of {space.deployment}" if space.deployment else f"on {', '.join(s.device for s in free)}",
+    )
+    progress = StageProgress([f"variant {i + 1}" for i in range(max(search.total, 1))], f"sweep {space.name}")
+    rows, running = search.kept(), {}
+    for row in rows:
+        if row["mlflow_run_id"]:
+            record_unfinished_variant(base.tracking, sweep_run_id, space.name, row["variant"], row["mlflow_run_id"])
+    while True:
+        while len(running) < concurrency and (planned := search.next()) is not None:
+            if planned.config is None:  # a point the config rejects: a failed trial, nothing to run
+                search.tell(planned, "failed", None, None)
+                rows.append({"variant": planned.variant.label, **planned.variant.overrides, "status": "failed"})
+                rows[-1]["error"] = planned.error
+                continue
+            slot = free.pop(0) if free else None
+            config = pinned(planned.config, slot, concurrency) if slot else planned.config
+            logger.info("sweep %s: starting %s: %s", space.name, config.run_name, planned.variant.label)
+            if space.deployment:
+                future = run_deployed_variant.submit(space.deployment, config, planned.trial)
+            else:
+                future = run_variant.submit(config, planned.trial)
+            running[future] = (planned, config, slot)
+        if not running:
+            break
+        future = next(as_completed(list(running)))
+        planned, config, slot = running.pop(future)
+        if slot is not None:
+            free.append(slot)
+        rows.append(finish_variant(base, space, search, sweep_run_id, planned, config, future.result()))
         progress.done(config.run_name or "")
 
     table = ranking(rows, list(space.parameters))
     folder = Path(base.runtime.output_dir) / "sweeps" / f"{space.name}-{sweep_run_id[:8]}"
-    plot = close_sweep_run(base.tracking, sweep_run_id, space.name, table.to_dict("records"), str(folder))
+    figures = study_plots(search.study, folder) if isinstance(search, OptunaSearch) else []
+    plot = close_sweep_run(
+        base.tracking, sweep_run_id, space.name, table.to_dict("records"), str(folder), [str(f) for f in figures]
+    )
     publish_table(
         table.to_dict("records"),
         key=f"sweep-{space.name}",
@@ -154,7 +208,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         f"MLflow run of sweep {space.name}",
         key=artifact_key(f"sweep-{space.name}-mlflow-run"),
     )
-    if (table["status"] != "completed").all():
+    if (table["status"] == "failed").all():
         raise RuntimeError(f"every variant of sweep '{space.name}' failed; see the variants' flow runs")
     return {
         "sweep_run_id": sweep_run_id,
@@ -163,6 +217,55 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         "plot": plot,
         "tracking_uri": tracker_for(base.tracking).uri,
     }
+
+
+def variant_search(base: PipelineConfig, space: SweepSpace) -> VariantList | OptunaSearch:
+    """Grid and random sweeps: their variants, fixed in advance. Optuna: a study whose pruner reads PPO's periodic
+    evaluations (the gold reward where the data has one, else the reward-model score)."""
+    if space.method != "optuna":
+        return VariantList(base, space)
+    storage = space.optuna.storage or default_storage(base.tracking.uri, base.runtime.output_dir)
+    gold = base.data.source == "synthetic"  # the built-in task is the one with a gold reward
+    objective, metric = (GOLD_METRIC, "ppo_eval/gold") if gold else (RM_METRIC, "ppo_eval/score")
+    return OptunaSearch(base, space, storage, objective, metric)
+
+
+def build_shared_stages(base: PipelineConfig, space: SweepSpace, search, sweep_run_id: str) -> None:
+    """Data, SFT and reward model once per distinct upstream config, before the fan-out (their MLflow runs are
+    children of the sweep run); the variants then take them from the cache."""
+    configs = search.configs if space.method != "optuna" else [base]
+    seen: set[str] = set()
+    for config in configs:
+        signature = upstream_signature(config)
+        if signature not in seen:
+            seen.add(signature)
+            run_upstream(config, tracking_context(config, sweep_run_id, f"sweep-{space.name}"))
+
+
+def finish_variant(
+    base: PipelineConfig, space: SweepSpace, search, sweep_run_id: str, planned: Planned, config, outcome: Outcome
+) -> dict[str, Any]:
+    """Record a finished variant (MLflow, the study) and return its ranking row."""
+    variant = planned.variant
+    row: dict[str, Any] = {"variant": config.run_name, **variant.overrides, "status": outcome.status}
+    if planned.trial is not None:
+        row["trial"] = variant.index
+    row["mlflow_run_id"] = outcome.mlflow_run_id
+    value = None
+    if outcome.status == "completed":
+        record_variant(base.tracking, sweep_run_id, space.name, variant.index, variant.label, outcome.summary)
+        row |= {k: outcome.summary.get(k) for k in RANK_METRICS}
+        value = outcome.summary.get(getattr(search, "objective", GOLD_METRIC))
+    else:
+        get_run_logger().warning(
+            "sweep %s: variant %s %s: %s", space.name, config.run_name, outcome.status, outcome.error or ""
+        )
+        if outcome.mlflow_run_id:
+            record_unfinished_variant(base.tracking, sweep_run_id, space.name, variant.label, outcome.mlflow_run_id)
+        if outcome.error:
+            row["error"] = outcome.error
+    search.tell(planned, outcome.status, value, outcome.mlflow_run_id)
+    return row
 
 
 def format_ranking(result: dict[str, Any]) -> str:
@@ -193,15 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = load_config(args.config, args.overrides)
         space = load_space(args.space)
-        variants = variant_configs(base, space)  # before anything is loaded
-        for _, config in variants:
+        configs = check_points(base, space) if space.method == "optuna" else VariantList(base, space).configs
+        for config in configs:  # before anything is loaded
             preflight(config)
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"sweep {space.name}: {len(variants)} variants ({space.method})")
-    for variant, _ in variants:
-        print(f"  {variant.index:02d}  {variant.label}")
+    if space.method == "optuna":
+        settings = space.optuna
+        print(f"sweep {space.name}: {space.trials} Optuna trials ({settings.sampler}, pruner {settings.pruner})")
+    else:
+        print(f"sweep {space.name}: {len(configs)} variants ({space.method})")
+        for variant in expand(space):
+            print(f"  {variant.index:02d}  {variant.label}")
     code, result = exit_code_of(lambda: rlhf_sweep(base, space))
     if result is not None:
         print(format_ranking(result))

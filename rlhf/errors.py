@@ -33,3 +33,8 @@ class NonFiniteError(RuntimeError):
 
 class CheckpointWriteError(OSError):
     """A checkpoint or stage output could not be written for lack of disk space; the previous one is intact."""
+
+
+class TrialPruned(Exception):
+    """A sweep's pruner stopped this trial early (Optuna, from PPO's periodic evaluations): not a failure and not
+    retried; the pipeline ends in the state 'Pruned'."""

@@ -7,12 +7,19 @@ A space is a small YAML file (see ``conf/sweeps/kl_coef.yaml``)::
     parameters:
       ppo.kl_coef: [0.01, 0.05, 0.2]
 
-    method: random          # random: n_random draws, reproducible from seed
-    n_random: 6
+    method: random          # random: `trials` draws, reproducible from seed
+    trials: 6
     seed: 0
     parameters:
       ppo.lr: {low: 1.0e-5, high: 1.0e-3, log: true}
       ppo.kl_coef: [0.02, 0.05]     # a list is a uniform choice
+
+    method: optuna          # optuna: `trials` trials asked of an Optuna study (TPE), hopeless ones pruned
+    trials: 12
+    optuna: {pruner: median, n_startup_trials: 3}
+
+Variants run `max_concurrency` at a time (default: one per GPU of the machine), in this process or, with
+`deployment`, as flow runs of a Prefect deployment picked up by the workers of its work pool.
 
 Every problem (unknown key, empty list, bad range, a value the config rejects) is one sentence naming the key,
 raised before anything runs. No Prefect and no MLflow here: the sweep flow lives in ``flows/sweep.py``.
@@ -36,6 +43,7 @@ from rlhf.ranking import GOLD_METRIC, reward_metric
 
 # Keys a sweep may not vary: the variants must share one MLflow store, and the sweep names the runs.
 FIXED_PREFIXES = ("tracking", "run_name")
+SCALARS = (bool, int, float, str)  # the values Optuna chooses among
 
 
 class Range(BaseModel):
@@ -49,8 +57,36 @@ class Range(BaseModel):
     integer: bool = Field(False, description="Round each draw to the nearest integer.")
 
 
+class OptunaSettings(BaseModel):
+    """How an Optuna study searches (method: optuna): its sampler, its pruner and where it is stored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sampler: Literal["tpe", "random"] = Field(
+        "tpe", description="'tpe': Bayesian (Tree-structured Parzen Estimator); 'random': independent draws."
+    )
+    pruner: Literal["median", "hyperband", "none"] = Field(
+        "median",
+        description="Stops hopeless trials from PPO's periodic evaluations (ppo.eval_every): 'median' prunes a "
+        "trial below the median of earlier trials at the same update, 'hyperband' by successive halving, 'none'.",
+    )
+    n_startup_trials: int = Field(
+        2, ge=0, description="Trials finished before the pruner prunes and before TPE models the space."
+    )
+    n_warmup_steps: int = Field(0, ge=0, description="PPO updates of a trial before it may be pruned.")
+    storage: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the study, e.g. postgresql://... for sweeps across machines; default: "
+        "sqlite optuna.db next to the MLflow store (a killed sweep, started again, resumes its study).",
+    )
+    enqueue: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Points evaluated first, as {dotted key: value} (e.g. today's defaults); missing keys are sampled.",
+    )
+
+
 class SweepSpace(BaseModel):
-    """A search space: dotted config keys mapped to a list of values (grid) or a range (random)."""
+    """A search space: dotted config keys mapped to a list of values or a range, and how to run the variants."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -58,25 +94,54 @@ class SweepSpace(BaseModel):
         description="Sweep name: names the MLflow sweep run and the variants' runs.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
     )
-    method: Literal["grid", "random"] = Field(
-        "grid", description="'grid': every combination of the lists; 'random': n_random reproducible draws."
+    method: Literal["grid", "random", "optuna"] = Field(
+        "grid",
+        description="'grid': every combination of the lists; 'random': `trials` reproducible draws; 'optuna': "
+        "`trials` trials of an Optuna study (settings in `optuna`), hopeless trials pruned early.",
     )
     parameters: dict[str, list[Any] | Range] = Field(
-        description="Dotted config key -> list of values, or {low, high, log, integer} (random only)."
+        description="Dotted config key -> list of values, or {low, high, log, integer} (random and optuna)."
     )
-    n_random: int = Field(8, ge=1, description="Number of variants drawn when method is 'random'.")
-    seed: int = Field(0, description="Seed of the random draws (the same seed gives the same variants).")
+    trials: int = Field(8, ge=1, description="Number of variants drawn (random) or trials run (optuna).")
+    seed: int = Field(0, description="Seed of the random draws and of Optuna's sampler.")
+    max_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Variants that run at once. Default: the number of GPUs of this machine (1 without); with "
+        "`deployment`, the number of workers of the work pool.",
+    )
+    deployment: str | None = Field(
+        None,
+        description="Run every variant as a flow run of this pipeline deployment ('rlhf-pipeline/<name>', see "
+        "`rlhf deploy`), picked up by the workers of its work pool; default: in this process.",
+    )
+    optuna: OptunaSettings = Field(default_factory=OptunaSettings, description="Settings of method: optuna.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _n_random_is_trials(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "n_random" in data:  # the name of `trials` before Optuna came
+            data = {**data, "trials": data.get("trials", data["n_random"])}
+            del data["n_random"]
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> SweepSpace:
         if not self.parameters:
             raise ValueError(f"sweep '{self.name}' has no parameters to vary")
+        if self.deployment is not None and "/" not in self.deployment:
+            raise ValueError(f"deployment '{self.deployment}' must be '<flow name>/<deployment name>'")
+        for point in self.optuna.enqueue:
+            unknown = sorted(set(point) - set(self.parameters))
+            if unknown:
+                raise ValueError(f"optuna.enqueue names '{unknown[0]}', which is not one of the sweep's parameters")
         for key, values in self.parameters.items():
             check_key(key)
             if isinstance(values, Range):
                 if self.method == "grid":
                     raise ValueError(
-                        f"parameters.{key} is a range, which needs method: random (a grid needs a list of values)"
+                        f"parameters.{key} is a range, which needs method: random or optuna (a grid needs a list of "
+                        "values)"
                     )
                 if not values.low < values.high:
                     raise ValueError(f"parameters.{key}: low ({values.low}) must be below high ({values.high})")
@@ -84,6 +149,8 @@ class SweepSpace(BaseModel):
                     raise ValueError(f"parameters.{key}: a log range needs low > 0 (got {values.low})")
             elif not values:
                 raise ValueError(f"parameters.{key} is an empty list; give at least one value")
+            elif self.method == "optuna" and not all(isinstance(v, SCALARS) or v is None for v in values):
+                raise ValueError(f"parameters.{key}: Optuna chooses among numbers, strings, booleans or null only")
         return self
 
 
@@ -164,15 +231,17 @@ def label(overrides: dict[str, Any]) -> str:
 
 
 def expand(space: SweepSpace) -> list[Variant]:
-    """The variants of a space: the grid's combinations in order, or `n_random` seeded draws."""
+    """The variants of a space: the grid's combinations in order, or `trials` seeded draws (not for optuna)."""
     keys = list(space.parameters)
     if space.method == "grid":
         combos = itertools.product(*(space.parameters[k] for k in keys))
         points = [dict(zip(keys, combo, strict=True)) for combo in combos]
     else:
+        if space.method != "random":
+            raise ValueError(f"method {space.method} asks its trials one by one (rlhf.optuna_search)")
         rng = random.Random(space.seed)
         points = []
-        for _ in range(space.n_random):
+        for _ in range(space.trials):
             # draw in sorted key order, so reordering the YAML does not change the variants
             draw = {k: _draw(rng, space.parameters[k]) for k in sorted(keys)}
             points.append({k: draw[k] for k in keys})
@@ -235,3 +304,31 @@ def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
     if "error" in frame and frame["error"].notna().any():
         columns.append("error")
     return frame[columns].reset_index(drop=True)
+
+
+class Planned(NamedTuple):
+    """A variant ready to run: its config (None when the config rejects the point: `error` says why) and, for Optuna,
+    the trial it reports to (a `rlhf.optuna_search.TrialRef`)."""
+
+    variant: Variant
+    config: PipelineConfig | None
+    trial: Any = None
+    error: str | None = None
+
+
+class VariantList:
+    """The variants of a grid or random sweep, handed out in order (the flow's side of `OptunaSearch`)."""
+
+    def __init__(self, base: PipelineConfig, space: SweepSpace) -> None:
+        self._planned = [Planned(v, config) for v, config in variant_configs(base, space)]
+        self.total = len(self._planned)
+        self.configs = [p.config for p in self._planned]  # every variant, validated before anything runs
+
+    def next(self) -> Planned | None:
+        return self._planned.pop(0) if self._planned else None
+
+    def tell(self, planned: Planned, status: str, value: float | None, mlflow_run_id: str | None) -> None:
+        """Nothing to learn from an outcome: the variants were fixed in advance."""
+
+    def kept(self) -> list[dict[str, Any]]:
+        return []

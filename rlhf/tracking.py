@@ -122,8 +122,9 @@ class Tracker:
                 ended.append(run.run_id)
         return ended
 
-    def end_run(self, run_id: str, failed: bool = False) -> None:
-        self.client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+    def end_run(self, run_id: str, failed: bool = False, killed: bool = False) -> None:
+        """End a run FINISHED, FAILED, or KILLED (stopped on purpose, e.g. a trial its sweep's pruner stopped)."""
+        self.client.set_terminated(run_id, status="KILLED" if killed else "FAILED" if failed else "FINISHED")
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag

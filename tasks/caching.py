@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from prefect.concurrency.sync import concurrency
 from prefect.context import TaskRunContext
 from prefect.utilities.callables import get_call_parameters
 from pydantic import BaseModel
@@ -25,8 +28,9 @@ import tasks
 from rlhf.checkpoints import is_complete, stage_lock
 from tasks.outputs import StageOutput
 
-# Parameters that never change a stage's result, so they are left out of its key.
-NOT_IN_KEY = {"tracking", "runtime"}
+# Parameters that never change a stage's result, so they are left out of its key (`trial`: the sweep trial a PPO
+# stage reports to; a pruned stage raises and caches nothing).
+NOT_IN_KEY = {"tracking", "runtime", "trial"}
 # The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
 CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
 
@@ -89,14 +93,29 @@ def run_stage(task, **parameters: Any) -> Any:
     """Call a stage task; refresh its cache entry when its output folder is missing or incomplete. The result's
     `cached` is true when Prefect served it from its cache.
 
-    The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process on the same output folder
-    waits for the first to finish the stage, then finds it complete and gets the cached result."""
+    The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process (or a concurrent sweep
+    variant) on the same output folder waits for the first to finish the stage, then finds it complete and gets the
+    cached result. A GPU stage (tag ``gpu``) that computes holds a slot of ``runtime.device_slot`` meanwhile."""
     folder = task_stage_dir(task, **parameters)
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
         complete = is_complete(folder) or is_complete(folder / "final")
-        state = task.with_options(refresh_cache=not complete)(**parameters, return_state=True)
+        runtime = parameters.get("runtime")
+        slot = getattr(runtime, "device_slot", None) if "gpu" in task.tags and not complete else None
+        with device_slot(slot):
+            state = task.with_options(refresh_cache=not complete)(**parameters, return_state=True)
         result = state.result()
         if state.name == "Cached" and isinstance(result, StageOutput):
             result = result.model_copy(update={"cached": True})  # shown in the run's table and MLflow tags
         return result
+
+
+@contextmanager
+def device_slot(name: str | None) -> Iterator[None]:
+    """Hold one slot of the Prefect global concurrency limit `name` (one limit per device, made by the sweep that
+    set ``runtime.device_slot``); None holds nothing."""
+    if name is None:
+        yield
+        return
+    with concurrency(name, occupy=1):
+        yield

@@ -17,6 +17,7 @@ from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.models.device import set_threads
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
+from rlhf.optuna_search import TrialRef
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.trainer import train_ppo
@@ -194,9 +195,11 @@ def train_policy_ppo(
     processes: int,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
+    trial: TrialRef | None = None,
 ) -> PPOPolicy:
     """PPO against the reward model (in `processes` data-parallel processes when > 1); a retry resumes from the
-    last saved trainer state and continues the same MLflow run."""
+    last saved trainer state and continues the same MLflow run. `trial`: the Optuna trial (of a sweep) its periodic
+    evaluations are reported to; its pruner may stop the stage (`TrialPruned`)."""
     set_threads(runtime.threads)
     folder = current_stage_dir()
     params = {

@@ -50,6 +50,11 @@ class RuntimeConfig(Section):
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None keeps torch's default.")
     trust_remote_code: bool = Field(False, description="Allow model/tokenizer code from the hub. Off by default.")
     output_dir: str = Field("outputs", description="Root folder for checkpoints and prepared data.")
+    device_slot: str | None = Field(
+        None,
+        description="Name of a Prefect global concurrency limit that each GPU stage holds one slot of while it runs "
+        "(set by sweeps: one limit per device, so concurrent variants never share one); None: no slot.",
+    )
     progress: bool = Field(True, description="Show progress bars in the terminal.")
     ppo_processes: int = Field(
         1,

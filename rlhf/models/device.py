@@ -41,3 +41,14 @@ def set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def device_names(name: str = "auto") -> list[str]:
+    """The devices a run configured with `name` may use: every CUDA device for 'auto' or 'cuda' (['cuda:0', ...]),
+    the one named ('cuda:1'), or ['cpu']."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return [device.type]
+    if device.index is not None:
+        return [f"cuda:{device.index}"]
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
