@@ -83,7 +83,9 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
     reward_cfg.num_labels = 1
     if getattr(reward_cfg, "pad_token_id", None) is None or isinstance(reward_cfg.pad_token_id, list):
         reward_cfg.pad_token_id = 0
-    with torch.device("meta"):
+    from rlhf.models.loading import MODEL_BUILD_LOCK
+
+    with MODEL_BUILD_LOCK, torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(cfg)
         rm = AutoModelForSequenceClassification.from_config(reward_cfg)
     head = lm.get_output_embeddings()

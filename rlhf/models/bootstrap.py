@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rlhf.models.loading import MODEL_BUILD_LOCK
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
@@ -43,4 +45,5 @@ def build_tiny_gpt2(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return GPT2LMHeadModel(config)
+    with MODEL_BUILD_LOCK:
+        return GPT2LMHeadModel(config)

@@ -4,6 +4,7 @@ way."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ from rlhf.models.device import compute_dtype
 
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
 hf_logging.disable_progress_bar()
+
+# Building a model is not thread-safe: transformers and peft patch module-level state while they do (weight init
+# switched off, parameters created on the meta device), so a model built in another thread at that moment gets
+# meta tensors. Concurrent sweep variants run in threads of one process: every model is built under this lock.
+MODEL_BUILD_LOCK = threading.RLock()
 
 
 def _load_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
@@ -48,12 +54,13 @@ def load_options(runtime: RuntimeConfig, device: torch.device, trainable: bool) 
 def _from_pretrained(auto_class: Any, name: str, attn_implementation: str | None, **kwargs: Any) -> PreTrainedModel:
     """`auto_class.from_pretrained` with an attention kernel; 'sdpa' falls back to the model's default (eager) for
     architectures without an sdpa implementation (Gemma-2: its attention logits are soft-capped)."""
-    try:
-        return auto_class.from_pretrained(name, attn_implementation=attn_implementation, **kwargs)
-    except ValueError:
-        if attn_implementation != "sdpa":
-            raise
-    return auto_class.from_pretrained(name, **kwargs)  # transformers' choice: sdpa where it can, else eager
+    with MODEL_BUILD_LOCK:
+        try:
+            return auto_class.from_pretrained(name, attn_implementation=attn_implementation, **kwargs)
+        except ValueError:
+            if attn_implementation != "sdpa":
+                raise
+        return auto_class.from_pretrained(name, **kwargs)  # transformers' choice: sdpa where it can, else eager
 
 
 def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 
 from rlhf.config import LoraConfig
 from rlhf.errors import ConfigError
+from rlhf.models.loading import MODEL_BUILD_LOCK
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:
@@ -102,4 +103,5 @@ def apply_lora(policy: PreTrainedModel, lora_cfg: LoraConfig) -> nn.Module:
         lora_dropout=lora_cfg.dropout,
         target_modules=lora_targets(policy.config.model_type, lora_cfg.target_modules),
     )
-    return get_peft_model(policy, lora)
+    with MODEL_BUILD_LOCK:
+        return get_peft_model(policy, lora)

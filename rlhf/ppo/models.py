@@ -13,7 +13,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.models.heads import PolicyValueHead
-from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
+from rlhf.models.loading import MODEL_BUILD_LOCK, load_causal_lm, load_options, load_reward_model, load_tokenizer
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
 from rlhf.models.training import (
     apply_lora,
@@ -91,7 +91,8 @@ def load_models(
     if cfg.lora.enabled:
         policy = apply_lora(policy, cfg.lora)
     if cfg.value_model == "policy_head":
-        value: nn.Module = PolicyValueHead(unwrap(policy))
+        with MODEL_BUILD_LOCK:
+            value: nn.Module = PolicyValueHead(unwrap(policy))
     else:
         value = load_reward_model(value_path, device, **trained)
         if not same_vocabulary(tokenizer, load_tokenizer(value_path, trust_remote_code=trust_remote_code)):
