@@ -3,6 +3,8 @@ picked up by real `prefect worker` processes, and Optuna search with pruning and
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -72,3 +74,61 @@ def test_two_variants_run_at_once_on_two_slots_with_the_shared_stages_built_once
     assert start_b < end_a, f"PPO stages did not overlap: {ppo}"
     shared = stage_runs(client, result["sweep_run_id"], "train_reward_model")
     assert len(shared) == 1 and shared[0].info.status == "FINISHED"
+
+
+def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_workers(tmp_path_factory):
+    """A real `prefect server`, the pipeline deployment of prefect.yaml on a process work pool, two `prefect worker`
+    processes (one flow run each at a time): the sweep's two variants run on both workers at once and are ranked."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    from flows.sweep import rlhf_sweep
+    from tests.test_ui_server import BIN, prefect_server, request, start, stop, wait_until
+
+    server = prefect_server.__wrapped__(tmp_path_factory)  # the module fixture of test_ui_server, as a generator
+    api, env, tmp = next(server)
+    workers = []
+    try:
+        storage = tmp / "results"  # Prefect's result store (the stage cache): shared by the sweep and the workers
+        env = {**env, "PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+        pool = request("POST", f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"})
+        assert pool.status_code == 201, pool.text
+        deploy = [str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "rlhf-pipeline/default"]
+        done = subprocess.run(deploy, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        for name in ("w1", "w2"):
+            log = tmp / f"{name}.log"
+            cmd = [str(BIN / "prefect"), "worker", "start", "--pool", "rlhf-local", "--limit", "1", "--name", name]
+            workers.append((name, start(cmd, env, log), log))
+        for name, proc, log in workers:
+            wait_until(lambda log=log: "started!" in log.read_text(errors="replace"), 120, f"{name} start", proc, log)
+
+        uri, base = tiny_base(tmp / "sweep")
+        space = parse_space(
+            {
+                "name": "pool",
+                "deployment": "rlhf-pipeline/default",
+                "max_concurrency": 2,
+                "parameters": {"ppo.kl_coef": [0.02, 0.2]},
+            }
+        )
+        with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_LOCAL_STORAGE_PATH: storage}):
+            state = rlhf_sweep(base, space, return_state=True)
+            table = state.result()["ranking"]
+            variants = subflow_runs(state.state_details.flow_run_id)
+            stage_states = {v.name: {stage_name(t): t.state.name for t in task_runs(v.id)} for v in variants}
+        assert [row["status"] for row in table] == ["completed", "completed"], table
+        assert all(row["eval/ppo_gold"] is not None for row in table)
+        assert sorted(v.name for v in variants) == ["pool-00", "pool-01"]
+        assert {v.work_pool_name for v in variants} == {"rlhf-local"}
+        for states in stage_states.values():  # the shared stages came from the sweep's cache
+            assert states["train_reward_model"] == "Cached" and states["train_policy_ppo"] == "Completed", states
+        ran_on = {name for name, _, log in workers for v in variants if str(v.id) in log.read_text(errors="replace")}
+        assert ran_on == {"w1", "w2"}, "each worker ran one variant"
+        client = MlflowClient(uri)
+        for row in table:
+            run = client.get_run(row["mlflow_run_id"])
+            assert run.data.tags["sweep_run_id"] == state.result()["sweep_run_id"]
+    finally:
+        for _, proc, _ in workers:
+            stop(proc)
+        server.close()
