@@ -18,6 +18,11 @@ class TrainingInterrupted(RuntimeError):
     restart continues from it. Not a user error: a retry is what should happen next."""
 
 
+class TrialPruned(Exception):
+    """A PPO run stopped by its `on_eval` callback (e.g. an Optuna pruner after a periodic evaluation): neither a
+    user error nor a failure to retry."""
+
+
 def first_line(message: str | None, fallback: str, limit: int | None = None) -> str:
     """The first line of an error message (library errors can be pages long), `fallback` when it is empty; with
     `limit`, at most that many characters ('...' marks a cut)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prefect.states import State
 
-from rlhf.errors import CheckpointWriteError, NonFiniteError, UserInputError
+from rlhf.errors import CheckpointWriteError, NonFiniteError, TrialPruned, UserInputError
 
 
 def injected_failure(stage: str, folder: Path) -> int | None:
@@ -24,11 +24,11 @@ def injected_failure(stage: str, folder: Path) -> int | None:
 
 def retry_unless_user_error(task, task_run, state: State) -> bool:
     """Retry crashes and lost resources; never a bad config or bad data, a NaN loss (the same steps would give it
-    again) or a full disk (it stays full for the next seconds): a rerun after a change resumes from the last saved
-    state."""
+    again), a full disk (it stays full for the next seconds) or a pruned trial (`rlhf.errors.TrialPruned`, stopped
+    on purpose): a rerun after a change resumes from the last saved state."""
     try:
         state.result()
-    except (UserInputError, NonFiniteError, CheckpointWriteError):
+    except (UserInputError, NonFiniteError, CheckpointWriteError, TrialPruned):
         return False
     except Exception:
         return True

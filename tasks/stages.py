@@ -238,6 +238,12 @@ def train_policy_ppo(
                 value_path=ppo_init.value_init,
                 gold_fn=prepare.gold_scorer(prepared.manifest),
                 stop_after=stop_after,
+                eval_prompts=(
+                    evaluation.eval_prompts(f"{prepared.path}/eval.parquet", ppo_cfg.eval_prompts)
+                    if ppo_cfg.eval_every > 0
+                    else None
+                ),
+                on_eval=None,
             )
         if ppo_cfg.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")

@@ -94,6 +94,13 @@ class SyntheticTaskConfig(Section):
     label_noise: float = Field(
         0.1, ge=0.0, lt=0.5, description="Probability that a training pair's label is flipped (human-like noise)."
     )
+    length_bias: float = Field(
+        0.0,
+        ge=0.0,
+        description="Labellers' taste for longer reviews: a training pair's chosen review is the one with the higher "
+        "gold score plus length_bias per well-formed clause (the gold reward does not share it; held-out pairs "
+        "are labelled by the gold score alone). 0: no bias. docs/overoptimisation.md.",
+    )
 
 
 # Roles a source column can play (``data.columns`` maps a role to the source's column name).
