@@ -223,6 +223,7 @@ def train_policy_ppo(
                 tracking_uri=tracking.uri,
                 run_id=run_id,
                 data_manifest=f"{prepared.path}/manifest.json",
+                eval_file=f"{prepared.path}/eval.parquet",
                 stop_after=stop_after,
                 echo=echo_with_progress("ppo", ppo_cfg.num_updates, launch.UPDATE_LINE_PATTERN),
             )

@@ -108,3 +108,34 @@ def test_collect_histories_and_report_from_a_sweep_run(tmp_path, capsys):
     points = pd.read_csv(tmp_path / "o" / "overoptimisation_points.csv")
     assert len(points) == 6 and math.isclose(points["sqrt_kl"].max(), 4.0)
     assert oo.main(["--sweep", "nope", "--tracking-uri", uri, "--experiment", "exp"]) == 2
+
+
+# -- The exploitable setting of the synthetic task (data.synthetic.length_bias, max_clauses) ----------------------
+
+
+def test_length_bias_labels_by_gold_plus_clauses_and_the_held_out_pairs_stay_gold():
+    from rlhf.data import synthetic
+
+    biased = synthetic.preference_pairs(400, 0, 0.0, "train", length_bias=0.3, max_clauses=5)
+    for pair in biased:
+        assert synthetic.labeller_preference(pair.prompt, pair.chosen, 0.3) > synthetic.labeller_preference(
+            pair.prompt, pair.rejected, 0.3
+        )
+    against_gold = [p for p in biased if p.gold_chosen < p.gold_rejected]
+    assert 0.05 < len(against_gold) / len(biased) < 0.4  # the bias decides some pairs, not most
+    assert all(synthetic.clause_count(p.chosen) > synthetic.clause_count(p.rejected) for p in against_gold)
+    unbiased = synthetic.preference_pairs(400, 0, 0.0, "eval", max_clauses=5)
+    assert all(p.gold_chosen > p.gold_rejected for p in unbiased)
+
+
+def test_max_clauses_widens_the_reviews_and_defaults_keep_the_task():
+    from rlhf.config import DataConfig
+    from rlhf.data import synthetic
+
+    counts = {synthetic.clause_count(d.response) for d in synthetic.demonstrations(300, 0, max_clauses=5)}
+    assert counts == {2, 3, 4, 5}
+    assert {synthetic.clause_count(d.response) for d in synthetic.demonstrations(300, 0)} == {2, 3}
+    task = DataConfig().synthetic
+    assert (task.length_bias, task.max_clauses) == (0.0, 3)
+    with pytest.raises(ValueError, match="max_clauses"):
+        DataConfig(synthetic={"max_clauses": 1})

@@ -102,10 +102,10 @@ def make_prompt(rng: random.Random) -> str:
     return f"Review of The {rng.choice(_TITLE_FIRST).title()} {rng.choice(_TITLE_SECOND).title()}:"
 
 
-def make_response(rng: random.Random, p_positive: float | None = None) -> str:
-    """One review sentence from a reviewer of the given mood (None: a random mood)."""
+def make_response(rng: random.Random, p_positive: float | None = None, max_clauses: int = 3) -> str:
+    """One review sentence of 2 to `max_clauses` clauses from a reviewer of the given mood (None: a random mood)."""
     p = rng.choice(_MOODS) if p_positive is None else p_positive
-    aspects = rng.sample(ASPECTS, rng.randint(2, 3))
+    aspects = rng.sample(ASPECTS, rng.randint(2, max_clauses))
     clauses = []
     for aspect in aspects:
         pool = POSITIVE if rng.random() < p else NEGATIVE
@@ -125,9 +125,9 @@ def gold_reward(prompt: str, response: str) -> float:
     return round(score, 6)
 
 
-def demonstrations(n: int, seed: int) -> list[Demonstration]:
+def demonstrations(n: int, seed: int, max_clauses: int = 3) -> list[Demonstration]:
     rng = random.Random(f"sft-{seed}")
-    return [Demonstration(make_prompt(rng), make_response(rng)) for _ in range(n)]
+    return [Demonstration(make_prompt(rng), make_response(rng, max_clauses=max_clauses)) for _ in range(n)]
 
 
 def clause_count(response: str) -> int:
@@ -142,7 +142,7 @@ def labeller_preference(prompt: str, response: str, length_bias: float) -> float
 
 
 def preference_pairs(
-    n: int, seed: int, label_noise: float, split: str, length_bias: float = 0.0
+    n: int, seed: int, label_noise: float, split: str, length_bias: float = 0.0, max_clauses: int = 3
 ) -> list[PreferencePair]:
     """Pairs of two sampled reviews; the chosen one is preferred by `labeller_preference` (the higher gold score
     when `length_bias` is 0), flipped with `label_noise`."""
@@ -150,7 +150,7 @@ def preference_pairs(
     pairs: list[PreferencePair] = []
     while len(pairs) < n:
         prompt = make_prompt(rng)
-        a, b = make_response(rng), make_response(rng)
+        a, b = make_response(rng, max_clauses=max_clauses), make_response(rng, max_clauses=max_clauses)
         ga, gb = gold_reward(prompt, a), gold_reward(prompt, b)
         pa, pb = labeller_preference(prompt, a, length_bias), labeller_preference(prompt, b, length_bias)
         if pa == pb:
