@@ -18,6 +18,11 @@ class TrainingInterrupted(RuntimeError):
     restart continues from it. Not a user error: a retry is what should happen next."""
 
 
+class TrialPruned(Exception):
+    """A PPO run stopped by its `on_eval` callback (e.g. an Optuna pruner after a periodic evaluation): neither a
+    user error nor a failure to retry."""
+
+
 def first_line(message: str | None, fallback: str, limit: int | None = None) -> str:
     """The first line of an error message (library errors can be pages long), `fallback` when it is empty; with
     `limit`, at most that many characters ('...' marks a cut)."""
@@ -34,7 +39,3 @@ class NonFiniteError(RuntimeError):
 class CheckpointWriteError(OSError):
     """A checkpoint or stage output could not be written for lack of disk space; the previous one is intact."""
 
-
-class TrialPruned(Exception):
-    """A sweep's pruner stopped this trial early (Optuna, from PPO's periodic evaluations): not a failure and not
-    retried; the pipeline ends in the state 'Pruned'."""

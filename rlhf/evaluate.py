@@ -44,24 +44,25 @@ def eval_prompts(eval_file: str | Path, n: int) -> list[str]:
     return list(dict.fromkeys(pd.read_parquet(eval_file)["prompt"].tolist()))[:n]
 
 
-def _generate_and_score(
+def generate_and_score_prompts(
     models: ScoringModels,
     prompts: list[str],
-    cfg: EvalConfig,
     settings: GenerationSettings,
     max_prompt_tokens: int,
-    runtime: RuntimeConfig,
-    device: torch.device,
+    batch_size: int,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    progress: bool = False,
 ) -> pd.DataFrame:
     """One policy's responses to `prompts` in batches (`rlhf.scoring.generate_and_score`, as PPO rollouts are
     made), with their reward-model score and their KL from the reference (the k1 estimator summed over the
-    response), one row per prompt."""
+    response), one row per prompt: prompt, response, score, kl, length (tokens before the stop token), stopped.
+    Used by the evaluation stage and by PPO's periodic evaluation (``rlhf.ppo.periodic_eval``)."""
     tokenizer = models.tokenizer
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
-    dtype = compute_dtype(runtime.dtype, device)
+    device = generator.device
     rows = []
-    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc="eval", disable=not runtime.progress):
-        batch_prompts = prompts[start : start + cfg.batch_size]
+    for start in tqdm(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
+        batch_prompts = prompts[start : start + batch_size]
         ids = encode_prompts(tokenizer, batch_prompts, max_prompt_tokens)
         query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
         scored = generate_and_score(models, query, query_mask, batch_prompts, settings, generator, dtype)
@@ -114,12 +115,16 @@ def evaluate_policies(
         tokenizer.pad_token_id,
     )
     same_tokenizer = same_vocabulary(tokenizer, reward_tokenizer)
+    dtype = compute_dtype(runtime.dtype, device)
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
     for name, path in (("sft", sft_path), ("ppo", policy_path)):
         policy = reference if name == "sft" else load_causal_lm(path, device, **frozen).eval()
         models = ScoringModels(policy, reference, reward, tokenizer, reward_tokenizer, same_tokenizer)  # no value
-        frames[name] = _generate_and_score(models, prompts, cfg, settings, ppo_cfg.max_prompt_tokens, runtime, device)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
+        frames[name] = generate_and_score_prompts(
+            models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress
+        )
     table, summary, warnings = summarize(prompts, frames["sft"], frames["ppo"], gold_fn, cfg.length_tolerance)
     log(summary, 0)
     with atomic_dir(out_dir) as tmp:

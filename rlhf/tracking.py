@@ -297,6 +297,16 @@ class Tracker:
         history = self.client.get_metric_history(run_id, key)
         return sorted((m.step, m.value) for m in history)
 
+    def metric_histories(self, run_id: str, keys: list[str]) -> pd.DataFrame:
+        """Several metrics of a run side by side: one row per step any of them was logged at (column ``step``, in
+        order), one column per key (NaN where a key has no value at that step)."""
+        columns = {key: dict(self.metric_history(run_id, key)) for key in keys}
+        steps = sorted({step for values in columns.values() for step in values})
+        frame = pd.DataFrame(
+            {"step": steps, **{k: [v.get(s, float("nan")) for s in steps] for k, v in columns.items()}}
+        )
+        return frame.astype({"step": int})
+
     def attach_to_sweep(self, run_id: str, sweep_run_id: str, sweep_name: str, variant: str) -> None:
         """Group a pipeline run under a sweep run: tagged with the sweep, and nested under it in the MLflow UI."""
         self.set_tags(

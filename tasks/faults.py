@@ -24,8 +24,8 @@ def injected_failure(stage: str, folder: Path) -> int | None:
 
 def retry_unless_user_error(task, task_run, state: State) -> bool:
     """Retry crashes and lost resources; never a bad config or bad data, a NaN loss (the same steps would give it
-    again) or a full disk (it stays full for the next seconds): a rerun after a change resumes from the last saved
-    state. A trial its sweep's pruner stopped is not retried either."""
+    again), a full disk (it stays full for the next seconds) or a pruned trial (`rlhf.errors.TrialPruned`, stopped
+    on purpose): a rerun after a change resumes from the last saved state."""
     try:
         state.result()
     except (UserInputError, NonFiniteError, CheckpointWriteError, TrialPruned):

@@ -17,7 +17,7 @@ from rlhf.length_control import EVAL_WARNING_TAG
 from rlhf.models.device import set_threads
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
-from rlhf.optuna_search import TrialRef
+from rlhf.optuna_search import TrialRef, pruning_reporter
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.trainer import train_ppo
@@ -226,6 +226,7 @@ def train_policy_ppo(
                 tracking_uri=tracking.uri,
                 run_id=run_id,
                 data_manifest=f"{prepared.path}/manifest.json",
+                eval_file=f"{prepared.path}/eval.parquet",
                 stop_after=stop_after,
                 echo=echo_with_progress("ppo", ppo_cfg.num_updates, launch.UPDATE_LINE_PATTERN),
             )
@@ -241,6 +242,12 @@ def train_policy_ppo(
                 value_path=ppo_init.value_init,
                 gold_fn=prepare.gold_scorer(prepared.manifest),
                 stop_after=stop_after,
+                eval_prompts=(
+                    evaluation.eval_prompts(f"{prepared.path}/eval.parquet", ppo_cfg.eval_prompts)
+                    if ppo_cfg.eval_every > 0
+                    else None
+                ),
+                on_eval=pruning_reporter(trial) if trial is not None else None,
             )
         if ppo_cfg.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")

@@ -99,6 +99,20 @@ class SyntheticTaskConfig(Section):
     label_noise: float = Field(
         0.1, ge=0.0, lt=0.5, description="Probability that a training pair's label is flipped (human-like noise)."
     )
+    length_bias: float = Field(
+        0.0,
+        ge=0.0,
+        description="Labellers' taste for longer reviews: a training pair's chosen review is the one with the higher "
+        "gold score plus length_bias per well-formed clause (the gold reward does not share it; held-out pairs "
+        "are labelled by the gold score alone). 0: no bias. docs/overoptimisation.md.",
+    )
+    max_clauses: int = Field(
+        3,
+        ge=2,
+        le=10,  # the task has 10 aspects, each used once per review
+        description="Longest review (clauses) of the demonstrations and pairs; reviews have 2 to max_clauses "
+        "clauses. 5 clauses are 25 tokens of the bootstrapped tokenizer: past ppo.max_new_tokens 24, so cut short.",
+    )
 
 
 # Roles a source column can play (``data.columns`` maps a role to the source's column name).

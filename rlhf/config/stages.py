@@ -166,6 +166,15 @@ class PPOConfig(Section):
     save_every: int = Field(10, ge=1, description="Save the full trainer state every N updates (resume point).")
     record_rollouts: bool = Field(True, description="Write the per-sample rollout records of each update to Parquet.")
     log_every: int = Field(1, ge=1, description="Log statistics every N updates.")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Periodic evaluation every N updates (also before the first and after the last): generate on "
+        "`eval_prompts` held-out prompts with the training sampling settings and a fixed seed, log ppo_eval/score "
+        "(reward model), ppo_eval/gold (where the data has a gold reward), ppo_eval/kl and ppo_eval/sqrt_kl (to the "
+        "reference) and ppo_eval/length_mean. 0: off.",
+    )
+    eval_prompts: int = Field(64, ge=1, description="Held-out prompts of the periodic evaluation (eval_every).")
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:

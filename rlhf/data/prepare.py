@@ -101,10 +101,17 @@ def source_fingerprint(cfg: DataConfig) -> str:
 
 def _synthetic(cfg: DataConfig, tmp: Path, limits: LengthLimits) -> dict[str, Any]:
     task = cfg.synthetic
-    train = pd.DataFrame(synthetic.preference_pairs(task.n_train_pairs, task.seed, task.label_noise, "train"))
-    # Held-out pairs are labelled by the gold reward without noise, so accuracy measures the true preference.
-    evals = pd.DataFrame(synthetic.preference_pairs(task.n_eval_pairs, task.seed, 0.0, "eval"))
-    sft = pd.DataFrame(synthetic.demonstrations(task.n_sft, task.seed))
+    train = pd.DataFrame(
+        synthetic.preference_pairs(
+            task.n_train_pairs, task.seed, task.label_noise, "train", task.length_bias, task.max_clauses
+        )
+    )
+    # Held-out pairs are labelled by the gold reward without noise (or length bias), so accuracy measures the true
+    # preference.
+    evals = pd.DataFrame(
+        synthetic.preference_pairs(task.n_eval_pairs, task.seed, 0.0, "eval", max_clauses=task.max_clauses)
+    )
+    sft = pd.DataFrame(synthetic.demonstrations(task.n_sft, task.seed, task.max_clauses))
     for frame in (train, evals):
         frame["margin"] = None
     prompts = pd.DataFrame({"prompt": list(dict.fromkeys(train["prompt"]))})

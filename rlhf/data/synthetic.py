@@ -102,10 +102,10 @@ def make_prompt(rng: random.Random) -> str:
     return f"Review of The {rng.choice(_TITLE_FIRST).title()} {rng.choice(_TITLE_SECOND).title()}:"
 
 
-def make_response(rng: random.Random, p_positive: float | None = None) -> str:
-    """One review sentence from a reviewer of the given mood (None: a random mood)."""
+def make_response(rng: random.Random, p_positive: float | None = None, max_clauses: int = 3) -> str:
+    """One review sentence of 2 to `max_clauses` clauses from a reviewer of the given mood (None: a random mood)."""
     p = rng.choice(_MOODS) if p_positive is None else p_positive
-    aspects = rng.sample(ASPECTS, rng.randint(2, 3))
+    aspects = rng.sample(ASPECTS, rng.randint(2, max_clauses))
     clauses = []
     for aspect in aspects:
         pool = POSITIVE if rng.random() < p else NEGATIVE
@@ -125,22 +125,37 @@ def gold_reward(prompt: str, response: str) -> float:
     return round(score, 6)
 
 
-def demonstrations(n: int, seed: int) -> list[Demonstration]:
+def demonstrations(n: int, seed: int, max_clauses: int = 3) -> list[Demonstration]:
     rng = random.Random(f"sft-{seed}")
-    return [Demonstration(make_prompt(rng), make_response(rng)) for _ in range(n)]
+    return [Demonstration(make_prompt(rng), make_response(rng, max_clauses=max_clauses)) for _ in range(n)]
 
 
-def preference_pairs(n: int, seed: int, label_noise: float, split: str) -> list[PreferencePair]:
-    """Pairs of two sampled reviews; the chosen one has the higher gold score, flipped with `label_noise`."""
+def clause_count(response: str) -> int:
+    """Well-formed clauses of a response (those the gold reward reads)."""
+    return sum(aspect in ASPECTS and adj in VALENCE for aspect, adj in _CLAUSE.findall(response))
+
+
+def labeller_preference(prompt: str, response: str, length_bias: float) -> float:
+    """What a labeller ranks a response by: its gold score plus `length_bias` per well-formed clause (a taste for
+    longer reviews that the gold reward does not share; 0: the gold score alone)."""
+    return gold_reward(prompt, response) + length_bias * clause_count(response)
+
+
+def preference_pairs(
+    n: int, seed: int, label_noise: float, split: str, length_bias: float = 0.0, max_clauses: int = 3
+) -> list[PreferencePair]:
+    """Pairs of two sampled reviews; the chosen one is preferred by `labeller_preference` (the higher gold score
+    when `length_bias` is 0), flipped with `label_noise`."""
     rng = random.Random(f"pairs-{split}-{seed}")
     pairs: list[PreferencePair] = []
     while len(pairs) < n:
         prompt = make_prompt(rng)
-        a, b = make_response(rng), make_response(rng)
+        a, b = make_response(rng, max_clauses=max_clauses), make_response(rng, max_clauses=max_clauses)
         ga, gb = gold_reward(prompt, a), gold_reward(prompt, b)
-        if ga == gb:
+        pa, pb = labeller_preference(prompt, a, length_bias), labeller_preference(prompt, b, length_bias)
+        if pa == pb:
             continue  # no preference to learn
-        if ga < gb:
+        if pa < pb:
             a, b, ga, gb = b, a, gb, ga
         if rng.random() < label_noise:
             a, b, ga, gb = b, a, gb, ga

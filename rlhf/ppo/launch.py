@@ -33,6 +33,7 @@ import yaml
 from rlhf.checkpoints import atomic_write_text
 from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_config
 from rlhf.errors import ConfigError
+from rlhf.evaluate import eval_prompts
 from rlhf.logs import LogFn
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
@@ -55,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--data-manifest", default=None, help="manifest.json of the prepared data: log gold scores when it has them"
+    )
+    parser.add_argument(
+        "--eval-prompts",
+        default=None,
+        help="Parquet file with a 'prompt' column (the held-out split): ppo.eval_every's periodic evaluation uses its "
+        "first ppo.eval_prompts distinct prompts",
     )
     parser.add_argument(
         "--result", default=None, help="rank 0 writes the outcome (status, paths, digest, final statistics) here"
@@ -186,6 +193,11 @@ def _main(args: argparse.Namespace) -> int:
             stop_after=args.stop_after,
             dist=ctx,
             param_digest=args.write_param_digest,
+            eval_prompts=(
+                eval_prompts(args.eval_prompts, cfg.ppo.eval_prompts)
+                if args.eval_prompts and cfg.ppo.eval_every > 0
+                else None
+            ),
         )
     except TrainingInterrupted as stop:
         end_run(True)
@@ -226,13 +238,15 @@ def run_data_parallel(
     tracking_uri: str | None = None,
     run_id: str | None = None,
     data_manifest: str | Path | None = None,
+    eval_file: str | Path | None = None,
     stop_after: int | None = None,
     print_every: int = 10,
     echo: Callable[[str], None] = print,
 ) -> PPOResult:
     """PPO as `processes` data-parallel processes on this machine (``torchrun --standalone``: one per GPU, or gloo
     processes on CPU), for a Python caller such as the pipeline's PPO stage. Blocks until they end and echoes their
-    output line by line. Resumes from ``out_dir/state`` like :func:`train_ppo`.
+    output line by line. Resumes from ``out_dir/state`` like :func:`train_ppo`. `eval_file` (the held-out split)
+    gives the prompts of ppo.eval_every's periodic evaluation (rank 0 evaluates; no `on_eval` across processes).
 
     Raises :class:`TrainingInterrupted` (``stop_after``), :class:`ConfigError` (the launcher's one sentence), or
     ``RuntimeError`` with the tail of the output when the processes failed otherwise.
@@ -255,6 +269,8 @@ def run_data_parallel(
         command += ["--tracking-uri", tracking_uri] + (["--run-id", run_id] if run_id else [])
     if data_manifest:
         command += ["--data-manifest", str(data_manifest)]
+    if eval_file:
+        command += ["--eval-prompts", str(eval_file)]
     if stop_after is not None:
         command += ["--stop-after", str(stop_after)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -22,6 +22,7 @@ from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
+from rlhf.ppo.periodic_eval import EvalCallback, is_eval_step, periodic_eval
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state
 from rlhf.ppo.stats import rollout_stats
@@ -61,6 +62,8 @@ def train_ppo(
     stop_after: int | None = None,
     dist: DistContext | None = None,
     param_digest: bool = False,
+    eval_prompts: list[str] | None = None,
+    on_eval: EvalCallback | None = None,
 ) -> PPOResult:
     """Train the policy with PPO against the reward model; resumes from ``out_dir/state`` when it exists.
 
@@ -72,6 +75,12 @@ def train_ppo(
     across ranks, whitening uses the moments of the global batch, statistics are reduced across ranks, and rank 0
     alone calls `log` and writes rollout records, the trainer state and the final models. None: one process.
     `param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
+
+    With ppo.eval_every > 0 and `eval_prompts`, the policy is evaluated on them before the first update (unless
+    resuming past it), every eval_every updates and after the last (``rlhf.ppo.periodic_eval``): rank 0 logs
+    ppo_eval/* at step = updates done, then calls ``on_eval(step, metrics)``, which may raise to stop training
+    (e.g. `rlhf.errors.TrialPruned`). With several processes only rank 0 evaluates and calls `on_eval`: a callback
+    that keeps state (a pruner) sees one process's view, so pruning is meant for single-process runs.
     """
     out_dir = Path(out_dir)
     dist = dist if dist is not None else DistContext(device=resolve_device(runtime.device))
@@ -92,6 +101,13 @@ def train_ppo(
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
     bar = tqdm(range(state.step, total), desc="ppo", disable=not show, initial=state.step, total=total)
+
+    def evaluate_if_due(step: int) -> None:
+        if eval_prompts and is_eval_step(step, cfg):
+            periodic_eval(step, models, eval_prompts, cfg, settings, seed, dtype, dist, log, gold_fn, on_eval)
+
+    if state.step == 0:
+        evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations
     for update in bar:
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
@@ -129,6 +145,7 @@ def train_ppo(
             log({**stats, **pending}, state.step)
             pending = {}  # the prompts' truncation share: logged once, with the first logged update
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
+        evaluate_if_due(state.step)
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
             checkpoint_state(out_dir / "state", models, state, dist)
         if stop_after is not None and state.step == stop_after and state.step < total:

@@ -1,0 +1,171 @@
+"""PPO's periodic evaluation (ppo.eval_every) on a tiny real stack: the steps it logs, KL 0 before the first
+update, a callback that stops training, resume without a duplicated evaluation, no effect on training."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pytest
+
+from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.data import synthetic
+from rlhf.errors import TrainingInterrupted, TrialPruned
+from rlhf.ppo.periodic_eval import is_eval_step, sqrt_kl
+from rlhf.ppo.trainer import train_ppo
+
+RUNTIME = RuntimeConfig(device="cpu", progress=False)
+EVAL_KEYS = {"ppo_eval/score", "ppo_eval/gold", "ppo_eval/kl", "ppo_eval/sqrt_kl", "ppo_eval/length_mean"}
+PROMPTS = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
+HELD_OUT = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:12]
+
+
+class Recorder:
+    """A `log` that keeps every (step, metrics) call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def eval_steps(self) -> list[int]:
+        return [step for step, metrics in self.calls if "ppo_eval/kl" in metrics]
+
+    def eval_at(self, step: int) -> dict[str, float]:
+        (metrics,) = [m for s, m in self.calls if s == step and "ppo_eval/kl" in m]
+        return metrics
+
+
+def _cfg(**kw) -> PPOConfig:
+    base = dict(
+        total_episodes=80,  # 5 updates of 16
+        batch_size=16,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        max_new_tokens=10,
+        lr=3e-3,
+        save_every=100,
+        record_rollouts=False,
+        eval_every=2,
+    )
+    return PPOConfig(**{**base, **kw})
+
+
+def _train(tiny_checkpoints, cfg, folder, log, **kw):
+    return train_ppo(
+        cfg,
+        RUNTIME,
+        tiny_checkpoints["policy"],
+        tiny_checkpoints["reward"],
+        PROMPTS,
+        folder,
+        0,
+        log,
+        gold_fn=synthetic.gold_reward,
+        **kw,
+    )
+
+
+def test_eval_steps_are_the_start_every_n_and_the_end():
+    cfg = _cfg(eval_every=2)  # 5 updates
+    assert [s for s in range(6) if is_eval_step(s, cfg)] == [0, 2, 4, 5]
+    assert [s for s in range(6) if is_eval_step(s, _cfg(eval_every=5))] == [0, 5]
+    assert not any(is_eval_step(s, _cfg(eval_every=0)) for s in range(6))
+
+
+def test_sqrt_kl_counts_a_negative_estimate_as_zero_and_keeps_nan():
+    assert sqrt_kl(4.0) == 2.0
+    assert sqrt_kl(-0.01) == 0.0
+    assert math.isnan(sqrt_kl(float("nan")))
+
+
+def test_periodic_eval_logs_its_metrics_at_the_eval_steps(tiny_checkpoints, tmp_path):
+    log = Recorder()
+    _train(tiny_checkpoints, _cfg(), tmp_path / "run", log, eval_prompts=HELD_OUT)
+    assert log.eval_steps() == [0, 2, 4, 5]
+    for step in (0, 2, 4, 5):
+        metrics = log.eval_at(step)
+        assert set(metrics) == EVAL_KEYS
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+        assert metrics["ppo_eval/sqrt_kl"] == pytest.approx(math.sqrt(max(metrics["ppo_eval/kl"], 0.0)))
+        assert -1.5 <= metrics["ppo_eval/gold"] <= 1.0
+    assert log.eval_at(0)["ppo_eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
+    assert log.eval_at(5)["ppo_eval/kl"] > 0.01  # lr 3e-3 moves the policy
+    # an evaluation is not a training step: the updates' own statistics are logged at steps 1..5 as before
+    assert [s for s, m in log.calls if "objective/kl" in m] == [1, 2, 3, 4, 5]
+
+
+def test_no_gold_without_a_gold_reward_and_no_eval_without_prompts(tiny_checkpoints, tmp_path):
+    log = Recorder()
+    train_ppo(
+        _cfg(total_episodes=32),
+        RUNTIME,
+        tiny_checkpoints["policy"],
+        tiny_checkpoints["reward"],
+        PROMPTS,
+        tmp_path / "run",
+        0,
+        log,
+        eval_prompts=HELD_OUT,
+    )
+    assert log.eval_steps() == [0, 2]
+    assert set(log.eval_at(2)) == EVAL_KEYS - {"ppo_eval/gold"}
+    quiet = Recorder()
+    _train(tiny_checkpoints, _cfg(total_episodes=32), tmp_path / "no-prompts", quiet)
+    assert quiet.eval_steps() == []
+
+
+def test_evaluation_does_not_change_training(tiny_checkpoints, tmp_path):
+    """The evaluation samples with its own generator: the updates are those of a run without it."""
+    with_eval, without = Recorder(), Recorder()
+    _train(tiny_checkpoints, _cfg(total_episodes=48), tmp_path / "a", with_eval, eval_prompts=HELD_OUT)
+    _train(tiny_checkpoints, _cfg(total_episodes=48, eval_every=0), tmp_path / "b", without, eval_prompts=HELD_OUT)
+    assert without.eval_steps() == []
+
+    def training(rec: Recorder) -> list[float]:
+        return [m["objective/kl"] for _, m in rec.calls if "objective/kl" in m]
+
+    assert training(with_eval) == training(without)
+
+
+def test_on_eval_gets_the_metrics_and_raising_stops_training(tiny_checkpoints, tmp_path):
+    seen: list[tuple[int, dict[str, float]]] = []
+
+    def prune_at_two(step: int, metrics: dict[str, float]) -> None:
+        seen.append((step, metrics))
+        if step == 2:
+            raise TrialPruned(f"pruned at step {step}")
+
+    log = Recorder()
+    with pytest.raises(TrialPruned, match="pruned at step 2"):
+        _train(tiny_checkpoints, _cfg(), tmp_path / "run", log, eval_prompts=HELD_OUT, on_eval=prune_at_two)
+    assert [s for s, _ in seen] == [0, 2]
+    assert seen[1][1] == log.eval_at(2)  # the logged metrics
+    assert max(s for s, _ in log.calls) == 2  # no update after the pruned evaluation
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_resume_does_not_repeat_an_evaluation(tiny_checkpoints, tmp_path):
+    folder = tmp_path / "run"
+    cfg = _cfg(save_every=2)
+    first, second = Recorder(), Recorder()
+    with pytest.raises(TrainingInterrupted):
+        _train(tiny_checkpoints, cfg, folder, first, eval_prompts=HELD_OUT, stop_after=2)
+    _train(tiny_checkpoints, cfg, folder, second, eval_prompts=HELD_OUT)
+    assert first.eval_steps() == [0, 2]
+    assert second.eval_steps() == [4, 5]
+    steps = defaultdict(int)
+    for step, metrics in first.calls + second.calls:
+        for key in metrics:
+            steps[key, step] += 1
+    assert max(steps.values()) == 1  # no metric logged twice at one step
+
+
+def test_prefect_does_not_retry_a_pruned_trial():
+    from prefect.states import Failed
+
+    from tasks.faults import retry_unless_user_error
+
+    assert retry_unless_user_error(None, None, Failed(data=TrialPruned("pruned at step 4"))) is False
+    assert retry_unless_user_error(None, None, Failed(data=RuntimeError("connection reset"))) is True
