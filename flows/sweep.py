@@ -33,7 +33,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
-from flows.pipeline import run_upstream, tracking_context, upstream_signature
+from flows.pipeline import prepare_prefect_database, run_upstream, tracking_context, upstream_signature
 from flows.terminal import exit_code_of
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
@@ -162,10 +162,11 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         f"as flow runs of {space.deployment}" if space.deployment else f"on {', '.join(s.device for s in free)}",
     )
     progress = StageProgress([f"variant {i + 1}" for i in range(max(search.total, 1))], f"sweep {space.name}")
-    rows, running = search.kept(), {}
+    rows, running = search.kept(), {}  # a resumed Optuna sweep's finished trials, with their final metrics
     for row in rows:
         if row["mlflow_run_id"]:
-            record_unfinished_variant(base.tracking, sweep_run_id, space.name, row["variant"], row["mlflow_run_id"])
+            metrics = tracker_for(base.tracking).get_run(row["mlflow_run_id"]).data.metrics
+            row |= {k: metrics.get(k) for k in RANK_METRICS}
     while True:
         while len(running) < concurrency and (planned := search.next()) is not None:
             if planned.config is None:  # a point the config rejects: a failed trial, nothing to run
@@ -309,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweep {space.name}: {len(configs)} variants ({space.method})")
         for variant in expand(space):
             print(f"  {variant.index:02d}  {variant.label}")
+    prepare_prefect_database()
     code, result = exit_code_of(lambda: rlhf_sweep(base, space))
     if result is not None:
         print(format_ranking(result))

@@ -111,9 +111,16 @@ def resume(study) -> list[int]:
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         study._storage.set_trial_user_attr(trial._trial_id, KILLED_ATTR, True)
         study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(trial.params, skip_if_exists=True)
+        if trial_point(trial):
+            study.enqueue_trial(trial_point(trial))
         killed.append(trial.number)
     return killed
+
+
+def trial_point(trial) -> dict[str, Any]:
+    """The point of a trial: its suggested values, or those it was enqueued with (a trial killed before it was
+    given its values has only those)."""
+    return {**trial.system_attrs.get("fixed_params", {}), **trial.params}
 
 
 def finished_trials(study) -> list[Any]:

@@ -3,7 +3,9 @@ picked up by real `prefect worker` processes, and Optuna search with pruning and
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -132,3 +134,87 @@ def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_work
         for _, proc, _ in workers:
             stop(proc)
         server.close()
+
+
+def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_region(tmp_path):
+    """`rlhf sweep` of an Optuna space, SIGKILLed once its first trial is complete; started again, it keeps that
+    trial (not re-run), asks the killed trial's point again, and the median pruner stops the trial in the
+    deliberately bad region (sampling temperature 3: word salad) at its first periodic evaluation."""
+    import optuna
+    import yaml
+
+    from rlhf.optuna_search import trial_point
+    from tests.test_process_faults import finish, kill_when
+
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    good_a, good_b, bad = ({"ppo.kl_coef": k, "ppo.temperature": t} for k, t in ((0.02, 0.7), (0.2, 0.7), (0.02, 3.0)))
+    space = {
+        "name": "opt",
+        "method": "optuna",
+        "trials": 3,
+        "max_concurrency": 1,
+        "parameters": {"ppo.kl_coef": [0.02, 0.2], "ppo.temperature": [0.7, 3.0]},
+        "optuna": {"pruner": "median", "n_startup_trials": 1, "storage": storage, "enqueue": [good_a, good_b, bad]},
+    }
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    args = [sys.executable, "-m", "flows.sweep", "--config", "conf/smoke.yaml", "--space", str(tmp_path / "space.yaml")]
+    args += [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art"]
+    args += [f"runtime.output_dir={tmp_path}/out", "sft.steps=120", "ppo.eval_every=1", "ppo.eval_prompts=16"]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+
+    def run(name: str):
+        log = tmp_path / f"{name}.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return proc, log
+
+    def trials(state) -> list:
+        try:
+            study = optuna.load_study(study_name="opt", storage=storage)
+        except KeyError:  # not created yet
+            return []
+        return study.get_trials(states=(state,))
+
+    def second_trial_started() -> bool:  # the first is complete, the second has its variant's name
+        running = trials(optuna.trial.TrialState.RUNNING)
+        return len(trials(optuna.trial.TrialState.COMPLETE)) == 1 and any("run_name" in t.user_attrs for t in running)
+
+    first, _ = run("first")
+    kill_when(first, second_trial_started, timeout=600)
+    (kept,) = trials(optuna.trial.TrialState.COMPLETE)
+    assert kept.params == good_a
+
+    second, log = run("second")
+    output = finish(second, log, timeout=600)
+    study = optuna.load_study(study_name="opt", storage=storage)
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    complete, pruned, failed = ([t for t in study.trials if t.state == s] for s in states)
+    # the first trial is kept as it was; the killed one is marked failed and its point asked again
+    assert [(t.number, t.value, t.datetime_complete) for t in complete][0] == (
+        kept.number,
+        kept.value,
+        kept.datetime_complete,
+    )
+    assert [t.params for t in complete] == [good_a, good_b]
+    assert len(failed) == 1 and trial_point(failed[0]) == good_b and failed[0].user_attrs["rlhf.killed"]
+    # the bad region: pruned at the first periodic evaluation (PPO update 0 of 2), below the median gold reward
+    assert len(pruned) == 1 and pruned[0].params == bad
+    assert max(pruned[0].intermediate_values) == 0
+    assert pruned[0].intermediate_values[0] < kept.intermediate_values[0]
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    pipeline_runs = client.search_runs([experiment], "tags.`sweep.study` = 'opt'")
+    names = sorted(r.info.run_name for r in pipeline_runs)
+    assert names.count(kept.user_attrs["run_name"]) == 1, names  # the kept trial was not run again
+    pruned_run = client.get_run(pruned[0].user_attrs["mlflow_run_id"])
+    assert pruned_run.info.status == "KILLED" and pruned_run.data.tags["sweep.pruned"] == "true"
+    (sweep_run,) = client.search_runs([experiment], "tags.run_type = 'sweep'")  # one sweep run, reopened
+    assert sweep_run.info.status == "FINISHED"
+    artifacts = {a.path for a in client.list_artifacts(sweep_run.info.run_id)}
+    assert {"optuna_history.png", "sweep_ranking.json"} <= artifacts
+    ranking = output[output.index("== Sweep ranking") :]
+    assert ranking.count("completed") == 2 and ranking.count("pruned") == 1, ranking
