@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test lint docs bench bench-peer bench-peer-trl112 ui ui-check sweep mlflow-ui prefect-ui compare clean
+.PHONY: install run test lint docs bench bench-sweep bench-peer bench-peer-trl112 ui ui-check sweep mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch==$(TORCH_VERSION)"; \
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
 	@echo "installing the project into $(VENV)"
-	@$(PY) -m pip install -q -e ".[dev,lora]" $(PIP_QUIET)
+	@$(PY) -m pip install -q -e ".[dev,lora,sweeps]" $(PIP_QUIET)
 	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf" 
 	@touch $@
 
@@ -60,6 +60,11 @@ bench: $(STAMP)
 		$(MAKE) --no-print-directory .bench-peer/.installed .bench-peer-trl112/.installed; \
 		$(RLHF) bench --peers $(ARGS); \
 	else $(RLHF) bench $(ARGS); fi
+
+# `make bench-sweep`: wall time of a 4-variant sweep of conf/smoke.yaml, sequential against max_concurrency=2
+# (ARGS="--concurrency 4"); the last line is `speedup: X`.
+bench-sweep: $(STAMP)
+	$(PY) benchmarks/sweep_bench.py $(ARGS)
 
 .bench-peer/.installed:
 	@echo "creating .bench-peer (TRL 0.19.1, transformers 4.5x)"

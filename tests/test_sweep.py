@@ -7,7 +7,8 @@ from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from rlhf.sweep import expand, load_space, parse_space, ranking, variant_config, variant_configs
+from rlhf.optuna_search import check_points
+from rlhf.sweep import VariantList, expand, load_space, parse_space, ranking, variant_config, variant_configs
 from tests.conftest import REPO, flow_run_artifacts, stage_name, subflow_runs, task_runs
 
 # A pipeline that takes seconds: the smoke config made smaller still.
@@ -86,8 +87,64 @@ def test_variant_configs_apply_overrides_and_validate_every_variant():
 
 @pytest.mark.parametrize("path", sorted((REPO / "conf" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_spaces_are_valid_on_the_default_config(path):
-    variants = variant_configs(load_config(REPO / "conf" / "default.yaml"), load_space(path))
-    assert len(variants) >= 2
+    space = load_space(path)
+    base = load_config(REPO / "conf" / "default.yaml", ["ppo.eval_every=25"])
+    configs = check_points(base, space) if space.method == "optuna" else VariantList(base, space).configs
+    assert len(configs) >= 2
+
+
+def test_optuna_space_errors_name_the_key():
+    with pytest.raises(ConfigError, match="optuna.enqueue names 'ppo.lr', which is not one of the sweep's param"):
+        space(method="optuna", parameters={"ppo.kl_coef": [0.1]}, optuna={"enqueue": [{"ppo.lr": 1e-4}]})
+    with pytest.raises(ConfigError, match=r"parameters.ppo.stop_tokens: Optuna chooses among numbers, strings"):
+        space(method="optuna", parameters={"ppo.stop_tokens": [["a"], ["b"]]})
+    with pytest.raises(ConfigError, match="deployment 'pipeline' must be '<flow name>/<deployment name>'"):
+        space(parameters={"ppo.kl_coef": [0.1]}, deployment="pipeline")
+    base = load_config(REPO / "conf" / "smoke.yaml")
+    pruned = space(method="optuna", parameters={"ppo.kl_coef": {"low": 0.01, "high": 0.1}})
+    with pytest.raises(ConfigError, match=r"prunes trials \(optuna.pruner: median\) .* ppo.eval_every is 0"):
+        check_points(base, pruned)
+    with pytest.raises(ConfigError, match="ppo.num_mini_batches .* must divide"):
+        check_points(base, space(method="optuna", optuna={"pruner": "none"}, parameters={"ppo.batch_size": [16, 3]}))
+
+
+def test_optuna_search_asks_enqueued_points_first_and_tells_outcomes(tmp_path):
+    from rlhf.optuna_search import OptunaSearch
+
+    base = load_config(REPO / "conf" / "smoke.yaml", ["ppo.eval_every=1"])
+    raw = {
+        "method": "optuna",
+        "trials": 3,
+        "parameters": {"ppo.kl_coef": {"low": 0.01, "high": 0.3, "log": True}, "ppo.num_ppo_epochs": [1, 2]},
+        "optuna": {"enqueue": [{"ppo.kl_coef": 0.05, "ppo.num_ppo_epochs": 2}]},
+    }
+    storage = f"sqlite:///{tmp_path}/optuna.db"
+    search = OptunaSearch(base, space(**raw), storage, "eval/ppo_gold", "ppo_eval/gold")
+    first = search.next()
+    assert first.variant.overrides == {"ppo.kl_coef": 0.05, "ppo.num_ppo_epochs": 2}
+    assert first.config.ppo.kl_coef == 0.05 and first.config.run_name == "t-00"
+    assert first.trial.metric == "ppo_eval/gold" and first.trial.storage == storage
+    search.tell(first, "completed", 0.5, "run-a")
+    second = search.next()
+    assert 0.01 <= second.variant.overrides["ppo.kl_coef"] <= 0.3
+    search.tell(second, "pruned", None, "run-b")
+    # a second start of the same sweep: the two finished trials are kept, one is left to run
+    again = OptunaSearch(base, space(**raw), storage, "eval/ppo_gold", "ppo_eval/gold")
+    assert again.total == 1 and again.killed == []
+    kept = again.kept()
+    assert [(r["variant"], r["status"], r["mlflow_run_id"]) for r in kept] == [
+        ("t-00", "completed", "run-a"),
+        ("t-01", "pruned", "run-b"),
+    ]
+    third = again.next()
+    assert third.variant.index == 2 and again.next() is None
+
+
+def test_device_slots_one_per_gpu_or_virtual_cpu_slots():
+    from flows.variants import device_slots
+
+    assert [tuple(s) for s in device_slots("cpu", 2)] == [("cpu", "rlhf-cpu-0"), ("cpu", "rlhf-cpu-1")]
+    assert [tuple(s) for s in device_slots("cpu", 1)] == [("cpu", "rlhf-cpu-0")]
 
 
 def test_ranking_prefers_gold_reward_and_puts_failures_last():
