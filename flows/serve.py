@@ -11,7 +11,8 @@ Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Three deployme
 * ``rlhf-pipeline/<config name>``: the same pipeline, its form the full typed, documented ``PipelineConfig`` with
   the values of ``--config`` as defaults (every field editable: the advanced option).
 * ``rlhf-sweep/<space name>``: a sweep over ``--sweep-space`` on top of ``--config``; with ``--sweep-cron`` it runs
-  on that schedule (e.g. nightly).
+  on that schedule (e.g. nightly). Every other example space of ``conf/sweeps/`` is a sweep deployment too, its
+  space the form's defaults (method, a row per parameter, trials, concurrency, Optuna's settings).
 
 Flow runs execute in subprocesses of this process, in the current folder (relative paths in the config resolve
 here). Before serving, a tag concurrency limit is set on the tag ``gpu`` (the training and evaluation stages carry
@@ -37,9 +38,11 @@ from flows.pipeline import rlhf_pipeline
 from flows.sweep import rlhf_sweep
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
+from rlhf.optuna_search import check_points
 from rlhf.sweep import load_space, variant_configs
 
 GPU_TAG = "gpu"
+SWEEP_EXAMPLES = Path(__file__).resolve().parent.parent / "conf" / "sweeps"  # each one a sweep deployment
 
 
 def pipeline_parameters(config_path: str | Path) -> dict[str, Any]:
@@ -50,7 +53,10 @@ def pipeline_parameters(config_path: str | Path) -> dict[str, Any]:
 def sweep_parameters(config_path: str | Path, space_path: str | Path) -> dict[str, Any]:
     """Default parameters of the sweep deployment: the base config and the search space, validated."""
     base, space = load_config(config_path), load_space(space_path)
-    variant_configs(base, space)  # every variant must be a valid config before it is offered in the UI
+    if space.method == "optuna":  # every variant (grid, random) or choice (optuna) must be valid before it is offered
+        check_points(base, space)
+    else:
+        variant_configs(base, space)
     return {"base": base.model_dump(mode="json"), "space": space.model_dump(mode="json")}
 
 
@@ -78,16 +84,24 @@ def deployments(
         tags=["rlhf"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    sweep_params = sweep_parameters(config_path, space_path)
-    sweep = rlhf_sweep.to_deployment(
-        name=sweep_params["space"]["name"],
-        parameters=sweep_params,
-        cron=sweep_cron,
-        description=f"Sweep {space_path} over {config_path}; variants run as subflows and are ranked.",
-        tags=["rlhf", "sweep"],
-        entrypoint_type=EntrypointType.MODULE_PATH,
-    )
-    return [form, pipeline, sweep]
+    sweeps = []
+    examples = sorted(SWEEP_EXAMPLES.glob("*.yaml"))
+    for path in [Path(space_path), *(p for p in examples if p.resolve() != Path(space_path).resolve())]:
+        sweep_params = sweep_parameters(config_path, path)
+        space = sweep_params["space"]
+        sweeps.append(
+            rlhf_sweep.to_deployment(
+                name=space["name"],
+                parameters=sweep_params,
+                cron=sweep_cron if path == Path(space_path) else None,
+                description=f"Sweep {path.as_posix()} ({space['method']}) over {config_path}: the search space is "
+                "the form's `space` (a row per parameter: values, or low/high), variants run max_concurrency at "
+                "a time and are ranked.",
+                tags=["rlhf", "sweep"],
+                entrypoint_type=EntrypointType.MODULE_PATH,
+            )
+        )
+    return [form, pipeline, *sweeps]
 
 
 def wait_for_api(timeout: float = 120.0) -> str:

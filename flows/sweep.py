@@ -75,8 +75,7 @@ def open_sweep_run(base: PipelineConfig, space: SweepSpace, n_variants: int, res
     if space.method == "optuna":
         params |= {f"sweep.optuna.{k}": v for k, v in space.optuna.model_dump(mode="json").items()}
     params |= {
-        f"sweep.space.{k}": json.dumps(v if isinstance(v, list) else v.model_dump())
-        for k, v in space.parameters.items()
+        f"sweep.space.{k}": json.dumps(v if isinstance(v, list) else v.model_dump()) for k, v in space.axes.items()
     }
     tracker.log_params(run_id, {**params, **flatten(base)})
     return run_id
@@ -191,7 +190,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         rows.append(finish_variant(base, space, search, sweep_run_id, planned, config, future.result()))
         progress.done(config.run_name or "")
 
-    table = ranking(rows, list(space.parameters))
+    table = ranking(rows, list(space.axes))
     folder = Path(base.runtime.output_dir) / "sweeps" / f"{space.name}-{sweep_run_id[:8]}"
     figures = study_plots(search.study, folder) if isinstance(search, OptunaSearch) else []
     plot = close_sweep_run(

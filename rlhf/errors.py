@@ -38,4 +38,3 @@ class NonFiniteError(RuntimeError):
 
 class CheckpointWriteError(OSError):
     """A checkpoint or stage output could not be written for lack of disk space; the previous one is intact."""
-

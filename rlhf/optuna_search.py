@@ -138,7 +138,7 @@ def ask(study, space: SweepSpace) -> tuple[Any, dict[str, Any]]:
     """A new trial and its point: {dotted key: value} in the order of the space's parameters."""
     trial = study.ask()
     point: dict[str, Any] = {}
-    for key, values in space.parameters.items():
+    for key, values in space.axes.items():
         if isinstance(values, Range):
             if values.integer:
                 point[key] = trial.suggest_int(key, math.ceil(values.low), math.floor(values.high), log=values.log)
@@ -253,6 +253,7 @@ class OptunaSearch:
     metric its PPO stage reports for pruning (e.g. ppo_eval/gold)."""
 
     def __init__(self, base: PipelineConfig, space: SweepSpace, storage: str, objective: str, metric: str) -> None:
+        base = with_periodic_eval(base, space)
         self.base, self.space, self.storage = base, space, storage
         self.objective, self.metric = objective, metric
         self.configs = check_points(base, space)
@@ -303,16 +304,22 @@ class OptunaSearch:
         ]
 
 
+def with_periodic_eval(base: PipelineConfig, space: SweepSpace) -> PipelineConfig:
+    """A pruner reads PPO's periodic evaluations: when the base config has none (ppo.eval_every 0), evaluate every
+    tenth of training (at least every update)."""
+    if space.optuna.pruner == "none" or base.ppo.eval_every > 0 or "ppo.eval_every" in space.axes:
+        return base
+    every = max(1, base.ppo.num_updates // 10)
+    logger.warning("sweep '%s' prunes trials: PPO evaluates every %d updates (ppo.eval_every was 0)", space.name, every)
+    return base.model_copy(update={"ppo": base.ppo.model_copy(update={"eval_every": every})})
+
+
 def check_points(base: PipelineConfig, space: SweepSpace) -> list[PipelineConfig]:
     """The base config with each parameter at each of its choices (or bounds of its range), validated: a value the
-    config rejects is an error before the study starts. A pruner needs PPO's periodic evaluations."""
-    if space.optuna.pruner != "none" and base.ppo.eval_every == 0 and "ppo.eval_every" not in space.parameters:
-        raise ConfigError(
-            f"sweep '{space.name}' prunes trials (optuna.pruner: {space.optuna.pruner}) from PPO's periodic "
-            "evaluations, but ppo.eval_every is 0: set ppo.eval_every in the base config, or optuna.pruner: none"
-        )
+    config rejects is an error before the study starts."""
+    base = with_periodic_eval(base, space)
     configs = []
-    for key, values in space.parameters.items():
+    for key, values in space.axes.items():
         candidates = [values.low, values.high] if isinstance(values, Range) else values
         for value in candidates:
             if isinstance(values, Range) and values.integer:

@@ -57,6 +57,28 @@ class Range(BaseModel):
     integer: bool = Field(False, description="Round each draw to the nearest integer.")
 
 
+class SearchParameter(BaseModel):
+    """One axis of a search space: a config key and the values to try, or a range to draw from. In YAML a space's
+    parameters are a mapping ``key: [values]`` or ``key: {low, high, log, integer}``; the Prefect form shows one
+    row of these typed fields per parameter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str = Field(description="Dotted config key, e.g. ppo.kl_coef.")
+    values: list[Any] | None = Field(
+        None, description="Values to try: every one (grid), or a uniform choice among them (random, optuna)."
+    )
+    low: float | None = Field(None, description="Lower bound of a range (random, optuna); leave values empty.")
+    high: float | None = Field(None, description="Upper bound of a range.")
+    log: bool = Field(False, description="Draw the range uniformly in log space (both bounds > 0).")
+    integer: bool = Field(False, description="Round each draw to an integer.")
+
+    def axis(self) -> list[Any] | Range:
+        if self.values is not None:
+            return self.values
+        return Range(low=self.low, high=self.high, log=self.log, integer=self.integer)
+
+
 class OptunaSettings(BaseModel):
     """How an Optuna study searches (method: optuna): its sampler, its pruner and where it is stored."""
 
@@ -99,8 +121,9 @@ class SweepSpace(BaseModel):
         description="'grid': every combination of the lists; 'random': `trials` reproducible draws; 'optuna': "
         "`trials` trials of an Optuna study (settings in `optuna`), hopeless trials pruned early.",
     )
-    parameters: dict[str, list[Any] | Range] = Field(
-        description="Dotted config key -> list of values, or {low, high, log, integer} (random and optuna)."
+    parameters: list[SearchParameter] = Field(
+        description="The parameters to vary: a config key with its values, or a range {low, high, log, integer} "
+        "(random and optuna). In YAML a mapping, key: [values] or key: {low: .., high: ..}."
     )
     trials: int = Field(8, ge=1, description="Number of variants drawn (random) or trials run (optuna).")
     seed: int = Field(0, description="Seed of the random draws and of Optuna's sampler.")
@@ -125,17 +148,44 @@ class SweepSpace(BaseModel):
             del data["n_random"]
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping_to_rows(cls, data: Any) -> Any:
+        """The YAML mapping of parameters as rows of SearchParameter."""
+        if isinstance(data, dict) and isinstance(data.get("parameters"), dict):
+            rows = [
+                {"key": key, **values} if isinstance(values, dict) else {"key": key, "values": values}
+                for key, values in data["parameters"].items()
+            ]
+            data = {**data, "parameters": rows}
+        return data
+
+    @property
+    def axes(self) -> dict[str, list[Any] | Range]:
+        """The parameters as {dotted key: list of values or Range}, in their order."""
+        return {p.key: p.axis() for p in self.parameters}
+
     @model_validator(mode="after")
     def _check(self) -> SweepSpace:
         if not self.parameters:
             raise ValueError(f"sweep '{self.name}' has no parameters to vary")
+        for row in self.parameters:
+            has_range = row.low is not None or row.high is not None
+            if row.values is not None and has_range:
+                raise ValueError(f"parameters.{row.key} has both values and low/high; give one of them")
+            if row.values is None and (row.low is None or row.high is None):
+                raise ValueError(f"parameters.{row.key} needs values, or low and high")
+        keys = [row.key for row in self.parameters]
+        if len(set(keys)) < len(keys):
+            twice = next(k for k in keys if keys.count(k) > 1)
+            raise ValueError(f"parameters.{twice} is given twice")
         if self.deployment is not None and "/" not in self.deployment:
             raise ValueError(f"deployment '{self.deployment}' must be '<flow name>/<deployment name>'")
         for point in self.optuna.enqueue:
-            unknown = sorted(set(point) - set(self.parameters))
+            unknown = sorted(set(point) - set(keys))
             if unknown:
                 raise ValueError(f"optuna.enqueue names '{unknown[0]}', which is not one of the sweep's parameters")
-        for key, values in self.parameters.items():
+        for key, values in self.axes.items():
             check_key(key)
             if isinstance(values, Range):
                 if self.method == "grid":
@@ -187,7 +237,8 @@ def parse_space(raw: Any, source: str = "sweep space") -> SweepSpace:
     """Validate a raw mapping (from YAML or the Prefect form); problems become one ConfigError sentence."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must hold a mapping with name, method and parameters")
-    for key, values in (raw.get("parameters") or {}).items():
+    parameters = raw.get("parameters")
+    for key, values in (parameters if isinstance(parameters, dict) else {}).items():
         if not isinstance(values, (list, dict)):
             raise ConfigError(
                 f"{source}: parameters.{key} must be a list of values (grid) or {{low, high, log}} (random), "
@@ -232,9 +283,10 @@ def label(overrides: dict[str, Any]) -> str:
 
 def expand(space: SweepSpace) -> list[Variant]:
     """The variants of a space: the grid's combinations in order, or `trials` seeded draws (not for optuna)."""
-    keys = list(space.parameters)
+    axes = space.axes
+    keys = list(axes)
     if space.method == "grid":
-        combos = itertools.product(*(space.parameters[k] for k in keys))
+        combos = itertools.product(*(axes[k] for k in keys))
         points = [dict(zip(keys, combo, strict=True)) for combo in combos]
     else:
         if space.method != "random":
@@ -243,7 +295,7 @@ def expand(space: SweepSpace) -> list[Variant]:
         points = []
         for _ in range(space.trials):
             # draw in sorted key order, so reordering the YAML does not change the variants
-            draw = {k: _draw(rng, space.parameters[k]) for k in sorted(keys)}
+            draw = {k: _draw(rng, axes[k]) for k in sorted(keys)}
             points.append({k: draw[k] for k in keys})
     return [Variant(i, label(p), p) for i, p in enumerate(points)]
 

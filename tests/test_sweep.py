@@ -88,7 +88,7 @@ def test_variant_configs_apply_overrides_and_validate_every_variant():
 @pytest.mark.parametrize("path", sorted((REPO / "conf" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_spaces_are_valid_on_the_default_config(path):
     space = load_space(path)
-    base = load_config(REPO / "conf" / "default.yaml", ["ppo.eval_every=25"])
+    base = load_config(REPO / "conf" / "default.yaml")
     configs = check_points(base, space) if space.method == "optuna" else VariantList(base, space).configs
     assert len(configs) >= 2
 
@@ -101,9 +101,11 @@ def test_optuna_space_errors_name_the_key():
     with pytest.raises(ConfigError, match="deployment 'pipeline' must be '<flow name>/<deployment name>'"):
         space(parameters={"ppo.kl_coef": [0.1]}, deployment="pipeline")
     base = load_config(REPO / "conf" / "smoke.yaml")
+    # a pruner needs periodic evaluations: without ppo.eval_every, every tenth of training (here: every update)
     pruned = space(method="optuna", parameters={"ppo.kl_coef": {"low": 0.01, "high": 0.1}})
-    with pytest.raises(ConfigError, match=r"prunes trials \(optuna.pruner: median\) .* ppo.eval_every is 0"):
-        check_points(base, pruned)
+    assert base.ppo.eval_every == 0 and {c.ppo.eval_every for c in check_points(base, pruned)} == {1}
+    unpruned = space(method="optuna", optuna={"pruner": "none"}, parameters={"ppo.kl_coef": [0.1]})
+    assert {c.ppo.eval_every for c in check_points(base, unpruned)} == {0}
     with pytest.raises(ConfigError, match="ppo.num_mini_batches .* must divide"):
         check_points(base, space(method="optuna", optuna={"pruner": "none"}, parameters={"ppo.batch_size": [16, 3]}))
 

@@ -169,7 +169,22 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
             log,
         )
         assert [s["schedule"]["cron"] for s in sweep["schedules"]] == ["0 2 * * *"]
-        assert sweep["parameters"]["space"]["parameters"] == {"ppo.kl_coef": [0.01, 0.05, 0.2]}
+        # the search space as typed fields: a row per parameter (values, or a range), trials, concurrency
+        (row,) = sweep["parameters"]["space"]["parameters"]
+        assert (row["key"], row["values"], row["low"]) == ("ppo.kl_coef", [0.01, 0.05, 0.2], None)
+        space_schema = sweep["parameter_openapi_schema"]["definitions"]
+        assert set(space_schema["SearchParameter"]["properties"]) == {"key", "values", "low", "high", "log", "integer"}
+        assert {"method", "trials", "max_concurrency", "optuna"} <= set(space_schema["SweepSpace"]["properties"])
+        optuna_sweep = wait_until(  # every example space of conf/sweeps/ is a sweep deployment
+            lambda: (
+                (r := request("GET", f"{api}/deployments/name/rlhf-sweep/ppo_optuna")).status_code == 200 and r.json()
+            ),
+            60,
+            "the Optuna sweep deployment",
+            serve,
+            log,
+        )
+        assert optuna_sweep["parameters"]["space"]["method"] == "optuna"
         limit = request("GET", f"{api}/concurrency_limits/tag/gpu").json()
         assert limit["concurrency_limit"] == 1
 
