@@ -2,7 +2,7 @@
 
     make ui                                            # Prefect server + MLflow UI + this process
     python -m flows.serve [--config conf/default.yaml] [--sweep-space conf/sweeps/kl_coef.yaml]
-                          [--sweep-cron "0 2 * * *"] [--pipeline-cron CRON] [--gpu-slots 1] [--limit N]
+                          [--sweep-cron "0 2 * * *"] [--pipeline-cron CRON] [--gpu-slots N] [--limit N]
 
 Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Three deployments are created:
 
@@ -16,7 +16,8 @@ Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Three deployme
 
 Flow runs execute in subprocesses of this process, in the current folder (relative paths in the config resolve
 here). Before serving, a tag concurrency limit is set on the tag ``gpu`` (the training and evaluation stages carry
-it): with ``--gpu-slots 1`` concurrent runs take turns on the device instead of fighting over its memory.
+it): one slot per GPU of the machine by default (one on a CPU-only machine), so concurrent runs take turns on the
+devices instead of fighting over their memory (sweeps also pin each variant to its own device, flows/variants.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from flows.pipeline import rlhf_pipeline
 from flows.sweep import rlhf_sweep
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
+from rlhf.models.device import device_names
 from rlhf.optuna_search import check_points
 from rlhf.sweep import load_space, variant_configs
 
@@ -133,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-space", default="conf/sweeps/kl_coef.yaml", help="search space of the sweep")
     parser.add_argument("--sweep-cron", default=None, help="cron schedule of the sweep, e.g. '0 2 * * *' (nightly)")
     parser.add_argument("--pipeline-cron", default=None, help="cron schedule of the pipeline (none by default)")
-    parser.add_argument("--gpu-slots", type=int, default=1, help="GPU stages that may run at once (tag 'gpu')")
+    parser.add_argument(
+        "--gpu-slots", type=int, default=None, help="GPU stages that may run at once (tag 'gpu'; default: GPUs, >= 1)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="flow runs this process executes at once")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the Prefect server")
     args = parser.parse_args(argv)
@@ -143,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     url = wait_for_api(args.wait)
-    ensure_gpu_limit(args.gpu_slots)
-    print(f"Prefect API {url}; concurrency limit: {args.gpu_slots} slot(s) for tag '{GPU_TAG}'", flush=True)
+    slots = args.gpu_slots or len(device_names("auto"))
+    ensure_gpu_limit(slots)
+    print(f"Prefect API {url}; concurrency limit: {slots} slot(s) for tag '{GPU_TAG}'", flush=True)
     serve(*served, limit=args.limit)
     return 0
 
