@@ -194,10 +194,13 @@ def collect_histories(tracker: Tracker, sweep_run_id: str) -> dict[str, pd.DataF
     return histories
 
 
-def report(tracker: Tracker, sweep_run_id: str, out_dir: str | Path) -> OveroptimisationReport:
+def report(tracker: Tracker, sweep_run_id: str, out_dir: str | Path) -> OveroptimisationReport | None:
     """The over-optimisation figure (``overoptimisation.png``), its points (``overoptimisation_points.csv``) and
-    summary of one sweep, written to `out_dir`."""
+    summary of one sweep, written to `out_dir`; None when no variant has periodic evaluations (ppo.eval_every 0).
+    Raises ValueError when evaluations exist but none has finite gold, proxy and KL."""
     histories = collect_histories(tracker, sweep_run_id)
+    if not histories:
+        return None
     out = Path(out_dir)
     figure = overoptimisation_plot(histories, out / "overoptimisation.png")
     points, _ = _points(histories)
@@ -232,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tracker = Tracker(args.tracking_uri, args.experiment)
     try:
-        result = report(tracker, sweep_run(tracker, args.sweep).run_id, args.out)
+        run = sweep_run(tracker, args.sweep)
+        result = report(tracker, run.run_id, args.out)
     except (LookupError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    if result is None:
+        print(f"error: no variant of sweep {run.name} has periodic evaluations (ppo.eval_every)", file=sys.stderr)
         return 2
     print(format_summary(result.summary))
     print(f"wrote {result.figure}\nwrote {result.points}")
