@@ -125,7 +125,7 @@ def overoptimisation_plot(
     and a star at the peak gold."""
     points, nonfinite = _points(histories)
     summary = summarize(histories)
-    fig = Figure(figsize=(7.6, 4.8), layout="constrained")
+    fig = Figure(figsize=(7.6, 5.2), layout="constrained")
     gold_ax = fig.add_subplot()
     proxy_ax = gold_ax.twinx()
     for ax, column, color, name in (
@@ -145,7 +145,7 @@ def overoptimisation_plot(
     )  # fmt: skip
     handles = [h for ax in (gold_ax, proxy_ax) for h in ax.get_legend_handles_labels()[0]]
     labels = [lb for ax in (gold_ax, proxy_ax) for lb in ax.get_legend_handles_labels()[1]]
-    gold_ax.legend(handles, labels, loc="lower left", fontsize=7)
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7)
     gold_ax.set_xlabel("sqrt(mean KL(policy || SFT) per response)")
     note = f"{summary.n_variants} variants, {summary.n_points} evaluations"
     note += f" ({nonfinite} left out: NaN or inf)" if nonfinite else ""
