@@ -107,11 +107,18 @@ def summarize(histories: Mapping[str, pd.DataFrame]) -> OveroptimisationSummary:
     )
 
 
-def _binned_means(x: np.ndarray, y: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Means of y over bins of x with equal counts: the trend through the points of all variants."""
+def _trend(points: pd.DataFrame, column: str, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """The trend through the points of all variants: the mean of the first evaluations (the SFT policy, KL 0),
+    then the means of `column` over equal-count bins of sqrt(KL) of the other evaluations."""
+    first = points["step"] == points.groupby("variant")["step"].transform("min")
+    x, y = points.loc[~first, "sqrt_kl"].to_numpy(), points.loc[~first, column].to_numpy()
     order = np.argsort(x)
-    groups = [g for g in np.array_split(order, min(bins, len(x))) if len(g)]
-    return np.array([x[g].mean() for g in groups]), np.array([y[g].mean() for g in groups])
+    groups = [g for g in np.array_split(order, min(bins, len(x))) if len(g)] if len(x) else []
+    start_x, start_y = points.loc[first, "sqrt_kl"].mean(), points.loc[first, column].mean()
+    return (
+        np.array([start_x, *(x[g].mean() for g in groups)]),
+        np.array([start_y, *(y[g].mean() for g in groups)]),
+    )
 
 
 def overoptimisation_plot(
@@ -121,11 +128,11 @@ def overoptimisation_plot(
     bins: int = 8,
 ) -> Path:
     """Gold (left axis) and proxy reward-model score (right axis) against sqrt(KL to SFT): one point per evaluation
-    of every variant, a light line per variant, a thick line through the means of equal-count bins of all points,
-    and a star at the peak gold."""
+    of every variant, a light line per variant (in update order), a thick line from the SFT point through the
+    means of equal-count bins of sqrt(KL) of the later points, and a star at the peak gold."""
     points, nonfinite = _points(histories)
     summary = summarize(histories)
-    fig = Figure(figsize=(7.6, 4.8), layout="constrained")
+    fig = Figure(figsize=(7.6, 5.2), layout="constrained")
     gold_ax = fig.add_subplot()
     proxy_ax = gold_ax.twinx()
     for ax, column, color, name in (
@@ -135,8 +142,8 @@ def overoptimisation_plot(
         for _, variant in points.groupby("variant"):
             ax.plot(variant["sqrt_kl"], variant[column], color=color, alpha=0.25, linewidth=0.9)
         ax.scatter(points["sqrt_kl"], points[column], color=color, s=14, alpha=0.7, zorder=3, label=name)
-        bx, by = _binned_means(points["sqrt_kl"].to_numpy(), points[column].to_numpy(), bins)
-        ax.plot(bx, by, color=color, linewidth=2.6, zorder=4, label=f"{name}: binned mean")
+        bx, by = _trend(points, column, bins)
+        ax.plot(bx, by, color=color, linewidth=2.6, zorder=4, label=f"{name}: mean over sqrt(KL) bins")
         ax.set_ylabel(name, color=color)
         ax.tick_params(axis="y", colors=color)
     gold_ax.scatter(
@@ -145,7 +152,7 @@ def overoptimisation_plot(
     )  # fmt: skip
     handles = [h for ax in (gold_ax, proxy_ax) for h in ax.get_legend_handles_labels()[0]]
     labels = [lb for ax in (gold_ax, proxy_ax) for lb in ax.get_legend_handles_labels()[1]]
-    gold_ax.legend(handles, labels, loc="lower left", fontsize=7)
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=7)
     gold_ax.set_xlabel("sqrt(mean KL(policy || SFT) per response)")
     note = f"{summary.n_variants} variants, {summary.n_points} evaluations"
     note += f" ({nonfinite} left out: NaN or inf)" if nonfinite else ""
@@ -194,10 +201,13 @@ def collect_histories(tracker: Tracker, sweep_run_id: str) -> dict[str, pd.DataF
     return histories
 
 
-def report(tracker: Tracker, sweep_run_id: str, out_dir: str | Path) -> OveroptimisationReport:
+def report(tracker: Tracker, sweep_run_id: str, out_dir: str | Path) -> OveroptimisationReport | None:
     """The over-optimisation figure (``overoptimisation.png``), its points (``overoptimisation_points.csv``) and
-    summary of one sweep, written to `out_dir`."""
+    summary of one sweep, written to `out_dir`; None when no variant has periodic evaluations (ppo.eval_every 0).
+    Raises ValueError when evaluations exist but none has finite gold, proxy and KL."""
     histories = collect_histories(tracker, sweep_run_id)
+    if not histories:
+        return None
     out = Path(out_dir)
     figure = overoptimisation_plot(histories, out / "overoptimisation.png")
     points, _ = _points(histories)
@@ -232,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tracker = Tracker(args.tracking_uri, args.experiment)
     try:
-        result = report(tracker, sweep_run(tracker, args.sweep).run_id, args.out)
+        run = sweep_run(tracker, args.sweep)
+        result = report(tracker, run.run_id, args.out)
     except (LookupError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    if result is None:
+        print(f"error: no variant of sweep {run.name} has periodic evaluations (ppo.eval_every)", file=sys.stderr)
         return 2
     print(format_summary(result.summary))
     print(f"wrote {result.figure}\nwrote {result.points}")

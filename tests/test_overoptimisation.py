@@ -108,6 +108,11 @@ def test_collect_histories_and_report_from_a_sweep_run(tmp_path, capsys):
     points = pd.read_csv(tmp_path / "o" / "overoptimisation_points.csv")
     assert len(points) == 6 and math.isclose(points["sqrt_kl"].max(), 4.0)
     assert oo.main(["--sweep", "nope", "--tracking-uri", uri, "--experiment", "exp"]) == 2
+    no_evals = tracker.start_run("sweep-plain", tags={RUN_TYPE_TAG: "sweep", "sweep.name": "plain"})
+    _variant(tracker, no_evals, "kl_coef=0.1", None)
+    assert oo.report(tracker, no_evals, tmp_path / "none") is None
+    assert oo.main(["--sweep", "plain", "--tracking-uri", uri, "--experiment", "exp"]) == 2
+    assert "has periodic evaluations" in capsys.readouterr().err
 
 
 # -- The exploitable setting of the synthetic task (data.synthetic.length_bias, max_clauses) ----------------------
