@@ -12,9 +12,11 @@ trial's point and tells it the outcome; its pruner stops hopeless trials from PP
 
 The sweep has its own MLflow run ``sweep-<name>``: each variant's pipeline run is tagged ``sweep_run_id`` and nested
 under it, its final metrics are logged on the sweep run (step = variant index), and the sweep run gets the ranking
-table (``sweep_ranking.json``), ``reward_vs_kl.png`` and, for Optuna, the study's own figures. The ranking is also a
-Prefect table artifact. A variant that fails is ranked last with its error (its MLflow run, if it opened one, is
-nested under the sweep run too); the other variants still run.
+table (``sweep_ranking.json``), ``reward_vs_kl.png``, for Optuna the study's own figures, and, when the variants
+evaluate periodically (``ppo.eval_every``), ``overoptimisation.png``: gold and proxy reward against sqrt(KL to SFT),
+one point per evaluation of every variant (rlhf/overoptimisation.py). The ranking is also a Prefect table
+artifact. A variant that fails is ranked last with its error (its MLflow run, if it opened one, is nested under the
+sweep run too); the other variants still run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
 from rlhf.errors import UserInputError
 from rlhf.models.device import device_names
 from rlhf.optuna_search import OptunaSearch, check_points, default_storage, study_plots
+from rlhf.overoptimisation import report as overoptimisation_report
 from rlhf.plots import Point, reward_vs_kl
 from rlhf.preflight import preflight
 from rlhf.ranking import GOLD_METRIC, RM_METRIC
@@ -130,6 +133,16 @@ def close_sweep_run(
         tracker.set_tags(
             sweep_run_id, {"sweep.best_variant": best["variant"], "sweep.best_run_id": best["mlflow_run_id"]}
         )
+    # the variants' periodic evaluations (ppo.eval_every), if any: gold and proxy against sqrt(KL to SFT)
+    try:
+        overoptimisation = overoptimisation_report(tracker, sweep_run_id, out)
+    except ValueError as err:  # evaluations, but none finite: said, not hidden
+        get_run_logger().warning("sweep %s: no over-optimisation plot: %s", sweep_name, err)
+        overoptimisation = None
+    if overoptimisation is not None:
+        tracker.log_artifacts(sweep_run_id, overoptimisation.figure)
+        tracker.log_artifacts(sweep_run_id, overoptimisation.points)
+        tracker.log_metrics(sweep_run_id, overoptimisation.summary.as_metrics(), 0)
     tracker.end_run(sweep_run_id, failed=len(done) == 0)
     return str(plot)
 

@@ -215,6 +215,6 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
     (sweep_run,) = client.search_runs([experiment], "tags.run_type = 'sweep'")  # one sweep run, reopened
     assert sweep_run.info.status == "FINISHED"
     artifacts = {a.path for a in client.list_artifacts(sweep_run.info.run_id)}
-    assert {"optuna_history.png", "sweep_ranking.json"} <= artifacts
+    assert {"optuna_history.png", "sweep_ranking.json", "overoptimisation.png"} <= artifacts  # ppo.eval_every: on
     ranking = output[output.index("== Sweep ranking") :]
     assert ranking.count("completed") == 2 and ranking.count("pruned") == 1, ranking
