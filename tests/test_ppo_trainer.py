@@ -43,7 +43,9 @@ def stack(tmp_path_factory):
     sft = bootstrap_sft(sft_cfg, RUNTIME, data.sft, data.train, root / "sft", 0, _nolog)
     rm_cfg = RewardConfig(epochs=2, batch_size=32, lr=1e-3, eval_every=20, save_every=10)
     rm_logged: dict[int, dict[str, float]] = {}  # step -> metrics: the uninterrupted run the resume test compares with
-    rm = train_reward_model(rm_cfg, RUNTIME, sft.path, data.train, data.eval, root / "rm", 0, rm_logged.__setitem__)
+    rm = train_reward_model(
+        rm_cfg, RUNTIME, sft.path, data.train, data.eval, root / "rm", 0, lambda m, s: rm_logged.__setitem__(s, m)
+    )
     prompts = sorted(set(pd.read_parquet(data.train)["prompt"]))
     return {
         "root": root,
