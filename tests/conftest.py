@@ -57,16 +57,6 @@ def family_checkpoint(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
-def harness():
-    """A temporary Prefect server and database for the flows run in the test process: started once for the session
-    (about 15 s on two cores), not once per test module. Subprocesses keep their own PREFECT_HOME."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 # -- Reading a flow run back from the Prefect API (the test harness's server) ------------------------------------
 
 

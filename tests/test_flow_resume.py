@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
@@ -16,6 +17,12 @@ from rlhf.errors import ConfigError
 from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task_states
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 def _config(tmp_path, *extra):

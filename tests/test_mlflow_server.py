@@ -110,6 +110,14 @@ def test_tracker_round_trip_through_a_server(mlflow_server, tmp_path):
     assert [p.read_text() for p in stored] == ["hello"]
 
 
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
 def test_smoke_pipeline_logs_to_a_tracking_server(mlflow_server, harness, tmp_path):
     from flows.pipeline import rlhf_pipeline
 

@@ -8,11 +8,18 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.results import ResultStore
+from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
 from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tests.conftest import REPO, flow_run_artifacts, task_states
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
 
 
 def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
