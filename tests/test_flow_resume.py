@@ -37,9 +37,17 @@ def _config(tmp_path, *extra):
     )
 
 
-def test_reward_change_and_deleted_outputs(harness, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted_run(harness, tmp_path_factory) -> tuple[Path, dict]:
+    """One uninterrupted run of the smoke config: (its folder, its summary). The reference the retried runs are
+    compared with, and the starting point of the caching test (which reruns in its folder)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    return folder, rlhf_pipeline(_config(folder), return_state=True).result()
+
+
+def test_reward_change_and_deleted_outputs(uninterrupted_run):
+    tmp_path, first = uninterrupted_run
     cfg = _config(tmp_path)
-    first = rlhf_pipeline(cfg, return_state=True).result()
 
     # a changed reward-model setting re-runs the reward model, PPO and evaluation; SFT and data are reused
     changed = rlhf_pipeline(_config(tmp_path, "reward.lr=1e-3"), return_state=True)
@@ -58,7 +66,7 @@ def test_reward_change_and_deleted_outputs(harness, tmp_path):
     assert again.result()["eval/win_rate_gold"] == first["eval/win_rate_gold"]  # deterministic on CPU
 
 
-def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
+def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch, uninterrupted_run):
     monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_policy_ppo:2")  # the first attempt dies after 2 of 4 updates
     cfg = _config(tmp_path)
     state = rlhf_pipeline(cfg, return_state=True)
@@ -78,8 +86,7 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     assert (ppo_folder / ".failure_injected").read_text() == "2", "the first attempt really failed"
 
     # the retried result equals an uninterrupted run of the same config
-    monkeypatch.delenv("RLHF_INJECT_FAILURE")
-    clean = rlhf_pipeline(_config(tmp_path / "clean"), return_state=True).result()
+    _, clean = uninterrupted_run
     assert clean["eval/win_rate_gold"] == summary["eval/win_rate_gold"]
     assert clean["eval/kl"] == pytest.approx(summary["eval/kl"], rel=1e-4, abs=1e-5)
 

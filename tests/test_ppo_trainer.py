@@ -42,7 +42,10 @@ def stack(tmp_path_factory):
     sft_cfg = SFTConfig(steps=250, batch_size=64, bootstrap={"n_layer": 2, "n_embd": 64, "vocab_size": 320})
     sft = bootstrap_sft(sft_cfg, RUNTIME, data.sft, data.train, root / "sft", 0, _nolog)
     rm_cfg = RewardConfig(epochs=2, batch_size=32, lr=1e-3, eval_every=20, save_every=10)
-    rm = train_reward_model(rm_cfg, RUNTIME, sft.path, data.train, data.eval, root / "rm", 0, _nolog)
+    rm_logged: dict[int, dict[str, float]] = {}  # step -> metrics: the uninterrupted run the resume test compares with
+    rm = train_reward_model(
+        rm_cfg, RUNTIME, sft.path, data.train, data.eval, root / "rm", 0, lambda m, s: rm_logged.__setitem__(s, m)
+    )
     prompts = sorted(set(pd.read_parquet(data.train)["prompt"]))
     return {
         "root": root,
@@ -52,6 +55,7 @@ def stack(tmp_path_factory):
         "prompts": prompts,
         "rm_cfg": rm_cfg,
         "rm_metrics": rm.metrics,
+        "rm_logged": rm_logged,
     }
 
 
@@ -150,11 +154,10 @@ def test_ppo_resume_matches_an_uninterrupted_run(stack, tmp_path):
 
 
 def test_reward_model_resume_matches(stack, tmp_path):
+    # the uninterrupted run is the stack's own reward model: the same config, SFT model, data and seed
     cfg, data = stack["rm_cfg"], stack["data"]
-    full, resumed = {}, {}
-    a = train_reward_model(
-        cfg, RUNTIME, stack["sft"], data.train, data.eval, tmp_path / "a", 0, lambda m, s: full.__setitem__(s, m)
-    )
+    full, resumed = stack["rm_logged"], {}
+    assert full, "the stack's reward model logged its steps"
     with pytest.raises(RMInterrupted):
         train_reward_model(
             cfg,
@@ -170,7 +173,8 @@ def test_reward_model_resume_matches(stack, tmp_path):
     b = train_reward_model(
         cfg, RUNTIME, stack["sft"], data.train, data.eval, tmp_path / "b", 0, lambda m, s: resumed.__setitem__(s, m)
     )
-    assert b.metrics["reward/eval_accuracy"] == pytest.approx(a.metrics["reward/eval_accuracy"])
+    assert sorted(resumed) == sorted(full)
+    assert b.metrics["reward/eval_accuracy"] == pytest.approx(stack["rm_metrics"]["reward/eval_accuracy"])
     for step in full:
         for key, value in full[step].items():
             if key != "reward/seconds" and not key.startswith(NOT_DETERMINISTIC):
