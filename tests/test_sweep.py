@@ -193,12 +193,13 @@ def tiny_base(folder, *overrides):
     return uri, load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, *overrides])
 
 
-def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, sweep_dir):
+def test_sweep_flow_runs_two_variants_at_once_builds_shared_stages_once_and_ranks(harness, sweep_dir):
+    """Two variants on two CPU slots at the same time; data, SFT and reward model built once by the sweep itself."""
     from flows.sweep import rlhf_sweep
 
     tmp_path = sweep_dir
     uri, base = tiny_base(tmp_path)
-    s = space(parameters={"ppo.kl_coef": [0.02, 0.2]})
+    s = space(parameters={"ppo.kl_coef": [0.02, 0.2]}, max_concurrency=2)
     state = rlhf_sweep(base, s, return_state=True)
     result = state.result()
 
@@ -207,29 +208,49 @@ def test_sweep_flow_runs_variants_reuses_upstream_stages_and_ranks(harness, swee
     assert sorted(row["ppo.kl_coef"] for row in table) == [0.02, 0.2]
     assert all(row["eval/kl"] is not None for row in table)
 
-    # the second variant changed only ppo.*: data, SFT and reward model came from the cache
-    states = _subflow_task_states(state.state_details.flow_run_id)
+    # the shared stages: built by the sweep (children of its MLflow run), then taken from the cache by both variants
+    sweep_flow_run = state.state_details.flow_run_id
+    built = [stage_name(t) for t in task_runs(sweep_flow_run) if t.state.name == "Completed"]
+    assert {"prepare_preferences", "supervised_finetune", "train_reward_model"} <= set(built)
+    states = _subflow_task_states(sweep_flow_run)
     assert set(states) == {"t-00", "t-01"}
-    for stage in ("prepare_preferences", "supervised_finetune", "train_reward_model"):
-        assert states["t-01"][stage] == "Cached", (stage, states["t-01"])
-    assert states["t-01"]["train_policy_ppo"] == "Completed"
-    assert "sweep-t" in {a.key for a in flow_run_artifacts(state.state_details.flow_run_id)}
+    for name in states:
+        for stage in ("prepare_preferences", "supervised_finetune", "train_reward_model"):
+            assert states[name][stage] == "Cached", (stage, states[name])
+        assert states[name]["train_policy_ppo"] == "Completed"
+    assert "sweep-t" in {a.key for a in flow_run_artifacts(sweep_flow_run)}
 
     client = MlflowClient(uri)
     sweep_run = client.get_run(result["sweep_run_id"])
     assert sweep_run.info.run_name == "sweep-t" and sweep_run.info.status == "FINISHED"
     assert sweep_run.data.tags["run_type"] == "sweep"
     assert sweep_run.data.tags["sweep.best_run_id"] == table[0]["mlflow_run_id"]
-    assert [m.step for m in client.get_metric_history(sweep_run.info.run_id, "eval/kl")] == [0, 1]
+    assert sorted(m.step for m in client.get_metric_history(sweep_run.info.run_id, "eval/kl")) == [0, 1]
     assert {"sweep_ranking.json", "reward_vs_kl.png", "ranking.csv"} <= {
         a.path for a in client.list_artifacts(sweep_run.info.run_id)
     }
+    shared = child_stage_runs(client, sweep_run.info.run_id, "train_reward_model")
+    assert len(shared) == 1 and shared[0].info.status == "FINISHED"
+    ppo = []
     for row in table:
         variant = client.get_run(row["mlflow_run_id"])
         assert variant.data.tags["sweep_run_id"] == sweep_run.info.run_id
         assert variant.data.tags["mlflow.parentRunId"] == sweep_run.info.run_id
         assert variant.data.params["ppo.kl_coef"] == str(row["ppo.kl_coef"])
+        assert variant.data.params["runtime.device"] == "cpu"
+        (stage_run,) = child_stage_runs(client, row["mlflow_run_id"], "train_policy_ppo")
+        ppo.append((stage_run.info.start_time, stage_run.info.end_time, variant.data.params["runtime.device_slot"]))
+    # each variant held its own slot (a Prefect concurrency limit of one slot), and they ran at the same time
+    assert {slot for _, _, slot in ppo} == {"rlhf-cpu-0", "rlhf-cpu-1"}
+    (start_a, end_a), (start_b, _) = sorted((v.start_time, v.end_time) for v in subflow_runs(sweep_flow_run))
+    assert start_b < end_a, "the second variant's pipeline started after the first one had ended"
     assert (tmp_path / "sweeps").is_dir() and open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def child_stage_runs(client: MlflowClient, parent_run_id: str, stage: str):
+    experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    query = f"tags.`mlflow.parentRunId` = '{parent_run_id}' AND tags.stage = '{stage}'"
+    return client.search_runs([experiment], query)
 
 
 def test_a_failed_variant_is_ranked_last_with_its_error_and_the_others_complete(harness, sweep_dir):

@@ -1,5 +1,6 @@
-"""Sweeps that fan out: concurrent variants on one machine (device slots), variants as flow runs of a deployment
-picked up by real `prefect worker` processes, and Optuna search with pruning and resume."""
+"""Sweeps that fan out beyond one process: variants as flow runs of a deployment picked up by real `prefect worker`
+processes, and an Optuna sweep killed and resumed, with pruning. (Concurrent variants on one machine:
+tests/test_sweep.py.)"""
 
 from __future__ import annotations
 
@@ -19,63 +20,10 @@ TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def tiny_base(folder, *overrides):
     uri = f"sqlite:///{folder}/mlflow.db"
     tracking = [f"tracking.uri={uri}", f"tracking.artifact_location={folder}/art", f"runtime.output_dir={folder}"]
     return uri, load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, *overrides])
-
-
-def stage_runs(client: MlflowClient, parent_run_id: str, stage: str):
-    found = client.search_runs(
-        [client.get_experiment_by_name("rlhf-ppo").experiment_id],
-        f"tags.`mlflow.parentRunId` = '{parent_run_id}' AND tags.stage = '{stage}'",
-    )
-    return found
-
-
-def test_two_variants_run_at_once_on_two_slots_with_the_shared_stages_built_once(harness, tmp_path):
-    from flows.sweep import rlhf_sweep
-
-    uri, base = tiny_base(tmp_path)
-    space = parse_space({"name": "par", "max_concurrency": 2, "parameters": {"ppo.kl_coef": [0.02, 0.2]}})
-    state = rlhf_sweep(base, space, return_state=True)
-    result = state.result()
-    table = result["ranking"]
-    assert [row["status"] for row in table] == ["completed", "completed"]
-
-    # data, SFT and reward model: built once by the sweep itself (children of its MLflow run), then cached
-    sweep_flow_run = state.state_details.flow_run_id
-    built = [stage_name(t) for t in task_runs(sweep_flow_run) if t.state.name == "Completed"]
-    assert {"prepare_preferences", "supervised_finetune", "train_reward_model"} <= set(built)
-    variants = subflow_runs(sweep_flow_run)
-    assert sorted(v.name for v in variants) == ["par-00", "par-01"]
-    for variant in variants:
-        states = {stage_name(t): t.state.name for t in task_runs(variant.id)}
-        for stage in ("prepare_preferences", "supervised_finetune", "train_reward_model"):
-            assert states[stage] == "Cached", (variant.name, states)
-        assert states["train_policy_ppo"] == "Completed"
-
-    # the variants ran at the same time, each on its own slot (a Prefect concurrency limit of one slot)
-    client = MlflowClient(uri)
-    ppo = []
-    for row in table:
-        run = client.get_run(row["mlflow_run_id"])
-        assert run.data.params["runtime.device"] == "cpu"
-        (stage_run,) = stage_runs(client, row["mlflow_run_id"], "train_policy_ppo")
-        ppo.append((stage_run.info.start_time, stage_run.info.end_time, run.data.params["runtime.device_slot"]))
-    (start_a, end_a, slot_a), (start_b, end_b, slot_b) = sorted(ppo)
-    assert {slot_a, slot_b} == {"rlhf-cpu-0", "rlhf-cpu-1"}
-    assert start_b < end_a, f"PPO stages did not overlap: {ppo}"
-    shared = stage_runs(client, result["sweep_run_id"], "train_reward_model")
-    assert len(shared) == 1 and shared[0].info.status == "FINISHED"
 
 
 def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_workers(tmp_path_factory):
