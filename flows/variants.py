@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel
 
 from flows.pipeline import PRUNED_STATE, rlhf_pipeline
@@ -57,9 +58,14 @@ def device_slots(device: str, count: int) -> list[DeviceSlot]:
 
 @task(name="make_device_limits", cache_policy=NO_CACHE)
 def make_device_limits(slots: list[DeviceSlot]) -> None:
-    """One Prefect global concurrency limit of one slot per device slot (created, or reset to one slot)."""
+    """One Prefect global concurrency limit of one slot per device slot, made afresh: a sweep process killed while
+    a stage held a slot leaves it held (its lease outlives it), which would block every later variant on it."""
     with get_client(sync_client=True) as client:
         for slot in slots:
+            try:
+                client.delete_global_concurrency_limit_by_name(slot.limit)
+            except ObjectNotFound:
+                pass
             client.upsert_global_concurrency_limit_by_name(slot.limit, 1)
 
 

@@ -126,9 +126,9 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
             return []
         return study.get_trials(states=(state,))
 
-    def second_trial_started() -> bool:  # the first is complete, the second has its variant's name
+    def second_trial_started() -> bool:  # the first is complete, the second's PPO runs (it holds the device slot)
         running = trials(optuna.trial.TrialState.RUNNING)
-        return len(trials(optuna.trial.TrialState.COMPLETE)) == 1 and any("run_name" in t.user_attrs for t in running)
+        return len(trials(optuna.trial.TrialState.COMPLETE)) == 1 and any(t.intermediate_values for t in running)
 
     first, _ = run("first")
     kill_when(first, second_trial_started, timeout=600)
