@@ -126,9 +126,17 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
             return []
         return study.get_trials(states=(state,))
 
-    def second_trial_started() -> bool:  # the first is complete, the second's PPO runs (it holds the device slot)
-        running = trials(optuna.trial.TrialState.RUNNING)
-        return len(trials(optuna.trial.TrialState.COMPLETE)) == 1 and any(t.intermediate_values for t in running)
+    def second_trial_started() -> bool:  # one snapshot: the first trial is complete, the second has its variant's name
+        try:
+            snapshot = optuna.load_study(study_name="opt", storage=storage).trials
+        except KeyError:  # not created yet
+            return False
+        states = [t.state for t in snapshot]
+        return (
+            len(snapshot) >= 2
+            and states[0] == optuna.trial.TrialState.COMPLETE
+            and (states[1] == optuna.trial.TrialState.RUNNING and "run_name" in snapshot[1].user_attrs)
+        )
 
     first, _ = run("first")
     kill_when(first, second_trial_started, timeout=600)
