@@ -1,0 +1,64 @@
+"""The CPU kernels swapped into models for training speed compute what the models' own modules compute."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from rlhf.models.training import CpuFastTanhGELU, fuse_gelu
+
+
+def _reference_gelu(x: torch.Tensor) -> torch.Tensor:  # the tanh formula in float64
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@pytest.mark.parametrize("scale", [1.0, 8.0])
+def test_cpu_fast_gelu_matches_the_tanh_formula_and_its_gradient(scale):
+    x64 = (torch.randn(4096, dtype=torch.float64) * scale).requires_grad_()
+    grad = torch.randn_like(x64)
+    _reference_gelu(x64).backward(grad)
+    x32 = x64.detach().float().requires_grad_()
+    out = CpuFastTanhGELU()(x32)
+    out.backward(grad.float())
+    torch_out = F.gelu(x64.detach().float(), approximate="tanh")
+    assert torch.allclose(out.double(), _reference_gelu(x64.detach()), atol=2e-6 * scale, rtol=1e-5)
+    assert torch.allclose(out, torch_out, atol=2e-6 * scale, rtol=1e-5)
+    assert torch.allclose(x32.grad.double(), x64.grad, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # the no-grad path (rollout forwards) gives the same values
+        assert torch.equal(CpuFastTanhGELU()(x32.detach()), out.detach())
+
+
+def test_cpu_fast_gelu_is_finite_at_extreme_inputs():
+    x = torch.tensor([-1e30, -1e6, -50.0, 0.0, 50.0, 1e6, 1e30], requires_grad=True)
+    out = CpuFastTanhGELU()(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert x.grad.tolist() == pytest.approx([0, 0, 0, 0.5, 1, 1, 1])
+
+
+def _tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_layer=2, n_head=2, n_embd=32, n_positions=32, activation_function="gelu_new")
+    return GPT2LMHeadModel(config)
+
+
+def test_fuse_gelu_keeps_a_models_outputs_and_gradients(family_checkpoint):
+    for model in (_tiny_gpt2(), AutoModelForCausalLM.from_pretrained(family_checkpoint("gemma"))):
+        model.eval()
+        ids = torch.randint(1, 60, (2, 12))
+        before = model(ids).logits
+        before.square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        assert fuse_gelu(model) >= 1
+        assert any(isinstance(m, CpuFastTanhGELU) for m in model.modules())
+        after = model(ids).logits
+        after.square().mean().backward()
+        assert torch.allclose(after, before, atol=1e-5)
+        for name, param in model.named_parameters():
+            if name in grads:
+                assert torch.allclose(param.grad, grads[name], atol=1e-5, rtol=1e-4), name
