@@ -209,7 +209,8 @@ class VLLMSampler:
             {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask, strict=True)
         ]
         params = [self.params_cls(**sampling_kwargs(settings, s)) for s in self.request_seeds(len(prompts), generator)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        with torch.autocast(prompt_ids.device.type, enabled=False):  # the engine computes in its own dtype
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         token_lists = [list(output.outputs[0].token_ids) for output in outputs]
         if self.sleep:
             self.llm.sleep(level=2)  # weights and KV cache released until the next generation
