@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,19 @@ class Responses(NamedTuple):
     tokens: Tensor  # (b, r) sampled ids, pad after the first stop token
     mask: Tensor  # (b, r) 1 up to and including the first stop token
     contains_stop: Tensor  # (b,) bool
+
+
+class Sampler(Protocol):
+    """Another generation backend (``rlhf.generation_vllm``): called as `sample_responses` is, without the model,
+    given the policy's weights after each update, closed at the end of the run."""
+
+    def __call__(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, settings: GenerationSettings, generator: torch.Generator | None
+    ) -> Responses: ...
+
+    def sync_weights(self) -> float: ...
+
+    def close(self) -> None: ...
 
 
 def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:

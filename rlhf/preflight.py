@@ -42,6 +42,7 @@ def preflight(config: PipelineConfig) -> list[StageEstimate]:
     if config.sft.model is not None:
         check_model_reference("sft.model", config.sft.model)
     check_ppo_processes(config)
+    check_generation_backend(config)
     model_config = read_model_config(config)
     check_lengths(config, model_config)
     return plan_memory(config, device_type(config), model_config)
@@ -81,6 +82,15 @@ def check_lengths(config: PipelineConfig, model_config: Any) -> None:
         f"{keys} {'exceed' if len(over) > 1 else 'exceeds'} the {positions} positions of the SFT model ({where}); "
         "lower them or use a model with more positions"
     )
+
+
+def check_generation_backend(config: PipelineConfig) -> None:
+    """ppo.generation.backend 'vllm' needs a CUDA GPU for the policy, one PPO process and the vllm package."""
+    if config.ppo.generation.backend != "vllm":
+        return
+    from rlhf.generation_vllm import check_vllm_backend
+
+    check_vllm_backend(device_type(config), config.runtime.device, config.runtime.ppo_processes)
 
 
 def check_ppo_processes(config: PipelineConfig) -> None:

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.batching import encode_prompt_response
-from rlhf.generation import GenerationSettings, Responses, sample_responses
+from rlhf.generation import GenerationSettings, Responses, Sampler, sample_responses
 from rlhf.models.device import autocast
 from rlhf.models.heads import backbone_hidden, lm_logits, sequence_scores, token_scores
 from rlhf.models.training import unwrap
@@ -142,7 +142,8 @@ class ScoringModels:
 
     `policy` samples (a peft model with LoRA); `reference` None means the policy with its adapters disabled; `value`
     None (evaluation) computes no values; `same_tokenizer`: the reward model scores the policy's token ids as they
-    are, else it re-tokenizes the decoded text.
+    are, else it re-tokenizes the decoded text; `sampler` None samples with the built-in sampler from the policy,
+    else with that sampler (PPO's ppo.generation.backend).
     """
 
     policy: nn.Module
@@ -152,6 +153,7 @@ class ScoringModels:
     reward_tokenizer: PreTrainedTokenizerBase
     same_tokenizer: bool
     value: nn.Module | None = None
+    sampler: Sampler | None = None
 
 
 @dataclass
@@ -195,7 +197,10 @@ def generate_and_score(
     temperature = settings.temperature
     t0 = time.perf_counter()
     with autocast(device, dtype):
-        resp = sample_responses(unwrap(models.policy), query, query_mask, settings, generator)
+        if models.sampler is not None:
+            resp = models.sampler(query, query_mask, settings, generator)
+        else:
+            resp = sample_responses(unwrap(models.policy), query, query_mask, settings, generator)
     query_responses = torch.cat([query, resp.tokens], 1)
     qr_mask = torch.cat([query_mask, resp.mask], 1)
     prompt_len = query.shape[1]

@@ -19,7 +19,15 @@ from rlhf.config.pipeline import (
     section_digest,
 )
 from rlhf.config.sections import DATA_COLUMN_ROLES, DataConfig, RuntimeConfig, SyntheticTaskConfig, TrackingConfig
-from rlhf.config.stages import BootstrapModelConfig, EvalConfig, LoraConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config.stages import (
+    BootstrapModelConfig,
+    EvalConfig,
+    LoraConfig,
+    PPOConfig,
+    PPOGenerationConfig,
+    RewardConfig,
+    SFTConfig,
+)
 from rlhf.errors import ConfigError
 
 __all__ = [
@@ -30,6 +38,7 @@ __all__ = [
     "EvalConfig",
     "LoraConfig",
     "PPOConfig",
+    "PPOGenerationConfig",
     "PipelineConfig",
     "RewardConfig",
     "RuntimeConfig",

@@ -103,6 +103,34 @@ class LoraConfig(Section):
     target_modules: list[str] | None = Field(None, description="Modules to adapt; None lets peft pick per model.")
 
 
+class PPOGenerationConfig(Section):
+    backend: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="What samples the rollouts: 'builtin' (the KV-cached sampler of rlhf/generation.py, any device) "
+        "or 'vllm' (a vLLM engine on the policy's CUDA GPU, the 'vllm' extra; the policy's weights are pushed into it "
+        "after every update; ppo.max_new_tokens, temperature, top_k, top_p and the stop tokens apply unchanged; "
+        "log-probs still come from the training model). docs/models.md.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="vllm: share of the GPU's memory the vLLM engine takes (its weights and KV cache) beside the "
+        "training models on the same GPU.",
+    )
+    sleep: bool = Field(
+        False,
+        description="vllm: release the engine's weights and KV cache while the PPO epochs run and take them back for "
+        "the next rollout (vLLM's sleep mode): less memory during optimisation, some time per update.",
+    )
+    seed_requests: bool = Field(
+        True,
+        description="vllm: seed every prompt's request from the run's sampling generator (reproducible from the run "
+        "seed and a resumed state, up to vLLM's kernels); false leaves sampling to the engine's own seeded generator, "
+        "faster at large batches.",
+    )
+
+
 class PPOConfig(Section):
     total_episodes: int = Field(8192, ge=1, description="Prompt/response pairs sampled over the whole run.")
     batch_size: int = Field(64, ge=1, description="Rollout batch: episodes per PPO update.")
@@ -163,6 +191,7 @@ class PPOConfig(Section):
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    generation: PPOGenerationConfig = Field(default_factory=PPOGenerationConfig)
     save_every: int = Field(10, ge=1, description="Save the full trainer state every N updates (resume point).")
     record_rollouts: bool = Field(True, description="Write the per-sample rollout records of each update to Parquet.")
     log_every: int = Field(1, ge=1, description="Log statistics every N updates.")

@@ -12,6 +12,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
+from rlhf.generation import Sampler
 from rlhf.models.heads import PolicyValueHead
 from rlhf.models.loading import MODEL_BUILD_LOCK, load_causal_lm, load_options, load_reward_model, load_tokenizer
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
@@ -38,6 +39,7 @@ class PPOModels:
     reward_tokenizer: PreTrainedTokenizerBase
     stop_token_ids: tuple[int, ...]
     same_tokenizer: bool
+    sampler: Sampler | None = None  # ppo.generation.backend other than the built-in one (started by the trainer)
 
     @property
     def shared_value_head(self) -> bool:
@@ -57,6 +59,7 @@ class PPOModels:
             reward_tokenizer=self.reward_tokenizer,
             same_tokenizer=self.same_tokenizer,
             value=self.value,
+            sampler=self.sampler,
         )
 
 

@@ -97,6 +97,12 @@ def train_ppo(
         encode_prompts(models.tokenizer, prompts), len(bos_prefix(models.tokenizer)), cfg, dist
     )
     dtype = compute_dtype(runtime.dtype, device)
+    if cfg.generation.backend == "vllm":  # started after the resume state: it samples from the resumed policy
+        from rlhf.generation_vllm import start_vllm_sampler
+
+        models.sampler = start_vllm_sampler(
+            cfg, runtime, policy_path, models.policy, device, seed, dtype, dist.world_size
+        )
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -128,6 +134,8 @@ def train_ppo(
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
         optim = optimize(models, state, rollout, cfg, dtype, dist, runtime.on_nonfinite, log if dist.is_main else None)
+        if models.sampler is not None:  # the next rollout samples from the updated policy
+            rollout.timings["time/weight_sync"] = models.sampler.sync_weights()
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
@@ -150,6 +158,8 @@ def train_ppo(
             checkpoint_state(out_dir / "state", models, state, dist)
         if stop_after is not None and state.step == stop_after and state.step < total:
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
+    if models.sampler is not None:
+        models.sampler.close()
     final = out_dir / "final"
     digest = ""
     if dist.is_main:
