@@ -185,14 +185,39 @@ def _value_worker() -> ThreadPoolExecutor:
     return _VALUE_WORKER
 
 
+def matmul_weights(model: torch.nn.Module) -> int:
+    """Entries of a model's matrix-multiply weights (linear and GPT-2 Conv1D layers, LM head included; not the
+    embeddings, which are looked up): what one token's forward and backward cost, up to a factor."""
+    return sum(
+        module.weight.numel()
+        for module in unwrap(model).modules()
+        if not isinstance(module, torch.nn.Embedding)
+        and getattr(module, "weight", None) is not None
+        and module.weight.dim() == 2
+    )
+
+
+# the policy's per-token work (its LM head included) may be at most this multiple of the value model's for the two
+# to share the cores as two single-threaded streams; past it the policy's stream would leave the other core idle
+_BALANCED_STREAMS = 2.0
+
+
 @contextlib.contextmanager
 def two_streams(device: torch.device, models: PPOModels, world_size: int = 1) -> Iterator[bool]:
-    """On a multi-threaded CPU with a separate value model, run policy-side and value-side work in two threads,
-    each op single-threaded (no oversubscription); yields whether to. Small models' matmuls do not keep two
-    cores busy on their own: this measured about 7% faster on the bench shape with 2 cores. Not with several
-    processes: they already share the cores."""
+    """On a multi-threaded CPU with a separate value model of about the policy's cost, run policy-side and
+    value-side work in two threads, each op single-threaded (no oversubscription); yields whether to. Small models'
+    matmuls do not keep two cores busy on their own: this measured about 7% faster on the `cpu` bench shape with
+    2 cores. Not where the policy's LM head makes its side much heavier (a 32k vocabulary on a small model: the
+    `cpu-long` shape's optimisation took 18.0 s in two streams against 12.3 s with both threads on each op), and not
+    with several processes: they already share the cores."""
     threads = torch.get_num_threads()
-    concurrent = device.type == "cpu" and not models.shared_value_head and threads > 1 and world_size == 1
+    concurrent = (
+        device.type == "cpu"
+        and not models.shared_value_head
+        and threads > 1
+        and world_size == 1
+        and matmul_weights(models.policy) <= _BALANCED_STREAMS * matmul_weights(models.value)
+    )
     if concurrent:
         torch.set_num_threads(1)
     try:
