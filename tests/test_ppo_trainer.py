@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pandas as pd
@@ -110,6 +111,42 @@ def test_first_minibatch_ratio_is_exactly_one(stack, temperature):
     assert first["value/clipfrac"] == 0.0
     # later minibatches moved the policy: the statistics are live, not constants
     assert any(s["policy/approxkl"] > 0 for s in result.minibatch_stats[1:])
+
+
+def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monkeypatch):
+    """The optimisation's micro-batches drop the columns that are padding in all their rows; the statistics and the
+    updated weights equal those of the same update over the rollout's full width."""
+    cfg = _cfg(max_new_tokens=16)
+    m, state, r = _rollout(stack, cfg)
+    lengths = r.resp.mask.sum(1)
+    assert lengths.min() < lengths.max() and bool((r.qr_mask[:, 0] == 0).any())  # ragged: something to trim
+    trimmed = [ppo_update.micro_batch(r, torch.arange(i, i + 8)) for i in (0, 8)]
+    assert any(mb.query_responses.shape[1] < r.query_responses.shape[1] for mb in trimmed)
+    weights = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
+    optim_states = copy.deepcopy((state.policy_opt.state_dict(), state.value_opt.state_dict()))
+    shuffle = state.shuffle_generator.get_state()
+    ours = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+    after = {"policy": m.policy.state_dict(), "value": m.value.state_dict()}
+    after = copy.deepcopy(after)
+
+    def full_width(rollout, rows):
+        return ppo_update.MicroBatch(
+            rollout.query_responses[rows], rollout.qr_mask[rows], rollout.prompt_len, rollout.mask[rows],
+            rollout.logprobs[rows], rollout.loss_advantages[rows], rollout.values[rows], rollout.returns[rows],
+        )  # fmt: skip
+
+    m.policy.load_state_dict(weights["policy"])
+    m.value.load_state_dict(weights["value"])
+    state.policy_opt.load_state_dict(optim_states[0])
+    state.value_opt.load_state_dict(optim_states[1])
+    state.shuffle_generator.set_state(shuffle)
+    monkeypatch.setattr(ppo_update, "micro_batch", full_width)
+    reference = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+    for a, b in zip(ours.minibatch_stats, reference.minibatch_stats, strict=True):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    for name, tensors in (("policy", m.policy.state_dict()), ("value", m.value.state_dict())):
+        for key, value in tensors.items():
+            torch.testing.assert_close(after[name][key], value, atol=1e-5, rtol=1e-4)
 
 
 def test_rollout_kl_is_zero_before_training_and_rewards_sum(stack):

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -139,35 +140,64 @@ class OptimResult:
     ratio_quantiles: list[float]
 
 
-def _policy_micro(models: PPOModels, rollout: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
+class MicroBatch(NamedTuple):
+    """Rows of a rollout for one forward and backward, without the columns that are padding in every one of them
+    (prompt columns left of the longest prompt, response columns right of the longest response): the same values
+    at every real position, less work where responses stop early or prompts differ in length."""
+
+    query_responses: Tensor  # (m, p' + r')
+    qr_mask: Tensor  # (m, p' + r')
+    prompt_len: int  # p'
+    mask: Tensor  # (m, r') float
+    logprobs: Tensor  # (m, r') at sampling
+    advantages: Tensor  # (m, r') as the loss sees them
+    values: Tensor  # (m, r') at sampling
+    returns: Tensor  # (m, r')
+
+
+def micro_batch(rollout: Rollout, rows: Tensor) -> MicroBatch:
+    qr_mask = rollout.qr_mask[rows]
+    p = rollout.prompt_len
+    used_prompt = qr_mask[:, :p].any(0)
+    lead = int(used_prompt.int().argmax()) if bool(used_prompt.any()) else 0
+    r = max(1, int(rollout.resp.mask[rows].sum(1).max()))
+    cols = slice(lead, p + r)
+    return MicroBatch(
+        rollout.query_responses[rows][:, cols],
+        qr_mask[:, cols],
+        p - lead,
+        rollout.mask[rows][:, :r],
+        rollout.logprobs[rows][:, :r],
+        rollout.loss_advantages[rows][:, :r],
+        rollout.values[rows][:, :r],
+        rollout.returns[rows][:, :r],
+    )
+
+
+def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
     """Policy forward, clipped loss (minus the entropy bonus) and its backward for one micro-batch."""
-    with autocast(micro.device, dtype):
+    with autocast(mb.mask.device, dtype):
         out = policy_forward(
             unwrap(models.policy),
-            rollout.query_responses[micro],
-            rollout.qr_mask[micro],
-            rollout.prompt_len,
+            mb.query_responses,
+            mb.qr_mask,
+            mb.prompt_len,
             cfg.temperature,
             with_entropy=True,
             entropy_grad=cfg.entropy_coef > 0,
         )
-    mb_mask = rollout.mask[micro]
-    pl = policy_loss(out.logprobs, rollout.logprobs[micro], rollout.loss_advantages[micro], mb_mask, cfg.cliprange)
-    entropy = masked_mean(out.entropy, mb_mask)
+    pl = policy_loss(out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.cliprange)
+    entropy = masked_mean(out.entropy, mb.mask)
     ((pl.loss - cfg.entropy_coef * entropy) / cfg.gradient_accumulation_steps).backward()
-    ratios = torch.exp(out.logprobs.detach() - rollout.logprobs[micro])[mb_mask.bool()]
+    ratios = torch.exp(out.logprobs.detach() - mb.logprobs)[mb.mask.bool()]
     return pl, entropy, ratios
 
 
-def _value_micro(models: PPOModels, rollout: Rollout, micro: Tensor, cfg: PPOConfig, dtype: torch.dtype):
+def _value_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
     """Value forward, clipped value loss and its backward for one micro-batch."""
-    with autocast(micro.device, dtype):
-        new_values = value_forward(
-            models.value, rollout.query_responses[micro], rollout.qr_mask[micro], rollout.prompt_len
-        ).float()
-    vl = value_loss_fn(
-        new_values, rollout.values[micro], rollout.returns[micro], rollout.mask[micro], cfg.cliprange_value
-    )
+    with autocast(mb.mask.device, dtype):
+        new_values = value_forward(models.value, mb.query_responses, mb.qr_mask, mb.prompt_len).float()
+    vl = value_loss_fn(new_values, mb.values, mb.returns, mb.mask, cfg.cliprange_value)
     (cfg.vf_coef * vl.loss / cfg.gradient_accumulation_steps).backward()
     return vl
 
@@ -274,14 +304,14 @@ def optimize(
             for start in range(0, len(rollout.indices), mini_size):
                 mb_stats = OptimStats()
                 for micro in perm[start : start + mini_size].split(micro_size):
-                    micro = micro.to(device)
+                    mb = micro_batch(rollout, micro.to(device))
                     if concurrent:
-                        value_future = _value_worker().submit(_value_micro, models, rollout, micro, cfg, dtype)
-                        pl, entropy, mb_ratios = _policy_micro(models, rollout, micro, cfg, dtype)
+                        value_future = _value_worker().submit(_value_micro, models, mb, cfg, dtype)
+                        pl, entropy, mb_ratios = _policy_micro(models, mb, cfg, dtype)
                         vl = value_future.result()
                     else:
-                        pl, entropy, mb_ratios = _policy_micro(models, rollout, micro, cfg, dtype)
-                        vl = _value_micro(models, rollout, micro, cfg, dtype)
+                        pl, entropy, mb_ratios = _policy_micro(models, mb, cfg, dtype)
+                        vl = _value_micro(models, mb, cfg, dtype)
                     ratios.append(mb_ratios)
                     mb_stats.add(
                         {
