@@ -111,7 +111,10 @@ def sample_responses(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **last_only
         )
         cache = out.past_key_values
-        logits = filter_logits(out.logits[:, -1].float() / settings.temperature, settings.top_k, settings.top_p)
+        logits = out.logits[:, -1].float()
+        if settings.temperature != 1.0:  # x / 1.0 is x: no copy of (b, vocabulary) per token
+            logits = logits / settings.temperature
+        logits = filter_logits(logits, settings.top_k, settings.top_p)
         nxt = sample_from_logits(logits, generator)
         nxt = nxt.masked_fill(finished, settings.pad_token_id)
         tokens.append(nxt)
