@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -239,11 +241,13 @@ def test_sweep_flow_runs_two_variants_at_once_builds_shared_stages_once_and_rank
         assert variant.data.params["ppo.kl_coef"] == str(row["ppo.kl_coef"])
         assert variant.data.params["runtime.device"] == "cpu"
         (stage_run,) = child_stage_runs(client, row["mlflow_run_id"], "train_policy_ppo")
-        ppo.append((stage_run.info.start_time, stage_run.info.end_time, variant.data.params["runtime.device_slot"]))
-    # each variant held its own slot (a Prefect concurrency limit of one slot), and they ran at the same time
-    assert {slot for _, _, slot in ppo} == {"rlhf-cpu-0", "rlhf-cpu-1"}
-    (start_a, end_a), (start_b, _) = sorted((v.start_time, v.end_time) for v in subflow_runs(sweep_flow_run))
-    assert start_b < end_a, "the second variant's pipeline started after the first one had ended"
+        ppo.append((variant.data.params["runtime.device_slot"], variant.data.params["runtime.threads"]))
+    # each variant held its own slot (a Prefect concurrency limit of one slot): the sweep hands out the second slot
+    # only while the first variant still runs (sequential variants would share rlhf-cpu-0), and each got its share of
+    # the cores. Wall-clock overlap of the two subflows is not asserted: on a loaded 2-core CI machine the first
+    # tiny variant can finish before the second thread's subflow is scheduled.
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert sorted(ppo) == [("rlhf-cpu-0", share), ("rlhf-cpu-1", share)]
     assert (tmp_path / "sweeps").is_dir() and open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
