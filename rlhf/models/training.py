@@ -26,9 +26,9 @@ _GELU_C3 = _GELU_C1 * 0.044715
 
 
 def _gelu_sigmoid(x: Tensor) -> Tensor:
-    """sigmoid(u) of the sigmoid form of tanh-GELU, in a fresh buffer (four element-wise passes)."""
-    u = x * x
-    return u.mul_(_GELU_C3).add_(_GELU_C1).mul_(x).sigmoid_()
+    """sigmoid(u) of the sigmoid form of tanh-GELU, in a fresh buffer (three element-wise passes: addcmul makes
+    C1 + C3 x^2 in one)."""
+    return torch.addcmul(x.new_tensor(_GELU_C1), x, x, value=_GELU_C3).mul_(x).sigmoid_()
 
 
 class _SigmoidFormGELU(torch.autograd.Function):
