@@ -144,3 +144,20 @@ def test_max_clauses_widens_the_reviews_and_defaults_keep_the_task():
     assert (task.length_bias, task.max_clauses) == (0.0, 3)
     with pytest.raises(ValueError, match="max_clauses"):
         DataConfig(synthetic={"max_clauses": 1})
+
+
+def test_sft_max_clauses_keeps_the_demonstrations_shorter_than_the_pairs(tmp_path):
+    """The over-optimisation setting: 5-clause reviews in the labelled pairs (which the labellers favour) but at most
+    4 clauses in the SFT demonstrations, so the SFT policy rarely writes what the reward model over-rates."""
+    from rlhf.config import DataConfig
+    from rlhf.data import synthetic
+    from rlhf.data.prepare import prepare_preferences
+
+    task = {"n_sft": 300, "n_train_pairs": 200, "n_eval_pairs": 20, "max_clauses": 5, "sft_max_clauses": 4}
+    out = prepare_preferences(DataConfig(synthetic=task), tmp_path / "data")
+    sft_counts = {synthetic.clause_count(r) for r in pd.read_parquet(out.sft)["response"]}
+    pair_counts = {synthetic.clause_count(r) for r in pd.read_parquet(out.train)["chosen"]}
+    assert sft_counts == {2, 3, 4} and 5 in pair_counts
+    plain = prepare_preferences(DataConfig(synthetic={**task, "sft_max_clauses": None}), tmp_path / "plain")
+    assert {synthetic.clause_count(r) for r in pd.read_parquet(plain.sft)["response"]} == {2, 3, 4, 5}
+    assert plain.digest != out.digest  # the knob is part of the data's cache key

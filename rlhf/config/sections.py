@@ -113,6 +113,14 @@ class SyntheticTaskConfig(Section):
         description="Longest review (clauses) of the demonstrations and pairs; reviews have 2 to max_clauses "
         "clauses. 5 clauses are 25 tokens of the bootstrapped tokenizer: past ppo.max_new_tokens 24, so cut short.",
     )
+    sft_max_clauses: int | None = Field(
+        None,
+        ge=2,
+        le=10,
+        description="Longest SFT demonstration (clauses), when it should differ from the pairs' max_clauses: "
+        "shorter demonstrations make the long reviews the labellers favour rare under the SFT policy. None: "
+        "max_clauses. docs/overoptimisation.md.",
+    )
 
 
 # Roles a source column can play (``data.columns`` maps a role to the source's column name).

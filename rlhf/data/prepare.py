@@ -111,7 +111,7 @@ def _synthetic(cfg: DataConfig, tmp: Path, limits: LengthLimits) -> dict[str, An
     evals = pd.DataFrame(
         synthetic.preference_pairs(task.n_eval_pairs, task.seed, 0.0, "eval", max_clauses=task.max_clauses)
     )
-    sft = pd.DataFrame(synthetic.demonstrations(task.n_sft, task.seed, task.max_clauses))
+    sft = pd.DataFrame(synthetic.demonstrations(task.n_sft, task.seed, task.sft_max_clauses or task.max_clauses))
     for frame in (train, evals):
         frame["margin"] = None
     prompts = pd.DataFrame({"prompt": list(dict.fromkeys(train["prompt"]))})
