@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         shoot(driver, f"{ui_url}/deployments/deployment/{deployment['id']}/run", out / "01-prefect-form.png")
 
         # the run the form's Run button makes: the shipped smoke config and two overrides
-        run = {"config_file": "conf/smoke.yaml", "overrides": ["ppo.kl_coef=0.1", "ppo.total_episodes=64"]}
+        run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}
         created = httpx.post(
             f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"run": run}}, timeout=30
         )
