@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
+from flows.artifacts import PIPELINE_STAGES, StageProgress, mlflow_experiment_url, publish_pipeline_results
 from flows.terminal import exit_code_of
 from rlhf.checkpoints import stage_lock
 from rlhf.config import PipelineConfig, flatten, load_config
@@ -231,6 +231,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         "value_checkpoint": policy.value_path,
         "completions": f"{evaluation.path}/completions.parquet",
         "mlflow_run_id": tracking.parent_run_id,
+        "mlflow_experiment_id": tracker_for(tracking).experiment_id,
         "tracking_uri": tracking.uri,
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
@@ -346,6 +347,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"MLflow run {summary['mlflow_run_id']}; open the UI with:",
         "  make mlflow-ui     (or: .venv/bin/mlflow ui --backend-store-uri "
         f"{summary['tracking_uri']} --host 127.0.0.1 --port 5000)",
+        *(
+            [f"  then the experiment (the project's columns and charts): {mlflow_experiment_url(experiment)}"]
+            if (experiment := summary.get("mlflow_experiment_id"))
+            else []
+        ),
         "Prefect UI (flow runs, task states, logs, artifacts; deployments to trigger runs from a form):",
         "  make ui            (both UIs and the deployments; or just: make prefect-ui)",
     ]

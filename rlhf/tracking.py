@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from rlhf.logs import LogFn
+from rlhf.mlflow_view import VIEW_TAG, default_view_json
 from rlhf.tracking_store import (
     HOST_TAG,
     PID_TAG,
@@ -89,8 +90,10 @@ class Tracker:
             if found is None:
                 location = as_uri(artifact_location) if artifact_location else None
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-                return
-        self.experiment_id = found.experiment_id
+            else:
+                self.experiment_id = found.experiment_id
+            if found is None or found.tags.get(VIEW_TAG) != default_view_json():  # the UI's default view
+                self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, default_view_json())
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
         all_tags = {**process_tags(), **(tags or {})}
