@@ -9,7 +9,9 @@ form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
                                schema's error on the field, and no flow run created (checked through the API)
     02-prefect-run.png         the finished flow run (task graph and states)
     03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
-    04-mlflow-experiment.png   the experiment in MLflow's model-training view (runs table)
+    04-mlflow-experiment.png   the experiment in the project's saved view (columns: win rates, KL, RM accuracy, key
+                               parameters), as the links the project writes open it
+    04b-mlflow-experiment-charts.png  the same view's charts: the PPO sections first
     05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens)
     06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
 
@@ -203,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
         exp = parent.info.experiment_id
         view = "workflowType=machine_learning"
-        shoot(driver, f"{mlflow_url}/#/experiments/{exp}?{view}", out / "04-mlflow-experiment.png", 8)
+        saved = f"viewStateShareKey=rlhf-default&{view}"  # the project's saved view (rlhf/mlflow_view.py)
+        shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs?{saved}", out / "04-mlflow-experiment.png", 8)
+        url = f"{mlflow_url}/#/experiments/{exp}/runs?{saved}&compareRunsMode=CHART"
+        shoot(driver, url, out / "04b-mlflow-experiment-charts.png", 8)
         shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{view}", out / "05-mlflow-run.png")
         if ppo_run_id:
             url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{view}"
