@@ -23,6 +23,7 @@ from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned, UserInputError
 from rlhf.length_control import EVAL_WARNING_TAG
+from rlhf.mlflow_view import copy_ppo_curves
 from rlhf.optuna_search import TrialRef
 from rlhf.preflight import preflight
 from tasks.caching import code_version, run_stage
@@ -106,6 +107,7 @@ def close_pipeline_run(
     if "data" in summary:
         log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
+    copy_ppo_curves(tracker, summary.get("stage.train_policy_ppo.run_id"), tracking.parent_run_id)  # for its charts
     tracker.set_tags(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, str)})
     if pruned:
         tracker.set_tags(tracking.parent_run_id, {PRUNED_TAG: "true"})

@@ -6,7 +6,8 @@ storage). What it does read from the server is a *shared view*: the experiment t
 applied when the experiment page is opened with ``?viewStateShareKey=<key>`` (the UI's own "Share" button writes such
 tags). :class:`rlhf.tracking.Tracker` writes the tag below on every experiment it opens, and every MLflow link the
 project writes opens the experiment with it: the win rates, KL, reward-model accuracy and key parameters as columns,
-and the PPO charts (``objective/``, ``ppo_eval/``, ``policy/``, ``value/``) first.
+and the PPO charts (``objective/``, ``ppo_eval/``, ``policy/``, ``value/``) first. The experiment page's rows are
+pipeline runs, so the PPO curves are copied onto them when they close (:func:`copy_ppo_curves`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,17 @@ CHART_SECTIONS = (
     "time",
     "memory",
 )
+CURVE_SECTIONS = ("objective", "ppo_eval")  # copied from the PPO run onto its pipeline run
 CHART_SECTIONS_COLLAPSED = ("dist", "tokens", "data", "speed", "time", "memory")
+
+
+def copy_ppo_curves(tracker, ppo_run_id: str | None, pipeline_run_id: str) -> None:
+    """The PPO stage run's training curves (``objective/``, ``ppo_eval/``) also on its pipeline run, so the
+    experiment page, whose rows are pipeline runs, charts them (its chart sections only see the visible rows)."""
+    if ppo_run_id:
+        logged = tracker.get_run(ppo_run_id).data.metrics
+        keys = [k for k in logged if k.split("/")[0] in CURVE_SECTIONS]
+        tracker.copy_metrics(ppo_run_id, pipeline_run_id, keys)
 
 
 def column_key(kind: str, name: str) -> str:

@@ -153,6 +153,18 @@ class Tracker:
         for start in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[start : start + 500])
 
+    def copy_metrics(self, source_run_id: str, run_id: str, keys: list[str]) -> None:
+        """Every step of `keys` logged on one run, logged on another too (in batches)."""
+        from mlflow.entities import Metric
+
+        items = [
+            Metric(m.key, m.value, m.timestamp, m.step)
+            for k in keys
+            for m in self.client.get_metric_history(source_run_id, k)
+        ]
+        for start in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[start : start + 500])
+
     def metric_logger(self, run_id: str, also: LogFn | None = None) -> LogFn:
         """A ``log(metrics, step)`` callable for the library's training loops."""
 

@@ -8,7 +8,7 @@ import json
 import zlib
 
 from flows.artifacts import mlflow_experiment_url
-from rlhf.mlflow_view import VIEW_NAME, VIEW_TAG, default_view_json
+from rlhf.mlflow_view import VIEW_NAME, VIEW_TAG, copy_ppo_curves, default_view_json
 from rlhf.tracking import Tracker
 
 
@@ -44,3 +44,19 @@ def test_the_tracker_writes_the_view_on_new_and_existing_experiments(tmp_path):
         f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}/runs"
         "?viewStateShareKey=rlhf-default&workflowType=machine_learning"
     )
+
+
+def test_the_ppo_curves_are_copied_onto_the_pipeline_run(tmp_path):
+    """The experiment page charts its rows, the pipeline runs: they get the PPO run's objective/ and ppo_eval/
+    curves (every step), not its other metrics; copying twice (a retried task) changes nothing."""
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "curves", str(tmp_path / "art"))
+    parent = tracker.start_run("pipeline")
+    ppo = tracker.start_run("pipeline/ppo", parent_run_id=parent)
+    for step in (1, 2, 3):
+        tracker.log_metrics(ppo, {"objective/kl": 0.1 * step, "ppo_eval/score": step, "value/loss": 1.0}, step)
+    copy_ppo_curves(tracker, ppo, parent)
+    copy_ppo_curves(tracker, ppo, parent)
+    copy_ppo_curves(tracker, None, parent)  # a sweep's or a failed run's summary has no PPO run
+    assert tracker.metric_history(parent, "objective/kl") == [(1, 0.1), (2, 0.2), (3, 0.30000000000000004)]
+    assert [s for s, _ in tracker.metric_history(parent, "ppo_eval/score")] == [1, 2, 3]
+    assert "value/loss" not in tracker.get_run(parent).data.metrics
