@@ -1,13 +1,16 @@
-"""The pipeline's short run form: a config file chosen from ``conf/`` and a few ``key=value`` overrides.
+"""The pipeline's short run form: a config file chosen from ``conf/``, the PPO batch sizes, ``key=value`` overrides.
 
 The deployment ``rlhf-run/<config name>`` (served by ``make ui``, declared in ``prefect.yaml``) takes one parameter,
-``run`` (a ``PipelineRun``): a drop-down of the shipped YAML configs (or a path to another one) and a list of
-overrides such as ``ppo.kl_coef=0.1``. The parameters model loads and validates the resulting config in a pydantic
-model validator, so cross-field rules (``ppo.num_mini_batches`` must divide ``ppo.batch_size``, lengths within the
-model's positions, ...) are checked whenever the parameters are validated: by the flow run before any task starts
-(it ends ``Failed`` with the one-sentence reason), and by ``PipelineRun.model_validate`` anywhere else. The Prefect
-server itself checks the JSON schema: an unknown config file or an override without ``=`` is refused when the run is
-created. The whole typed config stays available as the ``rlhf-pipeline/<config name>`` deployment.
+``run`` (a ``PipelineRun``): a drop-down of the shipped YAML configs (or a path to another one), three typed fields
+(``ppo.total_episodes``, ``ppo.batch_size``, ``ppo.num_mini_batches``; empty: the config file's value) and a list of
+overrides such as ``ppo.kl_coef=0.1``. The PPO batch rules (num_mini_batches x gradient_accumulation_steps divides
+batch_size, total_episodes >= batch_size) are also written into the form's JSON schema, with each shipped config's
+values (rlhf/config/schema_rules.py): Prefect's server refuses a bad combination when the run is created (HTTP 409),
+and the UI shows the error on the field when the form is validated. The parameters model loads and validates the
+resulting config in a pydantic model validator, so every other cross-field rule is checked whenever the parameters
+are validated: by the flow run before any task starts (it ends ``Failed`` with the one-sentence reason), and by
+``PipelineRun.model_validate`` anywhere else. The whole typed config stays available as the
+``rlhf-pipeline/<config name>`` deployment.
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import PipelineConfig, load_config
+from rlhf.config.schema_rules import (
+    FIELD_OVERRIDE,
+    FORM_KEYS,
+    MAX_MINI_BATCHES,
+    field_name,
+    overrides_set_a_field,
+    ppo_batch_clauses,
+)
 from rlhf.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,15 +50,34 @@ def shipped_configs() -> tuple[str, ...]:
 ConfigFile = Literal[shipped_configs()]  # type: ignore[valid-type]  # a drop-down in the run form
 OVERRIDE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.*$"
 Override = Annotated[str, StringConstraints(pattern=OVERRIDE_PATTERN, strip_whitespace=True)]
+DEFAULT_CONFIG = "conf/default.yaml"
+
+
+def _schema_rules(schema: dict[str, Any]) -> None:
+    """The PPO batch rules as schema clauses (rlhf/config/schema_rules.py): Prefect's server and UI check them."""
+    configs = {name: load_config(REPO / name).ppo for name in shipped_configs()}
+    schema["allOf"] = ppo_batch_clauses(configs, DEFAULT_CONFIG)
+    overrides = schema["properties"]["overrides"]["items"]
+    overrides["not"] = {"pattern": FIELD_OVERRIDE}
+
+
+def _typed(key: str, what: str, **bounds: int) -> Any:
+    return Field(
+        None,
+        title=f"ppo.{key}",
+        description=f"{what} Empty: the config file's value. Its rules with the other batch fields are checked "
+        "when the form is validated.",
+        **bounds,
+    )
 
 
 class PipelineRun(BaseModel):
     """A pipeline run: a config file and a few overrides. Validating it builds and checks the whole config."""
 
-    model_config = ConfigDict(extra="forbid", title="Pipeline run")
+    model_config = ConfigDict(extra="forbid", title="Pipeline run", json_schema_extra=_schema_rules)
 
     config_file: ConfigFile = Field(  # type: ignore[valid-type]
-        "conf/default.yaml",
+        DEFAULT_CONFIG,
         description="A config shipped in conf/: default.yaml is the built-in offline task (about 100 s on a CPU), "
         "smoke.yaml a tiny one (seconds), examples/ real models and data sets (need hub downloads).",
     )
@@ -56,18 +86,37 @@ class PipelineRun(BaseModel):
         description="Another YAML config instead of config_file: a path, relative to the checkout the runs execute "
         "in, or absolute. Leave empty to use config_file.",
     )
+    ppo_total_episodes: int | None = _typed("total_episodes", "Episodes over the whole run (>= ppo.batch_size).", ge=1)
+    ppo_batch_size: int | None = _typed("batch_size", "Episodes per PPO update.", ge=1)
+    ppo_num_mini_batches: int | None = _typed(
+        "num_mini_batches",
+        f"Minibatches per PPO epoch (at most {MAX_MINI_BATCHES} here); with ppo.gradient_accumulation_steps it must "
+        "divide ppo.batch_size.",
+        ge=1,
+        le=MAX_MINI_BATCHES,
+    )
     overrides: list[Override] = Field(
         default_factory=list,
         description="key=value changes to the config, one per entry, with the dotted keys of the README's config "
-        "reference, e.g. ppo.kl_coef=0.1 or ppo.total_episodes=3200 (values are read as YAML).",
+        "reference, e.g. ppo.kl_coef=0.1 or seed=3 (values are read as YAML). ppo.total_episodes, ppo.batch_size "
+        "and ppo.num_mini_batches have their own fields above.",
         examples=[["ppo.kl_coef=0.1", "seed=3"]],
     )
 
     @model_validator(mode="after")
     def _config_is_valid(self) -> PipelineRun:
         """The config file with the overrides must be a valid config, cross-field rules included."""
+        if found := overrides_set_a_field(list(self.overrides)):
+            raise ValueError(
+                f"override '{found}': set ppo.total_episodes, batch_size and num_mini_batches in their fields"
+            )
         self.config()
         return self
+
+    def field_overrides(self) -> list[str]:
+        """The typed fields that are set, as overrides (applied after the free-text ones)."""
+        values = {key: getattr(self, field_name(key)) for key in FORM_KEYS}
+        return [f"ppo.{key}={value}" for key, value in values.items() if value is not None]
 
     def source(self) -> Path:
         path = Path(self.config_path or self.config_file)
@@ -76,7 +125,7 @@ class PipelineRun(BaseModel):
     def config(self) -> PipelineConfig:
         """The validated config; a problem is a ValueError with one sentence naming the key."""
         try:
-            return load_config(self.source(), list(self.overrides))
+            return load_config(self.source(), [*self.overrides, *self.field_overrides()])
         except ConfigError as err:
             raise ValueError(str(err).replace(f"{REPO}/", "")) from None
 

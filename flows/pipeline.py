@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from flows.artifacts import PIPELINE_STAGES, StageProgress, publish_pipeline_results
+from flows.artifacts import PIPELINE_STAGES, StageProgress, mlflow_experiment_url, publish_pipeline_results
 from flows.terminal import exit_code_of
 from rlhf.checkpoints import stage_lock
 from rlhf.config import PipelineConfig, flatten, load_config
@@ -23,6 +23,7 @@ from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned, UserInputError
 from rlhf.length_control import EVAL_WARNING_TAG
+from rlhf.mlflow_view import copy_ppo_curves
 from rlhf.optuna_search import TrialRef
 from rlhf.preflight import preflight
 from tasks.caching import code_version, run_stage
@@ -106,6 +107,7 @@ def close_pipeline_run(
     if "data" in summary:
         log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
+    copy_ppo_curves(tracker, summary.get("stage.train_policy_ppo.run_id"), tracking.parent_run_id)  # for its charts
     tracker.set_tags(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, str)})
     if pruned:
         tracker.set_tags(tracking.parent_run_id, {PRUNED_TAG: "true"})
@@ -231,6 +233,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         "value_checkpoint": policy.value_path,
         "completions": f"{evaluation.path}/completions.parquet",
         "mlflow_run_id": tracking.parent_run_id,
+        "mlflow_experiment_id": tracker_for(tracking).experiment_id,
         "tracking_uri": tracking.uri,
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
@@ -346,6 +349,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"MLflow run {summary['mlflow_run_id']}; open the UI with:",
         "  make mlflow-ui     (or: .venv/bin/mlflow ui --backend-store-uri "
         f"{summary['tracking_uri']} --host 127.0.0.1 --port 5000)",
+        *(
+            [f"  then the experiment (the project's columns and charts): {mlflow_experiment_url(experiment)}"]
+            if (experiment := summary.get("mlflow_experiment_id"))
+            else []
+        ),
         "Prefect UI (flow runs, task states, logs, artifacts; deployments to trigger runs from a form):",
         "  make ui            (both UIs and the deployments; or just: make prefect-ui)",
     ]

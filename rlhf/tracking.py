@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from rlhf.logs import LogFn
+from rlhf.mlflow_view import VIEW_TAG, default_view_json
 from rlhf.tracking_store import (
     HOST_TAG,
     PID_TAG,
@@ -89,8 +90,10 @@ class Tracker:
             if found is None:
                 location = as_uri(artifact_location) if artifact_location else None
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-                return
-        self.experiment_id = found.experiment_id
+            else:
+                self.experiment_id = found.experiment_id
+            if found is None or found.tags.get(VIEW_TAG) != default_view_json():  # the UI's default view
+                self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, default_view_json())
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
         all_tags = {**process_tags(), **(tags or {})}
@@ -146,6 +149,18 @@ class Tracker:
         logged = self._logged.get(run_id, set())
         items = [
             Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and (k, step) not in logged
+        ]
+        for start in range(0, len(items), 500):
+            self.client.log_batch(run_id, metrics=items[start : start + 500])
+
+    def copy_metrics(self, source_run_id: str, run_id: str, keys: list[str]) -> None:
+        """Every step of `keys` logged on one run, logged on another too (in batches)."""
+        from mlflow.entities import Metric
+
+        items = [
+            Metric(m.key, m.value, m.timestamp, m.step)
+            for k in keys
+            for m in self.client.get_metric_history(source_run_id, k)
         ]
         for start in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[start : start + 500])

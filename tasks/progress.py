@@ -104,14 +104,23 @@ def progress_logger(stage: str, every: int, total: int | None = None):
     return log
 
 
+STAT = re.compile(r"([\w/.]+)=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
+
+
+def line_stats(line: str) -> dict[str, float]:
+    """The ``key=value`` numbers of a printed line: 'ppo update 3: objective/kl=0.12, ...' -> {'objective/kl': 0.12}."""
+    return {key: float(value) for key, value in STAT.findall(line)}
+
+
 def echo_with_progress(stage: str, total: int, pattern: str):
     """For a child command's output (data-parallel PPO): each line goes to the task's log, and lines matching
-    `pattern` advance a progress artifact to the step they name."""
+    `pattern` advance a progress artifact to the step they name, with the ``key=value`` numbers they print (the
+    stage's watched numbers, as in a single process)."""
     logger, progress, step_line = get_run_logger(), StepProgress(stage, total), re.compile(pattern)
 
     def echo(line: str) -> None:
         logger.info("%s", line)
         if match := step_line.match(line):
-            progress.update(int(match.group(1)))
+            progress.update(int(match.group(1)), line_stats(line[match.end() :]))
 
     return echo

@@ -1,12 +1,17 @@
-"""The short run form of the pipeline deployment (flows/form.py): a shipped config, overrides, cross-field rules."""
+"""The short run form of the pipeline deployment (flows/form.py): a shipped config, overrides, cross-field rules,
+and those rules in the form's JSON schema, as Prefect's server checks them (rlhf/config/schema_rules.py)."""
 
 from __future__ import annotations
 
+import itertools
+
+import httpx
 import pytest
 from pydantic import ValidationError
 
-from flows.form import PipelineRun, form_parameters, shipped_configs
+from flows.form import PipelineRun, form_parameters, rlhf_run, shipped_configs
 from rlhf.config import load_config
+from rlhf.config.schema_rules import BREAKPOINTS
 from tests.conftest import REPO
 
 
@@ -23,15 +28,23 @@ def test_a_config_file_and_overrides_give_the_config():
     run = PipelineRun(config_file="conf/smoke.yaml", overrides=["ppo.kl_coef=0.1", "seed=3"])
     assert run.config() == load_config(REPO / "conf" / "smoke.yaml", ["ppo.kl_coef=0.1", "seed=3"])
     assert PipelineRun().config() == load_config(REPO / "conf" / "default.yaml")
+    empty = {"ppo_total_episodes": None, "ppo_batch_size": None, "ppo_num_mini_batches": None}
     assert form_parameters("conf/smoke.yaml") == {
-        "run": {"config_file": "conf/smoke.yaml", "config_path": "", "overrides": []}
+        "run": {"config_file": "conf/smoke.yaml", "config_path": "", **empty, "overrides": []}
     }
+    typed = PipelineRun(config_file="conf/smoke.yaml", ppo_batch_size=32, ppo_total_episodes=96, overrides=["seed=3"])
+    assert typed.config() == load_config(
+        REPO / "conf" / "smoke.yaml", ["seed=3", "ppo.batch_size=32", "ppo.total_episodes=96"]
+    )
 
 
 @pytest.mark.parametrize(
     ("run", "message"),
     [
-        ({"overrides": ["ppo.num_mini_batches=3"]}, "ppo.num_mini_batches (3) must divide ppo.batch_size (64)"),
+        ({"ppo_num_mini_batches": 3}, "ppo.num_mini_batches (3) must divide ppo.batch_size (64)"),
+        ({"overrides": ["ppo.num_mini_batches=3"]}, "set ppo.total_episodes, batch_size and num_mini_batches in"),
+        ({"overrides": ["ppo={}"]}, "set ppo.total_episodes, batch_size and num_mini_batches in"),
+        ({"ppo_num_mini_batches": 129}, "less than or equal to 128"),
         ({"overrides": ["ppo.kl_cof=0.1"]}, "unknown key 'ppo.kl_cof'"),
         ({"overrides": ["seed"]}, "should match pattern"),
         ({"config_file": "conf/nope.yaml"}, "Input should be"),
@@ -42,3 +55,129 @@ def test_bad_parameters_are_refused_by_validation(run, message):
     with pytest.raises(ValidationError) as err:
         PipelineRun.model_validate(run)
     assert message in str(err.value)
+
+
+def _schema_errors(run: dict, schema: dict) -> dict:
+    """The errors Prefect's server reports for these form values (its own validation code and error layout)."""
+    from prefect.utilities.schema_tools.validation import build_error_obj, validate
+
+    return build_error_obj(validate({"run": run}, schema, preprocess=True))
+
+
+def _schema_check(schema: dict):
+    """Prefect's validator for this schema, built once (as `validate` builds it on each call): run -> valid."""
+    from prefect._internal.schemas._registry import non_fetching_registry
+    from prefect.utilities.schema_tools.validation import _VALIDATOR, preprocess_schema
+
+    validator = _VALIDATOR(
+        preprocess_schema(schema), format_checker=_VALIDATOR.FORMAT_CHECKER, registry=non_fetching_registry()
+    )
+    return lambda run: not list(validator.iter_errors({"run": run}))
+
+
+@pytest.fixture(scope="module")
+def form_schema() -> dict:
+    """The deployment's parameter schema, as Prefect builds it from the flow's signature."""
+    from prefect.utilities.callables import parameter_schema
+
+    return parameter_schema(rlhf_run).model_dump_for_openapi()
+
+
+def test_the_schema_refuses_a_bad_batch_combination_on_its_field(form_schema):
+    errors = _schema_errors({"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 3}, form_schema)
+    assert errors == {
+        "errors": [{"property": "run", "errors": [{"property": "ppo_num_mini_batches", "errors": [
+            "3 is not one of [1, 2, 4, 8, 16]"
+        ]}]}],
+        "valid": False,
+    }  # fmt: skip
+    errors = _schema_errors({"ppo_batch_size": 48, "ppo_num_mini_batches": 5, "ppo_total_episodes": 32}, form_schema)
+    fields = {e["property"]: e["errors"] for e in errors["errors"][0]["errors"]}
+    assert fields == {
+        "ppo_batch_size": ["48 is not a multiple of 5"],
+        "ppo_total_episodes": ["32 is less than the minimum of 48"],
+    }
+    errors = _schema_errors({"overrides": ["seed=1", "ppo.batch_size=8"]}, form_schema)
+    (overrides,) = errors["errors"][0]["errors"]
+    assert overrides["property"] == "overrides" and overrides["errors"][0]["index"] == 1
+    assert _schema_errors({"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4}, form_schema)["valid"]
+
+
+GRID = {
+    "config_file": ["conf/default.yaml", "conf/smoke.yaml", "conf/examples/tinyllama-1.1b-lora-hh.yaml", None],
+    "ppo_total_episodes": [None, 32, 64, 100, 6400],
+    "ppo_batch_size": [None, 16, 24, 36, 40, 64, 96],
+    "ppo_num_mini_batches": [None, 1, 3, 4, 8],
+    "overrides": [[], ["ppo.gradient_accumulation_steps=3"]],
+}
+
+
+def test_the_schema_agrees_with_the_config_validators(form_schema, tmp_path):
+    """Over a grid of the typed fields, shipped configs (one with accumulation steps), a config given by path and
+    an accumulation override: the schema never refuses a valid run, and refuses every invalid one it can know of."""
+    other = tmp_path / "other.yaml"
+    other.write_text("ppo:\n  batch_size: 32\n  num_mini_batches: 2\n  total_episodes: 64\n")
+    checked = refused = 0
+    schema_check = _schema_check(form_schema)
+    for values in itertools.product(*GRID.values()):
+        run = {k: v for k, v in zip(GRID, values, strict=True) if v is not None}
+        if "config_file" not in run:
+            run["config_path"] = str(other)
+        try:
+            PipelineRun.model_validate(run)
+            valid = True
+        except ValidationError:
+            valid = False
+        schema_valid = schema_check(run)
+        assert valid or not schema_valid or not _knowable(run), run
+        assert schema_valid or not valid, run  # never a valid run refused
+        checked, refused = checked + 1, refused + (not schema_valid)
+    assert (checked, refused) == (1400, 340)  # the grid has many bad combinations
+
+
+def _knowable(run: dict) -> bool:
+    """Whether the schema is meant to refuse this run when it is invalid: a shipped config (its values known),
+    the accumulation steps not overridden, and total >= batch exact when both are typed."""
+    if "config_path" in run or run["overrides"]:
+        return False
+    return "ppo_total_episodes" not in run or run.get("ppo_batch_size", 1) in BREAKPOINTS
+
+
+def test_prefect_refuses_a_bad_combination_before_a_flow_run_exists():
+    """A real Prefect server (the test harness's): the form's deployment refuses to create a run with a bad batch
+    combination (409, the field named), no flow run is created, and the UI's validation endpoint reports it."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        deployment_id = rlhf_run.to_deployment(name="smoke", parameters=form_parameters("conf/smoke.yaml")).apply()
+        api = PREFECT_API_URL.value()
+        deployment = httpx.get(f"{api}/deployments/{deployment_id}").json()
+        assert deployment["enforce_parameter_schema"]
+        bad = [
+            {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 3},
+            {"config_file": "conf/smoke.yaml", "overrides": ["ppo.num_mini_batches=3"]},
+            {"config_file": "conf/smoke.yaml", "ppo_batch_size": 128},  # more than its total_episodes (64)
+        ]
+        for run in bad:
+            refused = httpx.post(
+                f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": run}}
+            )
+            assert refused.status_code == 409, (run, refused.text)
+            assert "Validation failed for field 'run." in refused.json()["detail"], refused.text
+        with get_client(sync_client=True) as client:
+            assert client.read_flow_runs() == []
+        checked = httpx.post(
+            f"{api}/ui/schemas/validate",
+            json={"schema": deployment["parameter_openapi_schema"], "values": {"run": bad[0]}},
+        )
+        assert checked.status_code == 200 and checked.json() == {
+            "errors": [{"property": "run", "errors": [{"property": "ppo_num_mini_batches", "errors": [
+                "3 is not one of [1, 2, 4, 8, 16]"
+            ]}]}],
+            "valid": False,
+        }, checked.text  # fmt: skip
+        good = {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4, "ppo_batch_size": 32}
+        created = httpx.post(f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": good}})
+        assert created.status_code == 201, created.text

@@ -4,11 +4,14 @@ Starts `make ui` (conf/smoke.yaml as the forms' default, free ports, its own Pre
 outputs/ui-check/), opens the short run form of ``rlhf-run/smoke`` in headless Chromium, starts a small run with the
 form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
 
-    01-prefect-form.png        the deployment's run form (config drop-down, overrides)
+    01-prefect-form.png        the deployment's run form (config drop-down, PPO batch fields, overrides)
+    01b-prefect-form-refused.png  the form after Submit with ppo.num_mini_batches 3 (smoke's batch_size is 16): the
+                               schema's error on the field, and no flow run created (checked through the API)
     02-prefect-run.png         the finished flow run (task graph and states)
-    03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link); known gap: the
-                               click does not switch the tab in Prefect 3.8.8's UI yet, so it shows the logs
-    04-mlflow-experiment.png   the experiment in MLflow's model-training view (runs table)
+    03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
+    04-mlflow-experiment.png   the experiment in the project's saved view (columns: win rates, KL, RM accuracy, key
+                               parameters), as the links the project writes open it
+    04b-mlflow-experiment-charts.png  the same view's charts: the PPO sections first
     05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens)
     06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
 
@@ -92,8 +95,8 @@ def shoot(driver, url: str, path: Path, settle: float = 6.0, search: str | None 
                 time.sleep(1.0)
         except Exception:  # noqa: BLE001 (a panel that is not there, or moved: the screenshot is taken anyway)
             pass
-    if tab:
-        xpath = f"//*[(self::button or self::a or @role='tab') and normalize-space(.)='{tab}']"
+    if tab:  # Prefect's tabs are <li class="p-tab">
+        xpath = f"//*[(self::button or self::a or @role='tab' or self::li) and normalize-space(.)='{tab}']"
         found = [element for element in driver.find_elements(By.XPATH, xpath) if element.is_displayed()]
         if found:
             driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", found[0])
@@ -106,6 +109,31 @@ def shoot(driver, url: str, path: Path, settle: float = 6.0, search: str | None 
             time.sleep(2.0)
     driver.save_screenshot(str(path))
     print(f"ui-check: {path.relative_to(REPO)}  <- {url}", flush=True)
+
+
+def refused_in_form(driver, api: str, deployment_id: str, path: Path) -> bool:
+    """Type ppo.num_mini_batches = 3 into the open run form (conf/smoke.yaml: batch_size 16) and press Submit: the
+    server's schema validation must show its error on the field and no flow run may be created."""
+    from selenium.webdriver.common.by import By
+
+    def count() -> int:
+        filter_ = {"deployments": {"id": {"any_": [deployment_id]}}}
+        return httpx.post(f"{api}/flow_runs/count", json=filter_, timeout=10).json()
+
+    before = count()
+    label = "//*[starts-with(normalize-space(.), 'ppo.num_mini_batches')]"
+    driver.find_element(By.XPATH, f"{label}/following::button[normalize-space(.)='int'][1]").click()
+    time.sleep(1.0)
+    field = driver.find_element(By.XPATH, f"{label}/following::input[@type='number'][1]")
+    field.send_keys("3")
+    driver.find_element(By.XPATH, "//button[normalize-space(.)='Submit']").click()
+    time.sleep(4.0)
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
+    time.sleep(1.0)
+    driver.save_screenshot(str(path))
+    shown = "3 is not one of [1, 2, 4, 8, 16]" in driver.execute_script("return document.body.innerText")
+    print(f"ui-check: {path.relative_to(REPO)}  <- the error shown: {shown}; flow runs {before} -> {count()}")
+    return shown and count() == before
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,10 +169,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         driver = browser()
         ui_url = f"http://127.0.0.1:{prefect_port}"
-        shoot(driver, f"{ui_url}/deployments/deployment/{deployment['id']}/run", out / "01-prefect-form.png")
+        form_url = f"{ui_url}/deployments/deployment/{deployment['id']}/run"
+        shoot(driver, form_url, out / "01-prefect-form.png")
+        if not refused_in_form(driver, api, deployment["id"], out / "01b-prefect-form-refused.png"):
+            print("ui-check: the form did not show the batch rule's error", flush=True)
+            return 1
 
         # the run the form's Run button makes: the shipped smoke config and two overrides
-        run = {"config_file": "conf/smoke.yaml", "overrides": ["ppo.kl_coef=0.1", "ppo.total_episodes=64"]}
+        run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}
         created = httpx.post(
             f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"run": run}}, timeout=30
         )
@@ -173,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
         exp = parent.info.experiment_id
         view = "workflowType=machine_learning"
-        shoot(driver, f"{mlflow_url}/#/experiments/{exp}?{view}", out / "04-mlflow-experiment.png", 8)
+        saved = f"viewStateShareKey=rlhf-default&{view}"  # the project's saved view (rlhf/mlflow_view.py)
+        shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs?{saved}", out / "04-mlflow-experiment.png", 8)
+        url = f"{mlflow_url}/#/experiments/{exp}/runs?{saved}&compareRunsMode=CHART"
+        shoot(driver, url, out / "04b-mlflow-experiment-charts.png", 8)
         shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{view}", out / "05-mlflow-run.png")
         if ppo_run_id:
             url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{view}"

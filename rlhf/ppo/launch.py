@@ -122,8 +122,17 @@ UPDATE_LINE_PATTERN = r"^ppo update (\d+):"
 
 
 def _printer(every: int, total: int) -> LogFn:
-    """Print key statistics every `every` updates and at the last one (the pipeline's progress bar reads them)."""
-    keys = ("objective/scores", "objective/kl", "policy/approxkl", "policy/clipfrac", "speed/episodes_per_s")
+    """Print key statistics every `every` updates and at the last one (the pipeline's progress bar reads them: the
+    watched numbers of tasks/progress.py, score, KL, KL coefficient and gold score, are among them)."""
+    keys = (
+        "objective/scores",
+        "objective/kl",
+        "objective/kl_coef",
+        "objective/gold_score",
+        "policy/approxkl",
+        "policy/clipfrac",
+        "speed/episodes_per_s",
+    )
 
     def show(metrics: dict[str, float], step: int) -> None:
         if step % every == 0 or step == total:

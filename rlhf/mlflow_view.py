@@ -1,0 +1,108 @@
+"""The experiment's default view in the MLflow UI: the runs table's columns and the order of the chart sections.
+
+MLflow 3's server keeps no default columns or chart layout for an experiment; the UI keeps them per browser (local
+storage). What it does read from the server is a *shared view*: the experiment tag ``mlflow.sharedViewState.<key>``
+(a JSON object with the runs page's search facets and UI state: ``selectedColumns``, ``compareRunSections``, ...),
+applied when the experiment page is opened with ``?viewStateShareKey=<key>`` (the UI's own "Share" button writes such
+tags). :class:`rlhf.tracking.Tracker` writes the tag below on every experiment it opens, and every MLflow link the
+project writes opens the experiment with it: the win rates, KL, reward-model accuracy and key parameters as columns,
+and the PPO charts (``objective/``, ``ppo_eval/``, ``policy/``, ``value/``) first. The experiment page's rows are
+pipeline runs, so the PPO curves are copied onto them when they close (:func:`copy_ppo_curves`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+
+VIEW_KEY = "rlhf-default"
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
+VIEW_NAME = "RLHF: win rates, KL, PPO charts first"
+# The query that opens the model-training view of an experiment (MLflow 3 also has a GenAI one) with this view.
+EXPERIMENT_QUERY = f"viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"  # after #/experiments/<id>/runs
+
+COLUMN_METRICS = (
+    "eval/win_rate_gold",
+    "eval/win_rate_gold_len_controlled",
+    "eval/win_rate_rm",
+    "eval/win_rate_rm_len_controlled",
+    "eval/kl",
+    "reward/eval_accuracy",
+    "eval/ppo_gold",
+    "eval/ppo_length_mean",
+)
+COLUMN_PARAMS = ("ppo.kl_coef", "ppo.total_episodes", "ppo.batch_size", "ppo.lr", "sft.model", "data.source", "seed")
+# Chart sections (a metric's prefix before the last '/'), in display order; the UI appends any other one. The
+# sections from `CHART_SECTIONS_COLLAPSED` on start collapsed.
+CHART_SECTIONS = (
+    "objective",
+    "ppo_eval",
+    "policy",
+    "value",
+    "loss",
+    "advantages",
+    "returns",
+    "eval",
+    "reward",
+    "sft",
+    "train",
+    "dist",
+    "tokens",
+    "data",
+    "speed",
+    "time",
+    "memory",
+)
+CURVE_SECTIONS = ("objective", "ppo_eval")  # copied from the PPO run onto its pipeline run
+CHART_SECTIONS_COLLAPSED = ("dist", "tokens", "data", "speed", "time", "memory")
+
+
+def copy_ppo_curves(tracker, ppo_run_id: str | None, pipeline_run_id: str) -> None:
+    """The PPO stage run's training curves (``objective/``, ``ppo_eval/``) also on its pipeline run, so the
+    experiment page, whose rows are pipeline runs, charts them (its chart sections only see the visible rows)."""
+    if ppo_run_id:
+        logged = tracker.get_run(ppo_run_id).data.metrics
+        keys = [k for k in logged if k.split("/")[0] in CURVE_SECTIONS]
+        tracker.copy_metrics(ppo_run_id, pipeline_run_id, keys)
+
+
+def column_key(kind: str, name: str) -> str:
+    """The runs table's id of a column: ``metrics.`eval/kl```, ``params.`ppo.kl_coef```."""
+    return f"{kind}.`{name}`"
+
+
+def default_view() -> dict:
+    """The shared view state: columns, chart sections in order (the UI fills the sections with a chart per metric,
+    keeping this order since ``isAccordionReordered`` is set), newest runs first."""
+    sections = [
+        {
+            "uuid": f"rlhf-{name}",
+            "name": name,
+            "display": name not in CHART_SECTIONS_COLLAPSED,
+            "isReordered": True,
+            "deleted": False,
+            "isGenerated": True,
+        }
+        for name in CHART_SECTIONS
+    ]
+    return {
+        "orderByKey": "attributes.start_time",
+        "orderByAsc": False,
+        "selectedColumns": [
+            *(column_key("metrics", m) for m in COLUMN_METRICS),
+            *(column_key("params", p) for p in COLUMN_PARAMS),
+        ],
+        "compareRunCharts": [],
+        "compareRunSections": sections,
+        "isAccordionReordered": True,
+        "hideEmptyCharts": True,
+    }
+
+
+def default_view_json() -> str:
+    """The tag's value, as the UI's "Save as new view" writes it: a name, and the state deflated and base64-encoded
+    (the UI lists such tags under *Views*)."""
+    state = json.dumps(default_view(), separators=(",", ":")).encode()
+    packed = "deflate;" + base64.b64encode(zlib.compress(state, 9)).decode()
+    return json.dumps({"name": VIEW_NAME, "createdAt": 0, "updatedAt": 0, "state": packed}, separators=(",", ":"))
