@@ -138,7 +138,7 @@ def sample_responses(
             tokens.append(nxt)
             finished |= torch.isin(nxt, stop)
             done = bool(finished.all())
-        if done and (not lockstep or _done_everywhere(done, device)):
+        if _done_everywhere(done, device) if lockstep else done:  # lockstep: an all-reduce on every rank, every step
             break
         ids = nxt[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
