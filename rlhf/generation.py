@@ -85,6 +85,15 @@ def truncate_at_stop(tokens: Tensor, stop_token_ids: tuple[int, ...], pad_token_
     return Responses(tokens.masked_fill(after_stop, pad_token_id), mask, is_stop.any(1))
 
 
+def _done_everywhere(done: bool, device: torch.device) -> bool:
+    """Whether every rank of the process group is done (a MIN all-reduce)."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(done)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 @torch.no_grad()
 def sample_responses(
     model: PreTrainedModel,
@@ -92,8 +101,13 @@ def sample_responses(
     prompt_mask: Tensor,
     settings: GenerationSettings,
     generator: torch.Generator | None = None,
+    lockstep: bool = False,
 ) -> Responses:
     """Autoregressive sampling with a KV cache; stops early when every row has produced a stop token.
+
+    `lockstep` (a model sharded across processes, whose every forward is a collective): the loop stops only when
+    every rank's rows have stopped; a rank done before the others runs forwards without sampling (the responses,
+    and the generator's draws, are those of a loop that stopped on its own).
 
     Shape: prompt_ids, prompt_mask (b, p), left-padded -> Responses with (b, r), r <= max_new_tokens.
     """
@@ -106,20 +120,25 @@ def sample_responses(
     tokens = []
     # only the last position's logits: the prefill would otherwise hold (b, p, vocab) floats (GiBs at 150k entries)
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    done = False
     for _ in range(settings.max_new_tokens):
         out = model(
             input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **last_only
         )
         cache = out.past_key_values
-        logits = out.logits[:, -1].float()
-        if settings.temperature != 1.0:  # x / 1.0 is x: no copy of (b, vocabulary) per token
-            logits = logits / settings.temperature
-        logits = filter_logits(logits, settings.top_k, settings.top_p)
-        nxt = sample_from_logits(logits, generator)
-        nxt = nxt.masked_fill(finished, settings.pad_token_id)
-        tokens.append(nxt)
-        finished |= torch.isin(nxt, stop)
-        if bool(finished.all()):
+        if done:  # lockstep: this rank's rows have all stopped, another rank's have not
+            nxt = torch.full((b,), settings.pad_token_id, dtype=ids.dtype, device=device)
+        else:
+            logits = out.logits[:, -1].float()
+            if settings.temperature != 1.0:  # x / 1.0 is x: no copy of (b, vocabulary) per token
+                logits = logits / settings.temperature
+            logits = filter_logits(logits, settings.top_k, settings.top_p)
+            nxt = sample_from_logits(logits, generator)
+            nxt = nxt.masked_fill(finished, settings.pad_token_id)
+            tokens.append(nxt)
+            finished |= torch.isin(nxt, stop)
+            done = bool(finished.all())
+        if _done_everywhere(done, device) if lockstep else done:  # lockstep: an all-reduce on every rank, every step
             break
         ids = nxt[:, None]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -207,6 +207,8 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     separate_value = ppo.value_model == "separate"
     value = _trained(shape.reward_params) if separate_value else _trained(shape.hidden + 1)
     persistent = policy + reference + shape.reward_params * frozen_b + value
+    if getattr(rt, "sharding", "none") == "fsdp":  # each process holds 1/W of the weights and optimizer states
+        persistent /= world  # (a block's gathered weights are transient and small beside the activations)
     kv_cache = 2.0 * shape.layers * rollout * seq * shape.kv_dim * act_b
     generation = kv_cache + rollout * shape.vocab * (act_b + 4)
     fwd = ppo.forward_batch_size or rollout

@@ -94,11 +94,14 @@ def check_generation_backend(config: PipelineConfig) -> None:
 
 
 def check_ppo_processes(config: PipelineConfig) -> None:
-    """runtime.ppo_processes splits the PPO batches evenly and, on CUDA, has a device per process."""
+    """runtime.ppo_processes splits the PPO batches evenly and, on CUDA, has a device per process; runtime.sharding
+    'fsdp' needs several of them."""
+    from rlhf.ppo.distributed import check_sharding, check_world_size
+
     n = config.runtime.ppo_processes
+    check_sharding(config.ppo, config.runtime, n)
     if n == 1:
         return
-    from rlhf.ppo.distributed import check_world_size
 
     try:
         check_world_size(config.ppo, n)

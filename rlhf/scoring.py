@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.batching import encode_prompt_response
 from rlhf.generation import GenerationSettings, Responses, Sampler, sample_responses
+from rlhf.models import sharding
 from rlhf.models.device import autocast
 from rlhf.models.heads import backbone_hidden, lm_logits, sequence_scores, token_scores
 from rlhf.models.training import unwrap
@@ -95,7 +96,7 @@ def reference_logprobs(
     Shape: query_responses, mask (b, p + r) -> (b, r).
     """
     if reference is not None:
-        return policy_forward(reference, query_responses, mask, prompt_len, temperature).logprobs
+        return sharding.call(reference, policy_forward, query_responses, mask, prompt_len, temperature).logprobs
     with policy.disable_adapter():
         return policy_forward(unwrap(policy), query_responses, mask, prompt_len, temperature).logprobs
 
@@ -130,7 +131,7 @@ def reward_scores(
     size = forward_batch_size or len(query_responses)
     return torch.cat(
         [
-            sequence_scores(reward, query_responses[i : i + size], qr_mask[i : i + size])
+            sharding.call(reward, sequence_scores, query_responses[i : i + size], qr_mask[i : i + size])
             for i in range(0, len(query_responses), size)
         ]
     ).float()
@@ -200,7 +201,9 @@ def generate_and_score(
         if models.sampler is not None:
             resp = models.sampler(query, query_mask, settings, generator)
         else:
-            resp = sample_responses(unwrap(models.policy), query, query_mask, settings, generator)
+            policy = unwrap(models.policy)
+            lockstep = sharding.is_sharded(policy)  # every rank runs as many forwards
+            resp = sharding.call(policy, sample_responses, query, query_mask, settings, generator, lockstep=lockstep)
     query_responses = torch.cat([query, resp.tokens], 1)
     qr_mask = torch.cat([query_mask, resp.mask], 1)
     prompt_len = query.shape[1]
@@ -210,7 +213,10 @@ def generate_and_score(
     with torch.no_grad(), autocast(device, dtype):
         policy = unwrap(models.policy)
         logprobs = torch.cat(
-            [policy_forward(policy, query_responses[s], qr_mask[s], prompt_len, temperature).logprobs for s in chunks]
+            [
+                sharding.call(policy, policy_forward, query_responses[s], qr_mask[s], prompt_len, temperature).logprobs
+                for s in chunks
+            ]
         ).float()
         ref_logprobs = torch.cat(
             [
@@ -223,7 +229,7 @@ def generate_and_score(
         values = None
         if models.value is not None:
             values = torch.cat(
-                [value_forward(models.value, query_responses[s], qr_mask[s], prompt_len) for s in chunks]
+                [sharding.call(models.value, value_forward, query_responses[s], qr_mask[s], prompt_len) for s in chunks]
             ).float()
         scores = reward_scores(
             models.reward,
@@ -237,5 +243,6 @@ def generate_and_score(
             forward_batch_size,
             device,
         )
+    sharding.reshard(policy, models.reference, models.value, models.reward)  # free what the no-grad calls gathered
     timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
     return ScoredResponses(query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings)

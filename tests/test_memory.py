@@ -54,6 +54,15 @@ def test_settings_that_save_memory_lower_the_ppo_estimate():
     )
 
 
+def test_fsdp_divides_the_ppo_weights_by_the_processes():
+    shape = shape_of(AutoConfig.for_model("llama", vocab_size=32000, **TINY["llama"]))
+    two = ["runtime.ppo_processes=2", "ppo.batch_size=64"]
+    replicated = _ppo(load_config("conf/default.yaml", two), shape)
+    sharded = _ppo(load_config("conf/default.yaml", [*two, "runtime.sharding=fsdp"]), shape)
+    assert sharded.persistent == pytest.approx(replicated.persistent / 2)
+    assert sharded.transient == replicated.transient
+
+
 def test_a_run_that_does_not_fit_is_one_sentence_with_settings_that_would():
     cfg = AutoConfig.for_model(
         "llama",

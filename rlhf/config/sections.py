@@ -62,6 +62,15 @@ class RuntimeConfig(Section):
         description="Data-parallel processes of the PPO stage on this machine: > 1 runs it under torchrun (one per "
         "GPU; gloo processes on CPU). ppo.batch_size stays the global batch.",
     )
+    sharding: Literal["none", "fsdp"] = Field(
+        "none",
+        description="How the PPO processes hold the models: 'none' replicates them (data parallel, gradients "
+        "all-reduced); 'fsdp' shards the policy, value, reference and reward models over the processes with torch's "
+        "FSDP2 (fully_shard per transformer block; gradients reduce-scattered), for models past one device's memory. "
+        "'fsdp' needs several processes (runtime.ppo_processes > 1 or a torchrun launch), a separate value model and "
+        "no LoRA, vLLM or periodic evaluation; its resume state is a torch.distributed.checkpoint folder. "
+        "docs/scaling.md.",
+    )
     memory_check: Literal["error", "warn", "off"] = Field(
         "error",
         description="Before any weight loads, estimate each stage's memory from the model's config.json and compare "

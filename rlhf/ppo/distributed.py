@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
+from rlhf.models import sharding
 from rlhf.models.device import resolve_device
 from rlhf.ops import masked_mean, masked_var
 
@@ -113,6 +114,26 @@ def check_world_size(cfg: PPOConfig, world_size: int) -> None:
         raise ConfigError(
             f"ppo.gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must divide the per-process "
             f"minibatch size ({local} = {cfg.mini_batch_size} / {world_size} processes)"
+        )
+
+
+def check_sharding(cfg: PPOConfig, runtime: RuntimeConfig, world_size: int) -> None:
+    """runtime.sharding 'fsdp' needs several processes and none of the options that work on whole models."""
+    if runtime.sharding != "fsdp":
+        return
+    refused = {
+        "ppo.lora.enabled": cfg.lora.enabled,  # the reference is the policy without adapters: not sharded here
+        "ppo.value_model=policy_head": cfg.value_model == "policy_head",  # a head on the sharded policy's trunk
+        "ppo.generation.backend=vllm": cfg.generation.backend == "vllm",  # vLLM takes whole weights
+        "ppo.eval_every > 0": cfg.eval_every > 0,  # rank 0 alone evaluates; sharded forwards need every rank
+    }
+    for key, on in refused.items():
+        if on:
+            raise ConfigError(f"runtime.sharding 'fsdp' does not work with {key}; use runtime.sharding=none")
+    if world_size < 2:
+        raise ConfigError(
+            "runtime.sharding 'fsdp' needs several processes: set runtime.ppo_processes > 1 or launch the PPO stage "
+            f"under torchrun (this run has {world_size})"
         )
 
 
@@ -240,5 +261,6 @@ def parameter_digest(*modules: nn.Module) -> str:
     for module in modules:
         for name, tensor in sorted(module.state_dict().items()):
             h.update(name.encode())
+            tensor = sharding.full(tensor)  # a sharded model's whole parameter: every rank hashes the same bytes
             h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

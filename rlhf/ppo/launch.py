@@ -182,6 +182,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     # before any model is loaded or process group started
     distributed.check_world_size(cfg.ppo, distributed.world_size_from_env())
+    distributed.check_sharding(cfg.ppo, cfg.runtime, distributed.world_size_from_env())
     prompts = read_prompts(args.prompts)
     if cfg.runtime.threads is not None:
         torch.set_num_threads(cfg.runtime.threads)

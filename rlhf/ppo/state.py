@@ -1,7 +1,8 @@
 """The PPO trainer state: optimizers, schedulers, KL controller and RNGs, saved for resume, and the final models.
 
 The resume state has the format of every trainer's (`rlhf.checkpoints.write_state`): ``policy.safetensors``,
-``value.safetensors`` and ``trainer_state.pt``.
+``value.safetensors`` and ``trainer_state.pt``; with sharded models (runtime.sharding 'fsdp') the weights and
+optimizer states are a torch.distributed.checkpoint folder instead (`rlhf.ppo.sharded_state`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from transformers import get_scheduler
 from rlhf.checkpoints import read_state, write_state
 from rlhf.config import PPOConfig
 from rlhf.errors import ConfigError
+from rlhf.models import sharding
 from rlhf.models.training import adamw
 from rlhf.ops import AdaptiveKLController, FixedKLController, make_kl_controller
 from rlhf.ppo.models import PPOModels
@@ -99,11 +101,22 @@ def load_state(
             f"the PPO trainer state in {folder} was saved by {saved_world} process(es); resume it with the same "
             f"number, not {world_size}"
         )
-    load_model(models.policy, folder / POLICY_FILE, device=str(device))
-    models.value_trainable().load_state_dict(load_file(folder / VALUE_FILE, device=str(device)))
+    saved_sharding, sharded = saved.get("sharding", "none"), sharding.is_sharded(models.policy)
+    if saved_sharding != ("fsdp" if sharded else "none"):
+        raise ConfigError(
+            f"the PPO trainer state in {folder} was saved with runtime.sharding={saved_sharding}; resume it with the "
+            "same setting"
+        )
+    if sharded:
+        from rlhf.ppo.sharded_state import load_sharded_weights
+
+        load_sharded_weights(folder, models, state.policy_opt, state.value_opt)
+    else:
+        load_model(models.policy, folder / POLICY_FILE, device=str(device))
+        models.value_trainable().load_state_dict(load_file(folder / VALUE_FILE, device=str(device)))
+        state.policy_opt.load_state_dict(saved["policy_opt"])
+        state.value_opt.load_state_dict(saved["value_opt"])
     state.step = int(saved["step"])
-    state.policy_opt.load_state_dict(saved["policy_opt"])
-    state.value_opt.load_state_dict(saved["value_opt"])
     state.policy_sched.load_state_dict(saved["policy_sched"])
     state.value_sched.load_state_dict(saved["value_sched"])
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
@@ -118,13 +131,22 @@ def save_state(folder: Path, models: PPOModels, state: TrainerState, sample_rngs
     With several processes, rank 0 alone calls this, with `sample_rngs`: every rank's sampling generator state in
     rank order (weights, optimizers and the shuffle generator are the same on every rank).
     """
+    fields = {
+        **trainer_fields(state, sample_rngs),
+        "policy_opt": state.policy_opt.state_dict(),
+        "value_opt": state.value_opt.state_dict(),
+    }
+    value_weights = {VALUE_FILE: models.value_trainable().state_dict()}
+    write_state(folder, fields, {POLICY_FILE: models.policy}, value_weights)  # save_model handles tied weights
+
+
+def trainer_fields(state: TrainerState, sample_rngs: list[Tensor] | None = None) -> dict[str, Any]:
+    """What ``trainer_state.pt`` holds besides the optimizer states: step, schedulers, KL controller, RNGs."""
     extra: dict[str, Any] = {}
     if sample_rngs is not None and len(sample_rngs) > 1:
         extra = {"world_size": len(sample_rngs), "sample_rngs": sample_rngs}
-    fields = {
+    return {
         "step": state.step,
-        "policy_opt": state.policy_opt.state_dict(),
-        "value_opt": state.value_opt.state_dict(),
         "policy_sched": state.policy_sched.state_dict(),
         "value_sched": state.value_sched.state_dict(),
         "kl_ctl": state.kl_ctl.state_dict(),
@@ -132,14 +154,15 @@ def save_state(folder: Path, models: PPOModels, state: TrainerState, sample_rngs
         "shuffle_rng": state.shuffle_generator.get_state(),
         **extra,
     }
-    value_weights = {VALUE_FILE: models.value_trainable().state_dict()}
-    write_state(folder, fields, {POLICY_FILE: models.policy}, value_weights)  # save_model handles tied weights
 
 
-def save_final(folder: Path, models: PPOModels) -> None:
-    """The trained policy (LoRA merged into the base) and value model, loadable with the Auto classes."""
+def save_final(folder: Path, models: PPOModels, weights: dict[str, dict[str, Tensor]] | None = None) -> None:
+    """The trained policy (LoRA merged into the base) and value model, loadable with the Auto classes.
+
+    `weights`: the whole "policy" and "value" state dicts of sharded models (`sharded_state.full_weights`)."""
+    weights = weights or {}
     policy = models.policy.merge_and_unload() if hasattr(models.policy, "merge_and_unload") else models.policy
-    policy.save_pretrained(folder / "policy", safe_serialization=True)
+    policy.save_pretrained(folder / "policy", safe_serialization=True, state_dict=weights.get("policy"))
     models.tokenizer.save_pretrained(folder / "policy")
     (folder / "value").mkdir(parents=True, exist_ok=True)
     if models.shared_value_head:
@@ -148,5 +171,5 @@ def save_final(folder: Path, models: PPOModels) -> None:
             folder / "value" / "value_head.safetensors",
         )
     else:
-        models.value.save_pretrained(folder / "value", safe_serialization=True)
+        models.value.save_pretrained(folder / "value", safe_serialization=True, state_dict=weights.get("value"))
         models.tokenizer.save_pretrained(folder / "value")

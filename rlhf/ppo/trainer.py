@@ -18,13 +18,15 @@ from rlhf.errors import TrainingInterrupted
 from rlhf.generation import GenerationSettings
 from rlhf.logs import GoldFn, LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
+from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
 from rlhf.ppo.periodic_eval import EvalCallback, is_eval_step, periodic_eval
 from rlhf.ppo.prompts import prompt_batch
-from rlhf.ppo.state import TrainerState, load_state, save_final, save_state
+from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
+from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
 
@@ -74,6 +76,8 @@ def train_ppo(
     processes: ppo.batch_size is the global batch and each rank generates its slice of it; gradients are averaged
     across ranks, whitening uses the moments of the global batch, statistics are reduced across ranks, and rank 0
     alone calls `log` and writes rollout records, the trainer state and the final models. None: one process.
+    runtime.sharding 'fsdp' shards the four models over the ranks (`rlhf.ppo.sharded_state`): every rank then
+    writes its shards of the resume state, and the final models are gathered on rank 0.
     `param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
 
     With ppo.eval_every > 0 and `eval_prompts`, the policy is evaluated on them before the first update (unless
@@ -85,13 +89,17 @@ def train_ppo(
     out_dir = Path(out_dir)
     dist = dist if dist is not None else DistContext(device=resolve_device(runtime.device))
     distributed.check_world_size(cfg, dist.world_size)
+    distributed.check_sharding(cfg, runtime, dist.world_size)
+    sharded = runtime.sharding == "fsdp"
     device = dist.device
     reset_peak_memory(device)
     models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
-    state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
     if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
         distributed.broadcast_parameters(models.policy)
         distributed.broadcast_parameters(models.value_trainable())
+    if sharded:  # each rank keeps its shards of the four models from here on
+        shard_models(models, dist)
+    state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
     settings = generation_settings(cfg, models)
     prompt_ids, pending = truncated_prompts(
         encode_prompts(models.tokenizer, prompts), len(bos_prefix(models.tokenizer)), cfg, dist
@@ -162,9 +170,10 @@ def train_ppo(
         models.sampler.close()
     final = out_dir / "final"
     digest = ""
+    weights = full_weights(models) if sharded else None  # gathered on rank 0: a collective of every rank
     if dist.is_main:
         with atomic_dir(final) as tmp:
-            save_final(tmp, models)
+            save_final(tmp, models, weights)
             digest = write_manifest(tmp, stage="ppo", updates=state.step)["digest"]
     params = ""
     if dist.world_size > 1:
@@ -204,11 +213,15 @@ def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistC
 
 
 def checkpoint_state(folder: Path, models: PPOModels, state: TrainerState, dist: DistContext) -> None:
-    """Save the resume state: rank 0 writes it, with every rank's sampling generator state."""
+    """Save the resume state: rank 0 writes it, with every rank's sampling generator state (sharded models: every
+    rank writes its shards)."""
     if dist.world_size == 1:
         save_state(folder, models, state)
         return
     sample_rngs = distributed.all_gather_object(state.sample_generator.get_state())
+    if sharding.is_sharded(models.policy):
+        save_sharded_state(folder, models, state.policy_opt, state.value_opt, trainer_fields(state, sample_rngs), dist)
+        return
     if dist.is_main:
         save_state(folder, models, state, sample_rngs)
     distributed.barrier()  # a rank that raises TrainingInterrupted next finds the state written

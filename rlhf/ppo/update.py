@@ -16,6 +16,7 @@ from rlhf import scoring
 from rlhf.config import PPOConfig
 from rlhf.generation import GenerationSettings, Responses
 from rlhf.logs import LogFn
+from rlhf.models import sharding
 from rlhf.models.device import autocast
 from rlhf.models.training import unwrap
 from rlhf.nonfinite import skip_nonfinite
@@ -177,8 +178,9 @@ def micro_batch(rollout: Rollout, rows: Tensor) -> MicroBatch:
 def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
     """Policy forward, clipped loss (minus the entropy bonus) and its backward for one micro-batch."""
     with autocast(mb.mask.device, dtype):
-        out = policy_forward(
+        out = sharding.call(
             unwrap(models.policy),
+            policy_forward,
             mb.query_responses,
             mb.qr_mask,
             mb.prompt_len,
@@ -196,7 +198,8 @@ def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torc
 def _value_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
     """Value forward, clipped value loss and its backward for one micro-batch."""
     with autocast(mb.mask.device, dtype):
-        new_values = value_forward(models.value, mb.query_responses, mb.qr_mask, mb.prompt_len).float()
+        new_values = sharding.call(models.value, value_forward, mb.query_responses, mb.qr_mask, mb.prompt_len)
+        new_values = new_values.float()
     vl = value_loss_fn(new_values, mb.values, mb.returns, mb.mask, cfg.cliprange_value)
     (cfg.vf_coef * vl.loss / cfg.gradient_accumulation_steps).backward()
     return vl
@@ -282,7 +285,9 @@ def optimize(
 
     With `dist` over W > 1 processes, `rollout` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
     is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
-    takes the same optimizer step. The shuffle generator is the same on all ranks (a permutation of local rows).
+    takes the same optimizer step: all-reduced here for replicated models, reduce-scattered into each rank's shard
+    by FSDP in backward for sharded ones (runtime.sharding 'fsdp'; each rank then steps its own shards). The
+    shuffle generator is the same on all ranks (a permutation of local rows).
 
     A NaN or infinite loss or gradient norm in a minibatch stops the update with NonFiniteError (after logging the
     minibatch's statistics through `log`) or, with `on_nonfinite="skip_update"`, skips that minibatch's optimizer
@@ -291,6 +296,7 @@ def optimize(
     t0 = time.perf_counter()
     device = rollout.query_responses.device
     world_size = dist.world_size if dist is not None else 1
+    sharded = sharding.is_sharded(unwrap(models.policy))  # FSDP averages the gradients itself
     running, per_minibatch, ratios = OptimStats(), [], []
     mini_size = cfg.mini_batch_size // world_size
     micro_size = mini_size // cfg.gradient_accumulation_steps
@@ -328,13 +334,13 @@ def optimize(
                             "value/error": vl.value_error,
                         }
                     )
-                if world_size > 1:  # after both backward passes: the summed micro-batch gradients, averaged
+                if world_size > 1 and not sharded:  # after both backward passes: the summed gradients, averaged
                     average_gradients(state.policy_params)
                     average_gradients(state.value_params)
                 mb_stats.add(
                     {
-                        "policy/grad_norm": torch.nn.utils.clip_grad_norm_(state.policy_params, cfg.max_grad_norm),
-                        "value/grad_norm": torch.nn.utils.clip_grad_norm_(state.value_params, cfg.max_grad_norm),
+                        "policy/grad_norm": sharding.clip_grad_norm(state.policy_params, cfg.max_grad_norm),
+                        "value/grad_norm": sharding.clip_grad_norm(state.value_params, cfg.max_grad_norm),
                     }
                 )
                 mb_means = mb_stats.means()
