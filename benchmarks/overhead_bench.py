@@ -1,0 +1,468 @@
+"""Orchestration overhead: the pipeline through Prefect and MLflow against the same library calls without them.
+
+    make bench-overhead                   # or: .venv/bin/python benchmarks/overhead_bench.py [--rounds 3]
+    make bench-overhead ARGS="--config conf/smoke.yaml --rounds 1"     # a quick run
+
+Each run is a fresh Python process with an empty output folder, MLflow store and PREFECT_HOME of its own (a temp
+folder), and the two variants alternate (A, B, A, B, ...):
+
+- A, ``prefect``: what ``make run`` does (flows/pipeline.py ``main``): load the config, preflight, create the Prefect
+  database, then the ``rlhf_pipeline`` flow with its six cached tasks, each stage an MLflow child run logging
+  every statistic, artifact and checkpoint into a SQLite store. The ephemeral Prefect server that the first
+  Prefect call starts is started explicitly before the flow, so that its start is timed apart.
+- B, ``library``: the same library calls (rlhf/) in the same order with the same config, each stage writing into
+  a folder of its own, no Prefect and no MLflow imported: the log callbacks are no-ops.
+
+The stages' times are their wall times as the flow sees them (A: the `run_stage` call, i.e. the Prefect task with
+its cache key, result persistence and MLflow run; B: the library call). A's MLflow time is the time inside
+`rlhf.tracking.Tracker`'s methods; MLflow's share of a PPO update is the time the PPO training loop spends in them
+(the per-update `log` callback) over the loop's time. Both variants must give the same result figures (reward-model
+accuracy, PPO's final score and KL, the evaluation): the comparison is like for like. The last line is
+`overhead: X%` (the pipeline's, without the server start: median of A / median of B - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = (
+    "prepare_preferences",
+    "supervised_finetune",
+    "train_reward_model",
+    "plan_ppo_models",
+    "train_policy_ppo",
+    "evaluate_policies",
+)
+# result figures both variants must agree on (the first ones present are compared)
+FIGURES = (
+    "reward/eval_accuracy",
+    "ppo/objective/scores",
+    "ppo/objective/kl",
+    "eval/kl",
+    "eval/win_rate_rm",
+    "eval/ppo_score",
+    "eval/sft_score",
+    "eval/win_rate_gold",
+)
+ENV = {
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+TARGET_PIPELINE, TARGET_MLFLOW = 3.0, 2.0  # per cent
+
+
+def overrides(folder: Path) -> list[str]:
+    """The run's outputs and MLflow store in its own (empty) folder."""
+    return [
+        f"runtime.output_dir={folder}/outputs",
+        f"tracking.uri=sqlite:///{folder}/mlflow.db",
+        f"tracking.artifact_location={folder}/artifacts",
+    ]
+
+
+# -- A: the Prefect flow with MLflow, instrumented ------------------------------------------------------------------
+
+
+class Clock:
+    """Seconds spent inside instrumented calls, by (stage, what); nested instrumented calls count once."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.stage = "flow"
+        self.in_ppo_loop = False
+        self.loop_calls: list[float] = []  # each `log` call of the PPO loop: its MLflow seconds
+        self._depth = threading.local()
+
+    def wrap(self, fn, what: str):
+        clock = self
+
+        def timed(*args, **kwargs):
+            depth = getattr(clock._depth, "n", 0)
+            clock._depth.n = depth + 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock._depth.n = depth
+                if depth == 0:
+                    spent = time.perf_counter() - start
+                    clock.seconds[f"{clock.stage}|{what}"] += spent
+                    clock.seconds[f"{what}.{fn.__name__}"] += spent
+                    if clock.in_ppo_loop:
+                        clock.seconds[f"ppo_loop|{what}"] += spent
+                        if fn.__name__ == "log_metrics":
+                            clock.loop_calls.append(spent)
+
+        timed.__name__ = fn.__name__
+        return timed
+
+
+def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
+    """Time every Tracker method (MLflow), the stages (`run_stage` as the flow calls it), the PPO training loop and
+    the Prefect progress logger of the training loops."""
+    import flows.pipeline as pipeline
+    import tasks.stages as stages
+    from rlhf.tracking import Tracker
+
+    for name, value in list(vars(Tracker).items()):
+        if callable(value) and (not name.startswith("_") or name == "__init__") and name != "metric_logger":
+            setattr(Tracker, name, clock.wrap(value, "mlflow"))
+
+    run_stage = pipeline.run_stage
+
+    def timed_stage(task, **parameters):
+        clock.stage = task.name
+        start = time.perf_counter()
+        try:
+            result = run_stage(task, **parameters)
+        finally:
+            times[task.name] = time.perf_counter() - start
+            clock.stage = "flow"
+        outputs[task.name] = result
+        return result
+
+    pipeline.run_stage = timed_stage
+    train_ppo = stages.train_ppo
+
+    def timed_train_ppo(*args, **kwargs):
+        clock.in_ppo_loop = True
+        start = time.perf_counter()
+        try:
+            return train_ppo(*args, **kwargs)
+        finally:
+            times["ppo_loop"] = time.perf_counter() - start
+            clock.in_ppo_loop = False
+
+    stages.train_ppo = timed_train_ppo
+    progress_logger = stages.progress_logger
+    stages.progress_logger = lambda *a, **k: clock.wrap(progress_logger(*a, **k), "prefect_progress")
+
+
+def run_prefect(config_path: str, folder: Path) -> dict:
+    start = time.perf_counter()
+    from prefect.server.api.server import SubprocessASGIServer
+
+    import flows.pipeline as pipeline
+    from flows.terminal import exit_code_of
+    from rlhf.config import load_config
+    from rlhf.preflight import preflight
+    from rlhf.tracking import Tracker
+
+    times: dict[str, float] = {"imports": time.perf_counter() - start}
+    start = time.perf_counter()
+    config = load_config(config_path, overrides(folder))
+    preflight(config)
+    times["preflight"] = time.perf_counter() - start
+    start = time.perf_counter()
+    Tracker(config.tracking.uri, config.tracking.experiment, config.tracking.artifact_location)
+    times["mlflow_store"] = time.perf_counter() - start  # creating an empty store: its first run only
+    clock, outputs = Clock(), {}
+    instrument(clock, times, outputs)
+    start = time.perf_counter()
+    pipeline.prepare_prefect_database()
+    times["prefect_database"] = time.perf_counter() - start
+    start = time.perf_counter()
+    SubprocessASGIServer().start()  # what the flow's first API call would do
+    times["prefect_server"] = time.perf_counter() - start
+    start = time.perf_counter()
+    code, summary = exit_code_of(lambda: pipeline.rlhf_pipeline(config))
+    times["pipeline"] = time.perf_counter() - start
+    if code != 0 or summary is None:
+        raise SystemExit(f"the pipeline failed (exit code {code})")
+    print(pipeline.format_summary(summary))
+    policy = outputs["train_policy_ppo"]
+    figures = {k: v for k, v in summary.items() if isinstance(v, float)}
+    figures |= {f"ppo/{k}": v for k, v in policy.metrics.items()}
+    return {
+        "times": times,
+        "figures": figures,
+        "updates": policy.updates,
+        "cached": [s for s in STAGES if getattr(outputs[s], "cached", False)],
+        "seconds": dict(clock.seconds),
+        "loop_calls": clock.loop_calls,
+    }
+
+
+# -- B: the library alone ---------------------------------------------------------------------------------------------
+
+
+def run_library(config_path: str, folder: Path) -> dict:
+    """The library calls of tasks/stages.py, in the flow's order, with no-op log callbacks; no Prefect, no MLflow."""
+    start = time.perf_counter()
+    import pandas as pd
+
+    from rlhf import evaluate as evaluation
+    from rlhf import reward, sft
+    from rlhf.checkpoints import write_manifest
+    from rlhf.config import load_config
+    from rlhf.data import prepare
+    from rlhf.data.lengths import LengthLimits
+    from rlhf.models.device import set_threads
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.stop_tokens import same_vocabulary
+    from rlhf.ppo.trainer import train_ppo
+    from rlhf.preflight import preflight
+
+    times: dict[str, float] = {"imports": time.perf_counter() - start}
+    start = time.perf_counter()
+    config = load_config(config_path, overrides(folder))
+    preflight(config)
+    times["preflight"] = time.perf_counter() - start
+    if config.runtime.ppo_processes > 1:
+        raise SystemExit("the library variant runs PPO in one process (runtime.ppo_processes: 1)")
+    runtime, out, seed = config.runtime, folder / "outputs", config.seed
+
+    def noop(metrics: dict[str, float], step: int) -> None:
+        return None
+
+    def stage(name: str, call):
+        set_threads(runtime.threads)
+        begin = time.perf_counter()
+        result = call(out / name)
+        times[name] = time.perf_counter() - begin
+        return result
+
+    pipeline_start = time.perf_counter()
+    data = stage(
+        "prepare_preferences",
+        lambda d: prepare.prepare_preferences(config.data, d, LengthLimits.from_config(config)),
+    )
+    demos, pairs = f"{data.folder}/sft.parquet", f"{data.folder}/train.parquet"
+    if config.sft.model is not None and not config.sft.finetune:
+        policy_sft = stage("supervised_finetune", lambda d: sft.load_existing(config.sft, runtime))
+    elif config.sft.model is None:
+        policy_sft = stage(
+            "supervised_finetune", lambda d: sft.bootstrap_sft(config.sft, runtime, demos, pairs, d, seed, noop)
+        )
+    else:
+        policy_sft = stage("supervised_finetune", lambda d: sft.finetune_sft(config.sft, runtime, demos, d, seed, noop))
+    rm = stage(
+        "train_reward_model",
+        lambda d: reward.train_reward_model(
+            config.reward, runtime, policy_sft.path, pairs, f"{data.folder}/eval.parquet", d, seed, noop
+        ),
+    )
+
+    def plan(d: Path) -> bool:
+        trust = runtime.trust_remote_code
+        same = same_vocabulary(
+            load_tokenizer(policy_sft.path, trust_remote_code=trust), load_tokenizer(rm.path, trust_remote_code=trust)
+        )
+        d.mkdir(parents=True, exist_ok=True)
+        write_manifest(d, stage="init", policy_init=policy_sft.path, value_init=rm.path, same_tokenizer=same)
+        return same
+
+    stage("plan_ppo_models", plan)
+    gold = prepare.gold_scorer(data.manifest)
+    eval_file = f"{data.folder}/eval.parquet"
+    ppo = stage(
+        "train_policy_ppo",
+        lambda d: train_ppo(
+            config.ppo,
+            runtime,
+            policy_sft.path,
+            rm.path,
+            pd.read_parquet(f"{data.folder}/prompts.parquet")["prompt"].tolist(),
+            d,
+            seed,
+            noop,
+            value_path=rm.path,
+            gold_fn=gold,
+            eval_prompts=evaluation.eval_prompts(eval_file, config.ppo.eval_prompts)
+            if config.ppo.eval_every > 0
+            else None,
+        ),
+    )
+    result = stage(
+        "evaluate_policies",
+        lambda d: evaluation.evaluate_policies(
+            config.eval, config.ppo, runtime, ppo.policy_path, policy_sft.path, rm.path, eval_file, d, gold, noop
+        ),
+    )
+    times["pipeline"] = time.perf_counter() - pipeline_start
+    figures = {"reward/eval_accuracy": rm.metrics["reward/eval_accuracy"], **result.summary}
+    figures |= {f"ppo/{k}": v for k, v in ppo.metrics.items()}
+    return {"times": times, "figures": figures, "updates": ppo.updates}
+
+
+# -- the driver: fresh processes, alternating -------------------------------------------------------------------------
+
+
+def load1() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0]) if Path("/proc/loadavg").is_file() else float("nan")
+
+
+def run_child(variant: str, config: str, folder: Path, quiet: bool) -> dict:
+    """One variant in a fresh process (its own PREFECT_HOME, output folder and MLflow store); its wall time from
+    spawn to exit is `process`."""
+    folder.mkdir(parents=True)
+    result_file = folder / "result.json"
+    env = {**os.environ, **ENV, "PREFECT_HOME": str(folder / "prefect"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)  # an ephemeral server of its own, as `make run` without a server
+    command = [sys.executable, __file__, "--variant", variant, "--config", config, "--folder", str(folder)]
+    log = open(folder / "output.log", "w") if quiet else None  # noqa: SIM115 (closed below)
+    load_before, start = load1(), time.perf_counter()
+    try:
+        subprocess.run(command + ["--result", str(result_file)], env=env, cwd=REPO, check=True, stdout=log, stderr=log)
+    except subprocess.CalledProcessError:
+        if log is not None:
+            log.close()
+            print((folder / "output.log").read_text()[-4000:], file=sys.stderr)
+        raise
+    wall = time.perf_counter() - start
+    if log is not None:
+        log.close()
+    result = json.loads(result_file.read_text())
+    result["times"]["process"] = wall
+    result["load"] = (load_before + load1()) / 2
+    return result
+
+
+def median_range(values: list[float], fmt: str = "{:.2f}") -> str:
+    if not values:
+        return "-"
+    text = fmt.format(statistics.median(values))
+    return text if len(values) == 1 else f"{text} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def compare_figures(runs: dict[str, list[dict]]) -> tuple[bool, list[str]]:
+    """Every result figure of every run against the first library run's (relative difference <= 1e-6)."""
+    reference = runs["library"][0]["figures"]
+    lines, same = [], True
+    for key in FIGURES:
+        if key not in reference:
+            continue
+        values = [run["figures"].get(key, float("nan")) for variant in runs.values() for run in variant]
+        worst = max(abs(v - reference[key]) / max(abs(reference[key]), 1e-12) for v in values)
+        same &= worst <= 1e-6
+        lines.append(f"  {key:<28}{reference[key]:.6g}  (largest relative difference {worst:.1e})")
+    return same, lines
+
+
+def report(runs: dict[str, list[dict]], config: str) -> list[str]:
+    prefect, library = runs["prefect"], runs["library"]
+
+    def col(variant: list[dict], key: str) -> list[float]:
+        return [run["times"][key] for run in variant if key in run["times"]]
+
+    def row(label: str, key: str, b_key: str | None = None) -> str:
+        a, b = col(prefect, key), col(library, b_key or key)
+        over = ""
+        if a and b:
+            over = f"{(statistics.median(a) - statistics.median(b)) / statistics.median(b):+.1%}"
+            over += f" ({statistics.median(a) - statistics.median(b):+.2f} s)"
+        return f"{label:<34}{median_range(a):<24}{median_range(b):<24}{over}"
+
+    for run in prefect + library:
+        times = run["times"]
+        startup = ("mlflow_store", "prefect_database", "prefect_server")
+        times["startup"] = sum(times.get(k, 0.0) for k in startup)
+        times["pipeline+startup"] = times["pipeline"] + times["startup"]
+    for run in prefect:
+        run["times"]["flow_own"] = run["times"]["pipeline"] - sum(run["times"][s] for s in STAGES)
+    rounds = len(prefect)
+    lines = [
+        "",
+        f"Orchestration overhead of {config}: {rounds} round(s) of A (Prefect flow + MLflow) and B (library alone),",
+        f"alternating, each a fresh process with an empty output folder, MLflow store and PREFECT_HOME; "
+        f"{os.cpu_count()} CPU cores",
+        f"load average (1 min) around the runs: {median_range([r['load'] for r in prefect + library])}",
+        "median (min-max), seconds",
+        f"{'':<34}{'A: Prefect + MLflow':<24}{'B: library alone':<24}overhead (A - B) / B",
+    ]
+    lines += [row(stage, stage) for stage in STAGES]
+    lines.append(f"{'flow itself (A: outside the stages)':<34}{median_range(col(prefect, 'flow_own')):<24}")
+    lines.append(row("pipeline (all stages)", "pipeline"))
+    lines.append(row("  + store, database, server start", "pipeline+startup"))
+    lines.append(f"{'  MLflow store creation (A only)':<34}{median_range(col(prefect, 'mlflow_store')):<24}")
+    lines.append(f"{'  Prefect database (A only)':<34}{median_range(col(prefect, 'prefect_database')):<24}")
+    lines.append(f"{'  Prefect server start (A only)':<34}{median_range(col(prefect, 'prefect_server')):<24}")
+    lines.append(row("imports", "imports"))
+    lines.append(row("preflight", "preflight"))
+    lines.append(row("whole process (spawn to exit)", "process"))
+    updates = prefect[0]["updates"]
+    shares = [100 * r["seconds"].get("ppo_loop|mlflow", 0.0) / r["times"]["ppo_loop"] for r in prefect]
+    per_update = [1000 * statistics.median(r["loop_calls"]) for r in prefect if r["loop_calls"]]
+    progress = [100 * r["seconds"].get("ppo_loop|prefect_progress", 0.0) / r["times"]["ppo_loop"] for r in prefect]
+    lines += [
+        "",
+        f"MLflow in the PPO training loop ({updates} updates): {median_range(per_update)} ms per update's log call, "
+        f"{median_range(shares)}% of the loop's time",
+        f"Prefect progress logger in the PPO training loop: {median_range(progress, '{:.3f}')}% of the loop's time",
+        "MLflow time per stage (A; Tracker calls incl. run creation, params, artifacts, models), seconds:",
+    ]
+    for stage in (*STAGES, "flow"):
+        lines.append(f"  {stage:<32}{median_range([r['seconds'].get(f'{stage}|mlflow', 0.0) for r in prefect])}")
+    methods = sorted({k for r in prefect for k in r["seconds"] if k.startswith("mlflow.")})
+    by_method = {m: [r["seconds"].get(m, 0.0) for r in prefect] for m in methods}
+    top = sorted(by_method, key=lambda m: -statistics.median(by_method[m]))[:8]
+    lines.append(
+        "MLflow time by Tracker method (A), seconds: " + ", ".join(f"{m[7:]} {median_range(by_method[m])}" for m in top)
+    )
+    cached = {s for r in prefect for s in r["cached"]}
+    if cached:
+        lines.append(f"WARNING: stages served from a cache in A: {sorted(cached)}")
+    same, figure_lines = compare_figures(runs)
+    lines += ["", "result figures (B's first run; all runs of both variants against it):", *figure_lines]
+    lines.append("the same in both variants" if same else "WARNING: the variants' result figures differ")
+    a, b = statistics.median(col(prefect, "pipeline")), statistics.median(col(library, "pipeline"))
+    overhead = 100 * (a - b) / b
+    share = statistics.median(shares)
+    lines += [
+        f"targets: pipeline overhead <= {TARGET_PIPELINE:g}%: {'met' if overhead <= TARGET_PIPELINE else 'NOT met'} "
+        f"({overhead:.1f}%); MLflow share of a PPO update <= {TARGET_MLFLOW:g}%: "
+        f"{'met' if share <= TARGET_MLFLOW else 'NOT met'} ({share:.2f}%)",
+        f"overhead: {overhead:.1f}%",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="conf/default.yaml", help="pipeline config (conf/smoke.yaml: quick)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of A then B (each a fresh process)")
+    parser.add_argument("--json", help="also write every run's times and figures to this file")
+    parser.add_argument("--verbose", action="store_true", help="show the runs' output (default: logged, hidden)")
+    parser.add_argument("--variant", choices=("prefect", "library"), help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    config = str((REPO / args.config).resolve()) if not Path(args.config).is_absolute() else args.config
+    if args.variant:  # a child: one run
+        sys.path.insert(0, str(REPO))
+        run = run_prefect if args.variant == "prefect" else run_library
+        Path(args.result).write_text(json.dumps(run(config, Path(args.folder))))
+        return 0
+    runs: dict[str, list[dict]] = {"prefect": [], "library": []}
+    with tempfile.TemporaryDirectory(prefix="overhead-bench-") as tmp:
+        for round_ in range(args.rounds):
+            for variant in ("prefect", "library"):
+                result = run_child(variant, config, Path(tmp) / f"{variant}-{round_}", quiet=not args.verbose)
+                runs[variant].append(result)
+                print(
+                    f"round {round_ + 1}/{args.rounds} {variant:<8} pipeline {result['times']['pipeline']:.2f} s, "
+                    f"process {result['times']['process']:.2f} s, load {result['load']:.2f}",
+                    flush=True,
+                )
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    print("\n".join(report(runs, args.config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
