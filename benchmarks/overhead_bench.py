@@ -78,7 +78,7 @@ def overrides(folder: Path) -> list[str]:
 
 
 class Clock:
-    """Seconds spent inside instrumented calls, by (stage, what); nested instrumented calls count once."""
+    """Seconds spent inside instrumented calls, by (stage, what); nested calls of the same kind count once."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -91,17 +91,19 @@ class Clock:
         clock = self
 
         def timed(*args, **kwargs):
-            depth = getattr(clock._depth, "n", 0)
-            clock._depth.n = depth + 1
+            depth = getattr(clock._depth, what, 0)
+            setattr(clock._depth, what, depth + 1)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                clock._depth.n = depth
+                setattr(clock._depth, what, depth)
                 if depth == 0:
                     spent = time.perf_counter() - start
                     clock.seconds[f"{clock.stage}|{what}"] += spent
                     clock.seconds[f"{what}.{fn.__name__}"] += spent
+                    if what != "library" and getattr(clock._depth, "library", 0):  # a log callback of the library's
+                        clock.seconds[f"{clock.stage}|in_library"] += spent
                     if clock.in_ppo_loop:
                         clock.seconds[f"ppo_loop|{what}"] += spent
                         if fn.__name__ == "log_metrics":
@@ -148,6 +150,23 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
             clock.in_ppo_loop = False
 
     stages.train_ppo = timed_train_ppo
+    # the library calls inside the tasks (what B runs): a stage's time less these is its orchestration overhead
+    from rlhf import evaluate, reward, sft
+    from rlhf.data import prepare
+
+    for module, name in (
+        (prepare, "prepare_preferences"),
+        (sft, "bootstrap_sft"),
+        (sft, "finetune_sft"),
+        (sft, "load_existing"),
+        (reward, "train_reward_model"),
+        (stages, "same_vocabulary"),
+        (stages, "load_tokenizer"),
+        (stages, "write_manifest"),
+        (stages, "train_ppo"),
+        (evaluate, "evaluate_policies"),
+    ):
+        setattr(module, name, clock.wrap(getattr(module, name), "library"))
     progress_logger = stages.progress_logger
     stages.progress_logger = lambda *a, **k: clock.wrap(progress_logger(*a, **k), "prefect_progress")
 
@@ -394,6 +413,28 @@ def report(runs: dict[str, list[dict]], config: str) -> list[str]:
     lines.append(row("imports", "imports"))
     lines.append(row("preflight", "preflight"))
     lines.append(row("whole process (spawn to exit)", "process"))
+    lines += [
+        "",
+        "A's own accounting (the same runs): the stage's time less the library calls' time within it (not counting",
+        "the MLflow and Prefect calls of the library's log callbacks), i.e. the time outside the library",
+    ]
+    for stage in STAGES:
+        own = [
+            r["times"][stage] - r["seconds"].get(f"{stage}|library", 0.0) + r["seconds"].get(f"{stage}|in_library", 0.0)
+            for r in prefect
+        ]
+        lines.append(f"  {stage:<32}{median_range(own)}")
+    outside = [
+        r["times"]["pipeline"]
+        - sum(r["seconds"].get(f"{s}|library", 0.0) - r["seconds"].get(f"{s}|in_library", 0.0) for s in STAGES)
+        for r in prefect
+    ]
+    lines.append(f"  {'whole pipeline':<32}{median_range(outside)}")
+    for run, value in zip(prefect, outside, strict=True):
+        run["times"]["outside_library"] = value
+        run["times"]["library_alone"] = run["times"]["pipeline"] - value
+    shares = [100 * r["times"]["outside_library"] / r["times"]["library_alone"] for r in prefect]
+    lines.append(f"  {'as a share of the library time':<32}{median_range(shares)}%")
     updates = prefect[0]["updates"]
     shares = [100 * r["seconds"].get("ppo_loop|mlflow", 0.0) / r["times"]["ppo_loop"] for r in prefect]
     per_update = [1000 * statistics.median(r["loop_calls"]) for r in prefect if r["loop_calls"]]
