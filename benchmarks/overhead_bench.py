@@ -84,7 +84,6 @@ class Clock:
         self.seconds: dict[str, float] = defaultdict(float)
         self.stage = "flow"
         self.in_ppo_loop = False
-        self.loop_calls: list[float] = []  # each `log` call of the PPO loop: its MLflow seconds
         self._depth = threading.local()
 
     def wrap(self, fn, what: str):
@@ -106,8 +105,6 @@ class Clock:
                         clock.seconds[f"{clock.stage}|in_library"] += spent
                     if clock.in_ppo_loop:
                         clock.seconds[f"ppo_loop|{what}"] += spent
-                        if fn.__name__ == "log_metrics":
-                            clock.loop_calls.append(spent)
 
         timed.__name__ = fn.__name__
         return timed
@@ -212,7 +209,6 @@ def run_prefect(config_path: str, folder: Path) -> dict:
         "updates": policy.updates,
         "cached": [s for s in STAGES if getattr(outputs[s], "cached", False)],
         "seconds": dict(clock.seconds),
-        "loop_calls": clock.loop_calls,
     }
 
 
@@ -437,11 +433,11 @@ def report(runs: dict[str, list[dict]], config: str) -> list[str]:
     lines.append(f"  {'as a share of the library time':<32}{median_range(shares)}%")
     updates = prefect[0]["updates"]
     shares = [100 * r["seconds"].get("ppo_loop|mlflow", 0.0) / r["times"]["ppo_loop"] for r in prefect]
-    per_update = [1000 * statistics.median(r["loop_calls"]) for r in prefect if r["loop_calls"]]
+    per_update = [1000 * r["seconds"].get("ppo_loop|mlflow", 0.0) / r["updates"] for r in prefect]
     progress = [100 * r["seconds"].get("ppo_loop|prefect_progress", 0.0) / r["times"]["ppo_loop"] for r in prefect]
     lines += [
         "",
-        f"MLflow in the PPO training loop ({updates} updates): {median_range(per_update)} ms per update's log call, "
+        f"MLflow in the PPO training loop ({updates} updates): {median_range(per_update)} ms per update, "
         f"{median_range(shares)}% of the loop's time",
         f"Prefect progress logger in the PPO training loop: {median_range(progress, '{:.3f}')}% of the loop's time",
         "MLflow time per stage (A; Tracker calls incl. run creation, params, artifacts, models), seconds:",

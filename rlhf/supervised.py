@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from rlhf.checkpoints import load_trainer_state, save_trainer_state
 from rlhf.errors import TrainingInterrupted
-from rlhf.logs import LogFn
+from rlhf.logs import LogFn, flush_log
 from rlhf.nonfinite import skip_nonfinite
 
 MAX_GRAD_NORM = 1.0
@@ -126,6 +126,7 @@ def run_supervised(
             after_step(StepEnd(step, done, out.loss, stats, skip, skipped))
         if done < total and (done % settings.save_every == 0 or done == stop_after):
             fields = {"step": done, "order": order, **settings.extra_fields()}
+            flush_log(log)  # every step up to a saved state is in the store
             save_trainer_state(state_dir, model, optimizer, scheduler, rng, fields, settings.tensor_files())
         if done == stop_after and done < total:
             raise TrainingInterrupted(f"{settings.stage} training stopped after {done} steps (stop_after); state saved")

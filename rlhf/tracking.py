@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from rlhf.logs import LogFn
+from rlhf.logs import BatchedLog, LogFn, StepRecord
 from rlhf.mlflow_view import VIEW_TAG, default_view_json
 from rlhf.tracking_store import (
     HOST_TAG,
@@ -84,6 +84,7 @@ class Tracker:
         self.uri = resolve_tracking_uri(uri)
         # (key, step) already logged in a reopened run: a resumed stage does not log a step twice
         self._logged: dict[str, set[tuple[str, int]]] = {}
+        self._batched: dict[str, list[BatchedLog]] = {}  # the batched metric loggers of each run (end_run flushes)
         with store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
             self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
             found = self.client.get_experiment_by_name(experiment)
@@ -126,7 +127,10 @@ class Tracker:
         return ended
 
     def end_run(self, run_id: str, failed: bool = False, killed: bool = False) -> None:
-        """End a run FINISHED, FAILED, or KILLED (stopped on purpose, e.g. a trial its sweep's pruner stopped)."""
+        """End a run FINISHED, FAILED, or KILLED (stopped on purpose, e.g. a trial its sweep's pruner stopped), once
+        its batched metric loggers' steps are written."""
+        for batched in self._batched.pop(run_id, []):
+            batched.flush()
         self.client.set_terminated(run_id, status="KILLED" if killed else "FAILED" if failed else "FINISHED")
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
@@ -142,38 +146,35 @@ class Tracker:
             self.client.log_batch(run_id, params=items[start : start + 100])
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        self.log_steps(run_id, [(metrics, step, time.time())])
+
+    def log_steps(self, run_id: str, steps: list[StepRecord]) -> None:
+        """Several steps' metrics, each with the time it was logged at, in as few store transactions as can be.
+        NaN and inf are logged as they are (MLflow stores them): a diverged loss must show, not vanish."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        # NaN and inf are logged as they are (MLflow stores them): a diverged loss must show, not vanish
         logged = self._logged.get(run_id, set())
         items = [
-            Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None and (k, step) not in logged
+            Metric(k, float(v), round(at * 1000), step)
+            for metrics, step, at in steps
+            for k, v in metrics.items()
+            if v is not None and (k, step) not in logged
         ]
-        for start in range(0, len(items), 500):
-            self.client.log_batch(run_id, metrics=items[start : start + 500])
+        for start in range(0, len(items), 1000):  # MLflow's limit per batch
+            self.client.log_batch(run_id, metrics=items[start : start + 1000])
 
     def copy_metrics(self, source_run_id: str, run_id: str, keys: list[str]) -> None:
-        """Every step of `keys` logged on one run, logged on another too (in batches)."""
-        from mlflow.entities import Metric
+        """Every step of `keys` logged on one run, logged on another too (in batches, with their times)."""
+        history = [m for k in keys for m in self.client.get_metric_history(source_run_id, k)]
+        self.log_steps(run_id, [({m.key: m.value}, m.step, m.timestamp / 1000) for m in history])
 
-        items = [
-            Metric(m.key, m.value, m.timestamp, m.step)
-            for k in keys
-            for m in self.client.get_metric_history(source_run_id, k)
-        ]
-        for start in range(0, len(items), 500):
-            self.client.log_batch(run_id, metrics=items[start : start + 500])
-
-    def metric_logger(self, run_id: str, also: LogFn | None = None) -> LogFn:
-        """A ``log(metrics, step)`` callable for the library's training loops."""
-
-        def log(metrics: dict[str, float], step: int) -> None:
-            self.log_metrics(run_id, metrics, step)
-            if also is not None:
-                also(metrics, step)
-
-        return log
+    def metric_logger(self, run_id: str, also: LogFn | None = None, every_s: float = 0.0) -> LogFn:
+        """A ``log(metrics, step)`` callable for the library's training loops; with `every_s` > 0 a `BatchedLog`
+        (steps written every `every_s` seconds, before each resume state and by `end_run`)."""
+        batched = BatchedLog(lambda steps: self.log_steps(run_id, steps), every_s, also)  # every_s 0: each at once
+        if every_s > 0:
+            self._batched.setdefault(run_id, []).append(batched)
+        return batched
 
     def log_artifacts(self, run_id: str, local_path: str | Path, artifact_path: str | None = None) -> None:
         local_path = Path(local_path)

@@ -7,6 +7,10 @@ from pydantic import BaseModel
 from rlhf.config import TrackingConfig
 from rlhf.tracking import Tracker
 
+# The training stages write their per-step metrics to MLflow in batches, every this many seconds (and before each
+# resume state and at the end): one store transaction per step cost several per cent of a PPO update.
+METRICS_EVERY_S = 5.0
+
 
 class TrackingContext(BaseModel):
     """Where to log: passed explicitly to every task (MLflow's active run is thread-local)."""

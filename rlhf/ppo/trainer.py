@@ -16,7 +16,7 @@ from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
 from rlhf.generation import GenerationSettings
-from rlhf.logs import GoldFn, LogFn
+from rlhf.logs import GoldFn, LogFn, flush_log
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
@@ -163,6 +163,7 @@ def train_ppo(
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
         evaluate_if_due(state.step)
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
+            flush_log(log)  # every update up to a saved state is in the store
             checkpoint_state(out_dir / "state", models, state, dist)
         if stop_after is not None and state.step == stop_after and state.step < total:
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
