@@ -472,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="conf/default.yaml", help="pipeline config (conf/smoke.yaml: quick)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of A then B (each a fresh process)")
+    parser.add_argument("--variants", default="prefect,library", help="which to run, in this order, each round")
     parser.add_argument("--json", help="also write every run's times and figures to this file")
     parser.add_argument("--verbose", action="store_true", help="show the runs' output (default: logged, hidden)")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="report on runs saved with --json; runs nothing")
     parser.add_argument("--variant", choices=("prefect", "library"), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -485,9 +487,15 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.result).write_text(json.dumps(run(config, Path(args.folder))))
         return 0
     runs: dict[str, list[dict]] = {"prefect": [], "library": []}
+    if args.report:
+        for saved in args.report:
+            for variant, found in json.loads(Path(saved).read_text()).items():
+                runs[variant] += found
+        print("\n".join(report(runs, args.config)))
+        return 0
     with tempfile.TemporaryDirectory(prefix="overhead-bench-") as tmp:
         for round_ in range(args.rounds):
-            for variant in ("prefect", "library"):
+            for variant in args.variants.split(","):
                 result = run_child(variant, config, Path(tmp) / f"{variant}-{round_}", quiet=not args.verbose)
                 runs[variant].append(result)
                 print(
@@ -497,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
+    if not runs["prefect"] or not runs["library"]:
+        return 0  # one variant only: its runs are in --json (`--report` compares saved runs)
     print("\n".join(report(runs, args.config)))
     return 0
 
