@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test lint docs bench bench-sweep bench-peer bench-peer-trl112 ui ui-check sweep mlflow-ui prefect-ui compare clean
+.PHONY: install run test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -65,6 +65,12 @@ bench: $(STAMP)
 # (ARGS="--concurrency 4"); the last line is `speedup: X`.
 bench-sweep: $(STAMP)
 	$(PY) benchmarks/sweep_bench.py $(ARGS)
+
+# `make bench-overhead`: the default pipeline through Prefect and MLflow against the same library calls alone, each a
+# fresh process, alternating (ARGS="--rounds 3", ARGS="--config conf/smoke.yaml --rounds 1" for a quick run); per-stage
+# times, MLflow's share of a PPO update; the last line is `overhead: X%`.
+bench-overhead: $(STAMP)
+	$(PY) benchmarks/overhead_bench.py $(ARGS)
 
 .bench-peer/.installed:
 	@echo "creating .bench-peer (TRL 0.19.1, transformers 4.5x)"
