@@ -61,6 +61,8 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # a busy machine can take longer than Prefect's default 20 s to start the ephemeral server
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }
 TARGET_PIPELINE, TARGET_MLFLOW = 3.0, 2.0  # per cent
 
