@@ -62,9 +62,12 @@ def watched_text(stage: str, values: dict[str, float]) -> str:
 
 class StepProgress:
     """The progress bar of a training task, advanced as steps are logged: at most one update every
-    `min_interval` seconds, plus the last step. Its text carries the stage's watched numbers (`WATCHED`)."""
+    `min_interval` seconds, plus the last step. Its text carries the stage's watched numbers (`WATCHED`).
 
-    def __init__(self, stage: str, total: int, min_interval: float = 2.0) -> None:
+    Each update is a request to the Prefect API that the training thread waits for (and work for the server
+    process, which shares the machine): every 2 s, it cost the PPO loop about 0.4% of its time on a 2-core machine."""
+
+    def __init__(self, stage: str, total: int, min_interval: float = 10.0) -> None:
         self.stage, self.total, self.min_interval = stage, max(1, total), min_interval
         self.last_update = 0.0
         self.values: dict[str, float] = {}
