@@ -103,6 +103,7 @@ class Clock:
                     spent = time.perf_counter() - start
                     clock.seconds[f"{clock.stage}|{what}"] += spent
                     clock.seconds[f"{what}.{fn.__name__}"] += spent
+                    clock.seconds[f"{clock.stage}|{what}.{fn.__name__}"] += spent
                     if what != "library" and getattr(clock._depth, "library", 0):  # a log callback of the library's
                         clock.seconds[f"{clock.stage}|in_library"] += spent
                     if clock.in_ppo_loop:
@@ -436,11 +437,24 @@ def report(runs: dict[str, list[dict]], config: str) -> list[str]:
     updates = prefect[0]["updates"]
     shares = [100 * r["seconds"].get("ppo_loop|mlflow", 0.0) / r["times"]["ppo_loop"] for r in prefect]
     per_update = [1000 * r["seconds"].get("ppo_loop|mlflow", 0.0) / r["updates"] for r in prefect]
+    # every metric write of the PPO stage, also the steps a batching logger still held when the loop ended
+    writes = (
+        "train_policy_ppo|mlflow.log_steps",
+        "train_policy_ppo|mlflow.log_metrics",
+        "train_policy_ppo|mlflow.end_run",
+    )
+    stage_shares = [
+        100 * sum(r["seconds"].get(k, 0.0) for k in writes) / r["times"]["ppo_loop"]
+        for r in prefect
+        if writes[0] in r["seconds"] or writes[1] in r["seconds"]
+    ]
     progress = [100 * r["seconds"].get("ppo_loop|prefect_progress", 0.0) / r["times"]["ppo_loop"] for r in prefect]
     lines += [
         "",
         f"MLflow in the PPO training loop ({updates} updates): {median_range(per_update)} ms per update, "
         f"{median_range(shares)}% of the loop's time",
+        f"the PPO stage's metric writes and run end, in the loop or after it: {median_range(stage_shares)}% of the "
+        "loop's time",
         f"Prefect progress logger in the PPO training loop: {median_range(progress, '{:.3f}')}% of the loop's time",
         "MLflow time per stage (A; Tracker calls incl. run creation, params, artifacts, models), seconds:",
     ]
