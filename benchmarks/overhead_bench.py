@@ -517,13 +517,13 @@ def main(argv: list[str] | None = None) -> int:
             for variant in args.variants.split(","):
                 result = run_child(variant, config, Path(tmp) / f"{variant}-{round_}", quiet=not args.verbose)
                 runs[variant].append(result)
+                if args.json:  # after every run: an interrupted bench keeps what it measured
+                    Path(args.json).write_text(json.dumps(runs, indent=1))
                 print(
                     f"round {round_ + 1}/{args.rounds} {variant:<8} pipeline {result['times']['pipeline']:.2f} s, "
                     f"process {result['times']['process']:.2f} s, load {result['load']:.2f}",
                     flush=True,
                 )
-    if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=1))
     if not runs["prefect"]:
         return 0  # the library alone: its runs are in --json (`--report` compares saved runs)
     print("\n".join(report(runs, args.config)))
