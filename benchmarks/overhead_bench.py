@@ -414,8 +414,8 @@ def report(runs: dict[str, list[dict]], config: str) -> list[str]:
     lines.append(row("whole process (spawn to exit)", "process"))
     lines += [
         "",
-        "A's own accounting (the same runs): the stage's time less the library calls' time within it (not counting",
-        "the MLflow and Prefect calls of the library's log callbacks count as overhead)",
+        "A's own accounting (the same runs): each stage's time less the library calls' time within it (the MLflow",
+        "and Prefect calls of the library's log callbacks count as overhead), seconds",
     ]
     for stage in STAGES:
         own = [
