@@ -142,7 +142,9 @@ def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monke
         for a in flow_run_artifacts(state.state_details.flow_run_id)
         if a.type == "progress" and a.description.startswith("ppo:")
     ]
-    assert ppo_bars and ppo_bars[0].data == 100.0 and ppo_bars[0].description == "ppo: step 4 of 4"  # newest
+    # newest first; the data-parallel bar shows the numbers a single process shows
+    assert ppo_bars and ppo_bars[0].data == 100.0 and ppo_bars[0].description.startswith("ppo: step 4 of 4; score ")
+    assert all(part in ppo_bars[0].description for part in ("KL ", "KL coef ", "gold ")), ppo_bars[0].description
 
     # a process count the batches cannot be split into is refused before anything runs
     with pytest.raises(ConfigError, match=r"runtime.ppo_processes=3: ppo.batch_size \(16\) must be divisible"):
