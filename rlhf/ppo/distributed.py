@@ -80,8 +80,11 @@ def init_distributed(runtime: RuntimeConfig) -> DistContext:
 
 
 def close_distributed() -> None:
-    """Tear down the process group (end of a launched run); a no-op when none was initialised."""
+    """Tear down the process group (end of a launched run); a no-op when none was initialised. Every rank waits for
+    the others first: a rank that tore its gloo group down while rank 0 was still saving the gathered models once
+    died with SIGABRT ("terminate called without an active exception") on the 2-core CI machine."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
