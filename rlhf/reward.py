@@ -21,10 +21,11 @@ from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.logs import LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
+from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.heads import sequence_scores
 from rlhf.models.loading import load_options, load_reward_model, load_tokenizer
-from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing, fuse_gelu
+from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
 from rlhf.ops import pairwise_reward_loss
 from rlhf.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
@@ -175,7 +176,7 @@ def train_reward_model(
     tokenizer = load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
     train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
     model = load_reward_model(sft_path, device, **load_options(runtime, device, trainable=True))
-    fuse_gelu(model)
+    use_cpu_kernels(model)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train()

@@ -30,16 +30,21 @@ class PolicyOutput(NamedTuple):
     entropy: Tensor | None  # (b, r)
 
 
-def _fused_head(model: PreTrainedModel, head: nn.Module | None, hidden: Tensor) -> bool:
-    """Whether `linear_logprobs` computes what `lm_logits` + `logprobs_from_logits` would: a plain float32 linear
-    LM head (no soft-cap, no adapter wrapper), outside autocast."""
-    return (
-        type(head) is nn.Linear
-        and not getattr(model.config, "final_logit_softcapping", None)
-        and hidden.dtype == torch.float32
-        and head.weight.dtype == torch.float32
-        and not torch.is_autocast_enabled(hidden.device.type)
-    )
+def _fused_head_dtype(model: PreTrainedModel, head: nn.Module | None, hidden: Tensor) -> torch.dtype | None:
+    """The compute dtype in which `linear_logprobs` computes what `lm_logits` + `logprobs_from_logits` would, or None
+    where it does not: a plain linear LM head (no soft-cap, no adapter wrapper), float32 outside autocast; bfloat16
+    under CPU bfloat16 autocast or for a bfloat16 model on a CPU."""
+    if type(head) is not nn.Linear or getattr(model.config, "final_logit_softcapping", None):
+        return None
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        cpu_bf16 = device == "cpu" and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        return torch.bfloat16 if cpu_bf16 else None
+    if hidden.dtype == torch.float32 and head.weight.dtype == torch.float32:
+        return torch.float32
+    if device == "cpu" and hidden.dtype == torch.bfloat16 and head.weight.dtype == torch.bfloat16:
+        return torch.bfloat16
+    return None
 
 
 def policy_forward(
@@ -60,11 +65,13 @@ def policy_forward(
     hidden = backbone_hidden(model, query_responses, attention_mask)[:, prompt_len - 1 : -1]  # position t predicts t+1
     labels = query_responses[:, prompt_len:]
     head = model.get_output_embeddings()
-    if _fused_head(model, head, hidden):  # the LM head and log-softmax a chunk of positions at a time
+    fused_dtype = _fused_head_dtype(model, head, hidden)
+    if fused_dtype is not None:  # the LM head and log-softmax a chunk of positions at a time
         b, r = labels.shape
         logprobs, entropy = linear_logprobs(
-            hidden.reshape(b * r, -1), head.weight, head.bias, labels.reshape(-1), temperature, with_entropy
-        )
+            hidden.reshape(b * r, -1), head.weight, head.bias, labels.reshape(-1), temperature, with_entropy,
+            compute_dtype=fused_dtype,
+        )  # fmt: skip
         logprobs = logprobs.view(b, r)
         if entropy is not None:
             entropy = entropy.view(b, r) if entropy_grad else entropy.detach().view(b, r)

@@ -19,9 +19,10 @@ from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.logs import LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
+from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.loading import is_local_checkpoint, load_causal_lm, load_options, load_tokenizer
-from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing, fuse_gelu
+from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
 from rlhf.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
 
@@ -116,7 +117,7 @@ def train_sft(
     torch.manual_seed(seed)
     model.to(device).train()
     dtype = compute_dtype(runtime.dtype, device)
-    fuse_gelu(model)
+    use_cpu_kernels(model)
     optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # linear warm-up, then cosine decay to 10% of the peak
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=0.1)

@@ -86,3 +86,38 @@ def test_no_grad_calls_keep_nothing(monkeypatch):
     assert getattr(ops._workspaces, "buffer", None) is None
     linear_logprobs(h, w, None, labels)
     assert ops._workspaces.buffer.numel() == hidden.shape[0] * weight.shape[0]
+
+
+@pytest.mark.parametrize("entropy_in_loss", [False, True])
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 30])
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])  # autocast hands the head either
+def test_bfloat16_matmuls_match_autocast_and_keep_the_master_dtypes(
+    monkeypatch, entropy_in_loss, keep_bytes, hidden_dtype
+):
+    """compute_dtype bfloat16 (CPU bf16 autocast): the log-probs and entropies of autocast's plain computation (bf16
+    logits, float32 log-softmax) within bf16 rounding, float32 outputs, the gradients of the float64 reference within
+    bf16 rounding, in the inputs' dtypes (a float32 master weight gets a float32 gradient)."""
+    monkeypatch.setattr(ops, "_KEEP_BYTES", keep_bytes)
+    hidden, weight, bias, labels, g_lp, g_ent = _inputs(3, n=64, h=32, v=300)
+    ref_lp, ref_ent, ref_grads = _reference(hidden, weight, bias, labels, 1.0, entropy_in_loss, g_lp, g_ent)
+    h, w, b = _leaves(hidden, weight, bias)
+    h_in = h.to(hidden_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_logits = torch.nn.functional.linear(h_in, w, b).float()
+        lp, ent = linear_logprobs(
+            h_in, w, b, labels, with_entropy=True, chunk_tokens=16, compute_dtype=torch.bfloat16
+        )  # fmt: skip
+    plain_log_p = plain_logits.log_softmax(-1)
+    ulps = 2**-7 * plain_logits.abs().max().item()  # two bf16 rounding steps of the largest logit
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, plain_log_p.gather(-1, labels[:, None])[:, 0], atol=ulps, rtol=0)
+    torch.testing.assert_close(ent, -(plain_log_p.exp() * plain_log_p).sum(-1), atol=ulps, rtol=0)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=2 * ulps, rtol=0)
+    if not entropy_in_loss:
+        ent = ent.detach()
+    loss = (g_lp.float() * lp).sum() + ((g_ent.float() * ent).sum() if entropy_in_loss else 0)
+    loss.backward()
+    assert h.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+    for ours, ref in zip((h.grad, w.grad, b.grad), ref_grads, strict=True):
+        scale = ref.abs().max()
+        torch.testing.assert_close(ours.double() / scale, ref / scale, atol=3e-2, rtol=0)

@@ -78,8 +78,9 @@ def _cfg(**kw) -> PPOConfig:
     return PPOConfig(**{**base, **kw})
 
 
-def _rollout(stack, cfg: PPOConfig):
-    m = load_models(cfg, RUNTIME, stack["sft"], stack["rm"], stack["rm"], torch.device("cpu"))
+def _rollout(stack, cfg: PPOConfig, dtype: torch.dtype = torch.float32):
+    runtime = RUNTIME.model_copy(update={"dtype": str(dtype).removeprefix("torch.")})
+    m = load_models(cfg, runtime, stack["sft"], stack["rm"], stack["rm"], torch.device("cpu"))
     state = load_state(stack["root"] / "no-state", m, cfg, 0, torch.device("cpu"))
     ids = encode_prompts(m.tokenizer, stack["prompts"], cfg.max_prompt_tokens)
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
@@ -92,18 +93,23 @@ def _rollout(stack, cfg: PPOConfig):
         cfg,
         generation_settings(cfg, m),
         state.sample_generator,
-        dtype=torch.float32,
+        dtype=dtype,
     )
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     return m, state, r
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_first_minibatch_ratio_is_exactly_one(stack, temperature):
+@pytest.mark.parametrize(
+    ("temperature", "dtype"), [(1.0, torch.float32), (0.7, torch.float32), (0.7, torch.bfloat16)]
+)  # bfloat16: CPU autocast, a bf16 reference and reward model, the bf16 fused LM head
+def test_first_minibatch_ratio_is_exactly_one(stack, temperature, dtype):
     # forward_batch_size 5 != minibatch 8: the no-grad pass is chunked differently from the optimisation pass
     cfg = _cfg(temperature=temperature, forward_batch_size=5)
-    m, state, r = _rollout(stack, cfg)
-    result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+    m, state, r = _rollout(stack, cfg, dtype)
+    if dtype == torch.bfloat16:
+        assert next(m.reference.parameters()).dtype == torch.bfloat16
+        assert next(m.policy.parameters()).dtype == torch.float32  # master weights
+    result = ppo_update.optimize(m, state, r, cfg, dtype=dtype)
     first = result.minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/clipfrac"] == 0.0

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from rlhf.models.training import CpuFastTanhGELU, fuse_gelu
+from rlhf.models.cpu_kernels import CpuFastTanhGELU, fuse_gelu
 
 
 def _reference_gelu(x: torch.Tensor) -> torch.Tensor:  # the tanh formula in float64
@@ -62,3 +62,49 @@ def test_fuse_gelu_keeps_a_models_outputs_and_gradients(family_checkpoint):
         for name, param in model.named_parameters():
             if name in grads:
                 assert torch.allclose(param.grad, grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_cpu_gelu_under_bf16_autocast_matches_torchs_bf16_gelu():
+    x = (torch.randn(4096) * 4).bfloat16().requires_grad_()
+    out = CpuFastTanhGELU()(x)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    ref_x = x.detach().clone().requires_grad_()
+    ref = F.gelu(ref_x, approximate="tanh")
+    ref.float().square().sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=2**-7)  # one bf16 rounding step apart at most
+    torch.testing.assert_close(x.grad.float(), ref_x.grad.float(), atol=1e-2, rtol=2**-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma", "phi", "opt"])
+def test_cpu_attention_keeps_outputs_and_stays_out_of_the_checkpoint(family_checkpoint, family, tmp_path):
+    """The float32 CPU attention under bf16 autocast: float32 models unchanged bit for bit, bf16 autocast logits
+    within bf16 rounding of sdpa's, gradients close; the saved config still names sdpa (or nothing)."""
+    from rlhf.models.cpu_kernels import CPU_SDPA, use_cpu_attention
+
+    path = family_checkpoint(family)
+    plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    fast = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    assert use_cpu_attention(fast)
+    assert fast.config._attn_implementation == CPU_SDPA
+    ids = torch.randint(3, 60, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row: the mask reaches the kernel
+    with torch.no_grad():
+        assert torch.equal(plain(ids, attention_mask=mask).logits, fast(ids, attention_mask=mask).logits)
+    losses = []
+    for model in (plain, fast):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, attention_mask=mask).logits.float()
+        loss = logits[mask.bool()].square().mean()
+        loss.backward()
+        losses.append((logits, loss))
+    scale = losses[0][0].abs().max()
+    torch.testing.assert_close(losses[1][0] / scale, losses[0][0] / scale, atol=2e-2, rtol=0)
+    largest = max(p.grad.abs().max() for p in plain.parameters() if p.grad is not None)
+    for (name, p_plain), p_fast in zip(plain.named_parameters(), fast.parameters(), strict=True):
+        if p_plain.grad is not None:  # (a key bias's gradient is rounding noise: it is 0 in exact arithmetic)
+            g = torch.maximum(p_plain.grad.abs().max(), 1e-2 * largest)
+            torch.testing.assert_close(p_fast.grad / g, p_plain.grad / g, atol=5e-2, rtol=0, msg=name)
+    fast.save_pretrained(tmp_path)
+    assert CPU_SDPA not in (tmp_path / "config.json").read_text()

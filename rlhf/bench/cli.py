@@ -108,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default=None, help="default: the shape's (cpu shapes: cpu; GPU shapes: cuda)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the shape's, 2)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: bfloat16 on a GPU, and on a CPU with AVX-512 BF16 or AMX (runtime.dtype: bfloat16), else float32",
+    )
     parser.add_argument("--no-limit", action="store_true", help="skip the limit report (FLOPs, matmul peaks)")
     parser.add_argument("--peers", action="store_true", help="run the TRL peers first, each in its own venv")
     parser.add_argument("--rounds", type=int, default=1, help="with --peers: alternate peers and this project")
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.device or shape.device).startswith("cuda") and not torch.cuda.is_available():
         print(cuda_refusal(args.shape), file=sys.stderr)
         return 2
-    from rlhf.models.device import compute_dtype, resolve_device
+    from rlhf.models.device import compute_dtype, cpu_has_native_bf16, resolve_device
 
     from .run import PHASES, Bench, run_bench
 
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     device = resolve_device(args.device or shape.device)
     dtype = compute_dtype(args.dtype, device)
+    if args.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+        dtype = torch.bfloat16  # runtime.dtype: bfloat16 (CPU autocast); float32 where the CPU emulates bf16
     print(f"PPO bench: shape={args.shape} {shape} device={device} threads={torch.get_num_threads()} dtype={dtype}")
     if args.updates < MIN_UPDATES:
         print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")

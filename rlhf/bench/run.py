@@ -16,8 +16,9 @@ from torch import Tensor
 from rlhf.config import PPOConfig
 from rlhf.generation import GenerationSettings, sample_responses
 from rlhf.memory import peak_memory_mb
+from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast
-from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, fuse_gelu, unwrap
+from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState, fresh_state
 from rlhf.ppo.update import compute_advantages, generate_and_score, optimize
@@ -31,18 +32,17 @@ PHASES = ("time/generate", "time/score", "time/advantages", "time/optimize")
 def build_models(shape: BenchShape, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PPOModels:
     """Random-init policy and its frozen reference copy, and separate value and frozen reward models
     (`*ForSequenceClassification` of the same shape). As in the trainer, the trained models keep float32 weights
-    and the frozen ones are cast to the autocast dtype on CUDA."""
+    and the frozen ones are cast to the compute dtype."""
     torch.manual_seed(seed)
     config = model_config(shape)
     lm_class, scalar_class = model_classes(shape)
     with torch.device(device):  # initialise in place (a 1B model's init on the CPU takes a while)
         policy, value, reward = lm_class(config), scalar_class(config), scalar_class(config)
-    frozen_dtype = dtype if device.type == "cuda" else torch.float32
-    reference = copy.deepcopy(policy).to(frozen_dtype).requires_grad_(False)
-    reward = reward.to(frozen_dtype).requires_grad_(False)
+    reference = copy.deepcopy(policy).to(dtype).requires_grad_(False)
+    reward = reward.to(dtype).requires_grad_(False)
     for model in (policy, reference, value, reward):
         disable_dropout(model)
-        fuse_gelu(model)
+        use_cpu_kernels(model)
         model.eval()
     if shape.gradient_checkpointing:
         enable_gradient_checkpointing(policy)

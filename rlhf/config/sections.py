@@ -39,8 +39,9 @@ class RuntimeConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="Compute dtype. Trained models (SFT, reward, PPO policy and value) keep float32 weights and run "
-        "under autocast in this dtype on CUDA; frozen ones (PPO reference and reward model, evaluation) are loaded "
-        "in it. 'auto': bfloat16 on a CUDA device that supports it, else float32. float16 has no loss scaling.",
+        "under autocast in this dtype (on a CPU: bfloat16 only, fast where the CPU has AVX-512 BF16 or AMX); frozen "
+        "ones (PPO reference and reward model, evaluation) are loaded in it. 'auto': bfloat16 on a CUDA device that "
+        "supports it, else float32. float16 has no loss scaling.",
     )
     attn_implementation: str | None = Field(
         "sdpa",

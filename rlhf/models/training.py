@@ -1,13 +1,12 @@
-"""What a model needs to be trained here: fused GELU, AdamW, gradient checkpointing, no dropout, LoRA adapters."""
+"""What a model needs to be trained here: AdamW, gradient checkpointing, no dropout, LoRA adapters (the CPU kernels
+are in `rlhf.models.cpu_kernels`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from transformers import PreTrainedModel
 
 from rlhf.config import LoraConfig
@@ -18,73 +17,6 @@ from rlhf.models.loading import MODEL_BUILD_LOCK
 def unwrap(model: nn.Module) -> PreTrainedModel:
     """The transformers model under a peft wrapper (its layers carry the adapters)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-# tanh-GELU as x * sigmoid(u), u = 2 sqrt(2/pi) (x + 0.044715 x^3): the same function, since 1 + tanh(y) = 2 sigmoid(2y)
-_GELU_C1 = 2 * math.sqrt(2 / math.pi)
-_GELU_C3 = _GELU_C1 * 0.044715
-
-
-def _gelu_sigmoid(x: Tensor) -> Tensor:
-    """sigmoid(u) of the sigmoid form of tanh-GELU, in a fresh buffer (three element-wise passes: addcmul makes
-    C1 + C3 x^2 in one)."""
-    return torch.addcmul(x.new_tensor(_GELU_C1), x, x, value=_GELU_C3).mul_(x).sigmoid_()
-
-
-class _SigmoidFormGELU(torch.autograd.Function):
-    """tanh-GELU and its derivative through sigmoid(u): d/dx [x s(u)] = s + x s (1 - s) u'(x)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        s = _gelu_sigmoid(x)
-        ctx.save_for_backward(x, s)
-        return x * s
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        x, s = ctx.saved_tensors
-        # where |x| > 1e4, s (1 - s) is 0: the clamp keeps x u'(x) finite there (inf * 0 would be NaN)
-        bounded = x.clamp(-1e4, 1e4)
-        slope = bounded * bounded
-        slope.mul_(3 * _GELU_C3).add_(_GELU_C1).mul_(bounded)  # x u'(x)
-        s_ds = s * s
-        torch.sub(s, s_ds, out=s_ds)  # s (1 - s)
-        return slope.mul_(s_ds).add_(s).mul_(grad)
-
-
-class CpuFastTanhGELU(nn.Module):
-    """The tanh-approximated GELU, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, computed on float32 CPU
-    tensors as ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``: the same function (``1 + tanh(y) = 2 sigmoid(2y)``;
-    results within float32 rounding, about 1e-6), because torch's CPU tanh kernel is several times slower than its
-    sigmoid (forward and backward about 2.5x faster than ``F.gelu(approximate="tanh")`` on an AVX2 CPU). torch's
-    fused kernel everywhere else (CUDA, half precision)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32:
-            return F.gelu(x, approximate="tanh")
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _SigmoidFormGELU.apply(x)
-        return _gelu_sigmoid(x).mul_(x)
-
-
-def fuse_gelu(model: nn.Module) -> int:
-    """Swap transformers' tanh-GELU modules for `CpuFastTanhGELU`: the Python ``gelu_new`` (six element-wise ops;
-    GPT-2, Phi), ``gelu_fast`` and ``gelu_pytorch_tanh`` (Gemma) compute the same function (differences ~1e-6 in
-    float32), a large share of a small model's time on CPU. Returns the count."""
-    from transformers import activations
-
-    tanh_gelus = tuple(
-        getattr(activations, name)
-        for name in ("NewGELUActivation", "FastGELUActivation", "GELUTanh", "PytorchGELUTanh")
-        if hasattr(activations, name)
-    )
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) in tanh_gelus:
-                setattr(module, name, CpuFastTanhGELU())
-                swapped += 1
-    return swapped
 
 
 def adamw(params: Iterable[nn.Parameter], lr: float, eps: float = 1e-8, weight_decay: float = 0.0) -> torch.optim.AdamW:

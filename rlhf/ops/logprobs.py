@@ -69,7 +69,12 @@ def _chunk_rows(n: int, vocab: int, chunk_tokens: int | None) -> int:
 
 
 def _logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``linear(hidden, weight, bias)`` written into `out`. Shape: (n, h), (v, h), (v,) -> out (n, v)."""
+    """``linear(hidden, weight, bias)`` written into the float32 `out`; a bfloat16 `hidden` and `weight` multiply
+    in bfloat16 (float32 accumulation, logits rounded to bfloat16 as autocast's would be), then widen into `out`.
+    Shape: (n, h), (v, h), (v,) -> out (n, v)."""
+    if hidden.dtype != out.dtype:
+        out.copy_(torch.mm(hidden, weight.t()))
+        return out if bias is None else out.add_(bias)
     if bias is None:
         return torch.mm(hidden, weight.t(), out=out)
     return torch.addmm(bias, hidden, weight.t(), out=out)
@@ -82,14 +87,21 @@ _KEEP_BYTES = 256 << 20
 _workspaces = threading.local()
 
 
+def _workspace(name: str, device: torch.device, n: int, v: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """This thread's reusable (n, v) buffer `name`, grown when too small."""
+    buffer = getattr(_workspaces, name, None)
+    if buffer is None or buffer.numel() < n * v or buffer.device != device or buffer.dtype != dtype:
+        buffer = torch.empty(n * v, device=device, dtype=dtype)
+        setattr(_workspaces, name, buffer)
+    return buffer[: n * v].view(n, v)
+
+
 def _kept_exps(device: torch.device, n: int, v: int) -> tuple[Tensor, object]:
     """This thread's (n, v) float32 buffer of kept exps and a fresh owner token (a later call takes the buffer over:
     the earlier call's backward then sees another owner and recomputes)."""
-    buffer = getattr(_workspaces, "buffer", None)
-    if buffer is None or buffer.numel() < n * v or buffer.device != device:
-        buffer = _workspaces.buffer = torch.empty(n * v, device=device)
+    buffer = _workspace("buffer", device, n, v)
     _workspaces.owner = token = object()
-    return buffer[: n * v].view(n, v), token
+    return buffer, token
 
 
 def _owns_kept_exps(token: object) -> bool:
@@ -123,22 +135,25 @@ class _LinearLogprobs(torch.autograd.Function):
     """`linear_logprobs` with a backward that recomputes each chunk's logits instead of keeping (n, v) of them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, with_entropy, rows, keep):
+    def forward(ctx, hidden, weight, bias, labels, temperature, with_entropy, rows, keep, compute_dtype):
         n, v = hidden.shape[0], weight.shape[0]
-        logprobs, lse, sums = hidden.new_empty(n), hidden.new_empty(n), hidden.new_empty(n)
-        entropy = hidden.new_empty(n if with_entropy else 0)
+        f32 = {"device": hidden.device, "dtype": torch.float32}
+        logprobs, lse, sums = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+        entropy = torch.empty(n if with_entropy else 0, **f32)
         kept, ctx.token = _kept_exps(hidden.device, n, v) if keep else (None, None)
-        chunk = hidden.new_empty(rows, v) if with_entropy or not keep else None
-        scratch = hidden.new_empty(rows, v) if with_entropy and not keep else None
+        chunk = torch.empty(rows, v, **f32) if with_entropy or not keep else None
+        scratch = torch.empty(rows, v, **f32) if with_entropy and not keep else None
+        h, w = hidden.to(compute_dtype), weight.to(compute_dtype)  # no copies in float32
         for i in range(0, n, rows):
             sl, m = slice(i, min(i + rows, n)), min(rows, n - i)
-            z = _logits_into(chunk[:m] if chunk is not None else kept[sl], hidden[sl], weight, bias)
+            z = _logits_into(chunk[:m] if chunk is not None else kept[sl], h[sl], w, bias)
             exps = kept[sl] if keep else scratch[:m] if with_entropy else None
             logprobs[sl], lse[sl], sums[sl], ent = _chunk_forward(z, labels[sl], temperature, with_entropy, exps)
             if with_entropy:
                 entropy[sl] = ent
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, sums)
+        ctx.save_for_backward(h, w, bias, labels, lse, entropy, sums)
         ctx.temperature, ctx.rows, ctx.kept = temperature, rows, kept
+        ctx.dtypes = hidden.dtype, weight.dtype
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         return logprobs, entropy, lse
@@ -150,12 +165,15 @@ class _LinearLogprobs(torch.autograd.Function):
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         if g_entropy is not None and entropy.numel() == 0:
             g_entropy = None
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros_like(weight) if want_w else None
+        f32 = {"device": hidden.device, "dtype": torch.float32}
+        grad_h = torch.empty(hidden.shape, **f32) if want_h else None
+        grad_w = torch.zeros(weight.shape, **f32) if want_w else None
         grad_b = torch.zeros_like(bias) if want_b and bias is not None else None
-        nones = (None,) * 5
+        # bfloat16 matmuls: each chunk's d loss / d z rounded into a (n, v) buffer, the weight gradient in one matmul
+        low = _workspace("low", hidden.device, n, v, hidden.dtype) if hidden.dtype != torch.float32 else None
+        heads = _HeadGrads(hidden, weight, temperature, grad_h, grad_w, grad_b, low)
         if g_logprobs is None and g_entropy is None:
-            return grad_h.zero_() if want_h else None, grad_w, grad_b, *nones
+            return heads.result(ctx.dtypes, zero=True)
         if ctx.kept is not None and g_entropy is None and _owns_kept_exps(ctx.token):
             _workspaces.owner = None  # consumed: a second backward (retain_graph) recomputes
             for i in range(0, n, rows):
@@ -163,12 +181,12 @@ class _LinearLogprobs(torch.autograd.Function):
                 # d logp_y / dz = onehot(y) - p, p = exp(z - max) / sum
                 grad = ctx.kept[sl].mul_((g_logprobs[sl] / sums[sl]).neg_()[:, None])
                 grad.scatter_add_(-1, labels[sl, None], g_logprobs[sl, None])
-                _head_grads(grad, hidden[sl], weight, temperature, grad_h, grad_w, grad_b, sl)
+                heads.add(grad, sl)
             ctx.kept = None
-            return grad_h, grad_w, grad_b, *nones
+            return heads.result(ctx.dtypes)
         ctx.kept = None
-        chunk = hidden.new_empty(rows, v)
-        scratch = hidden.new_empty(rows, v) if g_entropy is not None else None
+        chunk = torch.empty(rows, v, **f32)
+        scratch = torch.empty(rows, v, **f32) if g_entropy is not None else None
         for i in range(0, n, rows):
             sl, m = slice(i, min(i + rows, n)), min(rows, n - i)
             h = hidden[sl]
@@ -184,20 +202,43 @@ class _LinearLogprobs(torch.autograd.Function):
             grad = p.mul_(coef)
             if g_logprobs is not None:
                 grad.scatter_add_(-1, labels[sl, None], g_logprobs[sl, None])
-            _head_grads(grad, h, weight, temperature, grad_h, grad_w, grad_b, sl)
-        return grad_h, grad_w, grad_b, *nones
+            heads.add(grad, sl)
+        return heads.result(ctx.dtypes)
 
 
-def _head_grads(grad, h, weight, temperature, grad_h, grad_w, grad_b, sl) -> None:
-    """Accumulate the LM head's input, weight and bias gradients of one chunk from d loss / d (z / temperature)."""
-    if temperature != 1.0:
-        grad.div_(temperature)
-    if grad_h is not None:
-        torch.mm(grad, weight, out=grad_h[sl])
-    if grad_w is not None:
-        grad_w.addmm_(grad.t(), h)
-    if grad_b is not None:
-        grad_b += grad.sum(0)
+class _HeadGrads:
+    """The LM head's input, weight and bias gradients, accumulated chunk by chunk from d loss / d (z / temperature):
+    in float32 matmuls, or with `low` (a (n, v) bfloat16 buffer) in bfloat16 ones, the weight's in one matmul over
+    every row at the end (float32 accumulation inside it, as autocast's backward)."""
+
+    def __init__(self, hidden, weight, temperature, grad_h, grad_w, grad_b, low) -> None:
+        self.hidden, self.weight, self.temperature, self.low = hidden, weight, temperature, low
+        self.grad_h, self.grad_w, self.grad_b = grad_h, grad_w, grad_b
+
+    def add(self, grad: Tensor, sl: slice) -> None:
+        if self.temperature != 1.0:
+            grad.div_(self.temperature)
+        if self.grad_b is not None:
+            self.grad_b += grad.sum(0)
+        if self.low is not None:
+            grad = self.low[sl].copy_(grad)
+        if self.grad_h is not None:
+            if self.low is None:
+                torch.mm(grad, self.weight, out=self.grad_h[sl])
+            else:
+                self.grad_h[sl] = torch.mm(grad, self.weight)
+        if self.grad_w is not None and self.low is None:
+            self.grad_w.addmm_(grad.t(), self.hidden[sl])
+
+    def result(self, dtypes: tuple[torch.dtype, torch.dtype], zero: bool = False) -> tuple:
+        grad_h, grad_w = self.grad_h, self.grad_w
+        if zero and grad_h is not None:
+            grad_h.zero_()
+        elif grad_w is not None and self.low is not None:
+            grad_w.copy_(torch.mm(self.low.t(), self.hidden))
+        grad_h = grad_h.to(dtypes[0]) if grad_h is not None else None
+        grad_w = grad_w.to(dtypes[1]) if grad_w is not None else None
+        return grad_h, grad_w, self.grad_b, *(None,) * 6
 
 
 def linear_logprobs(
@@ -208,14 +249,18 @@ def linear_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of ``labels`` (and the entropy) under ``softmax(linear(hidden, weight, bias) / temperature)``,
     the LM head fused with the log-softmax: the logits are computed ``chunk_tokens`` rows at a time (a few MiB of
     them by default) and never held for all rows at once. The backward recomputes each chunk's logits, except on a
     CPU where the (n, v) exps fit in 256 MiB: there the forward keeps them in a reused per-thread buffer and the
     backward (of the log-probs; with the entropy in the loss it recomputes) costs two matmuls instead of three.
-    Equal to ``logprobs_from_logits`` / ``entropy_from_logits`` of the full logits within float32 rounding; float32
-    only.
+    Equal to ``logprobs_from_logits`` / ``entropy_from_logits`` of the full logits within float32 rounding.
+
+    `compute_dtype` bfloat16: the three matmuls in bfloat16 (float32 accumulation; the logits and their gradient
+    rounded to bfloat16, as under autocast), the log-softmax, entropy and outputs in float32; the gradients come
+    back in `hidden`'s and `weight`'s dtypes (float32 master weights stay float32).
 
     Shape: hidden (n, h), weight (v, h), bias (v,) or None, labels (n,); output (n,), (n,) or None.
     """
@@ -228,7 +273,9 @@ def linear_logprobs(
         and (hidden.requires_grad or weight.requires_grad)
         and 4 * n * v <= _KEEP_BYTES
     )
-    logprobs, entropy, _ = _LinearLogprobs.apply(
-        hidden.contiguous(), weight, bias, labels.contiguous(), float(temperature), with_entropy, rows, keep
-    )
+    with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are this function's choice
+        logprobs, entropy, _ = _LinearLogprobs.apply(
+            hidden.contiguous(), weight, bias, labels.contiguous(), float(temperature), with_entropy, rows, keep,
+            compute_dtype,
+        )  # fmt: skip
     return logprobs, entropy if with_entropy else None

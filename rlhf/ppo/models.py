@@ -13,6 +13,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.generation import Sampler
+from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.heads import PolicyValueHead
 from rlhf.models.loading import MODEL_BUILD_LOCK, load_causal_lm, load_options, load_reward_model, load_tokenizer
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
@@ -20,7 +21,6 @@ from rlhf.models.training import (
     apply_lora,
     disable_dropout,
     enable_gradient_checkpointing,
-    fuse_gelu,
     lora_targets,
     unwrap,
 )
@@ -110,7 +110,7 @@ def load_models(
     for model in (policy, value, reward, reference):
         if model is not None:
             disable_dropout(model)
-            fuse_gelu(model)
+            use_cpu_kernels(model)
     return PPOModels(
         policy,
         reference,
