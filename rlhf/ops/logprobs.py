@@ -121,7 +121,7 @@ def _chunk_forward(logits: Tensor, labels: Tensor, temperature: float, with_entr
     if with_entropy:
         e = torch.exp(shifted, out=exps)
         s = e.sum(-1)
-        weighted = torch.bmm(e[:, None, :], shifted[:, :, None]).view(-1)  # sum e * (z - max)
+        weighted = shifted.mul_(e).sum(-1)  # sum e * (z - max), in place: z - max is not needed after this
         entropy = s.log() - weighted / s
     elif exps is not None:
         s = torch.exp(shifted, out=exps).sum(-1)

@@ -218,6 +218,16 @@ def _value_worker() -> ThreadPoolExecutor:
     return _VALUE_WORKER
 
 
+def _paired(concurrent: bool, policy_side, value_side) -> tuple:
+    """`policy_side()` and `value_side()`: the value side in the second stream's thread when `concurrent` (the
+    gradient clipping and the optimizer steps of the two models touch disjoint tensors), else one after the other."""
+    if not concurrent:
+        return policy_side(), value_side()
+    future = _value_worker().submit(value_side)
+    first = policy_side()
+    return first, future.result()
+
+
 def matmul_weights(model: torch.nn.Module) -> int:
     """Entries of a model's matrix-multiply weights (linear and GPT-2 Conv1D layers, LM head included; not the
     embeddings, which are looked up): what one token's forward and backward cost, up to a factor."""
@@ -337,20 +347,19 @@ def optimize(
                 if world_size > 1 and not sharded:  # after both backward passes: the summed gradients, averaged
                     average_gradients(state.policy_params)
                     average_gradients(state.value_params)
-                mb_stats.add(
-                    {
-                        "policy/grad_norm": sharding.clip_grad_norm(state.policy_params, cfg.max_grad_norm),
-                        "value/grad_norm": sharding.clip_grad_norm(state.value_params, cfg.max_grad_norm),
-                    }
+                policy_norm, value_norm = _paired(
+                    concurrent,
+                    lambda: sharding.clip_grad_norm(state.policy_params, cfg.max_grad_norm),
+                    lambda: sharding.clip_grad_norm(state.value_params, cfg.max_grad_norm),
                 )
+                mb_stats.add({"policy/grad_norm": policy_norm, "value/grad_norm": value_norm})
                 mb_means = mb_stats.means()
                 skip = skip_nonfinite(mb_means, "PPO", state.step + 1, on_nonfinite, log, _CHECKED)
                 if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
                     skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
                 skipped += skip
                 if not skip:
-                    state.policy_opt.step()
-                    state.value_opt.step()
+                    _paired(concurrent, state.policy_opt.step, state.value_opt.step)
                 state.policy_opt.zero_grad(set_to_none=True)
                 state.value_opt.zero_grad(set_to_none=True)
                 per_minibatch.append(mb_means)
