@@ -62,16 +62,41 @@ def filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Ten
     return logits
 
 
+# vocabularies of at least this many entries are sampled through blocks of _SAMPLE_BLOCK (two short prefix sums
+# instead of one over the whole vocabulary: a 32 x 32000 cumsum alone took 1 ms of an 8.7 ms decoding step on a CPU)
+_TWO_LEVEL_VOCAB = 4096
+_SAMPLE_BLOCK = 256
+
+
+def _below(bound: Tensor, x: Tensor) -> Tensor:
+    """`x`, capped at the largest float below `bound`: a point of a CDF strictly inside its total."""
+    return torch.minimum(x, torch.nextafter(bound, torch.zeros_like(bound)))
+
+
 def sample_from_logits(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row from softmax(logits) by inverting the CDF with one uniform draw per row.
 
-    Exact like torch.multinomial, and several times cheaper on CPU (no per-entry exponential draws).
-    Shape: (b, v) -> (b,).
+    Exact like torch.multinomial, and several times cheaper on CPU (no per-entry exponential draws). Large
+    vocabularies invert two CDFs: over the sums of blocks of 256 entries, then inside the block drawn. A token of
+    probability 0 (a -inf logit) is never drawn. Shape: (b, v) -> (b,).
     """
-    probs = F.softmax(logits.float(), dim=-1)
-    cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    logits = logits.float()
+    b, v = logits.shape
+    weights = logits.sub(logits.amax(-1, keepdim=True)).exp_()  # unnormalised probabilities
+    u = torch.rand((b, 1), generator=generator, device=logits.device)
+    if v < _TWO_LEVEL_VOCAB:
+        cdf = weights.cumsum(-1)
+        target = _below(cdf[:, -1:], u * cdf[:, -1:])
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    size = _SAMPLE_BLOCK
+    blocks = F.pad(weights, (0, -v % size)).view(b, -1, size)
+    block_cdf = blocks.sum(-1).cumsum(-1)  # (b, blocks)
+    target = _below(block_cdf[:, -1:], u * block_cdf[:, -1:])
+    block = torch.searchsorted(block_cdf, target, right=True)  # the first block whose CDF passes the target
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), torch.zeros_like(target))
+    inner = blocks.gather(1, block[:, :, None].expand(b, 1, size)).squeeze(1).cumsum(-1)  # (b, size)
+    rest = _below(inner[:, -1:], (target - before).clamp_(min=0))
+    return (block * size + torch.searchsorted(inner, rest, right=True)).squeeze(1)
 
 
 def truncate_at_stop(tokens: Tensor, stop_token_ids: tuple[int, ...], pad_token_id: int) -> Responses:

@@ -90,3 +90,25 @@ def test_sample_from_logits_matches_the_distribution():
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     assert freq[2] == 0
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+
+
+def test_sample_from_logits_two_level_path_matches_the_distribution():
+    """A real-size vocabulary goes through block sums: the mass on block edges, in the last (partial) block and on a
+    lone token is drawn as often as it should be; -inf entries (top-k / top-p filtered) never."""
+    from rlhf.generation import _TWO_LEVEL_VOCAB, sample_from_logits
+
+    v = _TWO_LEVEL_VOCAB + 901  # the last block of 256 is partial
+    probs = torch.zeros(v)
+    picks = {0: 0.2, 255: 0.1, 256: 0.15, 3000: 0.05, v - 1: 0.3, v - 2: 0.2}
+    for token, p in picks.items():
+        probs[token] = p
+    logits = torch.log(probs).expand(60000, v)
+    draws = sample_from_logits(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=v).float() / len(draws)
+    assert set(draws.unique().tolist()) <= set(picks)  # nothing of probability 0
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+    ramp = torch.linspace(0, 3, v).expand(60000, v)  # every entry possible, mass skewed to the end
+    draws = sample_from_logits(ramp, torch.Generator().manual_seed(1))
+    bins = torch.arange(v) * 20 // v  # 20 bins across the vocabulary, blocks straddling their edges
+    expected = torch.zeros(20).index_add_(0, bins, ramp[0].softmax(-1))
+    torch.testing.assert_close(torch.bincount(bins[draws], minlength=20) / len(draws), expected, atol=0.006, rtol=0)
