@@ -7,6 +7,7 @@ both call it, so a rollout and an evaluation batch are generated and scored the 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -184,6 +185,16 @@ def _chunks(n: int, size: int | None) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+_SECOND_STREAM: ThreadPoolExecutor | None = None
+
+
+def _second_stream() -> ThreadPoolExecutor:
+    global _SECOND_STREAM
+    if _SECOND_STREAM is None:
+        _SECOND_STREAM = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-scoring")
+    return _SECOND_STREAM
+
+
 def generate_and_score(
     models: ScoringModels,
     query: Tensor,
@@ -193,9 +204,12 @@ def generate_and_score(
     generator: torch.Generator | None,
     dtype: torch.dtype,
     forward_batch_size: int | None = None,
+    two_streams: bool = False,
 ) -> ScoredResponses:
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
-    temperature, values (when there is a value model) and reward-model scores.
+    temperature, values (when there is a value model) and reward-model scores. `two_streams` (a CPU, models of
+    about one size): the value and reward forwards run in a second thread beside the policy's and the reference's,
+    each op single-threaded (`rlhf.ppo.update.two_streams`).
 
     `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
     dtype on CUDA (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
@@ -217,39 +231,66 @@ def generate_and_score(
     t1 = time.perf_counter()
     chunks = _chunks(len(query), forward_batch_size)
 
-    with torch.no_grad(), autocast(device, dtype):
-        policy = unwrap(models.policy)
-        logprobs = torch.cat(
-            [
-                sharding.call(policy, policy_forward, query_responses[s], qr_mask[s], prompt_len, temperature).logprobs
-                for s in chunks
-            ]
-        ).float()
-        ref_logprobs = torch.cat(
-            [
-                reference_logprobs(
-                    models.policy, models.reference, query_responses[s], qr_mask[s], prompt_len, temperature
-                )
-                for s in chunks
-            ]
-        ).float()
-        values = None
-        if models.value is not None:
-            values = torch.cat(
-                [sharding.call(models.value, value_forward, query_responses[s], qr_mask[s], prompt_len) for s in chunks]
+    policy = unwrap(models.policy)
+
+    @torch.no_grad()
+    def policy_side() -> tuple[Tensor, Tensor]:
+        with autocast(device, dtype):
+            logprobs = torch.cat(
+                [
+                    sharding.call(
+                        policy, policy_forward, query_responses[s], qr_mask[s], prompt_len, temperature
+                    ).logprobs
+                    for s in chunks
+                ]
             ).float()
-        scores = reward_scores(
-            models.reward,
-            models.reward_tokenizer,
-            models.tokenizer,
-            models.same_tokenizer,
-            prompt_texts,
-            query_responses,
-            qr_mask,
-            resp,
-            forward_batch_size,
-            device,
-        )
+            ref_logprobs = torch.cat(
+                [
+                    reference_logprobs(
+                        models.policy, models.reference, query_responses[s], qr_mask[s], prompt_len, temperature
+                    )
+                    for s in chunks
+                ]
+            ).float()
+        return logprobs, ref_logprobs
+
+    @torch.no_grad()
+    def value_side() -> tuple[Tensor | None, Tensor]:
+        with autocast(device, dtype):
+            values = None
+            if models.value is not None:
+                values = torch.cat(
+                    [
+                        sharding.call(models.value, value_forward, query_responses[s], qr_mask[s], prompt_len)
+                        for s in chunks
+                    ]
+                ).float()
+            scores = reward_scores(
+                models.reward,
+                models.reward_tokenizer,
+                models.tokenizer,
+                models.same_tokenizer,
+                prompt_texts,
+                query_responses,
+                qr_mask,
+                resp,
+                forward_batch_size,
+                device,
+            )
+        return values, scores
+
+    if two_streams:  # each side single-threaded, the value and reward models' in a second thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            future = _second_stream().submit(value_side)
+            logprobs, ref_logprobs = policy_side()
+            values, scores = future.result()
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        logprobs, ref_logprobs = policy_side()
+        values, scores = value_side()
     sharding.reshard(policy, models.reference, models.value, models.reward)  # free what the no-grad calls gathered
     timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
     return ScoredResponses(query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings)

@@ -137,6 +137,7 @@ def train_ppo(
             settings,
             state.sample_generator,
             dtype,
+            dist.world_size,
         )
         # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)

@@ -66,6 +66,7 @@ def generate_and_score(
     settings: GenerationSettings,
     generator: torch.Generator,
     dtype: torch.dtype,
+    world_size: int = 1,
 ) -> Rollout:
     """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores.
 
@@ -74,8 +75,9 @@ def generate_and_score(
     """
     texts = [prompts[i] for i in indices] if prompts is not None else None
     scored = scoring.generate_and_score(
-        models.scoring(), query, query_mask, texts, settings, generator, dtype, cfg.forward_batch_size
-    )
+        models.scoring(), query, query_mask, texts, settings, generator, dtype, cfg.forward_batch_size,
+        two_streams=streams_apply(query.device, models, world_size),
+    )  # fmt: skip
     assert scored.values is not None  # PPO has a value model
     return Rollout(
         indices,
@@ -245,6 +247,17 @@ def matmul_weights(model: torch.nn.Module) -> int:
 _BALANCED_STREAMS = 2.0
 
 
+def streams_apply(device: torch.device, models: PPOModels, world_size: int = 1) -> bool:
+    """Whether `two_streams` runs the policy's and the value model's work in two single-threaded streams."""
+    return (
+        device.type == "cpu"
+        and not models.shared_value_head
+        and torch.get_num_threads() > 1
+        and world_size == 1
+        and matmul_weights(models.policy) <= _BALANCED_STREAMS * matmul_weights(models.value)
+    )
+
+
 @contextlib.contextmanager
 def two_streams(device: torch.device, models: PPOModels, world_size: int = 1) -> Iterator[bool]:
     """On a multi-threaded CPU with a separate value model of about the policy's cost, run policy-side and
@@ -254,13 +267,7 @@ def two_streams(device: torch.device, models: PPOModels, world_size: int = 1) ->
     `cpu-long` shape's optimisation took 18.0 s in two streams against 12.3 s with both threads on each op), and not
     with several processes: they already share the cores."""
     threads = torch.get_num_threads()
-    concurrent = (
-        device.type == "cpu"
-        and not models.shared_value_head
-        and threads > 1
-        and world_size == 1
-        and matmul_weights(models.policy) <= _BALANCED_STREAMS * matmul_weights(models.value)
-    )
+    concurrent = streams_apply(device, models, world_size)
     if concurrent:
         torch.set_num_threads(1)
     try:
