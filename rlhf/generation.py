@@ -87,16 +87,17 @@ def sample_from_logits(logits: Tensor, generator: torch.Generator | None = None)
     if v < _TWO_LEVEL_VOCAB:
         cdf = weights.cumsum(-1)
         target = _below(cdf[:, -1:], u * cdf[:, -1:])
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=v - 1)  # NaN rows: in range
     size = _SAMPLE_BLOCK
     blocks = F.pad(weights, (0, -v % size)).view(b, -1, size)
     block_cdf = blocks.sum(-1).cumsum(-1)  # (b, blocks)
     target = _below(block_cdf[:, -1:], u * block_cdf[:, -1:])
     block = torch.searchsorted(block_cdf, target, right=True)  # the first block whose CDF passes the target
+    block.clamp_(max=block_cdf.shape[1] - 1)  # (NaN logits pass no CDF: any in-range id, the NaN is caught later)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), torch.zeros_like(target))
     inner = blocks.gather(1, block[:, :, None].expand(b, 1, size)).squeeze(1).cumsum(-1)  # (b, size)
     rest = _below(inner[:, -1:], (target - before).clamp_(min=0))
-    return (block * size + torch.searchsorted(inner, rest, right=True)).squeeze(1)
+    return (block * size + torch.searchsorted(inner, rest, right=True)).squeeze(1).clamp_(max=v - 1)
 
 
 def truncate_at_stop(tokens: Tensor, stop_token_ids: tuple[int, ...], pad_token_id: int) -> Responses:
