@@ -45,8 +45,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# `make test` runs the suite on TEST_WORKERS pytest-xdist workers (CI: 2 cores); tests that share an expensive fixture
+# carry an xdist_group mark and run on one worker (tests/conftest.py). `make test TEST_WORKERS=0`: one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 # `make bench PEER=1` also runs the peers on the same shape, each in its own venv (created on first use): TRL 0.19.1
 # (.bench-peer, transformers 4.5x) and TRL 1.12.0 (.bench-peer-trl112, transformers 5.x), then this project

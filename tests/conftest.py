@@ -1,4 +1,12 @@
-"""Shared fixtures: an isolated Prefect home, no telemetry, and tiny but real transformers models."""
+"""Shared fixtures: an isolated Prefect home, no telemetry, and tiny but real transformers models.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Every worker is a process of its
+own with its own Prefect home (below), its own pytest temporary folders, and its own copy of the session fixtures;
+servers bind free loopback ports. On two cores shared by two workers, each worker and the processes it starts use
+one torch thread (below). Tests that share an expensive module or session fixture (a Prefect test harness kept for
+a module, a trained stack, a reference run) carry `pytest.mark.xdist_group`, so that one worker runs all of them and
+builds the fixture once; `pytest_collection_modifyitems` below hands the slow ones out first.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
-# Before prefect is imported anywhere: a private home (results, DB) and no network.
+# Before prefect is imported anywhere: a private home (results, DB) and no network. mkdtemp: one per process, so
+# each pytest-xdist worker (and nothing else on the machine) has its own.
 _HOME = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
 os.environ["PREFECT_HOME"] = _HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -14,6 +23,16 @@ os.environ["DO_NOT_TRACK"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+# A pytest-xdist worker (before torch is imported): one OpenMP thread for torch here and in every process the tests
+# start (pipelines, servers' flow runs, torchrun ranks inherit it), and threads that sleep rather than spin while they
+# wait. Two workers of two spinning threads each on two cores made a training loop 10 to 30 times slower (measured:
+# the 250-step SFT of tests/test_ppo_trainer.py's stack 564 s against 21 s); a test or config that asks for more
+# threads (runtime.threads, a sweep's share of the cores) still gets them. A plain `pytest` run keeps torch's default.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -23,6 +42,54 @@ from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer  # noqa: E402
 from rlhf.models.loading import load_reward_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, which names the groups
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker: the groups of `xdist_group` marks, and the modules with slow tests first.
+
+    `--dist loadgroup` learns an item's group from a `@group` suffix that pytest-xdist (3.8) appends to its node id
+    on the worker, through an attribute that pytest 9.2's structured node ids no longer read: the marks would be
+    ignored without a word (pytest-dev/pytest-xdist#1386). Where the suffix is missing it is added here.
+
+    The workers take work units in collection order (`--no-loadscope-reorder`): the grouped tests go first (a group
+    shares an expensive fixture: its tests are long together), then the modules with slow tests, then the rest, each
+    module's tests in their order. The long units start early and the many short tests fill in at the end, instead of
+    a long one starting last while the other worker idles. A plain `pytest` run keeps the usual order."""
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
+        return
+    if config.getvalue("loadgroup"):
+        for item in items:
+            names = sorted(
+                {
+                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")
+                }
+            )
+            suffix = "@" + "_".join(names)
+            if names and not item.nodeid.endswith(suffix):
+                node_id = getattr(item, "_id", None)
+                if node_id is None or not hasattr(type(node_id), "parse"):
+                    raise pytest.UsageError(f"cannot put {item.nodeid} in its xdist group: unknown pytest node ids")
+                item._id = type(node_id).parse(item.nodeid + suffix)
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def phase(item) -> int:
+        if item.get_closest_marker("xdist_group"):
+            return 0
+        return 1 if item.nodeid.split("::")[0] in slow_modules else 2
+
+    items.sort(key=phase)  # stable: the order within a phase is kept
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """A test that changes torch's thread count in this process (a sweep's variants pin runtime.threads to their
+    share of the cores) leaves the next test on the same worker torch's default, whichever test that is."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +122,31 @@ def family_checkpoint(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def launch_inputs(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
+    """The tiny checkpoints and a prompts file: the inputs of the data-parallel launcher (rlhf.ppo.launch)."""
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("launch")
+    prompts = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
+    pd.DataFrame({"prompt": prompts}).to_parquet(root / "prompts.parquet", index=False)
+    return {**tiny_checkpoints, "prompts": str(root / "prompts.parquet")}
+
+
+@pytest.fixture(scope="session")
+def torchrun_run(launch_inputs, tmp_path_factory) -> Path:
+    """One uninterrupted (replicated) data-parallel PPO run of two gloo processes under torchrun: the reference of
+    tests/test_distributed.py and tests/test_fsdp.py (both in xdist group 'torchrun', so it runs once)."""
+    from tests.test_distributed import _torchrun
+
+    out = tmp_path_factory.mktemp("torchrun") / "out"
+    result = _torchrun(launch_inputs, out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "ppo: 2 updates on 2 process(es)" in result.stdout  # rank 0 alone prints it
+    assert result.stdout.count("ppo: 2 updates") == 1
+    return out
 
 
 # -- Reading a flow run back from the Prefect API (the test harness's server) ------------------------------------

@@ -21,7 +21,9 @@ from rlhf.data import synthetic
 from rlhf.ppo import distributed
 from rlhf.ppo.prompts import prompt_batch
 
-pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+# end-to-end: real processes (deselect with -m "not slow"); one xdist worker runs this module and tests/test_fsdp.py,
+# which share the reference run (the torchrun_run fixture of tests/conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("torchrun")]
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -88,24 +90,6 @@ def _torchrun(ck: dict[str, str], out: Path, *extra: str) -> subprocess.Complete
 
 def _digests(out: Path) -> list[str]:
     return [(out / f"param_digest.rank{r}.txt").read_text().strip() for r in range(2)]
-
-
-@pytest.fixture(scope="module")
-def launch_inputs(tiny_checkpoints, tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("launch")
-    prompts = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
-    pd.DataFrame({"prompt": prompts}).to_parquet(root / "prompts.parquet", index=False)
-    return {**tiny_checkpoints, "prompts": str(root / "prompts.parquet")}
-
-
-@pytest.fixture(scope="module")
-def torchrun_run(launch_inputs, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("torchrun") / "out"
-    result = _torchrun(launch_inputs, out)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "ppo: 2 updates on 2 process(es)" in result.stdout  # rank 0 alone prints it
-    assert result.stdout.count("ppo: 2 updates") == 1
-    return out
 
 
 def test_torchrun_two_processes_train_in_sync(torchrun_run, launch_inputs):

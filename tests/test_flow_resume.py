@@ -16,7 +16,9 @@ from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task_states
 
-pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+# end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose tests
+# share a Prefect test harness and an uninterrupted reference run
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flow_resume")]
 
 
 @pytest.fixture(scope="module")

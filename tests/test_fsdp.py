@@ -20,9 +20,12 @@ from rlhf.ppo import distributed
 from rlhf.ppo.trainer import train_ppo
 from rlhf.preflight import check_ppo_processes
 from rlhf.scoring import policy_forward
-from tests.test_distributed import _digests, _free_port, _torchrun, launch_inputs  # noqa: F401 (a fixture)
+from tests.test_distributed import _digests, _free_port, _torchrun
 
 FSDP = "runtime.sharding=fsdp"
+# one xdist worker runs this module and tests/test_distributed.py: the replicated reference run (the torchrun_run
+# fixture of tests/conftest.py) is shared with it
+pytestmark = pytest.mark.xdist_group("torchrun")
 
 
 # --- configuration: one sentence naming the key, before any model is loaded ---------------------------------------
@@ -136,15 +139,7 @@ def _final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def replicated_run(launch_inputs, tmp_path_factory) -> Path:  # noqa: F811
-    out = tmp_path_factory.mktemp("replicated") / "out"
-    result = _torchrun(launch_inputs, out)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(launch_inputs, tmp_path_factory) -> Path:  # noqa: F811
+def fsdp_run(launch_inputs, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp") / "out"
     result = _torchrun(launch_inputs, out, FSDP)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -153,8 +148,9 @@ def fsdp_run(launch_inputs, tmp_path_factory) -> Path:  # noqa: F811
 
 
 @pytest.mark.slow
-def test_fsdp_trains_as_the_replicated_data_parallel_run(fsdp_run, replicated_run, launch_inputs):  # noqa: F811
-    sharded, replicated = _final_weights(fsdp_run), _final_weights(replicated_run)
+def test_fsdp_trains_as_the_replicated_data_parallel_run(fsdp_run, torchrun_run, launch_inputs):
+    # torchrun_run: the replicated run of the same inputs and settings (tests/conftest.py)
+    sharded, replicated = _final_weights(fsdp_run), _final_weights(torchrun_run)
     assert sharded.keys() == replicated.keys()  # the same Hugging Face folders: evaluation loads them unchanged
     for name, tensor in replicated.items():
         # the same updates; only the order of float additions differs (reduce-scatter, the sharded norm)
@@ -174,7 +170,7 @@ def test_fsdp_trains_as_the_replicated_data_parallel_run(fsdp_run, replicated_ru
 
 
 @pytest.mark.slow
-def test_fsdp_resume_from_the_sharded_state_matches_the_uninterrupted_run(fsdp_run, launch_inputs, tmp_path):  # noqa: F811
+def test_fsdp_resume_from_the_sharded_state_matches_the_uninterrupted_run(fsdp_run, launch_inputs, tmp_path):
     out = tmp_path / "out"
     stopped = _torchrun(launch_inputs, out, "--stop-after", "1", FSDP)
     assert stopped.returncode != 0  # the launcher exits 3; torchrun reports 1

@@ -91,6 +91,7 @@ def mlflow_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         stop_server(proc)
 
 
+@pytest.mark.xdist_group("mlflow_server")  # one worker runs the tests of the module's server (one server)
 def test_tracker_round_trip_through_a_server(mlflow_server, tmp_path):
     url, server_tmp = mlflow_server
     tracker = Tracker(url, "remote-round-trip", "mlflow-artifacts:/remote-round-trip")
@@ -118,6 +119,7 @@ def harness():
         yield
 
 
+@pytest.mark.xdist_group("mlflow_server")
 def test_smoke_pipeline_logs_to_a_tracking_server(mlflow_server, harness, tmp_path):
     from flows.pipeline import rlhf_pipeline
 
@@ -158,7 +160,7 @@ def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path):
     env |= {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", f"tracking.uri={url}"]
     args += [f"runtime.output_dir={tmp_path}/out", "ppo.save_every=1", "tracking.experiment=server-goes-away"]
-    args += ["tracking.log_checkpoints=false"]
+    args += ["tracking.log_checkpoints=false", f"tracking.artifact_location={tmp_path}/artifacts"]
     ppo_states = tmp_path / "out" / "train_policy_ppo"
 
     server = start_server(store, port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 
 import pandas as pd
 import pytest
@@ -25,6 +26,8 @@ from rlhf.ppo.trainer import TrainingInterrupted, generation_settings, train_ppo
 from rlhf.reward import train_reward_model
 from rlhf.sft import bootstrap_sft
 
+# one xdist worker runs the module: its tests share the trained stack (a module fixture of about 15 s)
+pytestmark = pytest.mark.xdist_group("ppo_trainer")
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
 NOT_DETERMINISTIC = ("time/", "speed/", "memory/")
 
@@ -153,6 +156,51 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     for name, tensors in (("policy", m.policy.state_dict()), ("value", m.value.state_dict())):
         for key, value in tensors.items():
             torch.testing.assert_close(after[name][key], value, atol=1e-5, rtol=1e-4)
+
+
+def test_two_single_threaded_streams_give_the_update_of_one_stream(stack, monkeypatch):
+    """With two torch threads on the CPU, the optimisation runs the policy side and the value side of each
+    micro-batch at once as two single-threaded streams (update.two_streams); the statistics and the updated weights
+    are those of the same update on one thread, one side after the other, bit for bit. Checked explicitly because
+    `make test`'s pytest-xdist workers give torch one thread (tests/conftest.py): the other tests take the one-stream
+    path there."""
+    cfg = _cfg()
+    m, state, r = _rollout(stack, cfg)
+    weights = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
+    optim_states = copy.deepcopy((state.policy_opt.state_dict(), state.value_opt.state_dict()))
+    shuffle = state.shuffle_generator.get_state()
+    value_threads: list[str] = []
+    real = ppo_update._value_micro
+
+    def spy(*args, **kwargs):
+        value_threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppo_update, "_value_micro", spy)
+    results = {}
+    for threads in (1, 2):
+        m.policy.load_state_dict(weights["policy"])
+        m.value.load_state_dict(weights["value"])
+        state.policy_opt.load_state_dict(optim_states[0])
+        state.value_opt.load_state_dict(optim_states[1])
+        state.shuffle_generator.set_state(shuffle)
+        value_threads.clear()
+        torch.set_num_threads(threads)  # the autouse fixture of tests/conftest.py restores the worker's count
+        result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+        assert torch.get_num_threads() == threads  # two_streams gives the threads back
+        updated = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
+        results[threads] = (result, updated, set(value_threads))
+    (one, one_weights, one_threads), (two, two_weights, two_threads) = results[1], results[2]
+    assert one_threads == {threading.current_thread().name}  # one thread: the value side in line
+    assert len(two_threads) == 1 and two_threads.pop().startswith("rlhf-value")  # two: on the value worker
+    for a, b in zip(one.minibatch_stats, two.minibatch_stats, strict=True):
+        assert a == b
+    moved = 0
+    for name in ("policy", "value"):
+        for key, value in two_weights[name].items():
+            assert torch.equal(value, one_weights[name][key]), key
+            moved += not torch.equal(value, weights[name][key])
+    assert moved > 0  # the update changed the weights
 
 
 def test_rollout_kl_is_zero_before_training_and_rewards_sum(stack):

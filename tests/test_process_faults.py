@@ -25,6 +25,8 @@ STAGES = (
     "train_policy_ppo",
     "evaluate_policies",
 )
+# one xdist worker runs the whole module: the two runs at once are every test's reference (a module fixture)
+pytestmark = pytest.mark.xdist_group("process_faults")
 RESULT_METRICS = ("eval/win_rate_gold", "eval/win_rate_rm", "eval/kl", "eval/ppo_gold", "reward/eval_accuracy")
 
 
@@ -33,7 +35,8 @@ def start(root: Path, prefect_home: Path | None = None, name: str = "run") -> tu
     step, in a session of its own (its process group holds its temporary Prefect server too); output to a file."""
     env = {**os.environ, "PREFECT_HOME": str(prefect_home or root / "prefect"), "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml"]
-    args += [f"tracking.uri=sqlite:///{root}/mlflow.db", f"runtime.output_dir={root}/out"]
+    args += [f"tracking.uri=sqlite:///{root}/mlflow.db", f"tracking.artifact_location={root}/artifacts"]
+    args += [f"runtime.output_dir={root}/out"]
     args += ["ppo.save_every=1", "reward.save_every=1"]
     log = root / f"{name}.log"
     with open(log, "w") as out:

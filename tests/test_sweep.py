@@ -195,6 +195,7 @@ def tiny_base(folder, *overrides):
     return uri, load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, *overrides])
 
 
+@pytest.mark.xdist_group("sweep")  # one worker runs both sweeps: one harness, and the second reuses the first's stages
 def test_sweep_flow_runs_two_variants_at_once_builds_shared_stages_once_and_ranks(harness, sweep_dir):
     """Two variants on two CPU slots at the same time; data, SFT and reward model built once by the sweep itself."""
     from flows.sweep import rlhf_sweep
@@ -257,6 +258,7 @@ def child_stage_runs(client: MlflowClient, parent_run_id: str, stage: str):
     return client.search_runs([experiment], query)
 
 
+@pytest.mark.xdist_group("sweep")
 def test_a_failed_variant_is_ranked_last_with_its_error_and_the_others_complete(harness, sweep_dir):
     """A stop token that is several tokens for the policy's tokenizer: known only once the tokenizer is loaded, so
     the variant fails at PPO (once: a config error is not retried); the sweep goes on and reports it."""

@@ -26,6 +26,29 @@ def tiny_base(folder, *overrides):
     return uri, load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, *overrides])
 
 
+def drain_prefect_services() -> None:
+    """Stop this process's Prefect client-side services, as prefect_test_harness does when it exits. Each keeps a
+    client of the API it first talked to for the rest of the process: after this test's sweep (in this process,
+    against a server the test then stops), a later test's stage tagged 'data' under its own test harness would ask
+    the stopped server for a slot of the tag's concurrency limit ("Unable to acquire concurrency slots on
+    ['tag:data']": seen when pytest-xdist ran tests/test_data_validate.py after this test on the same worker)."""
+    from prefect.concurrency.services import (
+        ConcurrencySlotAcquisitionService,
+        ConcurrencySlotAcquisitionWithLeaseService,
+    )
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    services = (
+        APILogWorker,
+        EventsWorker,
+        ConcurrencySlotAcquisitionService,
+        ConcurrencySlotAcquisitionWithLeaseService,
+    )
+    for service in services:
+        service.drain_all(timeout=60)
+
+
 def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_workers(tmp_path_factory):
     """A real `prefect server`, the pipeline deployment of prefect.yaml on a process work pool, two `prefect worker`
     processes (one flow run each at a time): the sweep's two variants run on both workers at once and are ranked."""
@@ -62,10 +85,13 @@ def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_work
             }
         )
         with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_LOCAL_STORAGE_PATH: storage}):
-            state = rlhf_sweep(base, space, return_state=True)
-            table = state.result()["ranking"]
-            variants = subflow_runs(state.state_details.flow_run_id)
-            stage_states = {v.name: {stage_name(t): t.state.name for t in task_runs(v.id)} for v in variants}
+            try:
+                state = rlhf_sweep(base, space, return_state=True)
+                table = state.result()["ranking"]
+                variants = subflow_runs(state.state_details.flow_run_id)
+                stage_states = {v.name: {stage_name(t): t.state.name for t in task_runs(v.id)} for v in variants}
+            finally:
+                drain_prefect_services()
         assert [row["status"] for row in table] == ["completed", "completed"], table
         assert all(row["eval/ppo_gold"] is not None for row in table)
         assert sorted(v.name for v in variants) == ["pool-00", "pool-01"]

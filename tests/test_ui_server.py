@@ -28,7 +28,9 @@ from rlhf.config import PipelineConfig, load_config
 from rlhf.sweep import SweepSpace, load_space
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
+# end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose
+# tests share one Prefect server
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui_server")]
 
 BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
