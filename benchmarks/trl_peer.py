@@ -68,16 +68,23 @@ def main() -> int:
     parser.add_argument("--shape", choices=list(shapes.SHAPES), default="cpu")
     parser.add_argument("--updates", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the shape's, 2)")
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="TRL's bf16 (autocast through accelerate); default: on for GPU shapes, off on a CPU as TRL runs there",
+    )
     args = parser.parse_args()
     shape = shapes.SHAPES[args.shape]
     gpu = shape.device == "cuda"
+    bf16 = gpu if args.bf16 is None else args.bf16
     if gpu and not torch.cuda.is_available():
         print(shapes.cuda_refusal(args.shape), file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads or shape.threads)
     print(
         f"peer: TRL {trl.__version__} {PPOTrainer.__module__}.PPOTrainer, transformers {transformers.__version__}, "
-        f"torch {torch.__version__}; shape={args.shape} threads={torch.get_num_threads()}",
+        f"torch {torch.__version__}; shape={args.shape} threads={torch.get_num_threads()} bf16={bf16}",
         flush=True,
     )
     torch.manual_seed(0)
@@ -115,7 +122,7 @@ def main() -> int:
             save_strategy="no",
             num_sample_generations=0,
             use_cpu=not gpu,
-            bf16=gpu,  # TRL 1.x defaults to bf16=True and gradient_checkpointing=True: both set explicitly
+            bf16=bf16,  # TRL 1.x defaults to bf16=True and gradient_checkpointing=True: both set explicitly
             fp16=False,
             gradient_checkpointing=shape.gradient_checkpointing,
             seed=0,
