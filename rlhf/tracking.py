@@ -7,11 +7,10 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
-import functools
+import logging
 import re
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,13 @@ import pandas as pd
 
 from rlhf.logs import BatchedLog, LogFn, StepRecord
 from rlhf.mlflow_view import VIEW_TAG, default_view_json
-from rlhf.tracking_store import (
+from rlhf.tracking_store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: imported from here by the flows)
     HOST_TAG,
     PID_TAG,
+    RUN_TYPE_TAG,
+    RunRecord,
     as_uri,
+    parquet_digest,
     process_alive,
     process_tags,
     resolve_tracking_uri,
@@ -30,6 +32,7 @@ from rlhf.tracking_store import (
 )
 
 MAX_PARAM_LEN = 6000
+_logger = logging.getLogger(__name__)
 
 # Arrow type -> MLflow column type, for the schema of dataset inputs.
 _MLFLOW_TYPES = {
@@ -128,10 +131,21 @@ class Tracker:
 
     def end_run(self, run_id: str, failed: bool = False, killed: bool = False) -> None:
         """End a run FINISHED, FAILED, or KILLED (stopped on purpose, e.g. a trial its sweep's pruner stopped), once
-        its batched metric loggers' steps are written."""
+        its batched metric loggers' steps are written (and their writer threads stopped). A run whose steps cannot
+        be written ends FAILED, and the error is raised (unless the run failed already: its own error is the one
+        on its way up, and this one is only logged)."""
+        errors = []
         for batched in self._batched.pop(run_id, []):
-            batched.flush()
-        self.client.set_terminated(run_id, status="KILLED" if killed else "FAILED" if failed else "FINISHED")
+            try:
+                batched.close()
+            except Exception as err:  # noqa: BLE001 (the run is ended all the same)
+                errors.append(err)
+        status = "KILLED" if killed else "FAILED" if failed or errors else "FINISHED"
+        self.client.set_terminated(run_id, status=status)
+        for err in errors if failed or killed else errors[1:]:
+            _logger.warning("metrics of MLflow run %s could not be written: %s", run_id, err)
+        if errors and not (failed or killed):
+            raise errors[0]
 
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
@@ -168,11 +182,14 @@ class Tracker:
         history = [m for k in keys for m in self.client.get_metric_history(source_run_id, k)]
         self.log_steps(run_id, [({m.key: m.value}, m.step, m.timestamp / 1000) for m in history])
 
-    def metric_logger(self, run_id: str, also: LogFn | None = None, every_s: float = 0.0) -> LogFn:
+    def metric_logger(
+        self, run_id: str, also: LogFn | None = None, every_s: float = 0.0, background: bool = False
+    ) -> LogFn:
         """A ``log(metrics, step)`` callable for the library's training loops; with `every_s` > 0 a `BatchedLog`
-        (steps written every `every_s` seconds, before each resume state and by `end_run`)."""
-        batched = BatchedLog(lambda steps: self.log_steps(run_id, steps), every_s, also)  # every_s 0: each at once
-        if every_s > 0:
+        (steps written every `every_s` seconds, before each resume state and by `end_run`), with `background` by a
+        writer thread of its own, so that the training loop does not wait on the store."""
+        batched = BatchedLog(lambda steps: self.log_steps(run_id, steps), every_s, also, background)
+        if every_s > 0 or background:  # every_s 0 and no thread: each step written at once
             self._batched.setdefault(run_id, []).append(batched)
         return batched
 
@@ -334,59 +351,6 @@ class Tracker:
                 "mlflow.parentRunId": sweep_run_id,
             },
         )
-
-
-RUN_TYPE_TAG = "run_type"
-
-
-def parquet_digest(path: str | Path) -> str:
-    """SHA-256 of a file's content, cached by (path, size, modification time): each prepared file is read once."""
-    stat = Path(path).stat()
-    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=256)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    from rlhf.checkpoints import file_digest
-
-    return file_digest(path)
-
-
-@dataclass
-class RunRecord:
-    """A plain copy of an MLflow run: ids, name, status, times (ms), params, final metrics and tags."""
-
-    run_id: str
-    name: str
-    status: str
-    start_time: int | None = None
-    end_time: int | None = None
-    params: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    tags: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def is_pipeline_run(self) -> bool:
-        """A pipeline (parent) run: neither a stage's child run nor a sweep run."""
-        return "stage" not in self.tags and self.tags.get(RUN_TYPE_TAG) != "sweep"
-
-    @classmethod
-    def from_run(cls, run: Any) -> RunRecord:
-        info = run.info
-        return cls(
-            run_id=info.run_id,
-            name=info.run_name or info.run_id[:8],
-            status=info.status,
-            start_time=info.start_time,
-            end_time=info.end_time,
-            params=dict(run.data.params),
-            metrics=dict(run.data.metrics),
-            tags=dict(run.data.tags),
-        )
-
-    @property
-    def parent_run_id(self) -> str | None:
-        return self.tags.get("mlflow.parentRunId")
 
 
 def experiment_names(uri: str) -> list[str]:

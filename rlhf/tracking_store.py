@@ -1,5 +1,6 @@
 """The tracking store without MLflow: URI resolution, the reachability check of a store, the tags that tie a run to
-its process (and whether that process is alive), and the lock that serialises creating a SQLite store.
+its process (and whether that process is alive), the lock that serialises creating a SQLite store, the plain record
+of a run that queries return, and the content digest of the data files logged as dataset inputs.
 
 `rlhf.tracking` (the one module that imports mlflow) builds on these; the preflight uses them without mlflow.
 """
@@ -7,12 +8,15 @@ its process (and whether that process is alive), and the lock that serialises cr
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import urllib.error
 import urllib.request
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from rlhf.checkpoints import stage_lock
@@ -107,3 +111,56 @@ def store_exists(uri: str) -> bool:
     if uri.startswith(prefix):
         return Path(uri[len(prefix) :]).is_file()
     return True
+
+
+RUN_TYPE_TAG = "run_type"
+
+
+def parquet_digest(path: str | Path) -> str:
+    """SHA-256 of a file's content, cached by (path, size, modification time): each prepared file is read once."""
+    stat = Path(path).stat()
+    return _file_digest(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    from rlhf.checkpoints import file_digest
+
+    return file_digest(path)
+
+
+@dataclass
+class RunRecord:
+    """A plain copy of an MLflow run: ids, name, status, times (ms), params, final metrics and tags."""
+
+    run_id: str
+    name: str
+    status: str
+    start_time: int | None = None
+    end_time: int | None = None
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_pipeline_run(self) -> bool:
+        """A pipeline (parent) run: neither a stage's child run nor a sweep run."""
+        return "stage" not in self.tags and self.tags.get(RUN_TYPE_TAG) != "sweep"
+
+    @classmethod
+    def from_run(cls, run: Any) -> RunRecord:
+        info = run.info
+        return cls(
+            run_id=info.run_id,
+            name=info.run_name or info.run_id[:8],
+            status=info.status,
+            start_time=info.start_time,
+            end_time=info.end_time,
+            params=dict(run.data.params),
+            metrics=dict(run.data.metrics),
+            tags=dict(run.data.tags),
+        )
+
+    @property
+    def parent_run_id(self) -> str | None:
+        return self.tags.get("mlflow.parentRunId")

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 from prefect.context import TaskRunContext
+from prefect.exceptions import ObjectNotFound
 from prefect.utilities.callables import get_call_parameters
 from pydantic import BaseModel
 
@@ -95,7 +97,8 @@ def run_stage(task, **parameters: Any) -> Any:
 
     The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process (or a concurrent sweep
     variant) on the same output folder waits for the first to finish the stage, then finds it complete and gets the
-    cached result. A GPU stage (tag ``gpu``) that computes holds a slot of ``runtime.device_slot`` meanwhile."""
+    cached result. A GPU stage (tag ``gpu``) that computes holds a slot of ``runtime.device_slot`` meanwhile. The task
+    runs with those of its tags that have a Prefect concurrency limit (`limited_tags`)."""
     folder = task_stage_dir(task, **parameters)
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
@@ -103,7 +106,8 @@ def run_stage(task, **parameters: Any) -> Any:
         runtime = parameters.get("runtime")
         slot = getattr(runtime, "device_slot", None) if "gpu" in task.tags and not complete else None
         with device_slot(slot):
-            state = task.with_options(refresh_cache=not complete)(**parameters, return_state=True)
+            tags = limited_tags(task.tags)
+            state = task.with_options(refresh_cache=not complete, tags=tags)(**parameters, return_state=True)
         result = state.result()
         if state.name == "Cached" and isinstance(result, StageOutput):
             result = result.model_copy(update={"cached": True})  # shown in the run's table and MLflow tags
@@ -119,3 +123,27 @@ def device_slot(name: str | None) -> Iterator[None]:
         return
     with concurrency(name, occupy=1):
         yield
+
+
+def limited_tags(tags: Iterable[str]) -> set[str]:
+    """The tags among `tags` that have a Prefect tag concurrency limit (a limit named ``tag:<tag>``, e.g. the ``gpu``
+    limit `flows/serve.py` sets), as the server says now.
+
+    A task that starts asks the server for a slot of each of its tags' limits. Where a tag has none, that request
+    has nothing to do, yet on a SQLite server (`make run`'s) it turns a read transaction into a write while the
+    server records the same task's start, fails with 'database is locked' (a 503) and is retried 2 s later: a stage
+    starting more than 5 s after its tags were last checked (Prefect remembers 'no limit' for 5 s) waited about 2 s
+    for nothing, often. A stage therefore runs with only the tags that have a limit, found by a read, which
+    never waits on the lock; the others (no limit to honour) are left off its task run."""
+    tags = set(tags)
+    if not tags:
+        return tags
+    limited = set()
+    with get_client(sync_client=True) as client:
+        for tag in sorted(tags):
+            try:
+                client.read_global_concurrency_limit_by_name(f"tag:{tag}")
+            except ObjectNotFound:
+                continue
+            limited.add(tag)
+    return limited

@@ -82,6 +82,36 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=phase)  # stable: the order within a phase is kept
 
 
+def drain_prefect_services(timeout: float = 60) -> None:
+    """Stop this process's Prefect client-side services, as prefect_test_harness does when it exits. Each keeps a
+    client of the API it first talked to for the rest of the process: after a test that ran flows in this process
+    against a server it then stopped (tests/test_sweep_parallel.py), a later test's task with a tag under its own
+    test harness asked the stopped server for a slot of the tag's concurrency limit and waited forever ("Unable to
+    acquire concurrency slots on ['tag:gpu']"). A stopped service is started again on its next use."""
+    from prefect.concurrency.services import (
+        ConcurrencySlotAcquisitionService,
+        ConcurrencySlotAcquisitionWithLeaseService,
+    )
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (
+        APILogWorker,
+        EventsWorker,
+        ConcurrencySlotAcquisitionService,
+        ConcurrencySlotAcquisitionWithLeaseService,
+    ):
+        service.drain_all(timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_prefect_services():
+    """Every test starts with no Prefect client-side service left over from the one before (drain_prefect_services);
+    a test that stops a server it ran flows against drains them itself first, while the server still answers."""
+    yield
+    drain_prefect_services(timeout=30)
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_threads():
     """A test that changes torch's thread count in this process (a sweep's variants pin runtime.threads to their

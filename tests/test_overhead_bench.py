@@ -27,7 +27,8 @@ def test_overhead_bench_runs_both_variants_on_the_smoke_config(tmp_path):
     stages = {"prepare_preferences", "supervised_finetune", "train_reward_model", "train_policy_ppo"}
     assert stages <= set(flow["times"]) and stages <= set(library["times"])
     assert flow["cached"] == []  # every stage computed: an empty store and output folder
-    assert flow["seconds"]["ppo_loop|mlflow"] > 0  # the PPO loop's metrics went through the Tracker
+    # the PPO loop's metrics went through the Tracker (written by the writer thread, or by the loop at its saves)
+    assert flow["seconds"].get("ppo_loop|mlflow", 0) + flow["seconds"].get("ppo_loop|mlflow_writer", 0) > 0
     assert "MLflow in the PPO training loop" in proc.stdout
 
     again = subprocess.run([*command[:2], "--report", str(saved)], cwd=REPO, capture_output=True, text=True)

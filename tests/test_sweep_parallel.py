@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
 from rlhf.sweep import parse_space
-from tests.conftest import REPO, stage_name, subflow_runs, task_runs
+from tests.conftest import REPO, drain_prefect_services, stage_name, subflow_runs, task_runs
 
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 
@@ -24,29 +24,6 @@ def tiny_base(folder, *overrides):
     uri = f"sqlite:///{folder}/mlflow.db"
     tracking = [f"tracking.uri={uri}", f"tracking.artifact_location={folder}/art", f"runtime.output_dir={folder}"]
     return uri, load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, *overrides])
-
-
-def drain_prefect_services() -> None:
-    """Stop this process's Prefect client-side services, as prefect_test_harness does when it exits. Each keeps a
-    client of the API it first talked to for the rest of the process: after this test's sweep (in this process,
-    against a server the test then stops), a later test's stage tagged 'data' under its own test harness would ask
-    the stopped server for a slot of the tag's concurrency limit ("Unable to acquire concurrency slots on
-    ['tag:data']": seen when pytest-xdist ran tests/test_data_validate.py after this test on the same worker)."""
-    from prefect.concurrency.services import (
-        ConcurrencySlotAcquisitionService,
-        ConcurrencySlotAcquisitionWithLeaseService,
-    )
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    services = (
-        APILogWorker,
-        EventsWorker,
-        ConcurrencySlotAcquisitionService,
-        ConcurrencySlotAcquisitionWithLeaseService,
-    )
-    for service in services:
-        service.drain_all(timeout=60)
 
 
 def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_workers(tmp_path_factory):

@@ -86,3 +86,40 @@ def test_stage_outputs_keep_their_type_through_the_json_result_serializer(output
     assert type(again) is type(output) and again == output
     # a downstream key takes the digest of an upstream output, whatever its type
     assert caching.stage_key("s", {"x": output}) == caching.stage_key("s", {"x": StageOutput(**output.model_dump())})
+
+
+def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_those(tmp_path):
+    """Without a `gpu` limit a GPU stage runs untagged (Prefect's check of a limit that does not exist can wait 2 s
+    on a SQLite server); with one (as `flows/serve.py` sets) it keeps the tag and holds a slot while it runs."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.context import TaskRunContext
+    from prefect.testing.utilities import prefect_test_harness
+
+    from rlhf.config import RuntimeConfig
+
+    @task(name="tagged_stage", tags=["gpu", "data"])
+    def tagged_stage(runtime: RuntimeConfig, attempt: int) -> dict:
+        run = TaskRunContext.get().task_run
+        with get_client(sync_client=True) as client:
+            holders = [str(h) for h in client.read_concurrency_limit_by_tag("gpu").active_slots] if run.tags else []
+        return {"tags": sorted(run.tags), "holds_gpu_slot": str(run.id) in holders}
+
+    @flow
+    def two_stages() -> list[dict]:
+        runtime = RuntimeConfig(output_dir=str(tmp_path))
+        first = caching.run_stage(tagged_stage, runtime=runtime, attempt=1)
+        with get_client(sync_client=True) as client:
+            client.create_concurrency_limit(tag="gpu", concurrency_limit=1)
+        try:
+            second = caching.run_stage(tagged_stage, runtime=runtime, attempt=2)
+        finally:
+            with get_client(sync_client=True) as client:
+                client.delete_concurrency_limit_by_tag("gpu")
+        return [first, second]
+
+    with prefect_test_harness(server_startup_timeout=120):
+        first, second = two_stages()
+    assert first == {"tags": [], "holds_gpu_slot": False}  # no limit: nothing to ask the server for
+    assert second == {"tags": ["gpu"], "holds_gpu_slot": True}  # the limit is honoured; `data` has none
+    assert caching.limited_tags([]) == set()
