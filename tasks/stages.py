@@ -101,7 +101,7 @@ def supervised_finetune(
             result = sft_training.load_existing(sft_cfg, runtime)
         else:
             log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "sft.parquet")
-            log = training_logger(tracker, run_id, progress_logger("sft", 100, sft_cfg.steps))
+            log = training_logger(tracker, run_id, progress_logger("sft", 100, sft_cfg.steps), runtime)
             demos, stop_after = f"{prepared.path}/sft.parquet", injected_failure("supervised_finetune", folder)
             if sft_cfg.model is None:
                 pairs = f"{prepared.path}/train.parquet"
@@ -136,7 +136,7 @@ def train_reward_model(
     with stage_run(tracking, "train_reward_model", folder, params, resume=True) as (tracker, run_id):
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
         steps = reward_training.total_steps(reward_cfg, prepared.manifest["rows"]["train"])
-        log = training_logger(tracker, run_id, progress_logger("reward", 50, steps))
+        log = training_logger(tracker, run_id, progress_logger("reward", 50, steps), runtime)
         result = reward_training.train_reward_model(
             reward_cfg,
             runtime,
@@ -238,7 +238,7 @@ def train_policy_ppo(
                 pd.read_parquet(f"{prepared.path}/prompts.parquet")["prompt"].tolist(),
                 folder,
                 seed,
-                training_logger(tracker, run_id, progress_logger("ppo", 10, ppo_cfg.num_updates)),
+                training_logger(tracker, run_id, progress_logger("ppo", 10, ppo_cfg.num_updates), runtime),
                 value_path=ppo_init.value_init,
                 gold_fn=prepare.gold_scorer(prepared.manifest),
                 stop_after=stop_after,

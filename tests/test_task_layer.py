@@ -123,3 +123,23 @@ def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_th
     assert first == {"tags": [], "holds_gpu_slot": False}  # no limit: nothing to ask the server for
     assert second == {"tags": ["gpu"], "holds_gpu_slot": True}  # the limit is honoured; `data` has none
     assert caching.limited_tags([]) == set()
+
+
+def test_training_metrics_are_written_in_the_background_only_beside_a_free_core(monkeypatch):
+    """A writer thread where torch's threads leave a core free; the training thread writes them itself where
+    torch's threads take every core (a writer there stalls torch's parallel ops)."""
+    import torch
+
+    from rlhf.config import RuntimeConfig
+    from tasks import tracking
+
+    runtime = RuntimeConfig(device="cpu")
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(tracking.os, "cpu_count", lambda: 2)
+        torch.set_num_threads(2)
+        assert not tracking.metrics_in_background(runtime)
+        torch.set_num_threads(1)
+        assert tracking.metrics_in_background(runtime)
+    finally:
+        torch.set_num_threads(threads)
