@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import statistics
 
+# flows/artifacts.py's PIPELINE_STAGES, written out: importing flows (and so Prefect) here would count Prefect's
+# import time in B, the library-alone variant, which imports this module
 STAGES = (
     "prepare_preferences",
     "supervised_finetune",

@@ -185,14 +185,16 @@ def _chunks(n: int, size: int | None) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-_SECOND_STREAM: ThreadPoolExecutor | None = None
+_VALUE_STREAM: ThreadPoolExecutor | None = None
 
 
-def _second_stream() -> ThreadPoolExecutor:
-    global _SECOND_STREAM
-    if _SECOND_STREAM is None:
-        _SECOND_STREAM = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-scoring")
-    return _SECOND_STREAM
+def value_stream() -> ThreadPoolExecutor:
+    """The one worker thread of the CPU's second stream: the value (and reward) model's side of the scoring phase
+    here, and of the optimisation phase (`rlhf.ppo.update`)."""
+    global _VALUE_STREAM
+    if _VALUE_STREAM is None:
+        _VALUE_STREAM = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
+    return _VALUE_STREAM
 
 
 def generate_and_score(
@@ -283,7 +285,7 @@ def generate_and_score(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            future = _second_stream().submit(value_side)
+            future = value_stream().submit(value_side)
             logprobs, ref_logprobs = policy_side()
             values, scores = future.result()
         finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -210,22 +209,13 @@ def _value_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch
 # the statistics whose NaN or inf stops (or skips) an optimizer step
 _CHECKED = ("policy/loss", "value/loss", "policy/grad_norm", "value/grad_norm")
 
-_VALUE_WORKER: ThreadPoolExecutor | None = None
-
-
-def _value_worker() -> ThreadPoolExecutor:
-    global _VALUE_WORKER
-    if _VALUE_WORKER is None:
-        _VALUE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
-    return _VALUE_WORKER
-
 
 def _paired(concurrent: bool, policy_side, value_side) -> tuple:
     """`policy_side()` and `value_side()`: the value side in the second stream's thread when `concurrent` (the
     gradient clipping and the optimizer steps of the two models touch disjoint tensors), else one after the other."""
     if not concurrent:
         return policy_side(), value_side()
-    future = _value_worker().submit(value_side)
+    future = scoring.value_stream().submit(value_side)
     first = policy_side()
     return first, future.result()
 
@@ -329,7 +319,7 @@ def optimize(
                 for micro in perm[start : start + mini_size].split(micro_size):
                     mb = micro_batch(rollout, micro.to(device))
                     if concurrent:
-                        value_future = _value_worker().submit(_value_micro, models, mb, cfg, dtype)
+                        value_future = scoring.value_stream().submit(_value_micro, models, mb, cfg, dtype)
                         pl, entropy, mb_ratios = _policy_micro(models, mb, cfg, dtype)
                         vl = value_future.result()
                     else:
