@@ -217,7 +217,7 @@ def run_library(config_path: str, folder: Path) -> dict:
     from rlhf.config import load_config
     from rlhf.data import prepare
     from rlhf.data.lengths import LengthLimits
-    from rlhf.models.device import set_threads
+    from rlhf.models.device import configure_cpu
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.stop_tokens import same_vocabulary
     from rlhf.ppo.trainer import train_ppo
@@ -236,7 +236,7 @@ def run_library(config_path: str, folder: Path) -> dict:
         return None
 
     def stage(name: str, call):
-        set_threads(runtime.threads)
+        configure_cpu(runtime.threads)
         begin = time.perf_counter()
         result = call(out / name)
         times[name] = time.perf_counter() - begin

@@ -14,7 +14,7 @@ from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, Runtime
 from rlhf.data import prepare
 from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.length_control import EVAL_WARNING_TAG
-from rlhf.models.device import set_threads
+from rlhf.models.device import configure_cpu
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.optuna_search import TrialRef, pruning_reporter
@@ -93,7 +93,7 @@ def supervised_finetune(
 ) -> SFTModel:
     """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, fine-tune the configured model on them, or use
     the configured checkpoint as it is; a retry resumes training from its last saved state."""
-    set_threads(runtime.threads)
+    configure_cpu(runtime.threads)
     folder = current_stage_dir()
     params = flatten(sft_cfg, "sft")
     with stage_run(tracking, "supervised_finetune", folder, params, resume=True) as (tracker, run_id):
@@ -130,7 +130,7 @@ def train_reward_model(
     tracking: TrackingContext,
 ) -> RewardModel:
     """Train a scalar-head reward model, initialised from the SFT checkpoint, on the preference pairs."""
-    set_threads(runtime.threads)
+    configure_cpu(runtime.threads)
     folder = current_stage_dir()
     params = flatten(reward_cfg, "reward")
     with stage_run(tracking, "train_reward_model", folder, params, resume=True) as (tracker, run_id):
@@ -200,7 +200,7 @@ def train_policy_ppo(
     """PPO against the reward model (in `processes` data-parallel processes when > 1); a retry resumes from the
     last saved trainer state and continues the same MLflow run. `trial`: the Optuna trial (of a sweep) its periodic
     evaluations are reported to; its pruner may stop the stage (`TrialPruned`)."""
-    set_threads(runtime.threads)
+    configure_cpu(runtime.threads)
     folder = current_stage_dir()
     params = {
         **flatten(ppo_cfg, "ppo"),
@@ -286,7 +286,7 @@ def evaluate_policies(
 ) -> Evaluation:
     """Generate with the PPO and SFT policies on held-out prompts; scores, KL, win rates (also at equal length),
     response lengths and empty answers, reward-hacking flags, completions table."""
-    set_threads(runtime.threads)
+    configure_cpu(runtime.threads)
     folder = current_stage_dir()
     with stage_run(tracking, "evaluate_policies", folder, flatten(eval_cfg, "eval")) as (tracker, run_id):
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "eval.parquet")

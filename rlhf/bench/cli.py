@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if (args.device or shape.device).startswith("cuda") and not torch.cuda.is_available():
         print(cuda_refusal(args.shape), file=sys.stderr)
         return 2
-    from rlhf.models.device import compute_dtype, cpu_has_native_bf16, resolve_device
+    from rlhf.models.device import compute_dtype, configure_cpu, cpu_has_native_bf16, resolve_device
 
     from .run import PHASES, Bench, run_bench
 
     threads = args.threads or shape.threads
-    torch.set_num_threads(threads)
+    configure_cpu(threads)  # torch's threads and the allocator, as every pipeline stage sets them
     device = resolve_device(args.device or shape.device)
     dtype = compute_dtype(args.dtype, device)
     if args.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():

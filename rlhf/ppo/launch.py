@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
-import torch
 import yaml
 
 from rlhf.checkpoints import atomic_write_text
@@ -35,6 +34,7 @@ from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_
 from rlhf.errors import ConfigError
 from rlhf.evaluate import eval_prompts
 from rlhf.logs import LogFn
+from rlhf.models.device import configure_cpu
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.trainer import PPOResult, TrainingInterrupted, train_ppo
@@ -184,8 +184,7 @@ def _main(args: argparse.Namespace) -> int:
     distributed.check_world_size(cfg.ppo, distributed.world_size_from_env())
     distributed.check_sharding(cfg.ppo, cfg.runtime, distributed.world_size_from_env())
     prompts = read_prompts(args.prompts)
-    if cfg.runtime.threads is not None:
-        torch.set_num_threads(cfg.runtime.threads)
+    configure_cpu(cfg.runtime.threads)
     ctx = distributed.init_distributed(cfg.runtime)
     log, end_run = _tracking(args, cfg, ctx)
     try:
