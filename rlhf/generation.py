@@ -144,14 +144,19 @@ def sample_responses(
     ids, mask, pos = prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask)
     cache = None
     tokens = []
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's forward takes **kwargs
+    forward_args = inspect.signature(base.forward).parameters
     # only the last position's logits: the prefill would otherwise hold (b, p, vocab) floats (GiBs at 150k entries)
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
+    # the KV cache's argument: `cache` since transformers 5.2x (`past_key_values` is deprecated there, with a warning
+    # on every call), `past_key_values` before
+    cache_arg = "cache" if "cache" in forward_args else "past_key_values"
     done = False
     for _ in range(settings.max_new_tokens):
         out = model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, **last_only
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_arg: cache}, **last_only
         )
-        cache = out.past_key_values
+        cache = getattr(out, cache_arg)
         if done:  # lockstep: this rank's rows have all stopped, another rank's have not
             nxt = torch.full((b,), settings.pad_token_id, dtype=ids.dtype, device=device)
         else:

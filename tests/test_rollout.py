@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from rlhf.batching import pad_left
@@ -79,6 +81,17 @@ def test_sampling_is_seeded_and_stops(tiny_checkpoints):
     for row in range(len(ids)):
         n = int(a.mask[row].sum())
         assert (a.tokens[row, n:] == tok.pad_token_id).all()
+
+
+def test_sampling_passes_the_kv_cache_under_the_name_this_transformers_takes(tiny_checkpoints):
+    """transformers 5.2x renamed `past_key_values` to `cache` and warns on every call with the old name: a warning
+    per decoding step in `make run`'s output."""
+    tok, policy, ids, mask = _setup(tiny_checkpoints)
+    settings = GenerationSettings(4, stop_token_ids=(), pad_token_id=tok.pad_token_id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = sample_responses(policy, ids, mask, settings, torch.Generator().manual_seed(1))
+    assert out.tokens.shape == (len(ids), 4)
 
 
 def test_sample_from_logits_matches_the_distribution():
