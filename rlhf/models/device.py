@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from contextlib import AbstractContextManager, nullcontext
@@ -68,6 +69,7 @@ TRIM_THRESHOLD = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
+@functools.cache  # the thresholds are the process's: every stage calls configure_cpu, the first one sets them
 def keep_freed_memory() -> bool:
     """Fixes glibc's malloc thresholds at MMAP_THRESHOLD and TRIM_THRESHOLD; whether it did. By default glibc maps
     blocks of a few MiB afresh and trims the heap's top, so the activations a training step frees and allocates again
