@@ -15,10 +15,10 @@ folder), and the two variants alternate (A, B, A, B, ...):
 
 The stages' times are their wall times as the flow sees them (A: the `run_stage` call, i.e. the Prefect task with
 its cache key, result persistence and MLflow run; B: the library call). A's MLflow time is the time inside
-`rlhf.tracking.Tracker`'s methods; MLflow's share of a PPO update is the time the PPO training loop's thread spends
-in them (the per-update `log` callback, and the writes it waits for at its resume states) over the loop's time; the
-metrics writer thread's time is reported beside it, with the loop's time in A against B. The report is
-overhead_report.py. Both variants must give the same result figures (reward-model
+`rlhf.tracking.client.Tracker`'s methods; MLflow's share of a PPO update is the time the PPO training loop's
+thread spends in them (the per-update `log` callback, and the writes it waits for at its resume states) over
+the loop's time; the metrics writer thread's time is reported beside it, with the loop's time in A against B. The
+report is overhead_report.py. Both variants must give the same result figures (reward-model
 accuracy, PPO's final score and KL, the evaluation): the comparison is like for like. The last line is
 `overhead: X%` (the pipeline's, without the server start: median of A / median of B - 1).
 """
@@ -64,8 +64,8 @@ def overrides(folder: Path) -> list[str]:
 
 class Clock:
     """Seconds spent inside instrumented calls, by (stage, what); nested calls of the same kind count once. Calls of
-    the metrics writer threads (`rlhf.logs.WRITER_THREAD`) count apart (`<what>_writer`): they overlap the training
-    thread's work instead of holding it up."""
+    the metrics writer threads (`rlhf.tracking.metrics_writer.WRITER_THREAD`) count apart (`<what>_writer`): they
+    overlap the training thread's work instead of holding it up."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -74,7 +74,7 @@ class Clock:
         self._depth = threading.local()
 
     def wrap(self, fn, what: str):
-        from rlhf.logs import WRITER_THREAD
+        from rlhf.tracking.metrics_writer import WRITER_THREAD
 
         clock = self
 
@@ -106,7 +106,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
     the Prefect progress logger of the training loops."""
     import flows.pipeline as pipeline
     import tasks.stages as stages
-    from rlhf.tracking import Tracker
+    from rlhf.tracking.client import Tracker
 
     for name, value in list(vars(Tracker).items()):
         if callable(value) and (not name.startswith("_") or name == "__init__") and name != "metric_logger":
@@ -139,8 +139,8 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
 
     stages.train_ppo = timed_train_ppo
     # the library calls inside the tasks (what B runs): a stage's time less these is its orchestration overhead
-    from rlhf import evaluate, reward, sft
     from rlhf.data import prepare
+    from rlhf.eval import evaluate, reward, sft
 
     for module, name in (
         (prepare, "prepare_preferences"),
@@ -167,7 +167,7 @@ def run_prefect(config_path: str, folder: Path) -> dict:
     from flows.terminal import exit_code_of
     from rlhf.config import load_config
     from rlhf.preflight import preflight
-    from rlhf.tracking import Tracker
+    from rlhf.tracking.client import Tracker
 
     times: dict[str, float] = {"imports": time.perf_counter() - start}
     start = time.perf_counter()
@@ -211,17 +211,17 @@ def run_library(config_path: str, folder: Path) -> dict:
     start = time.perf_counter()
     import pandas as pd
 
-    from rlhf import evaluate as evaluation
-    from rlhf import reward, sft
     from rlhf.checkpoints import write_manifest
     from rlhf.config import load_config
     from rlhf.data import prepare
     from rlhf.data.lengths import LengthLimits
+    from rlhf.eval import evaluate as evaluation
     from rlhf.models.device import configure_cpu
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.stop_tokens import same_vocabulary
     from rlhf.ppo.trainer import train_ppo
     from rlhf.preflight import preflight
+    from rlhf.train import reward, sft
 
     times: dict[str, float] = {"imports": time.perf_counter() - start}
     start = time.perf_counter()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from flows.sweep import rlhf_sweep  # noqa: E402 (after the checkout is on sys.path)
 from rlhf.config import load_config  # noqa: E402
-from rlhf.sweep import parse_space  # noqa: E402
+from rlhf.sweeps.space import parse_space  # noqa: E402
 
 SPACE = {"name": "bench", "parameters": {"ppo.kl_coef": [0.02, 0.05], "ppo.lr": [1.0e-4, 3.0e-4]}}
 

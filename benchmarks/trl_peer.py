@@ -3,7 +3,7 @@
 Runs with either TRL line, each in its own virtual environment (they need other transformers versions than this
 project): TRL 0.19.1 (`trl.PPOTrainer`, transformers 4.5x; `.bench-peer/`) and TRL 1.12.0
 (`trl.experimental.ppo.PPOTrainer`, transformers 5.x; `.bench-peer-trl112/`). `make bench PEER=1` creates both
-and runs this file in each. The models are built from rlhf/bench/shapes.py (loaded by its path: the peer venvs
+and runs this file in each. The models are built from benchmarks/shapes.py (loaded by its path: the peer venvs
 do not have this project installed): random init, the policy and its reference copy, and separate reward and
 value `*ForSequenceClassification` models. Prints `episodes/s: X`, the median over the updates after the first.
 
@@ -36,7 +36,7 @@ except ImportError:  # TRL 0.19
     from trl import PPOConfig, PPOTrainer
 import trl  # noqa: E402
 
-SHAPES_FILE = Path(__file__).resolve().parents[1] / "rlhf" / "bench" / "shapes.py"
+SHAPES_FILE = Path(__file__).resolve().parent / "shapes.py"
 
 
 def load_shapes():

@@ -18,8 +18,8 @@ from prefect.artifacts import (
 )
 
 from rlhf.config import TrackingConfig
-from rlhf.length_control import EVAL_WARNING_TAG
-from rlhf.mlflow_view import EXPERIMENT_QUERY
+from rlhf.eval.length_control import EVAL_WARNING_TAG
+from rlhf.tracking.default_view import EXPERIMENT_QUERY
 from tasks.progress import ProgressBar
 from tasks.tracking import TrackingContext, tracker_for
 
@@ -47,7 +47,7 @@ MLFLOW_VIEW = "workflowType=machine_learning"
 
 def mlflow_experiment_url(experiment_id: str, base: str | None = None) -> str:
     """``http://127.0.0.1:5000/#/experiments/<exp>/runs?viewStateShareKey=rlhf-default&workflowType=machine_learning``:
-    the runs table in the project's saved view (its columns, the PPO charts first; rlhf/mlflow_view.py)."""
+    the runs table in the project's saved view (its columns, the PPO charts first; rlhf/tracking/default_view.py)."""
     return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs?{EXPERIMENT_QUERY}"
 
 

@@ -22,10 +22,10 @@ from rlhf.config import PipelineConfig, flatten, load_config
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned, UserInputError
-from rlhf.length_control import EVAL_WARNING_TAG
-from rlhf.mlflow_view import copy_ppo_curves
-from rlhf.optuna_search import TrialRef
+from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.preflight import preflight
+from rlhf.sweeps.optuna_search import TrialRef
+from rlhf.tracking.default_view import copy_ppo_curves
 from tasks.caching import code_version, run_stage
 from tasks.outputs import PreparedData, RewardModel, SFTModel, StageOutput
 from tasks.stage_runs import log_data_inputs

@@ -40,8 +40,8 @@ from flows.sweep import rlhf_sweep
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
 from rlhf.models.device import device_names
-from rlhf.optuna_search import check_points
-from rlhf.sweep import load_space, variant_configs
+from rlhf.sweeps.optuna_search import check_points
+from rlhf.sweeps.space import load_space, variant_configs
 
 GPU_TAG = "gpu"
 SWEEP_EXAMPLES = Path(__file__).resolve().parent.parent / "conf" / "sweeps"  # each one a sweep deployment

@@ -14,7 +14,7 @@ The sweep has its own MLflow run ``sweep-<name>``: each variant's pipeline run i
 under it, its final metrics are logged on the sweep run (step = variant index), and the sweep run gets the ranking
 table (``sweep_ranking.json``), ``reward_vs_kl.png``, for Optuna the study's own figures, and, when the variants
 evaluate periodically (``ppo.eval_every``), ``overoptimisation.png``: gold and proxy reward against sqrt(KL to SFT),
-one point per evaluation of every variant (rlhf/overoptimisation.py). The ranking is also a Prefect table
+one point per evaluation of every variant (rlhf/sweeps/overoptimisation.py). The ranking is also a Prefect table
 artifact. A variant that fails is ranked last with its error (its MLflow run, if it opened one, is nested under the
 sweep run too); the other variants still run.
 """
@@ -41,13 +41,13 @@ from flows.variants import Outcome, device_slots, make_device_limits, pinned, ru
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
 from rlhf.errors import UserInputError
 from rlhf.models.device import device_names
-from rlhf.optuna_search import OptunaSearch, check_points, default_storage, study_plots
-from rlhf.overoptimisation import report as overoptimisation_report
-from rlhf.plots import Point, reward_vs_kl
 from rlhf.preflight import preflight
-from rlhf.ranking import GOLD_METRIC, RM_METRIC
-from rlhf.sweep import RANK_METRICS, Planned, SweepSpace, VariantList, expand, load_space, rank_key, ranking
-from rlhf.tracking import RUN_TYPE_TAG
+from rlhf.sweeps.optuna_search import OptunaSearch, check_points, default_storage, study_plots
+from rlhf.sweeps.overoptimisation import report as overoptimisation_report
+from rlhf.sweeps.plots import Point, reward_vs_kl
+from rlhf.sweeps.ranking import GOLD_METRIC, RM_METRIC
+from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, load_space, rank_key, ranking
+from rlhf.tracking.client import RUN_TYPE_TAG
 from tasks.caching import code_version
 from tasks.tracking import tracker_for
 
@@ -295,7 +295,7 @@ def format_ranking(result: dict[str, Any]) -> str:
             f"ranking table: {result['ranking_csv']}",
             f"reward vs KL:  {result['plot']}",
             f"MLflow sweep run {result['sweep_run_id']} in {result['tracking_uri']}",
-            "compare the variants: python -m rlhf.compare --sweep " + result["sweep_run_id"],
+            "compare the variants: python -m rlhf.sweeps.compare --sweep " + result["sweep_run_id"],
         ]
     )
 

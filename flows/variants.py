@@ -24,7 +24,7 @@ from flows.pipeline import PRUNED_STATE, rlhf_pipeline
 from rlhf.config import PipelineConfig
 from rlhf.errors import first_line
 from rlhf.models.device import device_names
-from rlhf.optuna_search import TrialRef
+from rlhf.sweeps.optuna_search import TrialRef
 from tasks.tracking import tracker_for
 
 

@@ -96,7 +96,7 @@ def cmd_sweep(argv: list[str]) -> int:
 
 
 def cmd_compare(argv: list[str]) -> int:
-    from rlhf.compare import main
+    from rlhf.sweeps.compare import main
 
     if not any(a == "--tracking-uri" or a.startswith("--tracking-uri=") for a in argv):
         argv = ["--tracking-uri", sqlite_store(), *argv]
@@ -104,7 +104,8 @@ def cmd_compare(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    from rlhf.bench import main
+    checkout_root()
+    from benchmarks import main
 
     return main(argv)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from rlhf.errors import NonFiniteError
-from rlhf.logs import LogFn
+from rlhf.tracking.metrics_writer import LogFn
 
 
 def skip_nonfinite(

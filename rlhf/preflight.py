@@ -10,7 +10,7 @@ from rlhf.config import PipelineConfig
 from rlhf.data.prepare import check_source
 from rlhf.errors import ConfigError
 from rlhf.memory import StageEstimate, model_positions, plan_memory, read_model_config
-from rlhf.tracking_store import check_tracking_uri
+from rlhf.tracking.store import check_tracking_uri
 
 
 def hub_offline() -> bool:
@@ -88,7 +88,7 @@ def check_generation_backend(config: PipelineConfig) -> None:
     """ppo.generation.backend 'vllm' needs a CUDA GPU for the policy, one PPO process and the vllm package."""
     if config.ppo.generation.backend != "vllm":
         return
-    from rlhf.generation_vllm import check_vllm_backend
+    from rlhf.rollout.vllm_backend import check_vllm_backend
 
     check_vllm_backend(device_type(config), config.runtime.device, config.runtime.ppo_processes)
 

@@ -1,5 +1,5 @@
 """MLflow child runs of the pipeline's stages, and the prepared data files as their dataset inputs (through
-rlhf.tracking, the one module that imports mlflow)."""
+rlhf.tracking.client, the one module that imports mlflow)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from rlhf.tracking import Tracker
+from rlhf.tracking.client import Tracker
 from tasks.caching import code_version
 from tasks.tracking import TrackingContext, tracker_for
 

@@ -6,21 +6,21 @@ import pandas as pd
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from rlhf import evaluate as evaluation
-from rlhf import reward as reward_training
-from rlhf import sft as sft_training
 from rlhf.checkpoints import write_manifest
 from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
 from rlhf.data import prepare
 from rlhf.data.lengths import LengthLimits, length_metrics
-from rlhf.length_control import EVAL_WARNING_TAG
+from rlhf.eval import evaluate as evaluation
+from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.models.device import configure_cpu
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
-from rlhf.optuna_search import TrialRef, pruning_reporter
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.trainer import train_ppo
+from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
+from rlhf.train import reward as reward_training
+from rlhf.train import sft as sft_training
 from tasks.caching import content_cache_key, current_stage_dir
 from tasks.faults import injected_failure, retry_unless_user_error
 from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel

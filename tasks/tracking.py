@@ -8,9 +8,9 @@ import torch
 from pydantic import BaseModel
 
 from rlhf.config import RuntimeConfig, TrackingConfig
-from rlhf.logs import LogFn
 from rlhf.models.device import resolve_device
-from rlhf.tracking import Tracker
+from rlhf.tracking.client import Tracker
+from rlhf.tracking.metrics_writer import LogFn
 
 # The training stages write their per-step metrics to MLflow in batches (and before each resume state and at the
 # end): one store transaction per step cost several per cent of a PPO update. Where a core is free of torch's

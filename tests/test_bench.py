@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlhf.bench import cli
-from rlhf.bench.limit import (
+from benchmarks import cli
+from benchmarks.limit import (
     PhaseRow,
     count_flops,
     format_table,
@@ -20,7 +20,7 @@ from rlhf.bench.limit import (
     phase_rows,
     weights_read_per_step,
 )
-from rlhf.bench.shapes import SHAPES, BenchShape, model_classes, model_config
+from benchmarks.shapes import SHAPES, BenchShape, model_classes, model_config
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmark.md"
 

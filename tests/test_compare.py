@@ -1,12 +1,12 @@
-"""Comparing runs: a small MLflow store written through rlhf.tracking, read back by rlhf.compare."""
+"""Comparing runs: a small MLflow store written through rlhf.tracking.client, read back by rlhf.sweeps.compare."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from rlhf import compare
-from rlhf.tracking import RUN_TYPE_TAG, Tracker
+from rlhf.sweeps import compare
+from rlhf.tracking.client import RUN_TYPE_TAG, Tracker
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

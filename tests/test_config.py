@@ -140,7 +140,7 @@ def test_existing_sft_checkpoint_skips_the_bootstrap(tiny_checkpoints):
     from rlhf.checkpoints import dir_digest
     from rlhf.config import RuntimeConfig, SFTConfig
     from rlhf.preflight import preflight
-    from rlhf.sft import load_existing
+    from rlhf.train.sft import load_existing
 
     preflight(load_config(None, [f"sft.model={tiny_checkpoints['policy']}"]))
     result = load_existing(SFTConfig(model=tiny_checkpoints["policy"]), RuntimeConfig())
@@ -170,7 +170,7 @@ def test_tracking_probe_accepts_a_live_server_and_a_writable_sqlite_folder(tmp_p
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from rlhf.tracking_store import check_tracking_uri
+    from rlhf.tracking.store import check_tracking_uri
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802

@@ -165,7 +165,7 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
     from prefect.results import ResultStore
     from prefect.testing.utilities import prefect_test_harness
 
-    from rlhf.tracking import Tracker
+    from rlhf.tracking.client import Tracker
     from tasks.outputs import PreparedData
     from tasks.stages import prepare_preferences as prepare_task
     from tasks.tracking import TrackingContext

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from flows.pipeline import format_summary
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
 from rlhf.data import synthetic
-from rlhf.evaluate import evaluate_policies, summarize
-from rlhf.length_control import EVAL_WARNING_TAG
+from rlhf.eval.evaluate import evaluate_policies, summarize
+from rlhf.eval.length_control import EVAL_WARNING_TAG
 
 POLICY_KEYS = ("length_mean", "length_p10", "length_p50", "length_p90", "empty_rate", "stop_rate")
 
@@ -168,7 +168,7 @@ def test_format_summary_shows_lengths_and_warnings():
 def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkeypatch):
     import flows.artifacts
     from flows.pipeline import close_pipeline_run
-    from rlhf.tracking import Tracker
+    from rlhf.tracking.client import Tracker
     from tasks.tracking import TrackingContext
 
     text = "PPO's gain over SFT is mostly explained by length: ...\nPPO answers nothing to 7.8% of prompts ..."

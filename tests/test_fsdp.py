@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, load_config
 from rlhf.errors import ConfigError
-from rlhf.generation import GenerationSettings, sample_responses
 from rlhf.models import sharding
 from rlhf.ppo import distributed
 from rlhf.ppo.trainer import train_ppo
 from rlhf.preflight import check_ppo_processes
-from rlhf.scoring import policy_forward
+from rlhf.rollout.generation import GenerationSettings, sample_responses
+from rlhf.rollout.scoring import policy_forward
 from tests.test_distributed import _digests, _free_port, _torchrun
 
 FSDP = "runtime.sharding=fsdp"

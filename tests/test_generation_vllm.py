@@ -1,4 +1,4 @@
-"""The vLLM generation backend (rlhf/generation_vllm.py) without a GPU: its settings mapping, weight sync, output
+"""The vLLM generation backend (rlhf/rollout/vllm_backend.py) without a GPU: its settings mapping, weight sync, output
 layout and refusals, against a stand-in engine.
 
 `StandInLLM` implements the part of vLLM's Python API the backend calls (``LLM.generate`` on token-id prompts with
@@ -24,11 +24,15 @@ from conftest import REPO
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from rlhf.batching import pad_left
 from rlhf.config import LoraConfig, load_config
 from rlhf.errors import ConfigError
-from rlhf.generation import GenerationSettings, Responses, sample_responses
-from rlhf.generation_vllm import (
+from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer
+from rlhf.models.training import apply_lora, unwrap
+from rlhf.preflight import preflight
+from rlhf.rollout.batching import pad_left
+from rlhf.rollout.generation import GenerationSettings, Responses, sample_responses
+from rlhf.rollout.scoring import ScoringModels, generate_and_score, policy_forward
+from rlhf.rollout.vllm_backend import (
     VLLMSampler,
     check_vllm_backend,
     engine_kwargs,
@@ -36,10 +40,6 @@ from rlhf.generation_vllm import (
     sampling_kwargs,
     start_vllm_sampler,
 )
-from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer
-from rlhf.models.training import apply_lora, unwrap
-from rlhf.preflight import preflight
-from rlhf.scoring import ScoringModels, generate_and_score, policy_forward
 
 CPU = torch.device("cpu")
 

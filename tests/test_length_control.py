@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rlhf.length_control import (
+from rlhf.eval.length_control import (
     LengthControl,
     fit_logistic,
     hacking_verdict,

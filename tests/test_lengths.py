@@ -9,11 +9,11 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf import reward as reward_module
-from rlhf.batching import Fit, encode_and_measure, encode_prompt_response, fit_lengths, pair_lengths
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, load_config
 from rlhf.errors import ConfigError
 from rlhf.models.loading import load_tokenizer
+from rlhf.rollout.batching import Fit, encode_and_measure, encode_prompt_response, fit_lengths, pair_lengths
+from rlhf.train import reward as reward_module
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
 
@@ -152,7 +152,7 @@ def test_reward_config_fields():
 
 
 def test_sft_measures_and_logs_its_truncation(tiny_checkpoints, tok, tmp_path):
-    from rlhf.sft import finetune_sft
+    from rlhf.train.sft import finetune_sft
 
     rows = [
         {"prompt": f"Review {i}:" + " the film" * (1 + 4 * (i % 3 == 0)), "response": " the plot was superb."}

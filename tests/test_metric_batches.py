@@ -16,9 +16,9 @@ import pytest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.errors import TrainingInterrupted
-from rlhf.logs import BatchedLog, flush_log
-from rlhf.sft import bootstrap_sft
-from rlhf.tracking import Tracker
+from rlhf.tracking.client import Tracker
+from rlhf.tracking.metrics_writer import BatchedLog, flush_log
+from rlhf.train.sft import bootstrap_sft
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -153,7 +153,7 @@ def test_flush_waits_for_the_writer_and_leaves_nothing_behind():
 def test_background_loggers_still_open_are_flushed_when_the_process_exits(tmp_path):
     out = tmp_path / "steps.txt"
     script = f"""
-from rlhf.logs import BatchedLog
+from rlhf.tracking.metrics_writer import BatchedLog
 out = open({str(out)!r}, "a")
 def write(steps):
     out.write("".join(f"{{step}}\\n" for _, step, _ in steps)); out.flush()

@@ -1,5 +1,5 @@
 """Tracking past one machine: a real `mlflow server` (SQLite backend, proxied artifact store) on a free loopback
-port, used through rlhf.tracking and by the smoke pipeline with ``tracking.uri=http://...``.
+port, used through rlhf.tracking.client and by the smoke pipeline with ``tracking.uri=http://...``.
 
 About 45 seconds on two cores; deselect with ``pytest -k "not server"``.
 """
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from rlhf.config import load_config
-from rlhf.tracking import Tracker
+from rlhf.tracking.client import Tracker
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")

@@ -1,5 +1,5 @@
-"""The experiment's default view in the MLflow UI (rlhf/mlflow_view.py): a saved view written as the experiment tag
-MLflow 3's UI reads, and the links that open it."""
+"""The experiment's default view in the MLflow UI (rlhf/tracking/default_view.py): a saved view written as the
+experiment tag MLflow 3's UI reads, and the links that open it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import zlib
 
 from flows.artifacts import mlflow_experiment_url
-from rlhf.mlflow_view import VIEW_NAME, VIEW_TAG, copy_ppo_curves, default_view_json
-from rlhf.tracking import Tracker
+from rlhf.tracking.client import Tracker
+from rlhf.tracking.default_view import VIEW_NAME, VIEW_TAG, copy_ppo_curves, default_view_json
 
 
 def _state(tag_value: str) -> dict:

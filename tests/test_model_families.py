@@ -15,12 +15,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf import scoring
-from rlhf.batching import encode_prompt_response, encode_prompts, pad_left
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
-from rlhf.evaluate import evaluate_policies
-from rlhf.generation import GenerationSettings, sample_responses
+from rlhf.eval.evaluate import evaluate_policies
 from rlhf.models.heads import PolicyValueHead, sequence_scores, token_scores
 from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
 from rlhf.models.stop_tokens import checkpoint_stop_tokens
@@ -30,9 +27,12 @@ from rlhf.ppo.models import load_models, run_choices
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import PPOResult, generation_settings, train_ppo
-from rlhf.reward import train_reward_model
-from rlhf.scoring import policy_forward
-from rlhf.sft import finetune_sft
+from rlhf.rollout import scoring
+from rlhf.rollout.batching import encode_prompt_response, encode_prompts, pad_left
+from rlhf.rollout.generation import GenerationSettings, sample_responses
+from rlhf.rollout.scoring import policy_forward
+from rlhf.train.reward import train_reward_model
+from rlhf.train.sft import finetune_sft
 from tests.model_zoo import CHAT_FAMILIES, FAMILIES, SPECS, build_family
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
@@ -188,7 +188,7 @@ def _assert_bos_led(family: str, path: str, rows: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ppo_trains_with_a_value_model_from_the_reward_model(stacks, data, family, monkeypatch):
-    prompts = _spy_prompts(monkeypatch, scoring)  # PPO rollouts sample through rlhf.scoring
+    prompts = _spy_prompts(monkeypatch, scoring)  # PPO rollouts sample through rlhf.rollout.scoring
     stack = stacks(family)
     stack.ppo = None  # this test runs PPO (the evaluation test reuses the result)
     result = _ppo(stack, data)

@@ -11,9 +11,9 @@ from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.errors import NonFiniteError
 from rlhf.ppo.trainer import train_ppo
-from rlhf.reward import train_reward_model
-from rlhf.sft import finetune_sft
-from rlhf.tracking import Tracker
+from rlhf.tracking.client import Tracker
+from rlhf.train.reward import train_reward_model
+from rlhf.train.sft import finetune_sft
 
 HUGE_LR = 1e30  # one AdamW step makes the weights ~1e30: the next forward pass overflows to inf/NaN
 

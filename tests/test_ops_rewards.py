@@ -111,8 +111,8 @@ def test_per_token_rewards_padding_invariance_and_empty_row() -> None:
 def test_compute_advantages_applies_the_eos_mode_to_the_min_length_penalty() -> None:
     # ppo.min_length_penalty uses the same mode as the EOS penalty: in "replace" mode short rows score the penalty
     from rlhf.config import PPOConfig
-    from rlhf.generation import Responses
     from rlhf.ppo.update import Rollout, compute_advantages
+    from rlhf.rollout.generation import Responses
 
     cfg = PPOConfig(
         missing_eos_penalty=-1.0,

@@ -1,5 +1,5 @@
 """The over-optimisation figure and its numbers: hand-made histories, and a sweep in a real SQLite MLflow store
-read back through rlhf.tracking (a variant whose PPO came from the cache included)."""
+read back through rlhf.tracking.client (a variant whose PPO came from the cache included)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pandas as pd
 import pytest
 
-from rlhf import overoptimisation as oo
-from rlhf.tracking import RUN_TYPE_TAG, Tracker
+from rlhf.sweeps import overoptimisation as oo
+from rlhf.tracking.client import RUN_TYPE_TAG, Tracker
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

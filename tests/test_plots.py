@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlhf import plots
+from rlhf.sweeps import plots
 
 
 def test_reward_vs_kl_shows_points_with_a_negative_kl(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf.batching import encode_prompts
 from rlhf.config import DataConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.data.prepare import prepare_preferences
@@ -23,8 +22,9 @@ from rlhf.ppo.models import load_models
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import TrainingInterrupted, generation_settings, train_ppo
-from rlhf.reward import train_reward_model
-from rlhf.sft import bootstrap_sft
+from rlhf.rollout.batching import encode_prompts
+from rlhf.train.reward import train_reward_model
+from rlhf.train.sft import bootstrap_sft
 
 # one xdist worker runs the module: its tests share the trained stack (a module fixture of about 15 s)
 pytestmark = pytest.mark.xdist_group("ppo_trainer")

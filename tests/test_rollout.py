@@ -6,11 +6,11 @@ import warnings
 
 import torch
 
-from rlhf.batching import pad_left
-from rlhf.generation import GenerationSettings, filter_logits, sample_responses, truncate_at_stop
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.ops import logprobs_from_logits
-from rlhf.scoring import policy_forward
+from rlhf.rollout.batching import pad_left
+from rlhf.rollout.generation import GenerationSettings, filter_logits, sample_responses, truncate_at_stop
+from rlhf.rollout.scoring import policy_forward
 
 
 def test_truncate_at_stop_keeps_the_stop_token_and_pads_after():
@@ -95,7 +95,7 @@ def test_sampling_passes_the_kv_cache_under_the_name_this_transformers_takes(tin
 
 
 def test_sample_from_logits_matches_the_distribution():
-    from rlhf.generation import sample_from_logits
+    from rlhf.rollout.generation import sample_from_logits
 
     probs = torch.tensor([0.5, 0.3, 0.0, 0.2])
     logits = torch.log(probs).expand(40000, 4)  # the zero-probability token is -inf
@@ -108,7 +108,7 @@ def test_sample_from_logits_matches_the_distribution():
 def test_sample_from_logits_two_level_path_matches_the_distribution():
     """A real-size vocabulary goes through block sums: the mass on block edges, in the last (partial) block and on a
     lone token is drawn as often as it should be; -inf entries (top-k / top-p filtered) never."""
-    from rlhf.generation import _TWO_LEVEL_VOCAB, sample_from_logits
+    from rlhf.rollout.generation import _TWO_LEVEL_VOCAB, sample_from_logits
 
     v = _TWO_LEVEL_VOCAB + 901  # the last block of 256 is partial
     probs = torch.zeros(v)

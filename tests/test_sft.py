@@ -11,7 +11,7 @@ from rlhf.checkpoints import read_manifest
 from rlhf.config import RuntimeConfig, SFTConfig, load_config
 from rlhf.data import synthetic
 from rlhf.errors import ConfigError, TrainingInterrupted
-from rlhf.sft import finetune_sft
+from rlhf.train.sft import finetune_sft
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
 

@@ -9,8 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from rlhf.optuna_search import check_points
-from rlhf.sweep import VariantList, expand, load_space, parse_space, ranking, variant_config, variant_configs
+from rlhf.sweeps.optuna_search import check_points
+from rlhf.sweeps.space import VariantList, expand, load_space, parse_space, ranking, variant_config, variant_configs
 from tests.conftest import REPO, flow_run_artifacts, stage_name, subflow_runs, task_runs
 
 # A pipeline that takes seconds: the smoke config made smaller still.
@@ -113,7 +113,7 @@ def test_optuna_space_errors_name_the_key():
 
 
 def test_optuna_search_asks_enqueued_points_first_and_tells_outcomes(tmp_path):
-    from rlhf.optuna_search import OptunaSearch
+    from rlhf.sweeps.optuna_search import OptunaSearch
 
     base = load_config(REPO / "conf" / "smoke.yaml", ["ppo.eval_every=1"])
     raw = {

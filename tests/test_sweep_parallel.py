@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
-from rlhf.sweep import parse_space
+from rlhf.sweeps.space import parse_space
 from tests.conftest import REPO, drain_prefect_services, stage_name, subflow_runs, task_runs
 
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
@@ -94,7 +94,7 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
     import optuna
     import yaml
 
-    from rlhf.optuna_search import trial_point
+    from rlhf.sweeps.optuna_search import trial_point
     from tests.test_process_faults import finish, kill_when
 
     storage = f"sqlite:///{tmp_path}/optuna.db"

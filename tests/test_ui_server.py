@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.form import PipelineRun, form_parameters
 from rlhf.config import PipelineConfig, load_config
-from rlhf.sweep import SweepSpace, load_space
+from rlhf.sweeps.space import SweepSpace, load_space
 from tests.conftest import REPO
 
 # end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose

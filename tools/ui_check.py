@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
         exp = parent.info.experiment_id
         view = "workflowType=machine_learning"
-        saved = f"viewStateShareKey=rlhf-default&{view}"  # the project's saved view (rlhf/mlflow_view.py)
+        saved = f"viewStateShareKey=rlhf-default&{view}"  # the project's saved view (rlhf/tracking/default_view.py)
         shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs?{saved}", out / "04-mlflow-experiment.png", 8)
         url = f"{mlflow_url}/#/experiments/{exp}/runs?{saved}&compareRunsMode=CHART"
         shoot(driver, url, out / "04b-mlflow-experiment-charts.png", 8)

@@ -106,10 +106,10 @@ class LoraConfig(Section):
 class PPOGenerationConfig(Section):
     backend: Literal["builtin", "vllm"] = Field(
         "builtin",
-        description="What samples the rollouts: 'builtin' (the KV-cached sampler of rlhf/generation.py, any device) "
-        "or 'vllm' (a vLLM engine on the policy's CUDA GPU, the 'vllm' extra; the policy's weights are pushed into it "
-        "after every update; ppo.max_new_tokens, temperature, top_k, top_p and the stop tokens apply unchanged; "
-        "log-probs still come from the training model). docs/models.md.",
+        description="What samples the rollouts: 'builtin' (the KV-cached sampler of rlhf/rollout/generation.py, any "
+        "device) or 'vllm' (a vLLM engine on the policy's CUDA GPU, the 'vllm' extra; the policy's weights are pushed "
+        "into it after every update; ppo.max_new_tokens, temperature, top_k, top_p and the stop tokens apply "
+        "unchanged; log-probs still come from the training model). docs/models.md.",
     )
     gpu_memory_utilization: float = Field(
         0.3,

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 from rlhf.data import formats
 from rlhf.data.formats import IDENTICAL, MALFORMED, MISSING, NOT_STRING, TIE, ChatRenderer, Plan
 from rlhf.errors import DataError
-from rlhf.tokens import token_counts
+from rlhf.rollout.tokens import token_counts
 
 TOO_LONG, DUPLICATE = "too_long", "duplicate"
 REASONS = (MALFORMED, MISSING, NOT_STRING, TIE, IDENTICAL, TOO_LONG, DUPLICATE)

@@ -1,6 +1,15 @@
-"""Pure tensor functions of RLHF with PPO: masked stats, KL, reward shaping, GAE, losses, log-probs."""
+"""Pure tensor functions of RLHF: masked stats, KL, reward shaping, GAE, critic-free advantages, losses, log-probs."""
 
-from rlhf.ops.advantages import GAEOutput, gae
+from rlhf.ops.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    CRITIC_FREE,
+    GAEOutput,
+    GroupAdvantages,
+    broadcast_to_tokens,
+    gae,
+    group_advantages,
+    reinforce_returns,
+)
 from rlhf.ops.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -10,9 +19,12 @@ from rlhf.ops.kl import (
 )
 from rlhf.ops.logprobs import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.ops.losses import (
+    LOSS_AGGREGATIONS,
     PairwiseLossOutput,
     PolicyLossOutput,
     ValueLossOutput,
+    aggregate_loss,
+    kl_loss,
     pairwise_reward_loss,
     policy_loss,
     value_loss,
@@ -28,18 +40,26 @@ from rlhf.ops.stats import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "CRITIC_FREE",
     "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "GAEOutput",
+    "GroupAdvantages",
     "PairwiseLossOutput",
     "PolicyLossOutput",
     "ShapedScores",
     "TokenRewards",
     "ValueLossOutput",
+    "aggregate_loss",
+    "broadcast_to_tokens",
     "entropy_from_logits",
     "explained_variance",
     "gae",
+    "group_advantages",
+    "kl_loss",
     "kl_per_token",
     "linear_logprobs",
     "logprobs_from_logits",
@@ -52,6 +72,7 @@ __all__ = [
     "pairwise_reward_loss",
     "per_token_rewards",
     "policy_loss",
+    "reinforce_returns",
     "shape_scores",
     "value_loss",
 ]

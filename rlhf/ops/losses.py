@@ -1,4 +1,4 @@
-"""PPO policy and value losses (clipped surrogate) and the pairwise reward-model loss."""
+"""PPO policy and value losses (clipped surrogate), their aggregation modes, the KL loss and the pairwise loss."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.ops.stats import masked_mean, masked_var
+from rlhf.ops.kl import kl_per_token
+from rlhf.ops.stats import masked_mean, masked_sum, masked_var
+
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 class PolicyLossOutput(NamedTuple):
@@ -37,13 +40,53 @@ def _zero_padding(x: Tensor, real: Tensor) -> Tensor:
     return torch.where(real, x, torch.zeros_like(x))
 
 
+def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, norm_length: int | None = None) -> Tensor:
+    """Reduce a per-token loss to a scalar, in one of ``LOSS_AGGREGATIONS``.
+
+    - ``token_mean``: the mean over every real token of the batch (``masked_mean``; PPO), so long sequences weigh
+      more;
+    - ``seq_mean_token_mean``: each sequence's mean over its real tokens, then the mean over sequences (GRPO);
+    - ``seq_mean_token_sum_norm``: each sequence's sum over its real tokens divided by the constant
+      ``norm_length`` (Dr. GRPO: the generation's max_new_tokens), then the mean over sequences; needs
+      ``norm_length``.
+
+    In both sequence modes a sequence without real tokens contributes 0 and is not counted; a batch without real
+    tokens gives 0. Padded positions, even inf or NaN, get neither value nor gradient.
+
+    Shape: per_token and mask (b, t); output ().
+    """
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean_token_mean":
+        per_seq = masked_mean(per_token, mask, dim=-1)  # (b,), 0 for empty rows
+    elif mode == "seq_mean_token_sum_norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(
+                f"Loss aggregation seq_mean_token_sum_norm needs a positive norm_length (e.g. max_new_tokens), "
+                f"got {norm_length}."
+            )
+        per_seq = masked_sum(per_token, mask, dim=-1) / norm_length  # (b,)
+    else:
+        raise ValueError(f"Unknown loss aggregation {mode!r}; allowed values are {', '.join(LOSS_AGGREGATIONS)}.")
+    has_tokens = mask.bool().any(dim=-1)  # (b,)
+    return masked_mean(per_seq, has_tokens)
+
+
 def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cliprange: float,
+    *,
+    loss_aggregation: str = "token_mean",
+    norm_length: int | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped surrogate loss ``mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))``.
 
-    ``d = logprobs - old_logprobs`` and ``ratio = exp(d)``. Means are over real tokens. The statistics are
-    detached; the loss keeps its graph.
+    ``d = logprobs - old_logprobs`` and ``ratio = exp(d)``. The loss is reduced by ``aggregate_loss`` with
+    ``loss_aggregation`` (and ``norm_length``); the default, ``token_mean``, is the mean over real tokens. The
+    statistics are detached token means over real tokens whatever the aggregation; the loss keeps its graph.
 
     Shape: logprobs, old_logprobs, advantages and mask (b, t); outputs ().
     """
@@ -53,7 +96,7 @@ def policy_loss(
     ratio = torch.exp(d)
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(pg1, pg2), mask)
+    loss = aggregate_loss(torch.maximum(pg1, pg2), mask, loss_aggregation, norm_length)
 
     with torch.no_grad():
         clipfrac = masked_mean((pg2 > pg1).to(d.dtype), mask)
@@ -100,6 +143,30 @@ def value_loss(
     with torch.no_grad():
         value_error = masked_mean(err_unclipped, mask)
     return ValueLossOutput(loss=loss, clipfrac=clipfrac, value_error=value_error)
+
+
+def kl_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    estimator: str = "k3",
+    loss_aggregation: str = "token_mean",
+    norm_length: int | None = None,
+) -> Tensor:
+    """KL-to-reference loss term, for KL in the loss rather than in the rewards (GRPO).
+
+    ``kl_per_token(logprobs, ref_logprobs, estimator)`` (k1 ``d``, k2 ``d^2 / 2``, k3 ``exp(-d) - 1 + d`` with
+    ``d = logprobs - ref_logprobs``) reduced by ``aggregate_loss``. The gradient flows through ``logprobs`` only
+    (``ref_logprobs`` is detached). Padded positions are set to ``d = 0`` before the estimator, so garbage there
+    gives neither value nor gradient (no ``0 * inf`` through ``exp``).
+
+    Shape: logprobs, ref_logprobs and mask (b, t); output ().
+    """
+    real = mask.bool()
+    logprobs_real = _zero_padding(logprobs, real)
+    ref_real = _zero_padding(ref_logprobs.detach().to(logprobs.dtype), real)
+    per_token = kl_per_token(logprobs_real, ref_real, estimator)
+    return aggregate_loss(per_token, mask, loss_aggregation, norm_length)
 
 
 def pairwise_reward_loss(

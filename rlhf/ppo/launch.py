@@ -32,12 +32,12 @@ import yaml
 from rlhf.checkpoints import atomic_write_text
 from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_config
 from rlhf.errors import ConfigError
-from rlhf.evaluate import eval_prompts
-from rlhf.logs import LogFn
+from rlhf.eval.evaluate import eval_prompts
 from rlhf.models.device import configure_cpu
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.trainer import PPOResult, TrainingInterrupted, train_ppo
+from rlhf.tracking.metrics_writer import LogFn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,7 +96,7 @@ def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -
     printer = _printer(args.print_every, cfg.ppo.num_updates) if ctx.is_main and args.print_every > 0 else None
     if not (ctx.is_main and args.tracking_uri):
         return (printer or (lambda metrics, step: None)), (lambda failed: None)
-    from rlhf.tracking import Tracker
+    from rlhf.tracking.client import Tracker
 
     tracker = Tracker(args.tracking_uri, args.experiment or cfg.tracking.experiment, cfg.tracking.artifact_location)
     if args.run_id:

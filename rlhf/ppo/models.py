@@ -12,7 +12,6 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.generation import Sampler
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.heads import PolicyValueHead
 from rlhf.models.loading import MODEL_BUILD_LOCK, load_causal_lm, load_options, load_reward_model, load_tokenizer
@@ -24,7 +23,8 @@ from rlhf.models.training import (
     lora_targets,
     unwrap,
 )
-from rlhf.scoring import ScoringModels
+from rlhf.rollout.generation import Sampler
+from rlhf.rollout.scoring import ScoringModels
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PPOModels:
         return self.value.score if self.shared_value_head else self.value
 
     def scoring(self) -> ScoringModels:
-        """The models `rlhf.scoring.generate_and_score` samples and scores a rollout with."""
+        """The models `rlhf.rollout.scoring.generate_and_score` samples and scores a rollout with."""
         return ScoringModels(
             policy=self.policy,
             reference=self.reference,

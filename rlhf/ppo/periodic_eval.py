@@ -4,7 +4,7 @@
 Every evaluation generates for the same prompts with the training sampling settings and a generator seeded the
 same way each time, so the points of one run (and of runs with the same seed) are comparable. The KL is the
 evaluation stage's ``eval/kl``: the sum over response tokens of ``logp_policy - logp_ref`` (k1), mean over prompts
-(`rlhf.evaluate.generate_and_score_prompts`).
+(`rlhf.eval.evaluate.generate_and_score_prompts`).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from rlhf.config import PPOConfig
 from rlhf.errors import TrialPruned
-from rlhf.evaluate import generate_and_score_prompts
-from rlhf.generation import GenerationSettings
-from rlhf.logs import GoldFn, LogFn
+from rlhf.eval.evaluate import generate_and_score_prompts
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
+from rlhf.rollout.generation import GenerationSettings
+from rlhf.tracking.metrics_writer import GoldFn, LogFn
 
 EvalCallback = Callable[[int, dict[str, float]], None]
 """``on_eval(step, metrics)``: called after each periodic evaluation (rank 0); raising stops training."""

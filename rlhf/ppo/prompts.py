@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from rlhf.batching import pad_left
+from rlhf.rollout.batching import pad_left
 
 
 @functools.lru_cache(maxsize=4)

@@ -11,12 +11,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from rlhf.batching import bos_prefix, encode_prompts, keep_last
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
-from rlhf.generation import GenerationSettings
-from rlhf.logs import GoldFn, LogFn, flush_log
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
@@ -29,6 +26,9 @@ from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_model
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
+from rlhf.rollout.batching import bos_prefix, encode_prompts, keep_last
+from rlhf.rollout.generation import GenerationSettings
+from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log
 
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def train_ppo(
     )
     dtype = compute_dtype(runtime.dtype, device)
     if cfg.generation.backend == "vllm":  # started after the resume state: it samples from the resumed policy
-        from rlhf.generation_vllm import start_vllm_sampler
+        from rlhf.rollout.vllm_backend import start_vllm_sampler
 
         models.sampler = start_vllm_sampler(
             cfg, runtime, policy_path, models.policy, device, seed, dtype, dist.world_size

@@ -11,10 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from rlhf import scoring
 from rlhf.config import PPOConfig
-from rlhf.generation import GenerationSettings, Responses
-from rlhf.logs import LogFn
 from rlhf.models import sharding
 from rlhf.models.device import autocast
 from rlhf.models.training import unwrap
@@ -25,7 +22,10 @@ from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import OptimStats
-from rlhf.scoring import policy_forward, value_forward
+from rlhf.rollout import scoring
+from rlhf.rollout.generation import GenerationSettings, Responses
+from rlhf.rollout.scoring import policy_forward, value_forward
+from rlhf.tracking.metrics_writer import LogFn
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from rlhf.config import PipelineConfig
 from rlhf.errors import ConfigError, TrialPruned
-from rlhf.sweep import OptunaSettings, Planned, Range, SweepSpace, Variant, label, variant_config
+from rlhf.sweeps.space import OptunaSettings, Planned, Range, SweepSpace, Variant, label, variant_config
 
 logger = logging.getLogger(__name__)
 KILLED_ATTR = "rlhf.killed"  # user attribute of a trial a killed sweep left running (marked failed, asked again)

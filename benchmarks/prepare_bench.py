@@ -1,7 +1,7 @@
 """Benchmark the prepare stage: N synthetic short pairs in a local file, prepared; prints time and peak memory.
 
-    .venv/bin/python -m rlhf.data.bench --rows 1000000
-    .venv/bin/python -m rlhf.data.bench --rows 1000000 --format parquet --num-proc 2 --tokenize
+    .venv/bin/python -m benchmarks.prepare_bench --rows 1000000
+    .venv/bin/python -m benchmarks.prepare_bench --rows 1000000 --format parquet --num-proc 2 --tokenize
 
 The generated file has a few bad rows on purpose (about 1% duplicates, 0.5% identical pairs, 0.5% empty
 prompts) so every step of validation does real work. ``--tokenize`` trains a small byte-level BPE tokenizer,

@@ -1,5 +1,5 @@
 """Which reward compares runs: the task's gold reward when every run has one (the synthetic task), else the
-reward-model score. Used by sweep rankings (`rlhf.sweep`) and run comparisons (`rlhf.compare`)."""
+reward-model score. Used by sweep rankings (`rlhf.sweeps.space`) and run comparisons (`rlhf.sweeps.compare`)."""
 
 from __future__ import annotations
 

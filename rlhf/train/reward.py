@@ -15,11 +15,9 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from rlhf.batching import encode_prompt_response, pair_lengths
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.logs import LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
@@ -27,7 +25,9 @@ from rlhf.models.heads import sequence_scores
 from rlhf.models.loading import load_options, load_reward_model, load_tokenizer
 from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
 from rlhf.ops import pairwise_reward_loss
-from rlhf.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
+from rlhf.rollout.batching import encode_prompt_response, pair_lengths
+from rlhf.tracking.metrics_writer import LogFn
+from rlhf.train.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
 MAX_DROPPED_FRACTION = 0.5  # reward.truncation 'drop': dropping more of a split than this is a config error
 

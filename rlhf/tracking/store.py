@@ -2,7 +2,7 @@
 its process (and whether that process is alive), the lock that serialises creating a SQLite store, the plain record
 of a run that queries return, and the content digest of the data files logged as dataset inputs.
 
-`rlhf.tracking` (the one module that imports mlflow) builds on these; the preflight uses them without mlflow.
+`rlhf.tracking.client` (the one module that imports mlflow) builds on these; the preflight uses them without mlflow.
 """
 
 from __future__ import annotations

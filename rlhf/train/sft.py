@@ -13,17 +13,17 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_with_min_lr_schedule_with_warmup
 
-from rlhf.batching import encode_and_measure
 from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
-from rlhf.logs import LogFn
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.loading import is_local_checkpoint, load_causal_lm, load_options, load_tokenizer
 from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
-from rlhf.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
+from rlhf.rollout.batching import encode_and_measure
+from rlhf.tracking.metrics_writer import LogFn
+from rlhf.train.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
 
 @dataclass

@@ -33,7 +33,7 @@ from .limit import (
 )
 from .shapes import SHAPES, cuda_refusal
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = ROOT / "benchmarks" / "trl_peer.py"
 # (label, virtual environment): `make bench PEER=1` creates them (docs/benchmark.md "Peers")
 PEERS = (("TRL 0.19.1", ".bench-peer"), ("TRL 1.12.0", ".bench-peer-trl112"))
@@ -70,7 +70,7 @@ def run_peer(label: str, venv: str, shape: str, updates: int, threads: int | Non
 
 def limit_report(bench, summary: dict[str, float]) -> None:
     """The FLOPs of one extra, untimed update against the matmul peaks; on a GPU, generation's memory traffic."""
-    from .run import PHASES
+    from .ppo_bench import PHASES
 
     device, shape = bench.device, bench.shape
     flops = bench.count_phase_flops()
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rlhf.models.device import compute_dtype, configure_cpu, cpu_has_native_bf16, resolve_device
 
-    from .run import PHASES, Bench, run_bench
+    from .ppo_bench import PHASES, Bench, run_bench
 
     threads = args.threads or shape.threads
     configure_cpu(threads)  # torch's threads and the allocator, as every pipeline stage sets them

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from rlhf.tokens import token_counts
+from rlhf.rollout.tokens import token_counts
 
 
 class TokenBatch(NamedTuple):

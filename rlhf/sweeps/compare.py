@@ -1,11 +1,12 @@
 """Compare the pipeline runs of an MLflow experiment side by side.
 
-    python -m rlhf.compare --experiment rlhf-ppo [--tracking-uri sqlite:///mlruns/mlflow.db] [--out outputs/compare]
+    python -m rlhf.sweeps.compare --experiment rlhf-ppo [--tracking-uri sqlite:///mlruns/mlflow.db] \
+        [--out outputs/compare]
 
 Prints the parameters that differ between the runs and their final metrics (one column per run), and writes
 ``compare.csv`` (one row per run), ``reward_vs_kl.png`` (each run's mean reward against its KL from the SFT policy) and
 ``training_curves.png`` (``objective/scores`` and ``objective/kl`` per PPO update, from the ``train_policy_ppo``
-child runs) into the output folder. Everything is read through :mod:`rlhf.tracking`.
+child runs) into the output folder. Everything is read through :mod:`rlhf.tracking.client`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 import pandas as pd
 
 from rlhf.config import TrackingConfig
-from rlhf.plots import Point, reward_vs_kl, training_curves
-from rlhf.ranking import GOLD_METRIC, reward_metric
-from rlhf.tracking import RunRecord, Tracker, experiment_names
-from rlhf.tracking_store import store_exists
+from rlhf.sweeps.plots import Point, reward_vs_kl, training_curves
+from rlhf.sweeps.ranking import GOLD_METRIC, reward_metric
+from rlhf.tracking.client import RunRecord, Tracker, experiment_names
+from rlhf.tracking.store import store_exists
 
 # Final metrics of a pipeline run (logged on the parent run by the flow), in display order.
 SUMMARY_METRICS = (

@@ -4,7 +4,7 @@ A vLLM engine runs in the trainer's process on the policy's GPU, with `ppo.gener
 that GPU's memory. It only samples: the policy's weights are pushed into it after every PPO update (LoRA adapters
 merged on the way), it gets the prompts as token ids with the built-in sampler's settings and stop tokens, and its
 token ids come back as the built-in sampler's `Responses` (same layout, padding and truncation at the first stop
-token). Log-probs, values and scores are still computed by the training models (``rlhf.scoring``).
+token). Log-probs, values and scores are still computed by the training models (``rlhf.rollout.scoring``).
 
 Written against vLLM 0.33's Python API, using only calls that older 0.x releases have too: ``vllm.LLM`` (in-process
 engine), ``LLM.generate`` on ``{"prompt_token_ids": ...}`` prompts with one ``SamplingParams`` per prompt,
@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.generation import GenerationSettings, Responses, truncate_at_stop
 from rlhf.models.training import unwrap
+from rlhf.rollout.generation import GenerationSettings, Responses, truncate_at_stop
 
 SEED_LIMIT = 2**31 - 1  # per-request seeds are drawn below this (vLLM keeps them as Python ints)
 
@@ -148,7 +148,8 @@ def responses_from_token_lists(
 
 
 class VLLMSampler:
-    """Samples PPO responses with a vLLM engine; called like ``rlhf.generation.sample_responses`` without the model.
+    """Samples PPO responses with a vLLM engine; called like ``rlhf.rollout.generation.sample_responses`` without the
+    model.
 
     `llm` is a ``vllm.LLM`` (or anything with its ``generate``, ``apply_model``, ``reset_prefix_cache``, ``sleep``
     and ``wake_up``), `params_cls` builds its sampling parameters (``vllm.SamplingParams``). With `sleep`, the

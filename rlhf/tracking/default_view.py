@@ -4,8 +4,8 @@ MLflow 3's server keeps no default columns or chart layout for an experiment; th
 storage). What it does read from the server is a *shared view*: the experiment tag ``mlflow.sharedViewState.<key>``
 (a JSON object with the runs page's search facets and UI state: ``selectedColumns``, ``compareRunSections``, ...),
 applied when the experiment page is opened with ``?viewStateShareKey=<key>`` (the UI's own "Share" button writes such
-tags). :class:`rlhf.tracking.Tracker` writes the tag below on every experiment it opens, and every MLflow link the
-project writes opens the experiment with it: the win rates, KL, reward-model accuracy and key parameters as columns,
+tags). :class:`rlhf.tracking.client.Tracker` writes the tag below on every experiment it opens, and every MLflow link
+the project writes opens the experiment with it: the win rates, KL, reward-model accuracy and key parameters as columns,
 and the PPO charts (``objective/``, ``ppo_eval/``, ``policy/``, ``value/``) first. The experiment page's rows are
 pipeline runs, so the PPO curves are copied onto them when they close (:func:`copy_ppo_curves`).
 """

@@ -1,6 +1,6 @@
 """Scoring sampled responses under no grad: policy and reference log-probs, values and reward-model scores.
 
-`generate_and_score` samples responses and scores them; PPO (`rlhf.ppo.update`) and evaluation (`rlhf.evaluate`)
+`generate_and_score` samples responses and scores them; PPO (`rlhf.ppo.update`) and evaluation (`rlhf.eval.evaluate`)
 both call it, so a rollout and an evaluation batch are generated and scored the same way.
 """
 
@@ -15,13 +15,13 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.batching import encode_prompt_response
-from rlhf.generation import GenerationSettings, Responses, Sampler, sample_responses
 from rlhf.models import sharding
 from rlhf.models.device import autocast
 from rlhf.models.heads import backbone_hidden, lm_logits, sequence_scores, token_scores
 from rlhf.models.training import unwrap
 from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
+from rlhf.rollout.batching import encode_prompt_response
+from rlhf.rollout.generation import GenerationSettings, Responses, Sampler, sample_responses
 
 
 class PolicyOutput(NamedTuple):

@@ -5,7 +5,7 @@ one point per evaluation of every variant of a sweep.
 The histories are the ``ppo_eval/*`` metrics of each variant's PPO run (``ppo.eval_every``; see
 docs/overoptimisation.md). `collect_histories` reads them from a sweep's MLflow runs, `overoptimisation_plot`
 draws the figure, `summarize` computes its figures (peak gold, the KL at the peak, the proxy at the largest KL),
-and `report` does all three and writes the files. ``python -m rlhf.overoptimisation --sweep NAME`` runs `report`.
+and `report` does all three and writes the files. ``python -m rlhf.sweeps.overoptimisation --sweep NAME`` runs `report`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlhf.config import TrackingConfig
-from rlhf.tracking import RunRecord, Tracker, experiment_names
-from rlhf.tracking_store import store_exists
+from rlhf.tracking.client import RunRecord, Tracker, experiment_names
+from rlhf.tracking.store import store_exists
 
 PPO_STAGE = "train_policy_ppo"
 SCORE, GOLD, KL = "ppo_eval/score", "ppo_eval/gold", "ppo_eval/kl"

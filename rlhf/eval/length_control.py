@@ -3,7 +3,7 @@
 A PPO policy can beat its SFT starting point on reward-model score without answering better: by answering
 shorter (or longer) than SFT when the reward model prefers that, or by answering nothing when the reward model
 scores an empty answer highly. These pure functions measure that from the per-prompt scores and lengths of the
-two policies (``rlhf.evaluate`` calls them; docs/evaluation.md explains them for users).
+two policies (``rlhf.eval.evaluate`` calls them; docs/evaluation.md explains them for users).
 
 Definitions:
 

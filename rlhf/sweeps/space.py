@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rlhf.config import PipelineConfig, apply_overrides, build_config, format_validation_error, read_yaml
 from rlhf.errors import ConfigError
-from rlhf.ranking import GOLD_METRIC, reward_metric
+from rlhf.sweeps.ranking import GOLD_METRIC, reward_metric
 
 # Keys a sweep may not vary: the variants must share one MLflow store, and the sweep names the runs.
 FIXED_PREFIXES = ("tracking", "run_name")
@@ -290,7 +290,7 @@ def expand(space: SweepSpace) -> list[Variant]:
         points = [dict(zip(keys, combo, strict=True)) for combo in combos]
     else:
         if space.method != "random":
-            raise ValueError(f"method {space.method} asks its trials one by one (rlhf.optuna_search)")
+            raise ValueError(f"method {space.method} asks its trials one by one (rlhf.sweeps.optuna_search)")
         rng = random.Random(space.seed)
         points = []
         for _ in range(space.trials):
@@ -318,7 +318,7 @@ def variant_configs(base: PipelineConfig, space: SweepSpace) -> list[tuple[Varia
 
 
 # Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards, then the
-# reward-hacking checks (rlhf.length_control).
+# reward-hacking checks (rlhf.eval.length_control).
 RANK_METRICS = (
     "eval/ppo_gold",
     "eval/win_rate_gold",
@@ -360,7 +360,7 @@ def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
 
 class Planned(NamedTuple):
     """A variant ready to run: its config (None when the config rejects the point: `error` says why) and, for Optuna,
-    the trial it reports to (a `rlhf.optuna_search.TrialRef`)."""
+    the trial it reports to (a `rlhf.sweeps.optuna_search.TrialRef`)."""
 
     variant: Variant
     config: PipelineConfig | None

@@ -1,7 +1,7 @@
 """Evaluation generation: the PPO policy against the SFT policy on held-out prompts.
 
 Besides scores, KL and win rates, it reports each policy's response lengths and empty answers, win rates at
-equal length, and flags a gain over SFT that length or empty answers explain (``rlhf.length_control``).
+equal length, and flags a gain over SFT that length or empty answers explain (``rlhf.eval.length_control``).
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from rlhf import length_control
-from rlhf.batching import encode_prompts, pad_left
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
-from rlhf.generation import GenerationSettings
-from rlhf.logs import GoldFn, LogFn
+from rlhf.eval import length_control
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
 from rlhf.ops import kl_per_token
-from rlhf.scoring import ScoringModels, generate_and_score
+from rlhf.rollout.batching import encode_prompts, pad_left
+from rlhf.rollout.generation import GenerationSettings
+from rlhf.rollout.scoring import ScoringModels, generate_and_score
+from rlhf.tracking.metrics_writer import GoldFn, LogFn
 
 
 @dataclass
@@ -54,7 +54,7 @@ def generate_and_score_prompts(
     dtype: torch.dtype,
     progress: bool = False,
 ) -> pd.DataFrame:
-    """One policy's responses to `prompts` in batches (`rlhf.scoring.generate_and_score`, as PPO rollouts are
+    """One policy's responses to `prompts` in batches (`rlhf.rollout.scoring.generate_and_score`, as PPO rollouts are
     made), with their reward-model score and their KL from the reference (the k1 estimator summed over the
     response), one row per prompt: prompt, response, score, kl, length (tokens before the stop token), stopped.
     Used by the evaluation stage and by PPO's periodic evaluation (``rlhf.ppo.periodic_eval``)."""

@@ -1,6 +1,6 @@
 """Sampling responses: logit filtering, inverse-CDF sampling, a KV-cached decode loop, truncation at the stop token.
 
-Used by PPO rollouts and by evaluation (through `rlhf.scoring.generate_and_score`).
+Used by PPO rollouts and by evaluation (through `rlhf.rollout.scoring.generate_and_score`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Responses(NamedTuple):
 
 
 class Sampler(Protocol):
-    """Another generation backend (``rlhf.generation_vllm``): called as `sample_responses` is, without the model,
+    """Another generation backend (``rlhf.rollout.vllm_backend``): called as `sample_responses` is, without the model,
     given the policy's weights after each update, closed at the end of the run."""
 
     def __call__(

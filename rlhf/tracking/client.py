@@ -16,9 +16,9 @@ from typing import Any
 
 import pandas as pd
 
-from rlhf.logs import BatchedLog, LogFn, StepRecord
-from rlhf.mlflow_view import VIEW_TAG, default_view_json
-from rlhf.tracking_store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: imported from here by the flows)
+from rlhf.tracking.default_view import VIEW_TAG, default_view_json
+from rlhf.tracking.metrics_writer import BatchedLog, LogFn, StepRecord
+from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: imported from here by the flows)
     HOST_TAG,
     PID_TAG,
     RUN_TYPE_TAG,
@@ -288,7 +288,7 @@ class Tracker:
     def ui_command(self) -> str:
         return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1 --port 5000"
 
-    # -- Queries for comparing runs, and grouping sweep variants (used by rlhf.compare and flows/sweep.py) --
+    # -- Queries for comparing runs, and grouping sweep variants (used by rlhf.sweeps.compare and flows/sweep.py) --
 
     def search_runs(self, filter_string: str = "", max_results: int | None = None) -> list[RunRecord]:
         """Runs of this experiment matching an MLflow filter string, newest first (all pages)."""

@@ -1,4 +1,4 @@
-"""The supervised training loop shared by SFT (`rlhf.sft`) and the reward model (`rlhf.reward`).
+"""The supervised training loop shared by SFT (`rlhf.train.sft`) and the reward model (`rlhf.train.reward`).
 
 The loop owns what both trainers do the same way: the seeded shuffled batch order, resume from the saved state
 (``checkpoints.load_trainer_state``), backward, gradient clipping, the non-finite check (``runtime.on_nonfinite``),
@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 
 from rlhf.checkpoints import load_trainer_state, save_trainer_state
 from rlhf.errors import TrainingInterrupted
-from rlhf.logs import LogFn, flush_log
 from rlhf.nonfinite import skip_nonfinite
+from rlhf.tracking.metrics_writer import LogFn, flush_log
 
 MAX_GRAD_NORM = 1.0
 

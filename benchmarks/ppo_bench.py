@@ -1,6 +1,6 @@
 """The timed PPO updates of `rlhf bench` and the FLOP count of one more (untimed) update.
 
-The only module of `rlhf.bench` that imports the PPO internals: the update steps are the trainer's own.
+The only module of `benchmarks` that imports the PPO internals: the update steps are the trainer's own.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
-from rlhf.generation import GenerationSettings, sample_responses
 from rlhf.memory import peak_memory_mb
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast
@@ -22,6 +21,7 @@ from rlhf.models.training import disable_dropout, enable_gradient_checkpointing,
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState, fresh_state
 from rlhf.ppo.update import compute_advantages, generate_and_score, optimize
+from rlhf.rollout.generation import GenerationSettings, sample_responses
 
 from .limit import count_flops, synchronize
 from .shapes import BenchShape, model_classes, model_config

@@ -1,3 +1,0 @@
-from rlhf.bench.cli import main
-
-raise SystemExit(main())
