@@ -134,8 +134,10 @@ sweep: $(STAMP)
 compare: $(STAMP)
 	$(RLHF) compare --experiment $(EXPERIMENT) --tracking-uri sqlite:///$(CURDIR)/mlruns/mlflow.db $(ARGS)
 
+# `make docs`: regenerate the config reference of docs/config.md from the config models (rlhf/config/docs.py; a test
+# checks that the page is current).
 docs: $(STAMP)
-	$(RLHF) docs --write-readme
+	$(RLHF) docs --write
 
 clean:
 	rm -rf outputs .prefect mlruns/mlflow.db mlruns/artifacts

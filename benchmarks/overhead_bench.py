@@ -36,9 +36,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from overhead_report import STAGES, report
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # flows/ and tasks/ are folders of the checkout, not installed
+
+from overhead_report import STAGES, report  # noqa: E402 (after the checkout is on sys.path)
+
 ENV = {
     "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -106,6 +108,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
     the Prefect progress logger of the training loops."""
     import flows.pipeline as pipeline
     import tasks.stages as stages
+    from rlhf.ppo import launch
     from rlhf.tracking.client import Tracker
 
     for name, value in list(vars(Tracker).items()):
@@ -126,7 +129,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
         return result
 
     pipeline.run_stage = timed_stage
-    train_ppo = stages.train_ppo
+    train_ppo = launch.train_ppo  # the PPO stage's one process trains through rlhf.ppo.launch.train_policy
 
     def timed_train_ppo(*args, **kwargs):
         clock.in_ppo_loop = True
@@ -137,10 +140,11 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
             times["ppo_loop"] = time.perf_counter() - start
             clock.in_ppo_loop = False
 
-    stages.train_ppo = timed_train_ppo
+    launch.train_ppo = timed_train_ppo
     # the library calls inside the tasks (what B runs): a stage's time less these is its orchestration overhead
     from rlhf.data import prepare
-    from rlhf.eval import evaluate, reward, sft
+    from rlhf.eval import evaluate
+    from rlhf.train import reward, sft
 
     for module, name in (
         (prepare, "prepare_preferences"),
@@ -151,7 +155,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
         (stages, "same_vocabulary"),
         (stages, "load_tokenizer"),
         (stages, "write_manifest"),
-        (stages, "train_ppo"),
+        (launch, "train_ppo"),
         (evaluate, "evaluate_policies"),
     ):
         setattr(module, name, clock.wrap(getattr(module, name), "library"))
@@ -164,6 +168,8 @@ def run_prefect(config_path: str, folder: Path) -> dict:
     from prefect.server.api.server import SubprocessASGIServer
 
     import flows.pipeline as pipeline
+    from flows.prefect_home import prepare_prefect_database
+    from flows.summary import format_summary
     from flows.terminal import exit_code_of
     from rlhf.config import load_config
     from rlhf.preflight import preflight
@@ -180,7 +186,7 @@ def run_prefect(config_path: str, folder: Path) -> dict:
     clock, outputs = Clock(), {}
     instrument(clock, times, outputs)
     start = time.perf_counter()
-    pipeline.prepare_prefect_database()
+    prepare_prefect_database()
     times["prefect_database"] = time.perf_counter() - start
     start = time.perf_counter()
     SubprocessASGIServer().start()  # what the flow's first API call would do
@@ -190,7 +196,7 @@ def run_prefect(config_path: str, folder: Path) -> dict:
     times["pipeline"] = time.perf_counter() - start
     if code != 0 or summary is None:
         raise SystemExit(f"the pipeline failed (exit code {code})")
-    print(pipeline.format_summary(summary))
+    print(format_summary(summary))
     policy = outputs["train_policy_ppo"]
     figures = {k: v for k, v in summary.items() if isinstance(v, float)}
     figures |= {f"ppo/{k}": v for k, v in policy.metrics.items()}
@@ -209,7 +215,6 @@ def run_prefect(config_path: str, folder: Path) -> dict:
 def run_library(config_path: str, folder: Path) -> dict:
     """The library calls of tasks/stages.py, in the flow's order, with no-op log callbacks; no Prefect, no MLflow."""
     start = time.perf_counter()
-    import pandas as pd
 
     from rlhf.checkpoints import write_manifest
     from rlhf.config import load_config
@@ -219,7 +224,7 @@ def run_library(config_path: str, folder: Path) -> dict:
     from rlhf.models.device import configure_cpu
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.stop_tokens import same_vocabulary
-    from rlhf.ppo.trainer import train_ppo
+    from rlhf.ppo.launch import train_policy
     from rlhf.preflight import preflight
     from rlhf.train import reward, sft
 
@@ -263,7 +268,7 @@ def run_library(config_path: str, folder: Path) -> dict:
         ),
     )
 
-    def plan(d: Path) -> bool:
+    def init(d: Path) -> bool:
         trust = runtime.trust_remote_code
         same = same_vocabulary(
             load_tokenizer(policy_sft.path, trust_remote_code=trust), load_tokenizer(rm.path, trust_remote_code=trust)
@@ -272,26 +277,12 @@ def run_library(config_path: str, folder: Path) -> dict:
         write_manifest(d, stage="init", policy_init=policy_sft.path, value_init=rm.path, same_tokenizer=same)
         return same
 
-    stage("plan_ppo_models", plan)
+    stage("init_policy_models", init)
     gold = prepare.gold_scorer(data.manifest)
     eval_file = f"{data.folder}/eval.parquet"
     ppo = stage(
         "train_policy_ppo",
-        lambda d: train_ppo(
-            config.ppo,
-            runtime,
-            policy_sft.path,
-            rm.path,
-            pd.read_parquet(f"{data.folder}/prompts.parquet")["prompt"].tolist(),
-            d,
-            seed,
-            noop,
-            value_path=rm.path,
-            gold_fn=gold,
-            eval_prompts=evaluation.eval_prompts(eval_file, config.ppo.eval_prompts)
-            if config.ppo.eval_every > 0
-            else None,
-        ),
+        lambda d: train_policy(config.ppo, runtime, seed, policy_sft.path, rm.path, data.folder, d, value_path=rm.path),
     )
     result = stage(
         "evaluate_policies",
@@ -353,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = str((REPO / args.config).resolve()) if not Path(args.config).is_absolute() else args.config
     if args.variant:  # a child: one run
-        sys.path.insert(0, str(REPO))
         run = run_prefect if args.variant == "prefect" else run_library
         Path(args.result).write_text(json.dumps(run(config, Path(args.folder))))
         return 0

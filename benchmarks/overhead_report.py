@@ -7,16 +7,10 @@ from __future__ import annotations
 import os
 import statistics
 
-# flows/artifacts.py's PIPELINE_STAGES, written out: importing flows (and so Prefect) here would count Prefect's
-# import time in B, the library-alone variant, which imports this module
-STAGES = (
-    "prepare_preferences",
-    "supervised_finetune",
-    "train_reward_model",
-    "plan_ppo_models",
-    "train_policy_ppo",
-    "evaluate_policies",
-)
+# the stages' task names (tasks/stage_table.py imports nothing of Prefect's, whose import time would count in B, the
+# library-alone variant, which imports this module)
+from tasks.stage_table import STAGE_TASKS as STAGES
+
 # result figures both variants must agree on (the first ones present are compared)
 FIGURES = (
     "reward/eval_accuracy",

@@ -16,7 +16,7 @@ from torch import Tensor
 from rlhf.config import PPOConfig
 from rlhf.memory import peak_memory_mb
 from rlhf.models.cpu_kernels import use_cpu_kernels
-from rlhf.models.device import autocast
+from rlhf.models.device import autocast, torch_threads
 from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState, fresh_state
@@ -106,7 +106,7 @@ class Bench:
         result = optimize(self.models, self.state, rollout, self.cfg, self.dtype)
         synchronize(self.device)
         total = time.perf_counter() - t0
-        timings = {**rollout.timings, "time/optimize": result.stats["time/optimize"], "time/total": total}
+        timings = {**rollout.scored.timings, "time/optimize": result.stats["time/optimize"], "time/total": total}
         timings["episodes/s"] = self.shape.batch_size / total
         return timings
 
@@ -114,9 +114,7 @@ class Bench:
         """The FLOPs of each phase of one update (not a timed one). Run with one torch thread so that the CPU's
         concurrent value-model thread stays in this one, where the (thread-local) counter sees it. Generation is
         counted alone (the same sampling call on the same prompts), scoring as the rest of `generate_and_score`."""
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with torch_threads(1):
             query, mask = self.query()
             sampler = torch.Generator(device=self.device).manual_seed(self.seed)
             with autocast(self.device, self.dtype):
@@ -127,8 +125,6 @@ class Bench:
             )  # fmt: skip
             _, adv = count_flops(compute_advantages, rollout, self.cfg, self.state.kl_ctl.value)
             _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, self.dtype)
-        finally:
-            torch.set_num_threads(threads)
         return {"time/generate": gen, "time/score": gen_and_score - gen, "time/advantages": adv, "time/optimize": opt}
 
 

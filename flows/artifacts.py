@@ -21,18 +21,10 @@ from rlhf.config import TrackingConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.tracking.default_view import EXPERIMENT_QUERY
 from tasks.progress import ProgressBar
+from tasks.stage_table import STAGE_TASKS
 from tasks.tracking import TrackingContext, tracker_for
 
 DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
-# The pipeline's stages in the order the flow runs them (the task names).
-PIPELINE_STAGES = (
-    "prepare_preferences",
-    "supervised_finetune",
-    "train_reward_model",
-    "plan_ppo_models",
-    "train_policy_ppo",
-    "evaluate_policies",
-)
 
 
 def mlflow_ui_url() -> str:
@@ -112,7 +104,7 @@ def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[dict[str, An
     """One row per stage: whether it ran or came from the cache, and the URL of its MLflow run (for a cached stage,
     the run that computed the result)."""
     rows = []
-    for stage in PIPELINE_STAGES:
+    for stage in STAGE_TASKS:
         run_id = summary.get(f"stage.{stage}.run_id")
         if run_id is None:
             continue

@@ -1,6 +1,6 @@
-"""The pipeline's short run form: a config file chosen from ``conf/``, the PPO batch sizes, ``key=value`` overrides.
+"""The short run forms: the pipeline's and the sweep's, a config file chosen from ``conf/`` and ``key=value`` overrides.
 
-The deployment ``rlhf-run/<config name>`` (served by ``make ui``, declared in ``prefect.yaml``) takes one parameter,
+The deployment ``rlhf-run/quick-form`` (served by ``make ui``, declared in ``prefect.yaml``) takes one parameter,
 ``run`` (a ``PipelineRun``): a drop-down of the shipped YAML configs (or a path to another one), three typed fields
 (``ppo.total_episodes``, ``ppo.batch_size``, ``ppo.num_mini_batches``; empty: the config file's value) and a list of
 overrides such as ``ppo.kl_coef=0.1``. The PPO batch rules (num_mini_batches x gradient_accumulation_steps divides
@@ -10,7 +10,12 @@ and the UI shows the error on the field when the form is validated. The paramete
 resulting config in a pydantic model validator, so every other cross-field rule is checked whenever the parameters
 are validated: by the flow run before any task starts (it ends ``Failed`` with the one-sentence reason), and by
 ``PipelineRun.model_validate`` anywhere else. The whole typed config stays available as the
-``rlhf-pipeline/<config name>`` deployment.
+``rlhf-pipeline/full-config`` deployment.
+
+The sweep's form, ``rlhf-sweep-run/quick-form`` (a ``SweepRun``), takes its base the same way (``base``, a
+``PipelineRun``), a drop-down of the spaces shipped in ``conf/sweeps/`` (or a path to another one) and overrides of
+the space (``trials=4``, ``parameters.ppo.kl_coef=[0.02, 0.2]``); every variant's config is validated with the form.
+The sweep with the whole typed base config and space is ``rlhf-sweep/full-config`` (flows/sweep.py).
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from flows.pipeline import rlhf_pipeline
-from rlhf.config import PipelineConfig, load_config
+from flows.sweep import check_variants, rlhf_sweep
+from rlhf.config import PipelineConfig, apply_overrides, load_config
+from rlhf.config.base import read_yaml
+from rlhf.config.pipeline import parse_override
 from rlhf.config.schema_rules import (
     FIELD_OVERRIDE,
     FORM_KEYS,
@@ -32,9 +40,11 @@ from rlhf.config.schema_rules import (
     ppo_batch_clauses,
 )
 from rlhf.errors import ConfigError
+from rlhf.sweeps.space import SweepSpace, parse_space
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
+SWEEPS = CONF / "sweeps"
 
 
 def shipped_configs() -> tuple[str, ...]:
@@ -78,7 +88,7 @@ class PipelineRun(BaseModel):
 
     config_file: ConfigFile = Field(  # type: ignore[valid-type]
         DEFAULT_CONFIG,
-        description="A config shipped in conf/: default.yaml is the built-in offline task (about 100 s on a CPU), "
+        description="A config shipped in conf/: default.yaml is the built-in offline task (minutes on a CPU), "
         "smoke.yaml a tiny one (seconds), examples/ real models and data sets (need hub downloads).",
     )
     config_path: str = Field(
@@ -130,19 +140,128 @@ class PipelineRun(BaseModel):
             raise ValueError(str(err).replace(f"{REPO}/", "")) from None
 
 
+def _shipped(path: str | Path, shipped: tuple[str, ...]) -> str | None:
+    """`path` as the drop-down names it (``conf/smoke.yaml``) when it is one of `shipped`, else None."""
+    path = Path(path)
+    relative = (path if path.is_absolute() else (Path.cwd() / path)).resolve()
+    name = relative.relative_to(REPO).as_posix() if relative.is_relative_to(REPO) else None
+    return name if name in shipped else None
+
+
+def pipeline_run(config_path: str | Path, overrides: list[str] | None = None) -> PipelineRun:
+    """The run form's values for `config_path` (picked in the drop-down when it is shipped, else given as a path)."""
+    if shipped := _shipped(config_path, shipped_configs()):
+        return PipelineRun(config_file=shipped, overrides=overrides or [])
+    return PipelineRun(config_path=str(config_path), overrides=overrides or [])
+
+
 def form_parameters(config_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     """Default parameters of the form deployment: `config_path` (a shipped config, else given as a path)."""
-    path = Path(config_path)
-    relative = (path if path.is_absolute() else (Path.cwd() / path)).resolve()
-    shipped = relative.relative_to(REPO).as_posix() if relative.is_relative_to(REPO) else None
-    if shipped in shipped_configs():
-        run = PipelineRun(config_file=shipped, overrides=overrides or [])
-    else:
-        run = PipelineRun(config_path=str(config_path), overrides=overrides or [])
-    return {"run": run.model_dump(mode="json")}
+    return {"run": pipeline_run(config_path, overrides).model_dump(mode="json")}
 
 
 @flow(name="rlhf-run", log_prints=True)
 def rlhf_run(run: PipelineRun = PipelineRun()) -> dict[str, Any]:  # noqa: B008 (Prefect form default)
     """The RLHF pipeline from a config in conf/ and a few key=value overrides (the stages run in this flow run)."""
     return rlhf_pipeline.fn(run.config())
+
+
+# -- The sweep's short form ---------------------------------------------------------------------------------------
+
+
+def shipped_spaces() -> tuple[str, ...]:
+    """The sweep spaces shipped in conf/sweeps/, as paths relative to the checkout: ``conf/sweeps/kl_coef.yaml``..."""
+    return tuple(path.relative_to(REPO).as_posix() for path in sorted(SWEEPS.glob("*.yaml")))
+
+
+SpaceFile = Literal[shipped_spaces()]  # type: ignore[valid-type]  # a drop-down in the sweep form
+DEFAULT_SPACE = "conf/sweeps/kl_coef.yaml"
+
+
+def space_with_overrides(path: str | Path, overrides: list[str]) -> SweepSpace:
+    """A sweep space file with ``key=value`` overrides: a setting (``trials=4``, ``max_concurrency=2``,
+    ``method=random``, ``optuna.pruner=none``) or a parameter's values or range (``parameters.ppo.kl_coef=[0.02, 0.2]``,
+    ``parameters.ppo.lr={low: 1.0e-5, high: 1.0e-4, log: true}``), which adds the parameter when the space has none.
+    Problems are one ConfigError sentence."""
+    raw = read_yaml(path, "sweep space file")
+    for text in overrides:
+        parts, value = parse_override(text)
+        if parts[0] != "parameters" or len(parts) == 1 or not isinstance(raw, dict):
+            raw = apply_overrides(raw, [text]) if isinstance(raw, dict) else raw
+            continue
+        key, rows = ".".join(parts[1:]), raw.get("parameters") or {}
+        if isinstance(rows, dict):
+            raw["parameters"] = {**rows, key: value}
+        else:  # a list of rows {key, values} or {key, low, high}
+            row = {"key": key, **value} if isinstance(value, dict) else {"key": key, "values": value}
+            raw["parameters"] = [r for r in rows if not (isinstance(r, dict) and r.get("key") == key)] + [row]
+    return parse_space(raw, str(path))
+
+
+class SweepRun(BaseModel):
+    """A sweep: its base config as the run form takes it, a search space and a few overrides of the space.
+    Validating it builds the base config, the space and every variant's config (Optuna: every choice's)."""
+
+    model_config = ConfigDict(extra="forbid", title="Sweep run")
+
+    base: PipelineRun = Field(
+        default_factory=PipelineRun,
+        description="The config every variant starts from: a config shipped in conf/ (or a path), the PPO batch "
+        "sizes and key=value overrides, as in the rlhf-run form.",
+    )
+    space_file: SpaceFile = Field(  # type: ignore[valid-type]
+        DEFAULT_SPACE,
+        description="A search space shipped in conf/sweeps/: kl_coef.yaml a grid over ppo.kl_coef, ppo_random.yaml "
+        "random draws, ppo_optuna.yaml an Optuna study with pruning, overoptimisation.yaml the reward "
+        "over-optimisation curve (docs/orchestration.md).",
+    )
+    space_path: str = Field(
+        "",
+        description="Another sweep space YAML instead of space_file: a path, relative to the checkout the runs "
+        "execute in, or absolute. Leave empty to use space_file.",
+    )
+    space_overrides: list[Override] = Field(
+        default_factory=list,
+        description="key=value changes to the space, one per entry: trials=4, max_concurrency=2, method=random, "
+        "optuna.pruner=none, or a parameter's values (parameters.ppo.kl_coef=[0.02, 0.2]) or range "
+        "(parameters.ppo.lr={low: 1.0e-5, high: 1.0e-4, log: true}).",
+        examples=[["max_concurrency=2", "parameters.ppo.kl_coef=[0.02, 0.2]"]],
+    )
+
+    @model_validator(mode="after")
+    def _sweep_is_valid(self) -> SweepRun:
+        """Every variant (grid, random) or choice (Optuna) of the space on the base must be a valid config."""
+        try:
+            check_variants(self.base.config(), self.space())
+        except ConfigError as err:
+            raise ValueError(str(err).replace(f"{REPO}/", "")) from None
+        return self
+
+    def space_source(self) -> Path:
+        path = Path(self.space_path or self.space_file)
+        return path if path.is_absolute() or self.space_path else REPO / path
+
+    def space(self) -> SweepSpace:
+        """The validated search space; a problem is a ValueError with one sentence naming the key."""
+        try:
+            return space_with_overrides(self.space_source(), list(self.space_overrides))
+        except ConfigError as err:
+            raise ValueError(str(err).replace(f"{REPO}/", "")) from None
+
+
+def sweep_form_parameters(config_path: str | Path, space_path: str | Path) -> dict[str, Any]:
+    """Default parameters of the sweep form deployment: the base `config_path` and the space `space_path` (each
+    picked in its drop-down when it is shipped, else given as a path)."""
+    base = pipeline_run(config_path)
+    if shipped := _shipped(space_path, shipped_spaces()):
+        run = SweepRun(base=base, space_file=shipped)
+    else:
+        run = SweepRun(base=base, space_path=str(space_path))
+    return {"run": run.model_dump(mode="json")}
+
+
+@flow(name="rlhf-sweep-run", log_prints=True, task_runner=rlhf_sweep.task_runner.duplicate())
+def rlhf_sweep_run(run: SweepRun = SweepRun()) -> dict[str, Any]:  # noqa: B008 (Prefect form default)
+    """A sweep from a config in conf/, a search space in conf/sweeps/ and a few key=value overrides of each (the
+    variants run as subflows of this flow run)."""
+    return rlhf_sweep.fn(run.base.config(), run.space())

@@ -4,15 +4,20 @@
     python -m flows.serve [--config conf/default.yaml] [--sweep-space conf/sweeps/kl_coef.yaml]
                           [--sweep-cron "0 2 * * *"] [--pipeline-cron CRON] [--gpu-slots N] [--limit N]
 
-Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Three deployments are created:
+Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Four deployments are created, each named for its
+form:
 
-* ``rlhf-run/<config name>``: the whole pipeline from a short form: a config chosen from ``conf/`` (``--config``
-  preselected) and a list of ``key=value`` overrides, validated as a whole (flows/form.py).
-* ``rlhf-pipeline/<config name>``: the same pipeline, its form the full typed, documented ``PipelineConfig`` with
-  the values of ``--config`` as defaults (every field editable: the advanced option).
-* ``rlhf-sweep/<space name>``: a sweep over ``--sweep-space`` on top of ``--config``; with ``--sweep-cron`` it runs
-  on that schedule (e.g. nightly). Every other example space of ``conf/sweeps/`` is a sweep deployment too, its
-  space the form's defaults (method, a row per parameter, trials, concurrency, Optuna's settings).
+* ``rlhf-run/quick-form``: the whole pipeline from a short form: a config chosen from ``conf/`` (``--config``
+  preselected), the PPO batch sizes and a list of ``key=value`` overrides, validated as a whole (flows/form.py);
+  with ``--pipeline-cron`` it runs on that schedule.
+* ``rlhf-pipeline/full-config``: the same pipeline, its form the full typed, documented ``PipelineConfig`` with the
+  values of ``--config`` as defaults (every field editable: the advanced option; also the deployment a sweep space's
+  ``deployment`` names to run its variants on workers).
+* ``rlhf-sweep-run/quick-form``: a sweep from a short form: its base config as ``rlhf-run/quick-form`` takes it, a
+  search space chosen from ``conf/sweeps/`` (``--sweep-space`` preselected) and ``key=value`` overrides of the space
+  (flows/form.py); with ``--sweep-cron`` it runs on that schedule (e.g. nightly).
+* ``rlhf-sweep/full-config``: the same sweep, its form the full typed base config and search space (a row per
+  parameter, trials, concurrency, Optuna's settings) with the values of ``--config`` and ``--sweep-space``.
 
 Flow runs execute in subprocesses of this process, in the current folder (relative paths in the config resolve
 here). Before serving, a tag concurrency limit is set on the tag ``gpu`` (the training and evaluation stages carry
@@ -34,17 +39,17 @@ from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.settings import PREFECT_API_URL
 
-from flows.form import form_parameters, rlhf_run
+from flows.form import form_parameters, rlhf_run, rlhf_sweep_run, sweep_form_parameters
 from flows.pipeline import rlhf_pipeline
-from flows.sweep import rlhf_sweep
+from flows.sweep import check_variants, rlhf_sweep
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
 from rlhf.models.device import device_names
-from rlhf.sweeps.optuna_search import check_points
-from rlhf.sweeps.space import load_space, variant_configs
+from rlhf.sweeps.space import load_space
 
 GPU_TAG = "gpu"
-SWEEP_EXAMPLES = Path(__file__).resolve().parent.parent / "conf" / "sweeps"  # each one a sweep deployment
+# The deployments' names: each flow's short form, and its full typed config
+QUICK_FORM, FULL_CONFIG = "quick-form", "full-config"
 
 
 def pipeline_parameters(config_path: str | Path) -> dict[str, Any]:
@@ -55,10 +60,7 @@ def pipeline_parameters(config_path: str | Path) -> dict[str, Any]:
 def sweep_parameters(config_path: str | Path, space_path: str | Path) -> dict[str, Any]:
     """Default parameters of the sweep deployment: the base config and the search space, validated."""
     base, space = load_config(config_path), load_space(space_path)
-    if space.method == "optuna":  # every variant (grid, random) or choice (optuna) must be valid before it is offered
-        check_points(base, space)
-    else:
-        variant_configs(base, space)
+    check_variants(base, space)  # every variant (grid, random) or choice (optuna) must be valid before it is offered
     return {"base": base.model_dump(mode="json"), "space": space.model_dump(mode="json")}
 
 
@@ -68,42 +70,46 @@ def deployments(
     sweep_cron: str | None = None,
     pipeline_cron: str | None = None,
 ) -> list[RunnerDeployment]:
-    """The form, pipeline and sweep deployments (entrypoints by module path, so any working copy can run them)."""
+    """The short-form and full-config deployments of the pipeline and of the sweep (entrypoints by module path, so
+    any working copy can run them)."""
     form = rlhf_run.to_deployment(
-        name=Path(config_path).stem,
+        name=QUICK_FORM,
         parameters=form_parameters(config_path),
         cron=pipeline_cron,
         description=f"The RLHF pipeline: pick a config in conf/ ({config_path} preselected) and add key=value "
-        "overrides (e.g. ppo.kl_coef=0.1). The full typed config is the rlhf-pipeline deployment's form.",
+        f"overrides (e.g. ppo.kl_coef=0.1). Every field of the typed config: rlhf-pipeline/{FULL_CONFIG}.",
         tags=["rlhf"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     pipeline = rlhf_pipeline.to_deployment(
-        name=Path(config_path).stem,
+        name=FULL_CONFIG,
         parameters=pipeline_parameters(config_path),
         description=f"The RLHF pipeline with {config_path} as defaults, every field of the typed config in the run "
-        "form (advanced; the rlhf-run deployment takes a config file and a few overrides).",
+        f"form (advanced; rlhf-run/{QUICK_FORM} takes a config file and a few overrides).",
         tags=["rlhf"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    sweeps = []
-    examples = sorted(SWEEP_EXAMPLES.glob("*.yaml"))
-    for path in [Path(space_path), *(p for p in examples if p.resolve() != Path(space_path).resolve())]:
-        sweep_params = sweep_parameters(config_path, path)
-        space = sweep_params["space"]
-        sweeps.append(
-            rlhf_sweep.to_deployment(
-                name=space["name"],
-                parameters=sweep_params,
-                cron=sweep_cron if path == Path(space_path) else None,
-                description=f"Sweep {path.as_posix()} ({space['method']}) over {config_path}: the search space is "
-                "the form's `space` (a row per parameter: values, or low/high), variants run max_concurrency at "
-                "a time and are ranked.",
-                tags=["rlhf", "sweep"],
-                entrypoint_type=EntrypointType.MODULE_PATH,
-            )
-        )
-    return [form, pipeline, *sweeps]
+    sweep_form = rlhf_sweep_run.to_deployment(
+        name=QUICK_FORM,
+        parameters=sweep_form_parameters(config_path, space_path),
+        cron=sweep_cron,
+        description=f"A sweep: pick a base config in conf/ ({config_path} preselected) and a search space in "
+        f"conf/sweeps/ ({Path(space_path).as_posix()} preselected), and add key=value overrides of either (e.g. "
+        "trials=4 for the space); the variants run max_concurrency at a time and are ranked. Every field of the "
+        f"typed base config and space: rlhf-sweep/{FULL_CONFIG}.",
+        tags=["rlhf", "sweep"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    sweep = rlhf_sweep.to_deployment(
+        name=FULL_CONFIG,
+        parameters=sweep_parameters(config_path, space_path),
+        description=f"A sweep with {config_path} as its base and {Path(space_path).as_posix()} as its space, every "
+        "field of both in the run form: the space's `parameters` (a row per parameter: values, or low/high), "
+        f"trials, concurrency, Optuna's settings (advanced; rlhf-sweep-run/{QUICK_FORM} picks them from conf/).",
+        tags=["rlhf", "sweep"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [form, pipeline, sweep_form, sweep]
 
 
 def wait_for_api(timeout: float = 120.0) -> str:

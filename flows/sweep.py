@@ -35,8 +35,10 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
-from flows.pipeline import prepare_prefect_database, run_upstream, tracking_context, upstream_signature
-from flows.terminal import exit_code_of
+from flows.pipeline import run_upstream, upstream_signature
+from flows.pipeline_run import tracking_context
+from flows.prefect_home import prepare_prefect_database
+from flows.terminal import exit_code_of, stop_on_signals
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
 from rlhf.errors import UserInputError
@@ -47,9 +49,11 @@ from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
 from rlhf.sweeps.ranking import GOLD_METRIC, RM_METRIC
 from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, load_space, rank_key, ranking
-from rlhf.tracking.client import RUN_TYPE_TAG
+from rlhf.tracking.client import RUN_TYPE_TAG, source_tags
 from tasks.caching import code_version
 from tasks.tracking import tracker_for
+
+SWEEP_SOURCE = "flows/sweep.py"  # MLflow's source of the sweep run and of the stages it builds (flows/pipeline_run.py)
 
 
 @task(name="open_sweep_run", cache_policy=NO_CACHE)
@@ -62,6 +66,7 @@ def open_sweep_run(base: PipelineConfig, space: SweepSpace, n_variants: int, res
     run_id = tracker.start_run(
         f"sweep-{space.name}",
         tags={
+            **source_tags(SWEEP_SOURCE),
             RUN_TYPE_TAG: "sweep",
             "sweep.name": space.name,
             "prefect.flow_run_id": str(flow_run.get_id()),
@@ -232,6 +237,12 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
     }
 
 
+def check_variants(base: PipelineConfig, space: SweepSpace) -> list[PipelineConfig]:
+    """Every variant's config (grid, random) or every choice's (Optuna: each parameter at each of its values or
+    bounds), validated: a ConfigError naming the variant before anything runs."""
+    return check_points(base, space) if space.method == "optuna" else VariantList(base, space).configs
+
+
 def variant_search(base: PipelineConfig, space: SweepSpace) -> VariantList | OptunaSearch:
     """Grid and random sweeps: their variants, fixed in advance. Optuna: a study whose pruner reads PPO's periodic
     evaluations (the gold reward where the data has one, else the reward-model score)."""
@@ -309,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = load_config(args.config, args.overrides)
         space = load_space(args.space)
-        configs = check_points(base, space) if space.method == "optuna" else VariantList(base, space).configs
+        configs = check_variants(base, space)
         for config in configs:  # before anything is loaded
             preflight(config)
     except UserInputError as err:
@@ -323,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant in expand(space):
             print(f"  {variant.index:02d}  {variant.label}")
     prepare_prefect_database()
+    stop_on_signals(base.tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
     code, result = exit_code_of(lambda: rlhf_sweep(base, space))
     if result is not None:
         print(format_ranking(result))

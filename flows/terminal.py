@@ -1,43 +1,112 @@
-"""What a user sees on the terminal when a flow stops on their input: one sentence and exit code 2.
+"""What a user sees on the terminal when a run stops: one sentence, no traceback, and an exit code that says why.
 
-A ConfigError or DataError raised inside a task fails the task (never retried) and the flow. Prefect logs that
-failure with its traceback, and that record still goes to the Prefect run log (the API handler) in full; on the
-terminal, the console handlers drop the records of such a failure, and the command prints the error's sentence
-the same way as an error found before the flow started.
+Exit codes of ``rlhf run``, ``rlhf sweep``, ``python -m flows.pipeline`` and ``python -m flows.sweep``:
+
+===  ==================================================================================================================
+0    finished
+1    anything not anticipated (a bug, a library failure): its traceback
+2    bad input: the config, the data, a model folder or the environment (a device that is not there, a server that
+     does not answer), found before anything trained or by the stage that read it (`EXIT_USER_ERROR`)
+3    a loss or gradient norm became NaN or infinite during training (NonFiniteError): the last saved state is kept
+     and a rerun resumes from it (`EXIT_NON_FINITE`)
+4    a checkpoint or stage output could not be written: the disk is full (CheckpointWriteError); the previous one is
+     intact (`EXIT_DISK_FULL`)
+5    the MLflow tracking server stopped answering during the run; what was trained is kept (`EXIT_TRACKING_LOST`)
+130  stopped by Ctrl-C (SIGINT); 143: stopped by SIGTERM. The finished stages and the last saved training state are
+     kept, the MLflow runs of the run end KILLED and the temporary Prefect server stops with it (`stop_on_signals`)
+===  ==================================================================================================================
+
+A user error or an anticipated failure raised inside a task fails the task (never retried) and the flow. Prefect logs
+that failure with its traceback, and that record still goes to the Prefect run log (the API handler) in full; on the
+terminal, the console handlers drop the records of such a failure, and the command prints its sentence the same way
+as an error found before the flow started: ``error: <sentence>`` on stderr.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-from rlhf.errors import UserInputError
+from rlhf.errors import CheckpointWriteError, NonFiniteError, UserInputError
 
 T = TypeVar("T")
-_NAMES = tuple(cls.__name__ for cls in (UserInputError, *UserInputError.__subclasses__()))
+EXIT_USER_ERROR, EXIT_NON_FINITE, EXIT_DISK_FULL, EXIT_TRACKING_LOST = 2, 3, 4, 5
+_ANTICIPATED = (UserInputError, NonFiniteError, CheckpointWriteError)
+_NAMES = tuple(
+    cls.__name__ for cls in (*_ANTICIPATED, *UserInputError.__subclasses__(), *CheckpointWriteError.__subclasses__())
+)
+# MLflow's REST client, when the server is gone: "API request to http://host:5000/api/2.0/mlflow/... failed with
+# exception HTTPConnectionPool(...): Max retries exceeded ... Connection refused"
+_TRACKING_LOST = re.compile(
+    r"API request to (?P<url>https?://[^/\s]+)\S* failed with exception .*"
+    r"(Max retries exceeded|Connection refused|Failed to establish|NewConnectionError|Read timed out|"
+    r"RemoteDisconnected|Connection aborted)",
+    re.S,
+)
 
 
 def user_error(err: BaseException | None) -> UserInputError | None:
     """The user error behind `err` (itself, or one in its cause/context chain), else None."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, UserInputError):
-            return err
-        seen.add(id(err))
+    return next((e for e in _chain(err) if isinstance(e, UserInputError)), None)
+
+
+def _chain(err: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while err is not None and all(err is not e for e in seen):
+        seen.append(err)
         err = err.__cause__ or err.__context__
+    return seen
+
+
+class Failure(NamedTuple):
+    """An anticipated failure during a run: its exit code and its one sentence."""
+
+    code: int
+    sentence: str
+
+
+def anticipated_failure(err: BaseException | None) -> Failure | None:
+    """What `err` is, when it is one of the failures a run anticipates: a user error, a non-finite loss, a full disk,
+    a tracking server gone; None for anything else."""
+    for inner in _chain(err):
+        if isinstance(inner, UserInputError):
+            return Failure(EXIT_USER_ERROR, str(inner))
+        if isinstance(inner, NonFiniteError):
+            return Failure(EXIT_NON_FINITE, str(inner))
+        if isinstance(inner, CheckpointWriteError):
+            return Failure(
+                EXIT_DISK_FULL,
+                f"{inner}; free space on that disk and run the same command again: it continues from the last saved "
+                "state",
+            )
+        lost = _TRACKING_LOST.search(str(inner))
+        if lost:
+            return Failure(
+                EXIT_TRACKING_LOST,
+                f"the MLflow tracking server at {lost['url']} stopped answering during the run; the finished stages "
+                "and the last saved training state are kept: start the server again and run the same command (it "
+                "continues where this one stopped)",
+            )
     return None
 
 
 class HideUserErrorRecords(logging.Filter):
-    """Drops warning-or-worse records about a user error (Prefect's 'Finished in state Failed(...DataError...)'
-    lines and tracebacks); every other record passes."""
+    """Drops warning-or-worse records about a user error or an anticipated failure (Prefect's 'Finished in state
+    Failed(...DataError...)' lines and tracebacks); every other record passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
             return "encountered an exception" not in str(record.msg) or not self._names_user_error(record)
-        if record.exc_info and user_error(record.exc_info[1]) is not None:
+        if record.exc_info and anticipated_failure(record.exc_info[1]) is not None:
             return False
         return not self._names_user_error(record)
 
@@ -47,7 +116,9 @@ class HideUserErrorRecords(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 (a malformed record is not ours to judge)
             return False
-        return any(f"{name}:" in message or f"{name}(" in message for name in _NAMES)
+        if any(f"{name}:" in message or f"{name}(" in message for name in _NAMES):
+            return True
+        return "MlflowException" in message and _TRACKING_LOST.search(message) is not None
 
 
 def quiet_user_errors_on_console() -> None:
@@ -61,14 +132,191 @@ def quiet_user_errors_on_console() -> None:
                 handler.addFilter(the_filter)
 
 
+# -- Stopping on Ctrl-C and SIGTERM --------------------------------------------------------------------------------
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by SIGINT or SIGTERM once `stop_on_signals` is in place: a KeyboardInterrupt, so
+    Prefect and the stages unwind as they do for Ctrl-C (the stage's state saved so far is kept)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Stop:
+    signum: int | None = None
+    at: float = 0.0  # time.time() of the first signal
+    tracking: tuple[Any, ...] = ()  # the TrackingConfig (uri, experiment) of each store the run logs to
+
+
+def _note(signum: int) -> None:
+    """The first SIGINT or SIGTERM: its number and time (the runs that ended after it ended because of it)."""
+    if _Stop.signum is None:
+        _Stop.signum, _Stop.at = signum, time.time()
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name}: stopping (the state saved so far is kept) ...", file=sys.stderr, flush=True)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _note(signum)
+    raise Interrupted(signum)
+
+
+@functools.cache
+def _note_prefect_sigterm() -> None:
+    """While a flow runs, Prefect's own SIGTERM handler is in place (it raises TerminationSignal, records the crash,
+    then sends the signal again to the handler before it: `_on_signal`): note the signal's time when it comes."""
+    try:
+        from prefect.utilities import engine as prefect_engine
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(prefect_engine, "_prefect_sigterm_handler", None)
+    if original is None:  # pragma: no cover (another Prefect: the time is noted when the signal reaches _on_signal)
+        return
+
+    @functools.wraps(original)
+    def handler(signum: int, frame: Any) -> Any:
+        _note(signum)
+        return original(signum, frame)
+
+    prefect_engine._prefect_sigterm_handler = handler
+
+
+def stop_on_signals(*tracking: Any) -> None:
+    """Make Ctrl-C (SIGINT) and SIGTERM stop this command within seconds, in a terminal or as a service: both raise
+    `Interrupted` in the main thread (the running stage unwinds, keeping the state it saved), `exit_code_of` then
+    ends the command's MLflow runs (in the stores of the `tracking` configs) KILLED and returns 128 + the signal's
+    number, and the temporary Prefect server stops at exit (Prefect's own SIGTERM handling killed the process before
+    its exit handlers ran, leaving that server behind). The temporary server runs in a session of its own, so a
+    terminal's Ctrl-C (sent to the whole foreground process group) no longer stops it while the run still records
+    its end in it; it is stopped at exit, or by the kernel when this process dies (SIGKILL). Call it in a command's
+    main(), before the flow; the main thread only."""
+    _Stop.tracking = tuple(tracking)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _on_signal)
+    _note_prefect_sigterm()
+    _temporary_server_in_own_session()
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """Linux's prctl, looked up here, in the parent: a child of a process with threads must not load anything."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):  # pragma: no cover (not glibc)
+        return None
+
+
+def _die_with_parent() -> None:  # pragma: no cover (runs in the forked child)
+    """In a child before it runs its program: SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)
+
+
+class _OwnSessionSubprocess:
+    """The `subprocess` module as Prefect's temporary server module sees it: a server started from the main thread
+    gets a session of its own and dies with this process."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
+        if threading.current_thread() is threading.main_thread() and _prctl() is not None:
+            kwargs.setdefault("start_new_session", True)
+            kwargs.setdefault("preexec_fn", _die_with_parent)
+        return subprocess.Popen(*args, **kwargs)
+
+
+@functools.cache
+def _temporary_server_in_own_session() -> None:
+    try:
+        from prefect.server.api import server
+    except ImportError:  # pragma: no cover (another Prefect layout: the server stays in the process group)
+        return
+    if isinstance(getattr(server, "subprocess", None), type(subprocess)):
+        server.subprocess = _OwnSessionSubprocess()
+
+
+def _end_runs_killed(since: float) -> list[str]:
+    """The MLflow runs this process started or reopened that are still RUNNING, or that ended after `since` (the
+    stages end theirs FAILED on the way out), ended KILLED. Returns their ids."""
+    from rlhf.tracking.client import Tracker
+    from rlhf.tracking.store import PID_TAG
+
+    ended = []
+    for tracking in _Stop.tracking:
+        try:
+            tracker = Tracker(tracking.uri, tracking.experiment, getattr(tracking, "artifact_location", None))
+            for run in tracker.search_runs(f"tags.`{PID_TAG}` = '{os.getpid()}'"):
+                if run.status == "RUNNING" or (run.status == "FAILED" and (run.end_time or 0) >= since * 1000 - 1):
+                    tracker.client.set_terminated(run.run_id, status="KILLED")
+                    ended.append(run.run_id)
+        except Exception as err:  # noqa: BLE001 (the next run marks what is left: Tracker.end_orphaned_runs)
+            print(f"warning: the MLflow runs could not be marked KILLED: {err}", file=sys.stderr)
+    return ended
+
+
+def _stopped(signum: int) -> int:
+    """After Ctrl-C or SIGTERM: the command's MLflow runs ended KILLED, one sentence, 128 + the signal's number."""
+    ignore = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}  # cleanup: seconds
+    try:
+        _end_runs_killed(_Stop.at)
+    finally:
+        for s, handler in ignore.items():
+            signal.signal(s, handler)
+    name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(
+        f"stopped by {name}: the finished stages and the last saved training state are kept and the MLflow runs "
+        "ended KILLED; run the same command to continue",
+        file=sys.stderr,
+    )
+    return 128 + signum
+
+
+def prefect_api_problem(timeout: float = 5.0) -> str | None:
+    """The sentence for a Prefect server that PREFECT_API_URL (the environment or the Prefect profile) names and that
+    does not answer: without it the flow would retry its first call for minutes, then end in a traceback."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return None
+    import httpx
+
+    try:
+        httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+    except httpx.HTTPError as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return (
+            f"PREFECT_API_URL is {url}, but no Prefect server answers there ({reason}); start it (make ui, or "
+            "prefect server start) or unset PREFECT_API_URL to run with a temporary server"
+        )
+    return None
+
+
 def exit_code_of(run: Callable[[], T]) -> tuple[int, T | None]:
-    """Run a flow call; a user error anywhere inside it becomes `error: <sentence>` on stderr and exit code 2."""
+    """Run a flow call; a user error or an anticipated failure anywhere inside it becomes ``error: <sentence>`` on
+    stderr and its exit code (the module's table), Ctrl-C or SIGTERM (with `stop_on_signals`) 130 or 143. A Prefect
+    server named by PREFECT_API_URL that does not answer is a user error before the flow starts."""
     quiet_user_errors_on_console()
+    problem = prefect_api_problem()
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_USER_ERROR, None
     try:
         return 0, run()
-    except Exception as err:
-        cause = user_error(err)
-        if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        return 2, None
+    except BaseException as err:
+        failure = anticipated_failure(err)
+        if failure is not None:
+            print(f"error: {failure.sentence}", file=sys.stderr)
+            return failure.code, None
+        if _Stop.signum is not None and not isinstance(err, SystemExit):
+            return _stopped(_Stop.signum), None
+        raise

@@ -6,7 +6,7 @@
     rlhf compare [--experiment rlhf-ppo] [--sweep NAME] ...      runs side by side, plots in outputs/compare
     rlhf bench [--shape cpu] [--updates 10] ...                  PPO throughput on a fixed shape (docs/benchmark.md)
     rlhf memory [--config ...] [--gpu-gb 24 80]                  per-stage memory estimate, before anything is loaded
-    rlhf docs [--write-readme]                                   the config reference (README.md)
+    rlhf docs [--write]                                          the config reference (docs/config.md)
 
 Run it from the root of a checkout: ``run``, ``sweep`` and ``ui`` use the Prefect flows in ``flows/``, which live in
 the repository beside ``rlhf/`` and are not installed as packages of their own (see pyproject.toml). As ``make``
@@ -118,20 +118,25 @@ def cmd_memory(argv: list[str]) -> int:
 
 def cmd_docs(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="rlhf docs", description="Print the config reference, or write it into README.md (make docs)."
+        prog="rlhf docs", description="Print the config reference, or write it into docs/config.md (make docs)."
     )
-    parser.add_argument("--write-readme", action="store_true", help="update the reference between README's markers")
-    parser.add_argument("--readme", default="README.md", help="the README to update")
+    parser.add_argument("--write", action="store_true", help="update the reference between the page's markers")
+    parser.add_argument("--page", default="docs/config.md", help="the page to update")
     args = parser.parse_args(argv)
-    from rlhf.config.docs import reference_markdown, update_readme
+    from rlhf.config.docs import reference_markdown, update_reference
 
-    if not args.write_readme:
+    if not args.write:
         print(reference_markdown())
         return 0
-    if not Path(args.readme).is_file():
-        print(f"error: {args.readme} does not exist; run this from the root of a checkout", file=sys.stderr)
+    if not Path(args.page).is_file():
+        print(f"error: {args.page} does not exist; run this from the root of a checkout", file=sys.stderr)
         return 2
-    print(f"{args.readme} updated" if update_readme(args.readme) else f"{args.readme} already current")
+    try:
+        changed = update_reference(args.page)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.page} updated" if changed else f"{args.page} already current")
     return 0
 
 
@@ -142,8 +147,9 @@ def cmd_ui(argv: list[str]) -> int:
         description=(
             "Start the Prefect server and UI, the MLflow UI (store: mlruns/mlflow.db of the current folder), and "
             "serve the pipeline and sweep deployments (flows/serve.py): run them from the Prefect UI's forms. "
-            "Ctrl-C stops all: the serve process first (it pauses its schedules through the running server), "
-            "then the servers. This is `make ui`."
+            "Ctrl-C or SIGTERM (a terminal or a service manager) stops all: the serve process first (it pauses its "
+            "schedules through the running server), then the servers, each within seconds (SIGKILL after a bounded "
+            "wait). This is `make ui`."
         ),
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the servers bind to (0.0.0.0: all)")
@@ -190,7 +196,10 @@ def cmd_ui(argv: list[str]) -> int:
     serve_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{args.prefect_port}/api", "MLFLOW_UI_URL": mlflow_url}
 
     servers: list[subprocess.Popen] = []
-    # The servers get sessions of their own, so a Ctrl-C in the terminal reaches the serve process (and this one) only.
+    serve: subprocess.Popen | None = None
+    # Every process gets a session of its own: a terminal's Ctrl-C reaches this process only, and it stops them in
+    # order, the same way as a SIGTERM from a service manager (which may signal this process alone).
+    stop = _StopRequest()
     with open(prefect_home / "server.log", "w") as prefect_log, open("mlruns/mlflow-ui.log", "w") as mlflow_log:
         try:
             servers.append(
@@ -209,22 +218,89 @@ def cmd_ui(argv: list[str]) -> int:
             )
             print(f"Prefect UI: http://127.0.0.1:{args.prefect_port}  (server log: {prefect_home / 'server.log'})")
             print(f"MLflow UI:  http://127.0.0.1:{args.mlflow_port}  (log: mlruns/mlflow-ui.log)", flush=True)
-            serve = subprocess.Popen(serve_cmd, env=serve_env)
-            while True:
-                try:
-                    return serve.wait()
-                except KeyboardInterrupt:
-                    continue  # the serve process got the same Ctrl-C: wait until it has paused its schedules
+            serve = subprocess.Popen(serve_cmd, env=serve_env, start_new_session=True)
+            while serve.poll() is None and stop.signum is None:
+                stop.wait(0.5)
+            return serve.returncode if stop.signum is None else 0
         finally:
-            for proc in servers:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + 15
-            for proc in servers:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            with stop.ignored():  # a second Ctrl-C does not cut the shutdown short: it is bounded
+                if serve is not None:
+                    # the serve process pauses its schedules through the running server on SIGINT (Ctrl-C)
+                    _stop_group(serve, signal.SIGINT, SERVE_STOP_S)
+                for proc in servers:
+                    _signal_group(proc, signal.SIGTERM)
+                deadline = time.monotonic() + SERVER_STOP_S
+                for proc in servers:
+                    _stop_group(proc, None, max(0.1, deadline - time.monotonic()))
+
+
+SERVE_STOP_S = 20  # how long the serve process may take to pause its schedules and stop (then SIGTERM, SIGKILL)
+SERVER_STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
+
+
+class _StopRequest:
+    """SIGINT and SIGTERM, in the main thread, recorded rather than raised: the `rlhf ui` loop then stops its
+    processes in order (Python's default would raise KeyboardInterrupt, or end the process at once on SIGTERM and
+    leave the servers running)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.signum: int | None = None
+        self._event = threading.Event()
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+            print(f"\n{signal.Signals(signum).name}: stopping the deployments and the servers ...", flush=True)
+        self._event.set()
+
+    def wait(self, seconds: float) -> None:
+        self._event.wait(seconds)
+
+    def ignored(self):
+        """While the processes are stopped: further signals are recorded only; the handlers before, restored after."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def scope():
+            try:
+                yield
+            finally:
+                for signum, handler in self._previous.items():
+                    signal.signal(signum, handler)
+
+        return scope()
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """`signum` to the process group of `proc` (a session of its own), while it runs."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_group(proc: subprocess.Popen, signum: int | None, seconds: float) -> None:
+    """Send `signum` (None: none) to the group of `proc`, wait up to `seconds` for it, then SIGTERM its group and
+    wait 5 s, then SIGKILL it; the group's other processes (a flow run of the serve process) get the same signals."""
+    for sig, wait in ((signum, seconds), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if sig is not None:
+            _signal_group(proc, sig)
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what is left of its group (children that outlived it)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
@@ -234,7 +310,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "compare": ("compare pipeline runs side by side (tables and plots in outputs/compare)", cmd_compare),
     "bench": ("PPO throughput on a fixed shape (docs/benchmark.md)", cmd_bench),
     "memory": ("estimate the memory of each stage of a config, before anything is loaded", cmd_memory),
-    "docs": ("print the config reference, or write it into README.md", cmd_docs),
+    "docs": ("print the config reference, or write it into docs/config.md", cmd_docs),
 }
 
 

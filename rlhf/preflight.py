@@ -21,9 +21,18 @@ def check_model_reference(key: str, name: str) -> None:
     """A model reference is a local checkpoint folder or, with hub access, a hub id."""
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"{key}: folder {name} has no config.json (is it a save_pretrained checkpoint?)")
-        return
+        if (path / "config.json").is_file():
+            return
+        if (path / "adapter_config.json").is_file():
+            raise ConfigError(
+                f"{key}: {name} is a LoRA (peft) adapter, not a model: merge it into its base model "
+                "(merge_and_unload) and save that with save_pretrained"
+            )
+        raise ConfigError(f"{key}: folder {name} has no config.json (is it a save_pretrained checkpoint?)")
+    if path.is_file():
+        raise ConfigError(
+            f"{key}: {name} is a file; name the folder that holds the model's config.json, weights and tokenizer"
+        )
     if name.startswith((".", "/", "~")) or path.suffix:
         raise ConfigError(f"{key}: checkpoint folder {name} does not exist")
     if hub_offline():
@@ -38,14 +47,60 @@ def preflight(config: PipelineConfig) -> list[StageEstimate]:
     and columns where cheap, lengths against the model's positions and memory against the device (only
     config.json is read). Returns the per-stage memory estimates."""
     check_tracking_uri(config.tracking.uri)  # first: a tracking server that is down fails before any work
+    check_device(config.runtime.device)
+    check_output_dir(config.runtime.output_dir)
     check_source(config.data)
     if config.sft.model is not None:
         check_model_reference("sft.model", config.sft.model)
+        from rlhf.models.loading import check_checkpoint  # transformers: only where a checkpoint is named
+
+        check_checkpoint("sft.model", config.sft.model, config.sft.revision, config.runtime.trust_remote_code)
     check_ppo_processes(config)
     check_generation_backend(config)
     model_config = read_model_config(config)
     check_lengths(config, model_config)
     return plan_memory(config, device_type(config), model_config)
+
+
+def check_device(device: str) -> None:
+    """The device `runtime.device` names is on this machine (before a model is put on it)."""
+    if device in ("auto", "cpu"):
+        return
+    import torch
+
+    if device == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError("runtime.device is 'mps' but this machine has no MPS device; use runtime.device=auto")
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is a build without CUDA" if torch.version.cuda is None else "this machine shows no CUDA GPU"
+        raise ConfigError(
+            f"runtime.device is '{device}' but {why}; use runtime.device=cpu (or auto), or run on a machine with a "
+            "CUDA GPU and a CUDA build of torch"
+        )
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(
+            f"runtime.device is '{device}' but this machine has {count} CUDA device{'s' * (count != 1)} "
+            f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); name one of them"
+        )
+
+
+def check_output_dir(output_dir: str) -> None:
+    """`runtime.output_dir` is a folder this process can create and write in (nothing is created here)."""
+    path = Path(output_dir).expanduser().absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        what = "is" if existing == path else f"would be inside {existing}, which is"
+        raise ConfigError(f"runtime.output_dir: {output_dir} {what} a file, not a folder; name a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"runtime.output_dir: {output_dir} cannot be written ({existing} is not writable by this user); name a "
+            "folder you can write in"
+        )
 
 
 def device_type(config: PipelineConfig) -> str:

@@ -1,7 +1,8 @@
 """Content-addressed cache keys and output folders for the pipeline's Prefect tasks.
 
-A stage's key is a digest of: its name, the config sections it reads, the content digests of its upstream
-outputs and the version (source digest) of the library and task code. The same key names the stage's output folder,
+A stage's key is a digest of: its name, the config sections it reads, the runtime settings that change its numbers
+(`runtime_key`), the content digests of its upstream outputs and the version (source digest) of the library and task
+code. The same key names the stage's output folder,
 so a cached Prefect result always points at files that were written for exactly those inputs. Both come from the
 task's own name and parameters through `stage_key`: the cache key (`content_cache_key`), the folder a running task
 writes (`current_stage_dir`) and the folder `run_stage` checks before calling it. Cached results are only used while
@@ -28,11 +29,29 @@ from pydantic import BaseModel
 import rlhf
 import tasks
 from rlhf.checkpoints import is_complete, stage_lock
+from rlhf.config import RuntimeConfig
 from tasks.outputs import StageOutput
 
 # Parameters that never change a stage's result, so they are left out of its key (`trial`: the sweep trial a PPO
-# stage reports to; a pruned stage raises and caches nothing).
-NOT_IN_KEY = {"tracking", "runtime", "trial"}
+# stage reports to; a pruned stage raises and caches nothing). `runtime` is in it through `runtime_key`: the
+# settings that change the numbers only.
+NOT_IN_KEY = {"tracking", "trial"}
+# What of `runtime` is in every stage's key: the settings that change a stage's numbers. The device type (CPU and CUDA
+# kernels differ; cuda:0 and cuda:1 do not), the compute dtype ('auto' resolved where that needs no GPU: float32 on a
+# CPU) and the attention kernel (sdpa, eager and flash-attention compute attention differently). Left out: `threads`
+# and the device index (the same kernels, at most the order of a float reduction: the machine's core count or BLAS
+# build, not in any key either, changes as much), `trust_remote_code` (a permission: the same model or none),
+# `on_nonfinite` (the same numbers while every step is finite; a stopped stage caches nothing, and its rerun with
+# skip_update must resume from the state the stop kept), `output_dir` (where the cache is), `device_slot`,
+# `progress`, `memory_check` and `memory_budget_gb` (scheduling, display, preflight), `ppo_processes` (PPO's key has
+# it as `processes`).
+RUNTIME_IN_KEY = ("device", "dtype", "attn_implementation")
+# Stages whose key also holds `runtime.sharding`: PPO's resume state is a torch.distributed.checkpoint folder under
+# 'fsdp' and a torch.save file otherwise, and its gradients are reduce-scattered rather than all-reduced.
+SHARDED_STAGES = {"train_policy_ppo"}
+# Stages that compute nothing with a model (data preparation; the plan of the PPO models reads tokenizers only): no
+# runtime setting changes what they write. Any other stage, a new one too, has RUNTIME_IN_KEY in its key.
+MODEL_FREE_STAGES = {"prepare_preferences", "init_policy_models", "plan_ppo_models"}
 # The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
 CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
 
@@ -53,17 +72,38 @@ def code_version() -> str:
     return source_digest(*CODE_PACKAGES)
 
 
-def _key_part(value: Any) -> Any:
+def runtime_key(stage: str, runtime: RuntimeConfig) -> dict[str, Any]:
+    """The settings of `runtime` that change `stage`'s numbers (RUNTIME_IN_KEY, and SHARDED_STAGES' sharding; none
+    for MODEL_FREE_STAGES)."""
+    if stage in MODEL_FREE_STAGES:
+        return {}
+    device = "cuda" if runtime.device.startswith("cuda") else runtime.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    # 'auto' is float32 on a CPU; on a GPU it stays 'auto' (bfloat16 where supported): asking needs a CUDA context
+    dtype = "float32" if device == "cpu" and runtime.dtype == "auto" else runtime.dtype
+    key = {"device": device, "dtype": dtype, "attn_implementation": runtime.attn_implementation}
+    if stage in SHARDED_STAGES:
+        key["sharding"] = runtime.sharding
+    return key
+
+
+def _key_part(stage: str, value: Any) -> Any:
     if isinstance(value, StageOutput):
         return value.digest
+    if isinstance(value, RuntimeConfig):
+        return runtime_key(stage, value)
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
     return value
 
 
 def stage_key(stage: str, parameters: dict[str, Any]) -> str:
-    """`<stage>-<digest>`: the digest of the stage's name, the code version and its parameters (not NOT_IN_KEY)."""
-    parts = {k: _key_part(v) for k, v in sorted(parameters.items()) if k not in NOT_IN_KEY}
+    """`<stage>-<digest>`: the digest of the stage's name, the code version and its parameters (not NOT_IN_KEY; of
+    the runtime, what `runtime_key` keeps)."""
+    parts = {k: _key_part(stage, v) for k, v in sorted(parameters.items()) if k not in NOT_IN_KEY}
     payload = json.dumps({"stage": stage, "code": code_version(), "inputs": parts}, sort_keys=True, default=str)
     return f"{stage}-{hashlib.sha256(payload.encode()).hexdigest()[:20]}"
 

@@ -40,9 +40,9 @@ class RewardModel(StageOutput):
     """`train_reward_model`: the reward-model checkpoint (best held-out accuracy)."""
 
 
-class PPOInit(StageOutput):
-    """`plan_ppo_models`: the checkpoints the four PPO models start from, and whether the policy and the reward model
-    share a tokenizer (if not, the reward model re-tokenizes the responses)."""
+class PolicyInit(StageOutput):
+    """`init_policy_models`: the checkpoints the four PPO models start from, and whether the policy and the reward
+    model share a tokenizer (if not, the reward model re-tokenizes the responses)."""
 
     policy_init: str
     reference_init: str

@@ -49,7 +49,11 @@ WATCHED = {
         ("objective/gold_score", "gold"),
         ("objective/rlhf_reward", "RLHF reward"),
     ),
-    "reward": (("train/loss", "loss"), ("eval/accuracy", "held-out acc"), ("train/accuracy", "train acc")),
+    "reward": (
+        ("reward/train/loss", "loss"),
+        ("reward/eval/accuracy", "held-out acc"),
+        ("reward/train/accuracy", "train acc"),
+    ),
     "sft": (("sft/loss", "loss"), ("sft/lr", "lr")),
 }
 
@@ -65,7 +69,7 @@ class StepProgress:
     `min_interval` seconds, plus the last step. Its text carries the stage's watched numbers (`WATCHED`).
 
     Each update is a request to the Prefect API that the training thread waits for (and work for the server
-    process, which shares the machine): every 2 s, it cost the PPO loop about 0.4% of its time on a 2-core machine."""
+    process, which shares the machine): hence the interval, not one request per step."""
 
     def __init__(self, stage: str, total: int, min_interval: float = 10.0) -> None:
         self.stage, self.total, self.min_interval = stage, max(1, total), min_interval

@@ -12,25 +12,17 @@ import pandas as pd
 
 from rlhf.tracking.client import Tracker
 from tasks.caching import code_version
+from tasks.stage_table import stage_of
 from tasks.tracking import TrackingContext, tracker_for
 
 RUN_ID_FILE = ".mlflow_run_id"
-# Short names of the stages: a stage's MLflow run is named `<pipeline run name>/<short name>`
-# (`pipeline-brave-owl/ppo`), so the legends of charts comparing runs tell the stages of different pipeline runs apart.
-STAGE_SHORT_NAMES = {
-    "prepare_preferences": "data",
-    "supervised_finetune": "sft",
-    "train_reward_model": "reward",
-    "plan_ppo_models": "plan",
-    "train_policy_ppo": "ppo",
-    "evaluate_policies": "eval",
-}
 
 
 def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
-    """`<pipeline run name>/<short stage name>`; the stage name alone without a pipeline run name."""
-    short = STAGE_SHORT_NAMES.get(stage, stage)
-    return f"{pipeline_run_name}/{short}" if pipeline_run_name else stage
+    """`<pipeline run name>/<short stage name>` (`pipeline-brave-owl/ppo`, tasks/stage_table.py), so the legends of
+    charts comparing runs tell the stages of different pipeline runs apart; the stage name alone without a pipeline
+    run name."""
+    return f"{pipeline_run_name}/{stage_of(stage).short}" if pipeline_run_name else stage
 
 
 @contextlib.contextmanager

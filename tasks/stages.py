@@ -17,13 +17,12 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
-from rlhf.ppo.trainer import train_ppo
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
 from rlhf.train import reward as reward_training
 from rlhf.train import sft as sft_training
 from tasks.caching import content_cache_key, current_stage_dir
 from tasks.faults import injected_failure, retry_unless_user_error
-from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.progress import echo_with_progress, progress_logger, task_logger
 from tasks.stage_runs import log_data_inputs, rollout_samples, samples_every, stage_run
 from tasks.tracking import TrackingContext, training_logger
@@ -155,33 +154,33 @@ def train_reward_model(
     )
 
 
-@task(name="plan_ppo_models", tags=["gpu"], **STAGE)
-def plan_ppo_models(
+@task(name="init_policy_models", tags=["gpu"], **STAGE)
+def init_policy_models(
     sft_model: SFTModel, reward_model: RewardModel, runtime: RuntimeConfig, tracking: TrackingContext
-) -> PPOInit:
+) -> PolicyInit:
     """Record which checkpoints the four PPO models start from (policy and frozen reference: the SFT model; value
     model and reward model: the reward model) and whether the policy and the reward model share a tokenizer."""
     folder = current_stage_dir()
-    plan = {
+    init = {
         "policy_init": sft_model.path,
         "reference_init": sft_model.path,
         "value_init": reward_model.path,
         "reward_model": reward_model.path,
     }
-    with stage_run(tracking, "plan_ppo_models", folder, plan) as (tracker, run_id):
+    with stage_run(tracking, "init_policy_models", folder, init) as (tracker, run_id):
         same = same_vocabulary(
             load_tokenizer(sft_model.path, trust_remote_code=runtime.trust_remote_code),
             load_tokenizer(reward_model.path, trust_remote_code=runtime.trust_remote_code),
         )
         tracker.log_params(run_id, {"reward_retokenizes": not same})
         folder.mkdir(parents=True, exist_ok=True)
-        write_manifest(folder, stage="init", **plan, same_tokenizer=same)
-    return PPOInit(
-        stage="plan_ppo_models",
+        write_manifest(folder, stage="init", **init, same_tokenizer=same)
+    return PolicyInit(
+        stage="init_policy_models",
         path=sft_model.path,
         digest=f"{sft_model.digest}:{reward_model.digest}",
         mlflow_run_id=run_id,
-        **plan,
+        **init,
         same_tokenizer=same,
     )
 
@@ -189,7 +188,7 @@ def plan_ppo_models(
 @task(name="train_policy_ppo", tags=["gpu"], **STAGE)
 def train_policy_ppo(
     ppo_cfg: PPOConfig,
-    ppo_init: PPOInit,
+    ppo_init: PolicyInit,
     prepared: PreparedData,
     seed: int,
     processes: int,
@@ -211,44 +210,25 @@ def train_policy_ppo(
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
-        models = (ppo_init.policy_init, ppo_init.reward_model)
-        stop_after = injected_failure("train_policy_ppo", folder)
-        if processes > 1:
-            result = launch.run_data_parallel(
-                processes,
-                ppo_cfg,
-                runtime,
-                seed,
-                *models,
-                ppo_init.value_init,
-                f"{prepared.path}/prompts.parquet",
-                folder,
-                tracking_uri=tracking.uri,
-                run_id=run_id,
-                data_manifest=f"{prepared.path}/manifest.json",
-                eval_file=f"{prepared.path}/eval.parquet",
-                stop_after=stop_after,
-                echo=echo_with_progress("ppo", ppo_cfg.num_updates, launch.UPDATE_LINE_PATTERN),
-            )
-        else:
-            result = train_ppo(
-                ppo_cfg,
-                runtime,
-                *models,
-                pd.read_parquet(f"{prepared.path}/prompts.parquet")["prompt"].tolist(),
-                folder,
-                seed,
-                training_logger(tracker, run_id, progress_logger("ppo", 10, ppo_cfg.num_updates), runtime),
-                value_path=ppo_init.value_init,
-                gold_fn=prepare.gold_scorer(prepared.manifest),
-                stop_after=stop_after,
-                eval_prompts=(
-                    evaluation.eval_prompts(f"{prepared.path}/eval.parquet", ppo_cfg.eval_prompts)
-                    if ppo_cfg.eval_every > 0
-                    else None
-                ),
-                on_eval=pruning_reporter(trial) if trial is not None else None,
-            )
+        stop_after, updates, several = injected_failure("train_policy_ppo", folder), ppo_cfg.num_updates, processes > 1
+        result = launch.train_policy(
+            ppo_cfg,
+            runtime,
+            seed,
+            ppo_init.policy_init,
+            ppo_init.reward_model,
+            prepared.path,
+            folder,
+            value_path=ppo_init.value_init,
+            processes=processes,
+            # one process logs here; several log from their rank 0 and print progress lines
+            log=None if several else training_logger(tracker, run_id, progress_logger("ppo", 10, updates), runtime),
+            echo=echo_with_progress("ppo", updates, launch.UPDATE_LINE_PATTERN) if several else print,
+            tracking_uri=tracking.uri,
+            run_id=run_id,
+            on_eval=pruning_reporter(trial) if trial is not None else None,
+            stop_after=stop_after,
+        )
         if ppo_cfg.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")
             # a sample of the rollouts every few updates, as an MLflow table (the run's artifacts, and Evaluation)

@@ -13,13 +13,12 @@ from rlhf.tracking.client import Tracker
 from rlhf.tracking.metrics_writer import LogFn
 
 # The training stages write their per-step metrics to MLflow in batches (and before each resume state and at the
-# end): one store transaction per step cost several per cent of a PPO update. Where a core is free of torch's
-# threads, or the model trains on a GPU (the CPU threads then mostly wait on the device), a writer thread of the
-# stage's own writes them every METRICS_BACKGROUND_EVERY_S seconds and the training loop only waits for what is
-# left at a resume state or at the end. Where torch's threads take every core of a CPU run, the training thread
-# writes them itself every METRICS_EVERY_S seconds: a writer thread there takes a core (and the GIL) from torch's
-# parallel ops, which then wait for their slowest thread (measured on 2 cores: the PPO loop 5.1% longer than
-# without tracking, against about 3% with the writes in the loop).
+# end), not one store transaction per step. Where a core is free of torch's threads, or the model trains on a GPU (the
+# CPU threads then mostly wait on the device), a writer thread of the stage's own writes them every
+# METRICS_BACKGROUND_EVERY_S seconds and the training loop only waits for what is left at a resume state or at the
+# end. Where torch's threads take every core of a CPU run, the training thread writes them itself every
+# METRICS_EVERY_S seconds: a writer thread there would take a core (and the GIL) from torch's parallel ops, which then
+# wait for their slowest thread (docs/benchmark.md has the measurements).
 METRICS_EVERY_S = 5.0
 METRICS_BACKGROUND_EVERY_S = 1.0
 

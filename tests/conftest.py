@@ -11,6 +11,7 @@ builds the fixture once; `pytest_collection_modifyitems` below hands the slow on
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -46,11 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, which names the groups
 def pytest_collection_modifyitems(config, items):
-    """On a pytest-xdist worker: the groups of `xdist_group` marks, and the modules with slow tests first.
-
-    `--dist loadgroup` learns an item's group from a `@group` suffix that pytest-xdist (3.8) appends to its node id
-    on the worker, through an attribute that pytest 9.2's structured node ids no longer read: the marks would be
-    ignored without a word (pytest-dev/pytest-xdist#1386). Where the suffix is missing it is added here.
+    """On a pytest-xdist worker: the grouped tests and the modules with slow tests first.
 
     The workers take work units in collection order (`--no-loadscope-reorder`): the grouped tests go first (a group
     shares an expensive fixture: its tests are long together), then the modules with slow tests, then the rest, each
@@ -58,20 +55,6 @@ def pytest_collection_modifyitems(config, items):
     a long one starting last while the other worker idles. A plain `pytest` run keeps the usual order."""
     if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
         return
-    if config.getvalue("loadgroup"):
-        for item in items:
-            names = sorted(
-                {
-                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                    for m in item.iter_markers("xdist_group")
-                }
-            )
-            suffix = "@" + "_".join(names)
-            if names and not item.nodeid.endswith(suffix):
-                node_id = getattr(item, "_id", None)
-                if node_id is None or not hasattr(type(node_id), "parse"):
-                    raise pytest.UsageError(f"cannot put {item.nodeid} in its xdist group: unknown pytest node ids")
-                item._id = type(node_id).parse(item.nodeid + suffix)
     slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
 
     def phase(item) -> int:
@@ -177,6 +160,25 @@ def torchrun_run(launch_inputs, tmp_path_factory) -> Path:
     assert "ppo: 2 updates on 2 process(es)" in result.stdout  # rank 0 alone prints it
     assert result.stdout.count("ppo: 2 updates") == 1
     return out
+
+
+# -- Prefect and other servers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """A Prefect test harness (a temporary server and database), shared by the tests of a module."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def free_port() -> int:
+    """A free loopback port for a server a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # -- Reading a flow run back from the Prefect API (the test harness's server) ------------------------------------

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,75 @@ def test_import_has_no_prefect():
 def test_only_the_library_is_installed():
     # flows/ and tasks/ are folders of the checkout, not top-level packages in site-packages (pyproject.toml)
     assert 'include = ["rlhf*"]' in (REPO / "pyproject.toml").read_text()
+
+
+@pytest.mark.slow
+def test_ui_stops_every_process_it_started_on_sigterm(tmp_path):
+    """`rlhf ui` as a background service (no terminal: the signal reaches its own process only): SIGTERM stops the
+    serve process, the Prefect server and the MLflow UI, within a bounded wait, and leaves no process. (SIGINT, a
+    terminal's Ctrl-C, takes the same path: the processes have sessions of their own, so only `rlhf ui` gets it.)"""
+    signum = signal.SIGTERM
+    import httpx
+    import psutil
+
+    from tests.conftest import free_port
+
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = {**ENV, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf.cli",
+        "ui",
+        "--prefect-port",
+        str(prefect_port),
+        "--mlflow-port",
+        str(mlflow_port),
+    ]
+    cmd += [
+        "--config",
+        str(REPO / "conf" / "smoke.yaml"),
+        "--sweep-space",
+        str(REPO / "conf" / "sweeps" / "kl_coef.yaml"),
+    ]
+    log = tmp_path / "ui.log"
+    with open(log, "w") as out:
+        ui = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # up: both servers answer and the serve process has served its deployments
+            assert ui.poll() is None, log.read_text()
+            seen |= {p.pid: p for p in psutil.Process(ui.pid).children(recursive=True)}
+            try:
+                deployments = httpx.post(f"http://127.0.0.1:{prefect_port}/api/deployments/filter", json={}, timeout=5)
+                mlflow_up = httpx.get(f"http://127.0.0.1:{mlflow_port}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(1)
+                continue
+            if mlflow_up and deployments.status_code == 200 and len(deployments.json()) >= 2:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"rlhf ui did not come up:\n{log.read_text()[-4000:]}")
+        seen |= {p.pid: p for p in psutil.Process(ui.pid).children(recursive=True)}
+        assert len(seen) >= 3, seen  # the Prefect server, the MLflow UI, the serve process (and their workers)
+        asked = time.monotonic()
+        os.kill(ui.pid, signum)
+        ui.wait(90)
+        took = time.monotonic() - asked
+    finally:
+        if ui.poll() is None:
+            os.killpg(ui.pid, signal.SIGKILL)
+            ui.wait()
+        for proc in seen.values():
+            try:
+                if proc.is_running():
+                    proc.kill()
+            except psutil.Error:
+                pass
+    assert ui.returncode == 0, log.read_text()[-4000:]
+    assert took < 60, f"{took:.0f} s to stop"
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=5)
+    assert [(p.pid, p.cmdline()[:4]) for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []

@@ -101,12 +101,11 @@ def test_cli_reports_bad_config_before_loading_anything(tmp_path, capsys):
     assert "x.jsonl does not exist" in capsys.readouterr().err
 
 
-def test_readme_config_reference_is_current():
-    from rlhf.config.docs import README_END, README_START, reference_markdown
+def test_config_reference_page_is_current():
+    from rlhf.config.docs import CONFIG_PAGE, current_reference, reference_markdown
 
-    readme = (REPO / "README.md").read_text()
-    block = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
-    assert block == reference_markdown(), "run `make docs` to regenerate the README's config reference"
+    assert CONFIG_PAGE == REPO / "docs" / "config.md"
+    assert current_reference(CONFIG_PAGE) == reference_markdown(), "run `make docs` to regenerate docs/config.md"
 
 
 def test_config_reference_shows_what_make_run_uses():
@@ -191,3 +190,83 @@ def test_tracking_probe_accepts_a_live_server_and_a_writable_sqlite_folder(tmp_p
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"^tracking.uri: cannot write the SQLite store .*file/mlflow.db"):
         check_tracking_uri(f"sqlite:///{tmp_path}/file/mlflow.db")  # its 'folder' is a file
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "shown"),
+    [
+        ("ppo.lr=inf", "ppo.lr", "inf"),
+        ("ppo.lr=.inf", "ppo.lr", "inf"),
+        ("sft.lr=1e999", "sft.lr", "1e999"),
+        ("ppo.cliprange=nan", "ppo.cliprange", "nan"),
+        ("ppo.kl_coef=.nan", "ppo.kl_coef", "nan"),
+        ("reward.center_coef=-.inf", "reward.center_coef", "-inf"),
+        ("ppo.generation.gpu_memory_utilization=nan", "ppo.generation.gpu_memory_utilization", "nan"),
+        ("runtime.memory_budget_gb=.inf", "runtime.memory_budget_gb", "inf"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused_by_the_config_itself(override, key, shown):
+    """The models refuse inf and nan (pydantic's allow_inf_nan=False on every section): before anything trains,
+    instead of a loss that is NaN at the first step of the stage that reads the number."""
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "conf" / "smoke.yaml", [override])
+    assert (
+        str(err.value)
+        == f"{REPO / 'conf' / 'smoke.yaml'}: {key} is {shown}, not a finite number; give it a finite value"
+    )
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1", "mps", " cpu "])
+def test_device_names_torch_knows_are_accepted(device):
+    assert load_config(None, [f"runtime.device={device}"]).runtime.device == device.strip()
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda1", "cuda:x", "tpu", "CPU"])
+def test_a_device_name_torch_does_not_know_is_named(device):
+    with pytest.raises(ConfigError, match=rf"runtime.device '{device}' is not a device: use 'auto', 'cpu', 'cuda'"):
+        load_config(None, [f"runtime.device={device}"])
+
+
+def test_preflight_refuses_a_device_that_is_not_there(monkeypatch):
+    import torch
+
+    from rlhf.preflight import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"runtime.device is .cuda. but this .*; use runtime.device=cpu \(or auto\)"):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1")
+    with pytest.raises(
+        ConfigError, match=r"runtime.device is 'cuda:2' but this machine has 2 CUDA devices \(cuda:0 to"
+    ):
+        check_device("cuda:2")
+    check_device("cpu")
+
+
+def test_preflight_refuses_an_output_folder_that_cannot_be(tmp_path):
+    from rlhf.preflight import check_output_dir
+
+    check_output_dir(str(tmp_path / "new" / "deeper"))  # created later, by the stages
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"runtime.output_dir: .*file is a file, not a folder"):
+        check_output_dir(str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match=r"runtime.output_dir: .*file/out would be inside .*file, which is a file"):
+        check_output_dir(str(tmp_path / "file" / "out"))
+    assert not (tmp_path / "new").exists()
+
+
+def test_invalid_yaml_is_one_line_with_its_position(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  lr: [1e-5\nseed: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "\n" not in str(err.value) and str(err.value).startswith(f"{path} is not valid YAML: ")
+    assert "at line 3, column" in str(err.value)
+
+
+def test_data_encoding_is_a_codec_python_knows():
+    assert load_config(None, ["data.encoding=latin-1"]).data.encoding == "latin-1"
+    with pytest.raises(ConfigError, match=r"data.encoding 'latin-42' is not a text encoding Python knows"):
+        load_config(None, ["data.encoding=latin-42"])

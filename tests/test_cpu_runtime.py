@@ -1,4 +1,5 @@
-"""The process's CPU settings (`rlhf.models.device.configure_cpu`): glibc's malloc keeps the memory a step frees."""
+"""The process's CPU settings (`rlhf.models.device`): glibc's malloc keeps the memory a step frees (`configure_cpu`);
+torch's thread count changed for a block (`torch_threads`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+from rlhf.models.device import torch_threads
 
 # a step that allocates, writes and frees 36 MiB in 4 MiB blocks with glibc's malloc, as a training step does with its
 # activations; the page faults of 20 such steps after 3 of warm-up. malloc itself, in the main thread: torch's thread
@@ -66,3 +70,15 @@ def test_configured_process_reuses_freed_memory_instead_of_faulting_in_new_pages
 def test_malloc_tunables_the_user_set_are_left_alone():
     map_every_block = "glibc.malloc.mmap_threshold=1048576"
     assert _step_faults("configured", GLIBC_TUNABLES=map_every_block) > NEW_PAGES
+
+
+def test_torch_threads_sets_the_count_inside_and_restores_it_after():
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(1):  # restored on an exception too
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    with torch_threads(None):  # None: left as it is
+        assert torch.get_num_threads() == before

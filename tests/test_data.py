@@ -236,7 +236,7 @@ def test_unsupported_extension_and_unparsable_file(tmp_path):
     with pytest.raises(DataError, match=r"data.path: .*d.txt has an unsupported extension '.txt'"):
         check_source(DataConfig(source="local", path=str(tmp_path / "d.txt")))
     (tmp_path / "broken.parquet").write_text("not parquet")
-    with pytest.raises(DataError, match=r"broken.parquet could not be loaded"):
+    with pytest.raises(DataError, match=r"data.path: .*broken.parquet is not a readable Parquet file"):
         prepare_preferences(DataConfig(source="local", path=str(tmp_path / "broken.parquet")), tmp_path / "out")
 
 

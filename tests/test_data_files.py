@@ -144,3 +144,127 @@ def test_preflight_refuses_a_git_lfs_pointer(tmp_path):
     config = load_config(None, ["data.source=local", f"data.path={pointer}"])
     with pytest.raises(DataError, match=r"^data.path: .*train.jsonl is a Git LFS pointer"):
         preflight(config)
+
+
+# -- Bytes, lines and numbers: the file read through before it is loaded (rlhf/data/scan.py) ----------------------
+
+
+def explicit_rows(n: int) -> list[dict]:
+    return [{"prompt": f"Critique {i}:", "chosen": f" très bien {i}.", "rejected": f" mauvais {i}."} for i in range(n)]
+
+
+def test_a_latin_1_file_names_the_byte_and_line_and_loads_with_data_encoding(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    lines = [json.dumps(r, ensure_ascii=False) for r in explicit_rows(20)]
+    path.write_bytes("\n".join(lines).encode("latin-1"))
+    first = lines[0].encode("utf-8").index("è".encode())  # its offset: the same in Latin-1 before the first 'è'
+    cfg = DataConfig(source="local", path=str(path))
+    with pytest.raises(DataError) as err:
+        check_source(cfg)
+    assert str(err.value) == (
+        f"data.path: {path} is not UTF-8 text: byte 0xe8 at byte offset {first} (line 1) cannot be decoded; "
+        "re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or set data.encoding to its encoding (e.g. "
+        "latin-1, cp1252)"
+    )
+    from rlhf.data.sources import open_local
+
+    with pytest.raises(DataError, match=r"is not UTF-8 text: byte 0xe8"):  # also where preflight does not read it
+        open_local(str(path), "train", str(tmp_path / "cache"))
+    latin = cfg.model_copy(update={"encoding": "latin-1"})
+    written = prepare_preferences(latin, tmp_path / "out")
+    assert " très bien 0." in set(pd.read_parquet(written.train)["chosen"]) | set(
+        pd.read_parquet(written.eval)["chosen"]
+    )
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_utf_8_file_with_a_byte_order_mark_is_read(tmp_path, suffix):
+    path = tmp_path / f"pairs{suffix}"
+    frame = pd.DataFrame(explicit_rows(20))
+    text = frame.to_csv(index=False) if suffix == ".csv" else frame.to_json(orient="records", lines=True)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    cfg = DataConfig(source="local", path=str(path))
+    check_source(cfg)
+    assert peek_columns(path) == ["prompt", "chosen", "rejected"]
+    assert prepare_preferences(cfg, tmp_path / "out").manifest["rows_in"] == 20
+
+
+def test_a_utf_16_file_says_so_and_loads_with_data_encoding(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes("\n".join(json.dumps(r) for r in explicit_rows(20)).encode("utf-16"))
+    cfg = DataConfig(source="local", path=str(path))
+    with pytest.raises(DataError, match=r"is UTF-16 text \(it starts with a UTF-16 byte-order mark\)"):
+        check_source(cfg)
+    cfg = cfg.model_copy(update={"encoding": "utf-16"})
+    check_source(cfg)
+    assert prepare_preferences(cfg, tmp_path / "out").manifest["rows_in"] == 20
+
+
+@pytest.mark.parametrize(
+    "pack", [lambda b: b, gzip.compress, bz2.compress, lzma.compress], ids=["plain", "gz", "bz2", "xz"]
+)
+def test_a_malformed_line_is_named_by_its_number(tmp_path, pack):
+    suffix = {b"\x1f\x8b": ".gz", b"BZ": ".bz2", b"\xfd7": ".xz"}.get(pack(b"x")[:2], "")
+    path = tmp_path / f"pairs.jsonl{suffix}"
+    lines = [json.dumps(r) for r in explicit_rows(30)]
+    lines[21] = lines[21].replace('"chosen":', '"chosen"')
+    path.write_bytes(pack("\n".join(lines).encode()))
+    with pytest.raises(DataError, match=rf"data.path: line 22 of {path} is not valid JSON \(Expecting ':' delimiter"):
+        check_source(DataConfig(source="local", path=str(path)))
+    # a file past preflight's size limit: datasets cannot load it, and the same read names the line
+    from rlhf.data.sources import open_local
+
+    with pytest.raises(DataError, match=rf"data.path: line 22 of {path} is not valid JSON"):
+        open_local(str(path), "train", str(tmp_path / "cache"))
+
+
+def test_a_download_cut_short_is_named(tmp_path):
+    path = tmp_path / "pairs.jsonl.gz"
+    data = gzip.compress("\n".join(json.dumps(r) for r in explicit_rows(2000)).encode())
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"could not be read to its end as a gzip-compressed file .* download it again"):
+        check_source(DataConfig(source="local", path=str(path)))
+
+
+def test_non_finite_scores_and_margins_are_counted_and_refused_past_max_drop_fraction(tmp_path):
+    rows = explicit_rows(20)
+    margins = [dict(r, margin=float("nan") if i < 5 else 1.0) for i, r in enumerate(rows)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in margins))  # Python's json writes NaN, as many exporters do
+    written = prepare_preferences(DataConfig(source="local", path=str(path)), tmp_path / "a")
+    assert written.manifest["dropped"]["not_finite"] == 5 and written.manifest["rows_in"] == 20
+    kept = pd.concat([pd.read_parquet(written.train), pd.read_parquet(written.eval)])
+    assert kept["margin"].notna().all() and len(kept) == 15
+    cfg = DataConfig(source="local", path=str(path), max_drop_fraction=0.2)
+    with pytest.raises(DataError) as err:
+        check_source(cfg)  # before anything is loaded: 5 of 20 rows already pass the limit
+    assert "data.path: 5 of 20 rows" in str(err.value) and "(the first: " in str(err.value)
+    assert f"{path} line 1 (column 'margin')" in str(err.value) and "data.max_drop_fraction (0.2)" in str(err.value)
+
+
+def test_scores_are_what_counts_when_a_row_has_both_scores_and_a_margin(tmp_path):
+    """The margin of a row with both scores is their difference (its margin column is not read): a NaN there is no
+    reason to drop the row, and preflight does not count it."""
+    rows = [dict(r, score_chosen=2.0, score_rejected=1.0, margin=float("nan")) for r in explicit_rows(20)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataConfig(source="local", path=str(path), max_drop_fraction=0.0)
+    check_source(cfg)
+    written = prepare_preferences(cfg, tmp_path / "out")
+    assert written.manifest["dropped"]["not_finite"] == 0
+
+
+def test_ranked_scores_that_are_not_finite_are_dropped(tmp_path):
+    from rlhf.data import formats
+
+    plan = formats.Plan("ranked", {"prompt": "prompt", "responses": "responses", "scores": "scores"})
+    batch = {"prompt": ["p", "q"], "responses": [["a", "b"], ["c", "d"]], "scores": [[1.0, float("inf")], [2.0, 1.0]]}
+    cands = formats.candidates(batch, [0, 1], plan, formats.ChatRenderer(None), formats.Markers("H:", "A:"))
+    assert [c.reason for c in cands] == ["not_finite", None] and cands[1].margin == 1.0
+
+
+def test_an_empty_file_is_refused_before_anything_is_loaded(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DataError, match=r"data.path: .*pairs.jsonl has no rows"):
+        check_source(DataConfig(source="local", path=str(path)))

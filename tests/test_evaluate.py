@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flows.pipeline import format_summary
+from flows.summary import format_summary
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
 from rlhf.data import synthetic
 from rlhf.eval.evaluate import evaluate_policies, summarize
@@ -167,7 +167,7 @@ def test_format_summary_shows_lengths_and_warnings():
 
 def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkeypatch):
     import flows.artifacts
-    from flows.pipeline import close_pipeline_run
+    from flows.pipeline_run import close_pipeline_run
     from rlhf.tracking.client import Tracker
     from tasks.tracking import TrackingContext
 

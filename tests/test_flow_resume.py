@@ -9,7 +9,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
 from rlhf.config import load_config
@@ -19,12 +18,6 @@ from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task
 # end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose tests
 # share a Prefect test harness and an uninterrupted reference run
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flow_resume")]
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def _config(tmp_path, *extra):
@@ -111,9 +104,9 @@ def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_pa
     experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
     (run,) = client.search_runs([experiment], "tags.stage = 'supervised_finetune'")
     assert run.info.status == "FINISHED" and run.data.params["sft.finetune"] == "True"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [0, 7]  # each step once
-    (plan,) = client.search_runs([experiment], "tags.stage = 'plan_ppo_models'")
-    assert plan.data.params["policy_init"] == summary["sft_checkpoint"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "sft/loss")] == [1, 8]  # each step once
+    (init,) = client.search_runs([experiment], "tags.stage = 'init_policy_models'")
+    assert init.data.params["policy_init"] == summary["sft_checkpoint"]
 
 
 def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monkeypatch):

@@ -181,3 +181,55 @@ def test_prefect_refuses_a_bad_combination_before_a_flow_run_exists():
         good = {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4, "ppo_batch_size": 32}
         created = httpx.post(f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": good}})
         assert created.status_code == 201, created.text
+
+
+# -- The sweep's short form ---------------------------------------------------------------------------------------
+
+
+def test_the_sweep_form_takes_its_base_as_the_run_form_and_a_shipped_space():
+    from flows.form import SweepRun, shipped_spaces, sweep_form_parameters
+
+    assert {"conf/sweeps/kl_coef.yaml", "conf/sweeps/ppo_optuna.yaml"} <= set(shipped_spaces())
+    schema = SweepRun.model_json_schema()
+    assert schema["properties"]["space_file"]["enum"] == list(shipped_spaces())
+    assert schema["$defs"]["PipelineRun"]["properties"]["config_file"]["enum"] == list(shipped_configs())
+    assert "PipelineConfig" not in schema["$defs"] and "SweepSpace" not in schema["$defs"]  # no typed config here
+    run = SweepRun.model_validate(
+        {
+            "base": {"config_file": "conf/smoke.yaml", "ppo_batch_size": 32, "overrides": ["seed=3"]},
+            "space_file": "conf/sweeps/kl_coef.yaml",
+            "space_overrides": ["max_concurrency=2", "parameters.ppo.kl_coef=[0.02, 0.2]", "parameters.ppo.lr=[0.001]"],
+        }
+    )
+    assert run.base.config() == load_config(REPO / "conf" / "smoke.yaml", ["seed=3", "ppo.batch_size=32"])
+    space = run.space()
+    assert (space.name, space.max_concurrency) == ("kl_coef", 2)
+    assert space.axes == {"ppo.kl_coef": [0.02, 0.2], "ppo.lr": [0.001]}  # a parameter replaced, one added
+    assert sweep_form_parameters("conf/smoke.yaml", "conf/sweeps/ppo_optuna.yaml") == {
+        "run": {
+            "base": form_parameters("conf/smoke.yaml")["run"],
+            "space_file": "conf/sweeps/ppo_optuna.yaml",
+            "space_path": "",
+            "space_overrides": [],
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("run", "message"),
+    [
+        ({"space_file": "conf/sweeps/nope.yaml"}, "Input should be"),
+        ({"space_overrides": ["parameters.ppo.kl_cof=[0.1]"]}, "parameters.ppo.kl_cof is not a config key"),
+        ({"space_overrides": ["trails=4"]}, "unknown key 'trails'"),
+        # a variant the config rejects: refused with the form, before anything runs
+        ({"space_overrides": ["parameters.ppo.num_mini_batches=[3]"]}, "ppo.num_mini_batches (3) must divide"),
+        ({"base": {"overrides": ["ppo.kl_cof=0.1"]}}, "unknown key 'ppo.kl_cof'"),
+        ({"space_path": "conf/sweeps/nope.yaml"}, "does not exist"),
+    ],
+)
+def test_a_bad_sweep_is_refused_by_the_forms_validation(run, message):
+    from flows.form import SweepRun
+
+    with pytest.raises(ValidationError) as err:
+        SweepRun.model_validate(run)
+    assert message in str(err.value)

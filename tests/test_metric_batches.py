@@ -80,7 +80,7 @@ def test_a_trainer_writes_the_held_steps_before_it_saves_a_resume_state(tmp_path
     runtime = RuntimeConfig(device="cpu", progress=False)
     with pytest.raises(TrainingInterrupted):  # stopped after 20 steps, as a crash would, its state saved
         bootstrap_sft(cfg, runtime, demos, pairs, tmp_path / "sft", 0, log, stop_after=20)
-    assert written == [0, 10]  # SFT logs every 10th step: step 10 was held until the state was saved
+    assert written == [1, 10, 20]  # SFT logs its first and every 10th step: 10 and 20 held until the state was saved
 
 
 # -- a writer thread of its own (background=True): the training loop only queues its steps --------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,12 @@ import pytest
 
 from rlhf.config import load_config
 from rlhf.tracking.client import Tracker
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
 
 BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp: Path, port: int) -> subprocess.Popen:
@@ -109,14 +102,6 @@ def test_tracker_round_trip_through_a_server(mlflow_server, tmp_path):
     # the artifact went through the server into its artifact store
     stored = list((server_tmp / "artifacts").rglob("note.txt"))
     assert [p.read_text() for p in stored] == ["hello"]
-
-
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.mark.xdist_group("mlflow_server")

@@ -60,3 +60,31 @@ def test_the_ppo_curves_are_copied_onto_the_pipeline_run(tmp_path):
     assert tracker.metric_history(parent, "objective/kl") == [(1, 0.1), (2, 0.2), (3, 0.30000000000000004)]
     assert [s for s, _ in tracker.metric_history(parent, "ppo_eval/score")] == [1, 2, 3]
     assert "value/loss" not in tracker.get_run(parent).data.metrics
+
+
+def test_a_runs_source_is_the_projects_entry_point(tmp_path, monkeypatch):
+    """MLflow's Source of a run (and a logged model's "Logged from"): the one its starter gives, else its parent's,
+    else what started the process as the project names it; never Prefect's engine.py."""
+    import sys
+
+    from rlhf.tracking import client
+    from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG, default_source, source_tags
+
+    repo = client._CHECKOUT
+    for argv, source in (
+        ([str(repo / "flows" / "pipeline.py"), "--config", "conf/smoke.yaml"], "flows/pipeline.py"),
+        ([str(repo / ".venv" / "bin" / "rlhf"), "--quiet", "run", "--config", "x"], "rlhf run"),
+        ([f"{sys.prefix}/lib/python3/site-packages/prefect/engine.py"], "rlhf"),
+        ([""], "rlhf"),
+    ):
+        monkeypatch.setattr(sys, "argv", argv)
+        assert default_source() == source, argv
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", str(tmp_path / "artifacts"))
+    parent = tracker.start_run("pipeline", tags=source_tags("flows/sweep.py"))
+    child = tracker.start_run("pipeline/ppo", parent)
+    alone = tracker.start_run("alone")
+    assert tracker.get_run(child).data.tags[SOURCE_NAME_TAG] == "flows/sweep.py"
+    assert tracker.get_run(child).data.tags[SOURCE_TYPE_TAG] == "LOCAL"
+    assert tracker.get_run(alone).data.tags[SOURCE_NAME_TAG] == "rlhf"  # argv is [""] here
+    assert tracker.source_of(child) == source_tags("flows/sweep.py")

@@ -268,7 +268,7 @@ def test_first_minibatch_ratio_is_exactly_one(stacks, data, family):
         m, batch.ids, batch.mask, batch.indices, data.prompts, cfg, settings, state.sample_generator, torch.float32
     )
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
-    assert torch.allclose(r.logprobs, r.ref_logprobs, atol=1e-5)
+    assert torch.allclose(r.scored.logprobs, r.scored.ref_logprobs, atol=1e-5)
     first = ppo_update.optimize(m, state, r, cfg, torch.float32).minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/approxkl"] < 1e-10

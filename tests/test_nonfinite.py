@@ -75,14 +75,14 @@ def test_reward_training_stops_or_skips_on_nan(tiny_checkpoints, data, tmp_path)
     cfg = RewardConfig(epochs=2, batch_size=4, lr=HUGE_LR, eval_every=100, save_every=1, warmup_ratio=0.0)
     args = (tiny_checkpoints["policy"], data["train"], data["eval"])
     logged: dict[int, dict] = {}
-    with pytest.raises(NonFiniteError, match=r"^reward model stopped at step \d+: train/(loss|grad_norm) is"):
+    with pytest.raises(NonFiniteError, match=r"^reward model stopped at step \d+: reward/train/(loss|grad_norm) is"):
         train_reward_model(cfg, _runtime("stop"), *args, tmp_path / "rm", 0, lambda m, s: logged.update({s: m}))
     assert any(not math.isfinite(v) for m in logged.values() for v in m.values())
     assert (tmp_path / "rm" / "state").is_dir()
     logged.clear()
     train_reward_model(cfg, _runtime("skip_update"), *args, tmp_path / "skip", 0, lambda m, s: logged.update({s: m}))
-    assert logged[max(logged)].get("train/skipped_nonfinite", 0) >= 1 or any(
-        m.get("train/skipped_nonfinite", 0) >= 1 for m in logged.values()
+    assert logged[max(logged)].get("reward/train/skipped_nonfinite", 0) >= 1 or any(
+        m.get("reward/train/skipped_nonfinite", 0) >= 1 for m in logged.values()
     )
 
 

@@ -15,14 +15,14 @@ CONTAINS_STOP = torch.tensor([True, False, True, False])
 def test_shape_scores_no_options_is_identity() -> None:
     out = shape_scores(SCORES, LENGTHS, CONTAINS_STOP)
     torch.testing.assert_close(out.scores, SCORES)
-    torch.testing.assert_close(out.missing_stop, torch.tensor([False, True, False, True]))
+    torch.testing.assert_close(out.missing_eos, torch.tensor([False, True, False, True]))
     torch.testing.assert_close(out.too_short, torch.tensor([False, False, False, False]))
 
 
 def test_shape_scores_clip_then_subtract() -> None:
     original = SCORES.clone()
     out = shape_scores(
-        SCORES, LENGTHS, CONTAINS_STOP, clip=2.0, missing_stop_penalty=1.0, min_length=4, min_length_penalty=0.5
+        SCORES, LENGTHS, CONTAINS_STOP, clip=2.0, missing_eos_penalty=1.0, min_length=4, min_length_penalty=0.5
     )
     # clip to [-2, 2]:            [2.0, -0.5, 1.0, -2.0]
     # no stop (rows 1, 3) -= 1.0: [2.0, -1.5, 1.0, -3.0]
@@ -43,8 +43,8 @@ def test_shape_scores_replace() -> None:
         LENGTHS,
         CONTAINS_STOP,
         clip=2.0,
-        missing_stop_penalty=-1.0,
-        missing_stop_mode="replace",
+        missing_eos_penalty=-1.0,
+        missing_eos_mode="replace",
         min_length=4,
         min_length_penalty=-2.0,
         min_length_mode="replace",
@@ -56,8 +56,8 @@ def test_shape_scores_replace() -> None:
 
 
 def test_shape_scores_unknown_mode() -> None:
-    with pytest.raises(ValueError, match="missing_stop_mode"):
-        shape_scores(SCORES, LENGTHS, CONTAINS_STOP, missing_stop_penalty=1.0, missing_stop_mode="add")
+    with pytest.raises(ValueError, match="missing_eos_mode"):
+        shape_scores(SCORES, LENGTHS, CONTAINS_STOP, missing_eos_penalty=1.0, missing_eos_mode="add")
     with pytest.raises(ValueError, match="min_length_mode"):
         shape_scores(SCORES, LENGTHS, CONTAINS_STOP, min_length_mode="multiply")
 
@@ -113,6 +113,7 @@ def test_compute_advantages_applies_the_eos_mode_to_the_min_length_penalty() -> 
     from rlhf.config import PPOConfig
     from rlhf.ppo.update import Rollout, compute_advantages
     from rlhf.rollout.generation import Responses
+    from rlhf.rollout.scoring import ScoredResponses
 
     cfg = PPOConfig(
         missing_eos_penalty=-1.0,
@@ -126,16 +127,8 @@ def test_compute_advantages_applies_the_eos_mode_to_the_min_length_penalty() -> 
         tokens=torch.zeros(3, 5, dtype=torch.long), mask=mask, contains_stop=torch.tensor([1, 1, 0]).bool()
     )
     zeros = torch.zeros(3, 5)
-    r = Rollout(
-        [0, 1, 2],
-        torch.zeros(3, 7, dtype=torch.long),
-        torch.ones(3, 7),
-        2,
-        resp,
-        zeros,
-        zeros,
-        zeros,
-        torch.tensor([2.0, 2.0, 2.0]),
-    )
+    query_responses, qr_mask, scores = torch.zeros(3, 7, dtype=torch.long), torch.ones(3, 7), torch.tensor([2.0] * 3)
+    scored = ScoredResponses(query_responses, qr_mask, 2, resp, zeros, zeros, zeros, scores)
+    r = Rollout([0, 1, 2], scored)
     compute_advantages(r, cfg, kl_coef=0.0)
     torch.testing.assert_close(r.shaped_scores, torch.tensor([2.0, -1.0, -1.0]))

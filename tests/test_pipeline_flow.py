@@ -8,18 +8,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.results import ResultStore
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import rlhf_pipeline
+from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary, plumbing_check
 from rlhf.config import load_config
-from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel
+from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
+from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.stage_table import STAGE_TASKS, STAGES
 from tests.conftest import REPO, flow_run_artifacts, task_states
-
-
-@pytest.fixture(scope="module")
-def harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
@@ -37,6 +33,10 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     summary = first.result()
     assert 0.0 <= summary["reward/eval_accuracy"] <= 1.0
     assert "eval/win_rate_gold" in summary and "eval/kl" in summary
+    # the smoke config's budget makes it a plumbing check, and the printed summary says so first
+    assert (summary[PPO_EPISODES], summary[SFT_STEPS]) == (cfg.ppo.total_episodes, cfg.sft.steps)
+    assert format_summary(summary).splitlines()[2].startswith("NOTE: a plumbing check, not learning: 64 PPO episodes")
+    assert plumbing_check(summary) and "NOTE" not in format_summary({**summary, PPO_EPISODES: 6400, SFT_STEPS: 400})
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -46,7 +46,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert len(parent) == 1
     # stage runs are named after their pipeline run, so chart legends tell runs apart
     short = {"prepare_preferences": "data", "supervised_finetune": "sft", "train_reward_model": "reward"}
-    short |= {"plan_ppo_models": "plan", "train_policy_ppo": "ppo", "evaluate_policies": "eval"}
+    short |= {"init_policy_models": "init", "train_policy_ppo": "ppo", "evaluate_policies": "eval"}
     for stage, run in children.items():
         assert run.info.run_name == f"{parent[0].info.run_name}/{short[stage]}", stage
     assert parent[0].data.tags["rlhf.cached"] == "false"
@@ -56,10 +56,14 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
         "prepare_preferences",
         "supervised_finetune",
         "train_reward_model",
-        "plan_ppo_models",
+        "init_policy_models",
         "train_policy_ppo",
         "evaluate_policies",
     }
+    # MLflow's source of every run (the run page's Source): the flow's file, not Prefect's engine.py
+    for run in [*parent, *children.values()]:
+        assert run.data.tags[SOURCE_NAME_TAG] == "flows/pipeline.py", run.info.run_name
+        assert run.data.tags[SOURCE_TYPE_TAG] == "LOCAL", run.info.run_name
 
     ppo = children["train_policy_ppo"]
     for key in (
@@ -74,7 +78,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     ):
         history = client.get_metric_history(ppo.info.run_id, key)
         assert [m.step for m in history] == [1, 2, 3, 4], key
-    rm_hist = client.get_metric_history(children["train_reward_model"].info.run_id, "eval/accuracy")
+    rm_hist = client.get_metric_history(children["train_reward_model"].info.run_id, "reward/eval/accuracy")
     assert rm_hist, "reward model logs held-out accuracy"
 
     def artifacts(run, path=""):
@@ -90,6 +94,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
 
     (model,) = client.search_logged_models([exp.experiment_id])
     assert model.source_run_id == ppo.info.run_id and model.name == "policy_model"
+    assert model.tags[SOURCE_NAME_TAG] == "flows/pipeline.py"  # the Models tab's "Logged from"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would, to resolve models:/ URIs
     generate = mlflow.transformers.load_model(f"models:/{model.model_id}")
     assert generate("Review of The Silent River:", max_new_tokens=3)[0]["generated_text"]
@@ -171,7 +176,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
         "prepare_preferences": PreparedData,
         "supervised_finetune": SFTModel,
         "train_reward_model": RewardModel,
-        "plan_ppo_models": PPOInit,
+        "init_policy_models": PolicyInit,
         "train_policy_ppo": PPOPolicy,
         "evaluate_policies": Evaluation,
     }
@@ -184,7 +189,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
         assert type(cached) is output_type and cached.mlflow_run_id == children[stage].info.run_id, stage
         assert {path.name for path in folder.parent.glob("*.lock")} == {f"{folder.name}.lock"}, stage
         assert children[stage].data.tags["output_dir"] == str(folder), stage
-        if stage != "plan_ppo_models":  # the plan's path is the SFT model's: the checkpoint PPO starts from
+        if stage != "init_policy_models":  # the init's path is the SFT model's: the checkpoint PPO starts from
             assert Path(cached.path).resolve().is_relative_to(folder), stage
         if stage == "train_policy_ppo":
             assert Path(cached.value_path).resolve().is_relative_to(folder / "final")
@@ -217,3 +222,38 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
     assert client.get_run(third.result()["mlflow_run_id"]).data.tags["rlhf.cached"] == "partial"
     assert third.result()["registered_policy"] == "models:/rlhf-policy/2"
+
+
+def test_the_stage_table_names_the_flows_tasks_in_order():
+    """tasks/stage_table.py is the one list of stages: the Prefect tasks' names, in the order the flow runs them,
+    each with its own MLflow run suffix."""
+    import inspect
+    import re
+
+    from prefect import Task
+
+    import flows.pipeline
+    import tasks.stages
+
+    names = {t.name for t in vars(tasks.stages).values() if isinstance(t, Task)}
+    assert set(STAGE_TASKS) == names
+    called = re.findall(r"run_stage\(\s*(\w+),", inspect.getsource(flows.pipeline))  # in the flow's order
+    assert tuple(called) == STAGE_TASKS
+    assert len({stage.short for stage in STAGES}) == len(STAGES)
+    assert [stage.short for stage in STAGES] == ["data", "sft", "reward", "init", "ppo", "eval"]
+
+
+@pytest.mark.parametrize(
+    ("budget", "says"),
+    [
+        ({PPO_EPISODES: 6400, SFT_STEPS: 400}, None),  # conf/default.yaml
+        ({PPO_EPISODES: 6400}, None),  # a pretrained SFT model: its steps do not count
+        ({PPO_EPISODES: 64, SFT_STEPS: 30}, "64 PPO episodes (under 1024) and 30 SFT steps of a policy trained"),
+        ({PPO_EPISODES: 64}, "a plumbing check, not learning: 64 PPO episodes (under 1024) are too few"),
+        ({PPO_EPISODES: 6400, SFT_STEPS: 30}, "30 SFT steps of a policy trained from scratch (under 100)"),
+        ({}, None),  # a summary from before the budget was in it
+    ],
+)
+def test_a_tiny_budget_is_called_a_plumbing_check(budget, says):
+    note = plumbing_check(budget)
+    assert note is None if says is None else says in note

@@ -127,10 +127,10 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     updated weights equal those of the same update over the rollout's full width."""
     cfg = _cfg(max_new_tokens=16)
     m, state, r = _rollout(stack, cfg)
-    lengths = r.resp.mask.sum(1)
-    assert lengths.min() < lengths.max() and bool((r.qr_mask[:, 0] == 0).any())  # ragged: something to trim
+    lengths = r.scored.resp.mask.sum(1)
+    assert lengths.min() < lengths.max() and bool((r.scored.qr_mask[:, 0] == 0).any())  # ragged: something to trim
     trimmed = [ppo_update.micro_batch(r, torch.arange(i, i + 8)) for i in (0, 8)]
-    assert any(mb.query_responses.shape[1] < r.query_responses.shape[1] for mb in trimmed)
+    assert any(mb.query_responses.shape[1] < r.scored.query_responses.shape[1] for mb in trimmed)
     weights = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
     optim_states = copy.deepcopy((state.policy_opt.state_dict(), state.value_opt.state_dict()))
     shuffle = state.shuffle_generator.get_state()
@@ -139,9 +139,10 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     after = copy.deepcopy(after)
 
     def full_width(rollout, rows):
+        scored = rollout.scored
         return ppo_update.MicroBatch(
-            rollout.query_responses[rows], rollout.qr_mask[rows], rollout.prompt_len, rollout.mask[rows],
-            rollout.logprobs[rows], rollout.loss_advantages[rows], rollout.values[rows], rollout.returns[rows],
+            scored.query_responses[rows], scored.qr_mask[rows], scored.prompt_len, rollout.mask[rows],
+            scored.logprobs[rows], rollout.loss_advantages[rows], scored.values[rows], rollout.returns[rows],
         )  # fmt: skip
 
     m.policy.load_state_dict(weights["policy"])
@@ -158,12 +159,12 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
             torch.testing.assert_close(after[name][key], value, atol=1e-5, rtol=1e-4)
 
 
-def test_two_single_threaded_streams_give_the_update_of_one_stream(stack, monkeypatch):
+def test_a_second_thread_gives_the_update_of_one_thread(stack, monkeypatch):
     """With two torch threads on the CPU, the optimisation runs the policy side and the value side of each
-    micro-batch at once as two single-threaded streams (update.two_streams); the statistics and the updated weights
-    are those of the same update on one thread, one side after the other, bit for bit. Checked explicitly because
-    `make test`'s pytest-xdist workers give torch one thread (tests/conftest.py): the other tests take the one-stream
-    path there."""
+    micro-batch at once in two threads, each op single-threaded (update.use_second_thread); the statistics and the
+    updated weights are those of the same update on one thread, one side after the other, bit for bit. Checked
+    explicitly because `make test`'s pytest-xdist workers give torch one thread (tests/conftest.py): the other tests
+    take the one-thread path there."""
     cfg = _cfg()
     m, state, r = _rollout(stack, cfg)
     weights = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
@@ -187,7 +188,7 @@ def test_two_single_threaded_streams_give_the_update_of_one_stream(stack, monkey
         value_threads.clear()
         torch.set_num_threads(threads)  # the autouse fixture of tests/conftest.py restores the worker's count
         result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
-        assert torch.get_num_threads() == threads  # two_streams gives the threads back
+        assert torch.get_num_threads() == threads  # torch_threads gives the threads back
         updated = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
         results[threads] = (result, updated, set(value_threads))
     (one, one_weights, one_threads), (two, two_weights, two_threads) = results[1], results[2]
@@ -206,7 +207,7 @@ def test_two_single_threaded_streams_give_the_update_of_one_stream(stack, monkey
 def test_rollout_kl_is_zero_before_training_and_rewards_sum(stack):
     cfg = _cfg()
     _, _, r = _rollout(stack, cfg)
-    assert torch.allclose(r.logprobs, r.ref_logprobs, atol=1e-6)  # policy == reference at the start
+    assert torch.allclose(r.scored.logprobs, r.scored.ref_logprobs, atol=1e-6)  # policy == reference at the start
     # per-token rewards: KL part ~0, so their sum is the shaped score
     assert torch.allclose(r.non_score_rewards.sum(1), torch.zeros(len(r.indices)), atol=1e-5)
 
@@ -432,3 +433,125 @@ def test_negated_advantages_make_the_gold_reward_fall(stack, tmp_path, monkeypat
     broken = gold_curve(tmp_path / "broken")
     assert working[6] > working[1] + 0.1, (working, broken)
     assert broken[6] < working[6] - 0.3, (working, broken)
+
+
+def test_train_policy_is_one_entry_point_for_one_process_and_several(tmp_path, monkeypatch):
+    """rlhf.ppo.launch.train_policy: one process trains in place (train_ppo, with the prepared folder's prompts,
+    gold scorer and held-out prompts); several run under torchrun (run_data_parallel, with the folder's files)."""
+    from rlhf.ppo import launch
+    from rlhf.ppo.trainer import PPOResult
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pd.DataFrame({"prompt": ["p1", "p2"]}).to_parquet(data / "prompts.parquet")
+    pd.DataFrame({"prompt": ["e1", "e1", "e2", "e3"]}).to_parquet(data / "eval.parquet")
+    (data / "manifest.json").write_text(f'{{"gold_reward": "{synthetic.GOLD_REWARD_NAME}"}}')
+    calls: dict[str, tuple] = {}
+
+    def fake(name):
+        def run(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return PPOResult("policy", "value", "digest", 1)
+
+        return run
+
+    monkeypatch.setattr(launch, "train_ppo", fake("one"))
+    monkeypatch.setattr(launch, "run_data_parallel", fake("several"))
+    cfg = _cfg(eval_every=1, eval_prompts=2)
+    log, on_eval = (lambda m, s: None), (lambda s, m: None)
+    args = (cfg, RUNTIME, 0, "sft", "rm", data, tmp_path / "out")
+    assert launch.train_policy(*args, log=log, on_eval=on_eval).policy_path == "policy"
+    (_, _, policy, reward, prompts, out, seed, got_log), kw = calls.pop("one")
+    assert (policy, reward, prompts, out, seed, got_log) == ("sft", "rm", ["p1", "p2"], tmp_path / "out", 0, log)
+    assert kw["value_path"] == "rm" and kw["gold_fn"] is synthetic.gold_reward and kw["on_eval"] is on_eval
+    assert kw["eval_prompts"] == ["e1", "e2"]  # the first ppo.eval_prompts distinct held-out prompts
+    launch.train_policy(*args, value_path="value", processes=2, tracking_uri="sqlite:///m.db", run_id="r", echo=print)
+    (processes, *_, value, prompts_file, out), kw = calls.pop("several")
+    assert (processes, value, prompts_file, out) == (2, "value", data / "prompts.parquet", tmp_path / "out")
+    assert kw["data_manifest"] == data / "manifest.json" and kw["eval_file"] == data / "eval.parquet"
+    assert (kw["tracking_uri"], kw["run_id"], kw["echo"]) == ("sqlite:///m.db", "r", print) and not calls
+
+
+def test_best_checkpoint_keeps_the_first_best_and_resumes_from_its_files(tmp_path):
+    """The reward trainer's best checkpoint: the earliest of equal held-out accuracies, saved with the resume state
+    and read back from it."""
+    from safetensors.torch import save_file
+
+    from rlhf.train.reward import BEST_FILE, BestCheckpoint
+
+    model = torch.nn.Linear(2, 1)
+    best = BestCheckpoint(tmp_path, torch.device("cpu"))
+    assert best.tensor_files() is None
+    best.update(model, 0.5, 2)
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    best.update(model, 0.5, 4)  # not better: the step-2 weights stay
+    best.update(model, 0.25, 6)
+    assert (best.accuracy, best.step) == (0.5, 2) and best.fields() == {"best_acc": 0.5, "best_step": 2}
+    save_file(best.tensor_files()[BEST_FILE], tmp_path / BEST_FILE)
+    resumed = BestCheckpoint(tmp_path, torch.device("cpu"))
+    resumed.resume(best.fields())
+    resumed.load_into(model)
+    assert resumed.step == 2 and all(torch.equal(model.state_dict()[k], v) for k, v in first.items())
+
+
+CRITIC_FREE = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def test_a_batch_holds_whole_groups_of_one_prompt():
+    ids = [[i + 10] for i in range(7)]
+    batch = prompt_batch(ids, 0, 8, 0, 0, samples_per_prompt=4)  # 8 episodes: 2 prompts, 4 samples each
+    assert batch.indices[:4] == [batch.indices[0]] * 4 and batch.indices[4:] == [batch.indices[4]] * 4
+    assert batch.indices[0] != batch.indices[4]
+    # the prompt stream is the same as with one sample a prompt: the G-sample batch takes its first prompts
+    assert batch.indices[::4] == prompt_batch(ids, 0, 2, 0, 0).indices
+    # two processes: each takes one whole group
+    rank1 = prompt_batch(ids, 0, 8, 0, 0, rank=1, world_size=2, samples_per_prompt=4)
+    assert rank1.indices == batch.indices[4:]
+
+
+@pytest.mark.parametrize("estimator", CRITIC_FREE)
+def test_critic_free_estimators_load_train_and_save_no_value_model(stack, tmp_path, estimator):
+    cfg = _cfg(advantage_estimator=estimator, samples_per_prompt=4)
+    m, state, r = _rollout(stack, cfg)
+    assert m.value is None and state.value_opt is None and state.value_params == []
+    assert r.scored.values is None and r.returns is None
+    # the advantages of a group: the group's scores against their baseline, every token of a response the same
+    scores = r.shaped_scores.view(-1, 4)
+    if estimator in ("grpo", "dr_grpo", "rloo"):
+        first_token = r.advantages[:, 0].view(-1, 4)
+        centred = scores - scores.mean(1, keepdim=True)
+        expected = {
+            "grpo": centred / (scores.std(1, keepdim=True) + 1e-6),
+            "dr_grpo": centred,
+            "rloo": centred * 4 / 3,  # s - mean(others) = G / (G - 1) * (s - mean)
+        }[estimator]
+        torch.testing.assert_close(first_token, expected, atol=1e-4, rtol=1e-4)
+    else:  # whitened returns: mean 0 over the real tokens
+        assert abs(float((r.advantages * r.mask).sum() / r.mask.sum())) < 1e-4
+    assert r.group_stats["group/zero_std_fraction"] >= 0.0
+    logged: dict[int, dict[str, float]] = {}
+    result = _train(stack, cfg, tmp_path / estimator, lambda metrics, step: logged.__setitem__(step, metrics))
+    last = logged[max(logged)]
+    assert not [k for k in last if k.startswith(("value/", "returns/"))]  # absent, not zeros
+    assert {"group/reward_std", "group/zero_std_fraction", "policy/loss", "objective/kl"} <= set(last)
+    assert ("policy/kl_loss" in last) == (estimator in ("grpo", "dr_grpo"))  # the papers' KL placement
+    assert all(math.isfinite(v) for v in last.values())
+    assert result.value_path == "" and not (tmp_path / estimator / "final" / "value").exists()
+    assert (tmp_path / estimator / "final" / "policy" / "config.json").is_file()
+
+
+def test_a_critic_free_run_resumes_as_if_never_stopped(stack, tmp_path):
+    cfg = _cfg(advantage_estimator="grpo", samples_per_prompt=4, save_every=2)
+    full, resumed = {}, {}
+    _train(stack, cfg, tmp_path / "full", lambda m, s: full.__setitem__(s, m))
+    with pytest.raises(TrainingInterrupted):
+        _train(stack, cfg, tmp_path / "resumed", lambda m, s: resumed.__setitem__(s, m), stop_after=2)
+    assert not (tmp_path / "resumed" / "state" / "value.safetensors").exists()
+    _train(stack, cfg, tmp_path / "resumed", lambda m, s: resumed.__setitem__(s, m))
+    assert sorted(resumed) == sorted(full) == [1, 2, 3, 4]
+    for step in full:
+        for key, value in full[step].items():
+            if not key.startswith(NOT_DETERMINISTIC):
+                assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)

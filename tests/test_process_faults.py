@@ -21,7 +21,7 @@ STAGES = (
     "prepare_preferences",
     "supervised_finetune",
     "train_reward_model",
-    "plan_ppo_models",
+    "init_policy_models",
     "train_policy_ppo",
     "evaluate_policies",
 )
@@ -30,14 +30,16 @@ pytestmark = pytest.mark.xdist_group("process_faults")
 RESULT_METRICS = ("eval/win_rate_gold", "eval/win_rate_rm", "eval/kl", "eval/ppo_gold", "reward/eval_accuracy")
 
 
-def start(root: Path, prefect_home: Path | None = None, name: str = "run") -> tuple[subprocess.Popen, Path]:
+def start(
+    root: Path, prefect_home: Path | None = None, name: str = "run", extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, Path]:
     """`python -m flows.pipeline --config conf/smoke.yaml` on the store and output folder under `root`, saving every
     step, in a session of its own (its process group holds its temporary Prefect server too); output to a file."""
     env = {**os.environ, "PREFECT_HOME": str(prefect_home or root / "prefect"), "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml"]
     args += [f"tracking.uri=sqlite:///{root}/mlflow.db", f"tracking.artifact_location={root}/artifacts"]
     args += [f"runtime.output_dir={root}/out"]
-    args += ["ppo.save_every=1", "reward.save_every=1"]
+    args += ["ppo.save_every=1", "reward.save_every=1", *extra]
     log = root / f"{name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -57,14 +59,15 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
     return output
 
 
-def kill_when(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
-    """SIGKILL the run's whole process group as soon as `ready()` holds."""
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 240, stop: bool = True) -> None:
+    """SIGKILL the run's whole process group as soon as `ready()` holds (with `stop` false: only wait for it)."""
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None, "the run ended before it could be killed"
         assert time.monotonic() < deadline, "the moment to kill never came"
         time.sleep(0.02)
-    kill(proc)
+    if stop:
+        kill(proc)
 
 
 def kill(proc: subprocess.Popen) -> None:
@@ -227,3 +230,43 @@ def result_of_both(root: Path) -> dict:
     assert figures[0] == figures[1]
     (manifest,) = (root / "out" / "train_policy_ppo").glob("*/final/manifest.json")
     return {**figures[0], "digest": json.loads(manifest.read_text())["digest"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "code"),
+    [("ctrl-c", 130), ("sigterm", 143)],
+    ids=["ctrl-c-to-the-terminal-group", "sigterm-to-the-process"],
+)
+def test_a_run_asked_to_stop_stops_within_seconds_keeps_its_state_and_leaves_nothing(tmp_path, how, code):
+    """Ctrl-C (SIGINT to the terminal's whole foreground process group, the temporary Prefect server included) or
+    SIGTERM (to the pipeline process alone, as a service manager sends it) while SFT trains: the run stops within
+    seconds with exit code 130 or 143 and one line, keeps the SFT state it saved, ends its MLflow runs KILLED, and no
+    process it started (the temporary Prefect server) outlives it."""
+    import psutil
+
+    proc, log = start(tmp_path, name=how, extra=("sft.steps=3000", "sft.save_every=5"))  # stopped in the middle
+    kill_when(proc, lambda: saved_state(tmp_path, "supervised_finetune"), stop=False)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert children, "the temporary Prefect server runs beside the pipeline"
+    asked = time.monotonic()
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        pytest.fail(f"{how}: still running 60 s after it was asked to stop:\n{log.read_text()[-4000:]}")
+    took = time.monotonic() - asked
+    output = log.read_text()
+    assert proc.returncode == code, output
+    assert took < 30, f"{how}: {took:.0f} s to stop"
+    assert "Traceback" not in output, output
+    assert "the last saved training state are kept and the MLflow runs ended KILLED" in output, output
+    psutil.wait_procs(children, timeout=10)
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    assert saved_state(tmp_path, "supervised_finetune"), "the SFT state is kept"
+    statuses = {r.data.tags.get("stage", "pipeline"): r.info.status for r in runs(tmp_path)}
+    assert statuses == {"prepare_preferences": "FINISHED", "supervised_finetune": "KILLED", "pipeline": "KILLED"}

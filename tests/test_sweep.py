@@ -167,14 +167,6 @@ def test_ranking_prefers_gold_reward_and_puts_failures_last():
 # -- The sweep flow on a real (tiny) pipeline --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
 def _subflow_task_states(parent_flow_run_id, run_counts: bool = False) -> dict[str, dict[str, str]]:
     """{subflow run name: {task name: state name (or with `run_counts`, how often it ran)}} of a sweep's variants."""
     return {
@@ -261,12 +253,23 @@ def child_stage_runs(client: MlflowClient, parent_run_id: str, stage: str):
 @pytest.mark.xdist_group("sweep")
 def test_a_failed_variant_is_ranked_last_with_its_error_and_the_others_complete(harness, sweep_dir):
     """A stop token that is several tokens for the policy's tokenizer: known only once the tokenizer is loaded, so
-    the variant fails at PPO (once: a config error is not retried); the sweep goes on and reports it."""
-    from flows.sweep import rlhf_sweep
+    the variant fails at PPO (once: a config error is not retried); the sweep goes on and reports it. Started from
+    the sweep's short form (a shipped config with overrides, a space file with an override), as the UI does."""
+    from flows.form import PipelineRun, SweepRun, rlhf_sweep_run
 
     uri, base = tiny_base(sweep_dir, "ppo.kl_coef=0.02")  # f-00 is t-00 of the sweep above: cached if it ran
-    s = parse_space({"name": "f", "parameters": {"ppo.stop_tokens": [[], ["not one token at all"]]}})
-    state = rlhf_sweep(base, s, return_state=True)
+    where = [f"tracking.uri={uri}", f"tracking.artifact_location={sweep_dir}/art", f"runtime.output_dir={sweep_dir}"]
+    sizes = {"ppo_total_episodes": 32, "ppo_batch_size": 16}  # TINY's, in the form's typed fields
+    form_base = PipelineRun(config_file="conf/smoke.yaml", **sizes, overrides=[*TINY[2:], *where, "ppo.kl_coef=0.02"])
+    assert form_base.config() == base
+    space_file = sweep_dir / "f.yaml"
+    space_file.write_text("name: f\nparameters:\n  ppo.stop_tokens: [[]]\n")
+    run = SweepRun(
+        base=form_base,
+        space_path=str(space_file),
+        space_overrides=["parameters.ppo.stop_tokens=[[], ['not one token at all']]"],
+    )
+    state = rlhf_sweep_run(run, return_state=True)
     table = state.result()["ranking"]
 
     assert [(row["variant"], row["status"]) for row in table] == [("f-00", "completed"), ("f-01", "failed")]

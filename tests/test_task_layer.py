@@ -11,7 +11,7 @@ import pytest
 from rlhf.config import load_config
 from rlhf.data.lengths import LengthLimits
 from tasks import caching
-from tasks.outputs import Evaluation, PPOInit, PPOPolicy, PreparedData, RewardModel, SFTModel, StageOutput
+from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel, StageOutput
 from tasks.tracking import TrackingContext
 from tests.conftest import REPO
 
@@ -65,8 +65,8 @@ def test_current_stage_dir_needs_a_task_run():
         PreparedData(stage="prepare_preferences", path="/d", digest="1", manifest={"rows": {"train": 3}}),
         SFTModel(stage="supervised_finetune", path="/s", digest="2", metrics={"sft/loss": 1.5}, trained=True),
         RewardModel(stage="train_reward_model", path="/r", digest="3"),
-        PPOInit(
-            stage="plan_ppo_models",
+        PolicyInit(
+            stage="init_policy_models",
             path="/s",
             digest="2:3",
             policy_init="/s",

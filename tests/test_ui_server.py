@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,10 +22,10 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from flows.form import PipelineRun, form_parameters
+from flows.form import PipelineRun, SweepRun, form_parameters, sweep_form_parameters
 from rlhf.config import PipelineConfig, load_config
-from rlhf.sweeps.space import SweepSpace, load_space
-from tests.conftest import REPO
+from rlhf.sweeps.space import load_space
+from tests.conftest import REPO, free_port
 
 # end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose
 # tests share one Prefect server
@@ -35,12 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui_server")]
 BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 MLFLOW_UI_URL = "http://127.0.0.1:5999"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -152,7 +145,8 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     try:
         deployment = wait_until(
             lambda: (
-                (r := request("GET", f"{api}/deployments/name/rlhf-pipeline/smoke")).status_code == 200 and r.json()
+                (r := request("GET", f"{api}/deployments/name/rlhf-pipeline/full-config")).status_code == 200
+                and r.json()
             ),
             120,
             "the pipeline deployment",
@@ -163,36 +157,47 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         assert deployment["parameters"]["config"] == load_config(REPO / "conf" / "smoke.yaml").model_dump(mode="json")
         definitions = deployment["parameter_openapi_schema"]["definitions"]
         assert definitions["PPOConfig"]["properties"]["kl_coef"]["description"]
-        sweep = wait_until(  # serve registers the deployments one after the other
-            lambda: (r := request("GET", f"{api}/deployments/name/rlhf-sweep/kl_coef")).status_code == 200 and r.json(),
+        sweep_form = wait_until(  # serve registers the deployments one after the other
+            lambda: (
+                (r := request("GET", f"{api}/deployments/name/rlhf-sweep-run/quick-form")).status_code == 200
+                and r.json()
+            ),
             60,
-            "the sweep deployment",
+            "the sweep form deployment",
             serve,
             log,
         )
-        assert [s["schedule"]["cron"] for s in sweep["schedules"]] == ["0 2 * * *"]
+        assert [s["schedule"]["cron"] for s in sweep_form["schedules"]] == ["0 2 * * *"]
+        # the sweep's short form: its base as the run form takes it, a drop-down of conf/sweeps/, space overrides
+        assert sweep_form["parameters"] == sweep_form_parameters("conf/smoke.yaml", "conf/sweeps/kl_coef.yaml")
+        definitions = sweep_form["parameter_openapi_schema"]["definitions"]
+        assert set(definitions["SweepRun"]["properties"]) == {"base", "space_file", "space_path", "space_overrides"}
+        assert "conf/sweeps/ppo_optuna.yaml" in definitions["SweepRun"]["properties"]["space_file"]["enum"]
+        assert "conf/smoke.yaml" in definitions["PipelineRun"]["properties"]["config_file"]["enum"]
+        sweep = wait_until(
+            lambda: (
+                (r := request("GET", f"{api}/deployments/name/rlhf-sweep/full-config")).status_code == 200 and r.json()
+            ),
+            60,
+            "the full-config sweep deployment",
+            serve,
+            log,
+        )
+        assert sweep["schedules"] == []
         # the search space as typed fields: a row per parameter (values, or a range), trials, concurrency
         (row,) = sweep["parameters"]["space"]["parameters"]
         assert (row["key"], row["values"], row["low"]) == ("ppo.kl_coef", [0.01, 0.05, 0.2], None)
         space_schema = sweep["parameter_openapi_schema"]["definitions"]
         assert set(space_schema["SearchParameter"]["properties"]) == {"key", "values", "low", "high", "log", "integer"}
         assert {"method", "trials", "max_concurrency", "optuna"} <= set(space_schema["SweepSpace"]["properties"])
-        optuna_sweep = wait_until(  # every example space of conf/sweeps/ is a sweep deployment
-            lambda: (
-                (r := request("GET", f"{api}/deployments/name/rlhf-sweep/ppo_optuna")).status_code == 200 and r.json()
-            ),
-            60,
-            "the Optuna sweep deployment",
-            serve,
-            log,
-        )
-        assert optuna_sweep["parameters"]["space"]["method"] == "optuna"
         limit = request("GET", f"{api}/concurrency_limits/tag/gpu").json()
         assert limit["concurrency_limit"] == 1
 
         # the short form: a drop-down of the shipped configs (this one preselected) and a list of overrides
         form = wait_until(
-            lambda: (r := request("GET", f"{api}/deployments/name/rlhf-run/smoke")).status_code == 200 and r.json(),
+            lambda: (
+                (r := request("GET", f"{api}/deployments/name/rlhf-run/quick-form")).status_code == 200 and r.json()
+            ),
             60,
             "the form deployment",
             serve,
@@ -255,7 +260,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     progress = {a["description"].split(":")[0]: a for a in artifacts if a["type"] == "progress"}
     assert set(progress) == {"RLHF pipeline", "sft", "reward", "ppo"}  # the stages, and each trainer's steps
     assert all(a["data"] == 100.0 for a in progress.values())
-    assert "evaluate_policies done (6/6)" in progress["RLHF pipeline"]["description"]
+    assert progress["RLHF pipeline"]["description"] == "RLHF pipeline: evaluation done (6/6), finished"
     assert progress["ppo"]["description"].startswith("ppo: step 2 of 2; score ")
     assert "KL " in progress["ppo"]["description"]
     by_key = {a["key"]: a for a in artifacts if a["key"]}
@@ -284,10 +289,12 @@ def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(p
         timeout=180,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    nightly = request("GET", f"{api}/deployments/name/rlhf-sweep/nightly").json()
+    nightly = request("GET", f"{api}/deployments/name/rlhf-sweep-run/nightly").json()
     assert nightly["work_pool_name"] == "rlhf-local"
     assert [(s["schedule"]["cron"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", True)]
-    pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/default").json()
+    for name, entrypoint in (("rlhf-sweep-run/quick-form", "rlhf_sweep_run"), ("rlhf-run/quick-form", "rlhf_run")):
+        assert request("GET", f"{api}/deployments/name/{name}").json()["entrypoint"] == f"flows/form.py:{entrypoint}"
+    pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/full-config").json()
     assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
 
     # a process worker picks the run up and executes it in the checkout (the deployment's working folder)
@@ -310,11 +317,19 @@ def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(p
 
 def test_prefect_yaml_parameters_match_the_conf_files():
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    deployments = {d["name"]: d for d in spec["deployments"] if not d["entrypoint"].startswith("flows/form.py")}
+    flows = {"flows/form.py:rlhf_run": "rlhf-run", "flows/pipeline.py:rlhf_pipeline": "rlhf-pipeline"}
+    flows |= {"flows/form.py:rlhf_sweep_run": "rlhf-sweep-run"}
+    deployments = {f"{flows[d['entrypoint']]}/{d['name']}": d for d in spec["deployments"]}
+    assert set(deployments) == {
+        "rlhf-run/quick-form",
+        "rlhf-pipeline/full-config",
+        "rlhf-sweep-run/quick-form",
+        "rlhf-sweep-run/nightly",
+    }
     default = load_config(REPO / "conf" / "default.yaml")
-    assert PipelineConfig.model_validate(deployments["default"]["parameters"]["config"]) == default
-    (form,) = [d for d in spec["deployments"] if d["entrypoint"] == "flows/form.py:rlhf_run"]
-    assert PipelineRun.model_validate(form["parameters"]["run"]).config() == default
-    assert PipelineConfig.model_validate(deployments["nightly"]["parameters"]["base"]) == default
+    assert PipelineConfig.model_validate(deployments["rlhf-pipeline/full-config"]["parameters"]["config"]) == default
+    assert PipelineRun.model_validate(deployments["rlhf-run/quick-form"]["parameters"]["run"]).config() == default
     space = load_space(REPO / "conf" / "sweeps" / "kl_coef.yaml")
-    assert SweepSpace.model_validate(deployments["nightly"]["parameters"]["space"]) == space
+    for name in ("rlhf-sweep-run/quick-form", "rlhf-sweep-run/nightly"):
+        sweep = SweepRun.model_validate(deployments[name]["parameters"]["run"])
+        assert (sweep.base.config(), sweep.space()) == (default, space), name

@@ -1,12 +1,14 @@
 """`make ui-check`: the Prefect and MLflow UIs checked in a real (headless) browser.
 
 Starts `make ui` (conf/smoke.yaml as the forms' default, free ports, its own Prefect home and MLflow store under
-outputs/ui-check/), opens the short run form of ``rlhf-run/smoke`` in headless Chromium, starts a small run with the
-form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
+outputs/ui-check/), opens the short run form of ``rlhf-run/quick-form`` in headless Chromium, starts a small run with
+the form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
 
     01-prefect-form.png        the deployment's run form (config drop-down, PPO batch fields, overrides)
     01b-prefect-form-refused.png  the form after Submit with ppo.num_mini_batches 3 (smoke's batch_size is 16): the
                                schema's error on the field, and no flow run created (checked through the API)
+    01c-prefect-sweep-form.png the sweep's short form (``rlhf-sweep-run/quick-form``): the base as the run form takes
+                               it, a drop-down of conf/sweeps/, overrides of the space; its page height is printed
     02-prefect-run.png         the finished flow run (task graph and states)
     03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
     04-mlflow-experiment.png   the experiment in the project's saved view (columns: win rates, KL, RM accuracy, key
@@ -162,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_for(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, 180, "the Prefect server")
         deployment = wait_for(
             lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-run/smoke", timeout=10)).status_code == 200 and r.json()
+                (r := httpx.get(f"{api}/deployments/name/rlhf-run/quick-form", timeout=10)).status_code == 200
+                and r.json()
             ),
             180,
-            "the rlhf-run/smoke deployment",
+            "the rlhf-run/quick-form deployment",
         )
         driver = browser()
         ui_url = f"http://127.0.0.1:{prefect_port}"
@@ -174,6 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         if not refused_in_form(driver, api, deployment["id"], out / "01b-prefect-form-refused.png"):
             print("ui-check: the form did not show the batch rule's error", flush=True)
             return 1
+        sweep_form = wait_for(  # serve registers the deployments one after the other
+            lambda: (
+                (r := httpx.get(f"{api}/deployments/name/rlhf-sweep-run/quick-form", timeout=10)).status_code == 200
+                and r.json()
+            ),
+            60,
+            "the rlhf-sweep-run/quick-form deployment",
+        )
+        shoot(driver, f"{ui_url}/deployments/deployment/{sweep_form['id']}/run", out / "01c-prefect-sweep-form.png")
+        height = driver.execute_script("return document.documentElement.scrollHeight")
+        print(f"ui-check: the sweep form's page is {height} pixels high", flush=True)
 
         # the run the form's Run button makes: the shipped smoke config and two overrides
         run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}

@@ -21,6 +21,7 @@ from rlhf.config.pipeline import (
 from rlhf.config.sections import DATA_COLUMN_ROLES, DataConfig, RuntimeConfig, SyntheticTaskConfig, TrackingConfig
 from rlhf.config.stages import (
     BootstrapModelConfig,
+    DPOConfig,
     EvalConfig,
     LoraConfig,
     PPOConfig,
@@ -35,6 +36,7 @@ __all__ = [
     "BootstrapModelConfig",
     "ConfigError",
     "DataConfig",
+    "DPOConfig",
     "EvalConfig",
     "LoraConfig",
     "PPOConfig",

@@ -15,9 +15,11 @@ _UNION_BRANCHES = ("list[any]", "Range")
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors, and assignments are validated too."""
+    """A config section: unknown keys are errors, assignments are validated too, and a float is a finite number
+    (``inf``, ``.inf``, ``nan`` or ``1e999`` for a learning rate, a coefficient or a clip range is refused here,
+    before anything trains, instead of a loss that is NaN from the first step)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:
@@ -32,6 +34,8 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         msg = f"{source}: unknown key '{key}'"
     elif kind == "value_error":
         msg = f"{source}: {str(first['msg']).removeprefix('Value error, ')}"
+    elif kind == "finite_number":
+        msg = f"{source}: {key} is {first.get('input')}, not a finite number; give it a finite value"
     else:
         got = first.get("input")
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -49,4 +53,7 @@ def read_yaml(path: str | Path, kind: str) -> Any:
     try:
         return yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).strip().splitlines()[0]
+        raise ConfigError(f"{path} is not valid YAML: {problem}{where}") from None

@@ -1,4 +1,5 @@
-"""The README's config reference, generated from the config models (``make docs``; a test keeps it current)."""
+"""The config reference page, docs/config.md, generated from the config models (``make docs``; a test keeps it
+current)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ from pydantic import BaseModel
 
 from rlhf.config.pipeline import PipelineConfig, flatten, load_config
 
-# The config `make run` uses (the README's "embedded default"): its values are shown where they differ from the
-# model's defaults.
-DEFAULT_YAML = Path(__file__).resolve().parents[2] / "conf" / "default.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+# The config `make run` uses (the embedded default): its values are shown where they differ from the model's defaults.
+DEFAULT_YAML = ROOT / "conf" / "default.yaml"
+# The page that holds the reference, between the two markers; the prose around them is written by hand.
+CONFIG_PAGE = ROOT / "docs" / "config.md"
+REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 
 
 def reference_markdown(default_yaml: str | Path | None = DEFAULT_YAML) -> str:
-    """The README's config reference: every key with its type, its default in the config model (what a YAML file
-    that leaves the key out gets), the value `make run` uses where conf/default.yaml sets another, and its
-    description."""
+    """The config reference: every key with its type, its default in the config model (what a YAML file that leaves
+    the key out gets), the value `make run` uses where conf/default.yaml sets another, and its description."""
     used: dict[str, object] = {}
     if default_yaml is not None and Path(default_yaml).is_file():
         used = flatten(load_config(default_yaml))
@@ -46,16 +49,23 @@ def reference_markdown(default_yaml: str | Path | None = DEFAULT_YAML) -> str:
     return "\n".join(rows)
 
 
-README_START, README_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-
-
-def update_readme(path: str | Path = "README.md") -> bool:
-    """Write the config reference between the README's markers; True when it changed."""
+def current_reference(path: str | Path = CONFIG_PAGE) -> str:
+    """The reference as the page has it now: the text between its markers (ValueError when they are missing)."""
     path = Path(path)
     text = path.read_text()
-    head, rest = text.split(README_START, 1)
-    _, tail = rest.split(README_END, 1)
-    new = f"{head}{README_START}\n{reference_markdown()}\n{README_END}{tail}"
+    if REFERENCE_START not in text or REFERENCE_END not in text:
+        raise ValueError(f"{path} has no {REFERENCE_START} ... {REFERENCE_END} markers to hold the config reference")
+    return text.split(REFERENCE_START, 1)[1].split(REFERENCE_END, 1)[0].strip()
+
+
+def update_reference(path: str | Path = CONFIG_PAGE) -> bool:
+    """Write the config reference between the page's markers; True when it changed."""
+    path = Path(path)
+    current_reference(path)  # the markers are there
+    text = path.read_text()
+    head, rest = text.split(REFERENCE_START, 1)
+    _, tail = rest.split(REFERENCE_END, 1)
+    new = f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"
     if new != text:
         path.write_text(new)
     return new != text
@@ -64,7 +74,7 @@ def update_readme(path: str | Path = "README.md") -> bool:
 if __name__ == "__main__":
     import sys
 
-    if "--write-readme" in sys.argv:
-        print("README.md updated" if update_readme() else "README.md already current")
+    if "--write" in sys.argv:
+        print(f"{CONFIG_PAGE} updated" if update_reference() else f"{CONFIG_PAGE} already current")
     else:
         print(reference_markdown())

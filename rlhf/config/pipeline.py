@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rlhf.config.base import Section, format_validation_error, read_yaml
 from rlhf.config.sections import DataConfig, RuntimeConfig, TrackingConfig
-from rlhf.config.stages import EvalConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config.stages import DPOConfig, EvalConfig, PPOConfig, RewardConfig, SFTConfig
 from rlhf.errors import ConfigError
 
 
@@ -26,7 +26,14 @@ class PipelineConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: Literal["ppo", "dpo"] = Field(
+        "ppo",
+        description="The policy stage: 'ppo' (online RL on sampled responses, with the estimator of "
+        "ppo.advantage_estimator: PPO, GRPO, RLOO, REINFORCE++) or 'dpo' (offline, on the preference pairs; the "
+        "reward model is still trained, for the evaluation). docs/algorithms.md.",
+    )
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -32,6 +33,10 @@ class TrackingConfig(Section):
                 "checkpoint"
             )
         return self
+
+
+# What runtime.device may say (torch's device strings of the devices the pipeline runs on; mps where torch has it).
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 class RuntimeConfig(Section):
@@ -87,6 +92,13 @@ class RuntimeConfig(Section):
         "the stage with the stage, step and statistic, keeping the last saved state (a rerun resumes from it; Prefect "
         "does not retry); 'skip_update' skips that optimizer step and counts it in the metric */skipped_nonfinite.",
     )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not DEVICE.fullmatch(value.strip()):
+            raise ValueError(f"runtime.device '{value}' is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        return value.strip()
 
     @field_validator("memory_check", mode="before")
     @classmethod
@@ -161,6 +173,12 @@ class DataConfig(Section):
         "...), a `save_to_disk` folder or a folder of data files (source 'local').",
     )
     eval_path: str | None = Field(None, description="Optional separate held-out file; else `eval_fraction` is split.")
+    encoding: str = Field(
+        "utf-8",
+        description="Text encoding of the local JSONL/JSON/CSV files (`path`, `eval_path`, `prompts_path`), e.g. "
+        "'latin-1', 'cp1252' or 'utf-16' for a file exported that way; a UTF-8 byte-order mark is skipped. Parquet "
+        "and save_to_disk folders carry their own.",
+    )
     name: str | None = Field(
         None, description="Hub data set id (source 'hub'), e.g. 'Anthropic/hh-rlhf'; any `load_dataset` path works."
     )
@@ -241,6 +259,19 @@ class DataConfig(Section):
     num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
     batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
     synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
+
+    @field_validator("encoding")
+    @classmethod
+    def _known_encoding(cls, value: str) -> str:
+        import codecs
+
+        try:
+            codecs.lookup(value)
+        except LookupError:
+            raise ValueError(
+                f"data.encoding '{value}' is not a text encoding Python knows (e.g. 'utf-8', 'latin-1')"
+            ) from None
+        return value
 
     @model_validator(mode="after")
     def _source_needs(self) -> DataConfig:

@@ -58,6 +58,23 @@ class SFTConfig(Section):
 
 
 class RewardConfig(Section):
+    source: Literal["model", "function"] = Field(
+        "model",
+        description="'model': a reward model trained on the preference pairs scores the responses; 'function': "
+        "the Python callable `function` does, and the reward-model stage is skipped (gae's value model then starts "
+        "from the SFT model with a new scalar head).",
+    )
+    function: str | None = Field(
+        None,
+        description="A reward function 'module:callable', (prompts: list[str], responses: list[str]) -> "
+        "list[float], importable in the run's environment (e.g. rlhf.data.synthetic:gold_reward). Used alone with "
+        "source: function, or added to the model's score with function_weight.",
+    )
+    function_weight: float = Field(
+        0.0,
+        description="With source: model, the score is the reward model's plus function_weight * function(...) "
+        "(format rewards on top of a reward model); 0 leaves the function out.",
+    )
     epochs: float = Field(2.0, gt=0, description="Passes over the training pairs.")
     batch_size: int = Field(32, ge=1, description="Pairs per optimizer step.")
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW, linear decay).")
@@ -84,6 +101,18 @@ class RewardConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: the reward model's activations at real lengths."
     )
+
+    @model_validator(mode="after")
+    def _function_given(self) -> RewardConfig:
+        if self.source == "function" and not self.function:
+            raise ValueError("reward.source: function needs reward.function ('module:callable')")
+        if self.source == "model" and self.function_weight and not self.function:
+            raise ValueError("reward.function_weight needs reward.function ('module:callable')")
+        return self
+
+    @property
+    def uses_function(self) -> bool:
+        return self.function is not None and (self.source == "function" or self.function_weight != 0)
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> RewardConfig:
@@ -131,6 +160,10 @@ class PPOGenerationConfig(Section):
     )
 
 
+# the estimators whose baseline is the other samples of the same prompt
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
 class PPOConfig(Section):
     total_episodes: int = Field(8192, ge=1, description="Prompt/response pairs sampled over the whole run.")
     batch_size: int = Field(64, ge=1, description="Rollout batch: episodes per PPO update.")
@@ -139,7 +172,36 @@ class PPOConfig(Section):
     lr: float = Field(3e-4, gt=0, description="Policy learning rate (AdamW).")
     value_lr: float = Field(3e-4, gt=0, description="Value-model learning rate (AdamW).")
     kl_coef: float = Field(0.05, ge=0, description="Initial KL penalty coefficient.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator in the reward.")
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "gae",
+        description="'gae': PPO with a learned value model (GAE). Critic-free, no value model loaded: 'grpo' (each "
+        "score minus its group's mean, over the group's std), 'dr_grpo' (minus the group mean, no std, the loss "
+        "summed over tokens over max_new_tokens), 'rloo' (minus the mean of the other samples of the prompt), "
+        "'reinforce_pp' (per-token KL penalty, return to go, whitened over the global batch), "
+        "'reinforce_pp_baseline' (the same after subtracting the group mean). docs/algorithm.md.",
+    )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Responses sampled per prompt (the group size G): a batch of ppo.batch_size episodes holds "
+        "batch_size / G prompts; grpo, dr_grpo, rloo and reinforce_pp_baseline need G >= 2.",
+    )
+    kl_in: Literal["reward", "loss"] | None = Field(
+        None,
+        description="Where the KL to the reference goes: 'reward' (a per-token penalty kl_coef * KL in the reward) "
+        "or 'loss' (kl_coef * KL as a term of the policy loss). None: the estimator's paper: 'loss' for grpo and "
+        "dr_grpo, 'reward' for the others.",
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = Field(
+        None,
+        description="How per-token losses become one: 'token_mean' (over all tokens of the minibatch), "
+        "'seq_mean_token_mean' (per sequence, then over sequences), 'seq_mean_token_sum_norm' (each sequence's sum "
+        "over max_new_tokens, then over sequences). None: the estimator's paper: seq_mean_token_mean for grpo, "
+        "seq_mean_token_sum_norm for dr_grpo, token_mean for the others.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None, description="Per-token KL estimator (Schulman's k1, k2, k3). None: k1 in the reward, k3 in the loss."
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
@@ -220,7 +282,42 @@ class PPOConfig(Section):
             raise ValueError(
                 f"ppo.total_episodes ({self.total_episodes}) must be at least ppo.batch_size ({self.batch_size})"
             )
+        if self.batch_size % self.samples_per_prompt:
+            raise ValueError(
+                f"ppo.samples_per_prompt ({self.samples_per_prompt}) must divide ppo.batch_size ({self.batch_size}): "
+                "a batch holds whole groups of samples of a prompt"
+            )
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"ppo.advantage_estimator {self.advantage_estimator} compares the samples of a prompt: it needs "
+                f"ppo.samples_per_prompt of 2 or more (got {self.samples_per_prompt})"
+            )
         return self
+
+    @property
+    def critic_free(self) -> bool:
+        """No value model: the estimator's baseline comes from the samples themselves."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def kl_placement(self) -> str:
+        """'reward' or 'loss': `kl_in`, or the estimator's own."""
+        return self.kl_in or ("loss" if self.advantage_estimator in ("grpo", "dr_grpo") else "reward")
+
+    @property
+    def aggregation(self) -> str:
+        """`loss_aggregation`, or the estimator's own."""
+        default = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
+        return self.loss_aggregation or default.get(self.advantage_estimator, "token_mean")
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """`kl_estimator`, or k1 in the reward and k3 in the loss."""
+        return self.kl_estimator or ("k3" if self.kl_placement == "loss" else "k1")
+
+    @property
+    def prompts_per_batch(self) -> int:
+        return self.batch_size // self.samples_per_prompt
 
     @property
     def mini_batch_size(self) -> int:
@@ -229,6 +326,55 @@ class PPOConfig(Section):
     @property
     def num_updates(self) -> int:
         return self.total_episodes // self.batch_size
+
+
+class DPOConfig(Section):
+    """DPO (Rafailov et al. 2023): the policy trained on the preference pairs against the frozen SFT model
+    (`algorithm: dpo`). Defaults from the paper where it has them; the rest as the reward stage has them."""
+
+    beta: float = Field(
+        0.1, gt=0, description="Strength of the implicit KL to the reference: rewards are beta * log(pi / ref)."
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="'sigmoid' (DPO) or 'ipo' (Azar et al. 2023: mean log-probs per response token)."
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="'sigmoid' only: the assumed chance that a label is flipped (conservative DPO); 0 disables.",
+    )
+    epochs: float = Field(1.0, gt=0, description="Passes over the training pairs.")
+    batch_size: int = Field(64, ge=1, description="Pairs per optimizer step (2 * batch_size sequences a forward).")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW, linear warm-up then linear decay to 0).")
+    warmup_ratio: float = Field(0.1, ge=0, lt=1, description="Fraction of the steps of linear warm-up.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    eval_every: int = Field(50, ge=1, description="Held-out statistics every N steps (and after the last one).")
+    max_length: int = Field(128, ge=8, description="Maximum tokens of prompt + response (+ EOS).")
+    truncation: Literal["drop", "truncate"] = Field(
+        "drop",
+        description="Pairs over max_length: 'drop' leaves them out (counted: dpo/dropped_too_long; an error past "
+        "half) or 'truncate' (the prompt cut on the left, the response on the right).",
+    )
+    min_prompt_tokens: int = Field(8, ge=1, description="truncation 'truncate': prompt tokens that always survive.")
+    save_every: int = Field(100, ge=1, description="Save the full trainer state every N steps (resume point).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DPOConfig:
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(f"dpo.label_smoothing applies to dpo.loss_type 'sigmoid' only, not {self.loss_type!r}")
+        if self.min_prompt_tokens >= self.max_length:
+            raise ValueError(
+                f"dpo.min_prompt_tokens ({self.min_prompt_tokens}) must be less than dpo.max_length "
+                f"({self.max_length}): the response needs room too"
+            )
+        return self
+
+    @property
+    def length_normalized(self) -> bool:
+        """IPO compares the mean log-prob per response token (TRL's convention), DPO the sum."""
+        return self.loss_type == "ipo"
 
 
 class EvalConfig(Section):

@@ -24,7 +24,9 @@ with the role capitalised ("\\n\\nUser: hi"), and the prompt ends with the gener
 ``"\\n\\nUser: hi\\n\\nAssistant:"`` and response ``" hello"``, the same shape as HH-RLHF.
 
 Scores: ``score_chosen`` / ``score_rejected`` (or the aliases in ``SCORE_ALIASES``) give margin =
-score_chosen - score_rejected; a ``margin`` column is used as is; otherwise margin is null.
+score_chosen - score_rejected; a ``margin`` column is used as is; otherwise margin is null. A score or margin that is
+NaN or infinite (JSON's ``NaN``, ``Infinity``; a float column's NaN) makes the row ``not_finite``: dropped and counted,
+since it would make the reward model's loss NaN or infinite from the first step. A null one is no margin.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ REQUIRED = {
 
 # Drop reasons a normaliser can give (validate.py adds too_long and duplicate, and finds identical pairs).
 MISSING, NOT_STRING, MALFORMED, TIE, IDENTICAL = "missing", "not_string", "malformed", "tie", "identical"
+NOT_FINITE = "not_finite"  # a score or margin that is NaN or infinite (it would make the reward loss NaN)
 
 
 class Plan(NamedTuple):
@@ -117,19 +120,31 @@ def _detect(columns: dict[str, str], sample: dict[str, list], names: list[str], 
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    """A score as a float (NaN and infinities included: `_margin` and `_ranked` refuse them), None when the value is
+    missing or not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
 
 
-def _margin(batch: dict[str, list], plan: Plan, i: int) -> float | None:
+class Margin(NamedTuple):
+    """A row's margin (None: none) and whether a score or margin it was read from is NaN or infinite."""
+
+    value: float | None
+    not_finite: bool = False
+
+
+def _margin(batch: dict[str, list], plan: Plan, i: int) -> Margin:
     cols = plan.columns
     if "score_chosen" in cols and "score_rejected" in cols:
         good, bad = _number(batch[cols["score_chosen"]][i]), _number(batch[cols["score_rejected"]][i])
-        return None if good is None or bad is None else good - bad
+        if any(v is not None and not math.isfinite(v) for v in (good, bad)):
+            return Margin(None, True)
+        return Margin(None if good is None or bad is None else good - bad)
     if "margin" in cols:
-        return _number(batch[cols["margin"]][i])
-    return None
+        value = _number(batch[cols["margin"]][i])
+        return Margin(None, True) if value is not None and not math.isfinite(value) else Margin(value)
+    return Margin(None)
 
 
 def text_problem(value: Any) -> str | None:
@@ -281,6 +296,8 @@ def _ranked(row: int, prompt: Any, responses: Any, scores: Any, ranks: Any) -> l
     numbers = [_number(v) for v in values]
     if any(v is None for v in numbers):
         return [Candidate(row, None, None, None, None, MALFORMED)]
+    if not all(math.isfinite(v) for v in numbers):
+        return [Candidate(row, None, None, None, None, NOT_FINITE)]
     goodness = numbers if scores is not None else [-v for v in numbers]
     best = max(range(len(responses)), key=goodness.__getitem__)
     out = []
@@ -306,12 +323,13 @@ def candidates(
     for i, row in enumerate(rows):
         if plan.format == "ranked":
             out += _ranked(row, get("prompt", i), get("responses", i), get("scores", i), get("ranks", i))
-        elif plan.format == "conversational":
-            margin = _margin(batch, plan, i)
-            out.append(_conversational(row, get("prompt", i), get("chosen", i), get("rejected", i), margin, chat))
+            continue
+        margin = _margin(batch, plan, i)
+        if plan.format == "conversational":
+            pair = _conversational(row, get("prompt", i), get("chosen", i), get("rejected", i), margin.value, chat)
         elif plan.format == "implicit":
-            margin = _margin(batch, plan, i)
-            out.append(_implicit(row, get("chosen", i), get("rejected", i), margin, markers, chat))
+            pair = _implicit(row, get("chosen", i), get("rejected", i), margin.value, markers, chat)
         else:
-            out.append(Candidate(row, get("prompt", i), get("chosen", i), get("rejected", i), _margin(batch, plan, i)))
+            pair = Candidate(row, get("prompt", i), get("chosen", i), get("rejected", i), margin.value)
+        out.append(pair._replace(reason=NOT_FINITE) if margin.not_finite and pair.reason is None else pair)
     return out

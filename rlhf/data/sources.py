@@ -78,29 +78,43 @@ def file_kind(path: str | Path, key: str = "data.path") -> FileKind:
     return FileKind(suffixes[-1], builder, compression)
 
 
-def open_text(path: str | Path, compression: str | None):
-    """A local text file opened for reading, decompressed on the fly."""
+def open_bytes(path: str | Path, compression: str | None):
+    """A local file opened for reading bytes, decompressed on the fly."""
     if compression is None:
-        return open(path, encoding="utf-8", newline="")
+        return open(path, "rb")
     if compression == "gzip":
         import gzip
 
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
+        return gzip.open(path, "rb")
     if compression == "bz2":
         import bz2
 
-        return bz2.open(path, "rt", encoding="utf-8", newline="")
+        return bz2.open(path, "rb")
     if compression == "xz":
         import lzma
 
-        return lzma.open(path, "rt", encoding="utf-8", newline="")
+        return lzma.open(path, "rb")
     if compression == "zstd":
         import zstandard
 
-        return zstandard.open(path, "rt", encoding="utf-8", newline="")
+        return zstandard.open(path, "rb")
     import lz4.frame
 
-    return lz4.frame.open(path, "rt", encoding="utf-8", newline="")
+    return lz4.frame.open(path, "rb")
+
+
+def text_codec(encoding: str = "utf-8") -> str:
+    """The codec that reads text of `encoding` as ``datasets`` does: UTF-8 with or without a byte-order mark."""
+    import codecs
+
+    return "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding
+
+
+def open_text(path: str | Path, compression: str | None, encoding: str = "utf-8"):
+    """A local text file opened for reading, decompressed on the fly (a UTF-8 byte-order mark skipped)."""
+    import io
+
+    return io.TextIOWrapper(open_bytes(path, compression), encoding=text_codec(encoding), newline="")
 
 
 def is_lfs_pointer(path: Path) -> bool:
@@ -142,7 +156,7 @@ def check_lfs(key: str, path: str | Path, data_dir: str | None = None) -> None:
         )
 
 
-def read_table(path: str | Path) -> pd.DataFrame:
+def read_table(path: str | Path, encoding: str = "utf-8") -> pd.DataFrame:
     """Read a small local JSONL / JSON / Parquet / CSV file (optionally compressed) into a frame, with one clear
     error when it cannot."""
     path = Path(path)
@@ -153,11 +167,11 @@ def read_table(path: str | Path) -> pd.DataFrame:
     try:
         if kind.builder == "parquet":
             return pd.read_parquet(path)
-        with open_text(path, kind.compression) as f:
+        with open_text(path, kind.compression, encoding) as f:
             if kind.builder == "csv":
                 return pd.read_csv(f)
             return pd.read_json(f, lines=kind.suffix in (".jsonl", ".ndjson"))
-    except ValueError as err:
+    except ValueError as err:  # a UnicodeDecodeError too
         raise DataError(f"data file {path} could not be parsed as {kind.builder}: {err}") from None
 
 
@@ -179,7 +193,7 @@ def check_local_path(key: str, path: str | None, data_dir: str | None = None) ->
         file_kind(local, key)
 
 
-def peek_columns(path: str | Path) -> list[str] | None:
+def peek_columns(path: str | Path, encoding: str = "utf-8") -> list[str] | None:
     """Column names of a local source when they are cheap to read (Parquet schema, CSV header, first JSONL line;
     compressed files are decompressed as far as that)."""
     local = Path(path)
@@ -195,10 +209,10 @@ def peek_columns(path: str | Path) -> list[str] | None:
 
             return list(pq.read_schema(local).names)
         if kind.builder == "csv":
-            with open_text(local, kind.compression) as f:
+            with open_text(local, kind.compression, encoding) as f:
                 return pd.read_csv(f, nrows=0).columns.tolist()
         if kind.suffix in (".jsonl", ".ndjson"):
-            with open_text(local, kind.compression) as f:
+            with open_text(local, kind.compression, encoding) as f:
                 first = f.readline()
             row = json.loads(first) if first.strip() else None
             return list(row) if isinstance(row, dict) else None
@@ -207,7 +221,7 @@ def peek_columns(path: str | Path) -> list[str] | None:
     return None
 
 
-def peek_rows(path: str | Path, n: int = 100) -> dict[str, list] | None:
+def peek_rows(path: str | Path, n: int = 100, encoding: str = "utf-8") -> dict[str, list] | None:
     """The first `n` rows of a local JSONL, CSV or Parquet file as columns (compressed files too), when that is
     cheap; None for folders, JSON arrays and anything unreadable (the full load then reports the problem)."""
     local = Path(path)
@@ -221,11 +235,11 @@ def peek_rows(path: str | Path, n: int = 100) -> dict[str, list] | None:
             batch = next(pq.ParquetFile(local).iter_batches(batch_size=n), None)
             return batch.to_pydict() if batch is not None else None
         if kind.builder == "csv":
-            with open_text(local, kind.compression) as f:
+            with open_text(local, kind.compression, encoding) as f:
                 return pd.read_csv(f, nrows=n).to_dict("list")
         if kind.suffix in (".jsonl", ".ndjson"):
             rows = []
-            with open_text(local, kind.compression) as f:
+            with open_text(local, kind.compression, encoding) as f:
                 for line in f:
                     if line.strip():
                         rows.append(json.loads(line))
@@ -249,11 +263,20 @@ def load_split(
     data_dir: str | None = None,
     revision: str | None = None,
     cache_dir: str | None = None,
+    encoding: str | None = None,
     label: str,
+    key: str | None = None,
 ) -> Dataset:
-    """``datasets.load_dataset`` for one split: the same call serves hub ids and local files."""
+    """``datasets.load_dataset`` for one split: the same call serves hub ids and local files. `encoding`: that of a
+    local JSON or CSV file (None: UTF-8). A local file that cannot be loaded is read through (`scan_file`) to name the
+    line or byte at fault; otherwise the sentence gives the innermost error's first line."""
     import datasets
 
+    extra = (
+        {"encoding": encoding}
+        if encoding and text_codec(encoding) != "utf-8-sig" and builder in ("json", "csv")
+        else {}
+    )
     try:
         rows = datasets.load_dataset(
             builder,
@@ -263,10 +286,29 @@ def load_split(
             revision=revision,
             split=split,
             cache_dir=cache_dir,
+            **extra,
         )
     except Exception as err:  # noqa: BLE001 (any library failure becomes one sentence)
-        raise DataError(f"{label} could not be loaded: {first_line(str(err), type(err).__name__)}") from None
+        if data_files is not None and Path(data_files).is_file():
+            from rlhf.data.scan import scan_file
+
+            scan_file(data_files, key or label, encoding or "utf-8")  # raises the sentence naming the line
+        raise DataError(f"{label} could not be loaded: {innermost(err)}") from None
     return rows
+
+
+def innermost(err: BaseException) -> str:
+    """The first line of the innermost error of `err`'s cause chain that says something (``datasets`` wraps the
+    parser's error in "An error occurred while generating the dataset")."""
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for inner in reversed(chain):
+        if str(inner).strip():
+            return first_line(str(inner), type(inner).__name__)
+    return type(chain[0]).__name__
 
 
 def load_saved(path: Path, split: str, label: str) -> Dataset:
@@ -284,8 +326,16 @@ def load_saved(path: Path, split: str, label: str) -> Dataset:
     return saved
 
 
-def open_local(path: str, split: str, cache_dir: str, key: str = "data.path", data_dir: str | None = None) -> Source:
-    """A local file (through its packaged builder), a save_to_disk folder, or a folder of data files."""
+def open_local(
+    path: str,
+    split: str,
+    cache_dir: str,
+    key: str = "data.path",
+    data_dir: str | None = None,
+    encoding: str = "utf-8",
+) -> Source:
+    """A local file (through its packaged builder), a save_to_disk folder, or a folder of data files. A text file is
+    checked to decode in `encoding` first (pyarrow reads undecodable bytes into its strings without a word)."""
     check_local_path(key, path, data_dir)
     local = Path(path)
     if is_saved_dataset(local):
@@ -294,9 +344,20 @@ def open_local(path: str, split: str, cache_dir: str, key: str = "data.path", da
         if data_dir and not (local / data_dir).is_dir():
             raise DataError(f"data.data_dir: {path} has no sub-folder '{data_dir}'")
         label = f"{path} ({data_dir})" if data_dir else path
-        return Source(load_split(str(local), split, data_dir=data_dir, cache_dir=cache_dir, label=label), label)
+        files_encoding = encoding if text_codec(encoding) != "utf-8-sig" else None
+        rows = load_split(
+            str(local), split, data_dir=data_dir, cache_dir=cache_dir, encoding=files_encoding, label=label
+        )
+        return Source(rows, label)
     builder = file_kind(local, key).builder  # datasets decompresses .gz, .bz2, ... from the name itself
-    return Source(load_split(builder, "train", data_files=str(local), cache_dir=cache_dir, label=path), path)
+    if builder != "parquet":
+        from rlhf.data.scan import scan_file
+
+        scan_file(local, key, encoding, parse=False)
+    rows = load_split(
+        builder, "train", data_files=str(local), cache_dir=cache_dir, encoding=encoding, label=path, key=key
+    )
+    return Source(rows, path)
 
 
 def open_sources(cfg: DataConfig, cache_dir: str) -> tuple[Source, Source | None]:
@@ -319,13 +380,13 @@ def open_sources(cfg: DataConfig, cache_dir: str) -> tuple[Source, Source | None
         raise DataError(
             f"data.data_dir applies to hub data sets and folders of data files; data.path {cfg.path} is neither"
         )
-    train = open_local(cfg.path, cfg.train_split, cache_dir, data_dir=cfg.data_dir)
+    train = open_local(cfg.path, cfg.train_split, cache_dir, data_dir=cfg.data_dir, encoding=cfg.encoding)
     if cfg.eval_path:
-        return train, open_local(cfg.eval_path, cfg.train_split, cache_dir, "data.eval_path")
+        return train, open_local(cfg.eval_path, cfg.train_split, cache_dir, "data.eval_path", encoding=cfg.encoding)
     if cfg.eval_split:
         if not is_saved_dataset(Path(cfg.path)) and not Path(cfg.path).is_dir():
             raise DataError("data.eval_split applies to hub data sets and folders; use data.eval_path for a file")
-        return train, open_local(cfg.path, cfg.eval_split, cache_dir, data_dir=cfg.data_dir)
+        return train, open_local(cfg.path, cfg.eval_split, cache_dir, data_dir=cfg.data_dir, encoding=cfg.encoding)
     return train, None
 
 
@@ -344,4 +405,4 @@ def open_prompts(cfg: DataConfig, cache_dir: str) -> Source | None:
         return Source(rows, label)
     if not cfg.prompts_path:
         return None
-    return open_local(cfg.prompts_path, cfg.prompts_split, cache_dir, "data.prompts_path")
+    return open_local(cfg.prompts_path, cfg.prompts_split, cache_dir, "data.prompts_path", encoding=cfg.encoding)

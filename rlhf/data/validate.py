@@ -6,6 +6,8 @@ then lengths, then duplicates among the rows that passed everything else):
 - ``malformed``: structure that cannot be read (a message list without roles or not ending with the assistant
   turn, chosen and rejected answering different conversations, an implicit transcript pair whose common prefix
   has no assistant marker, a ranked row whose scores do not match its responses);
+- ``not_finite``: a score or margin (``score_chosen``/``score_rejected``, ``margin``, a ranked row's ``scores`` or
+  ``ranks``) that is NaN or infinite;
 - ``missing``: a prompt, chosen or rejected (or message content) that is missing, empty or only whitespace;
 - ``not_string``: content that is not a string (a number, a list where text belongs);
 - ``tie``: a ranked response scored the same as the best one (no preference to learn);
@@ -31,14 +33,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlhf.data import formats
-from rlhf.data.formats import IDENTICAL, MALFORMED, MISSING, NOT_STRING, TIE, ChatRenderer, Plan
+from rlhf.data.formats import IDENTICAL, MALFORMED, MISSING, NOT_FINITE, NOT_STRING, TIE, ChatRenderer, Plan
 from rlhf.errors import DataError
 from rlhf.rollout.tokens import token_counts
 
 TOO_LONG, DUPLICATE = "too_long", "duplicate"
-REASONS = (MALFORMED, MISSING, NOT_STRING, TIE, IDENTICAL, TOO_LONG, DUPLICATE)
+REASONS = (MALFORMED, NOT_FINITE, MISSING, NOT_STRING, TIE, IDENTICAL, TOO_LONG, DUPLICATE)
 REASON_TEXT = {
     MALFORMED: "a structure that cannot be read",
+    NOT_FINITE: "a score or margin that is NaN or infinite",
     MISSING: "a missing or empty field",
     NOT_STRING: "non-string content",
     TIE: "a response tied with the best one",

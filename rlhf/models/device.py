@@ -6,7 +6,8 @@ import ctypes
 import functools
 import os
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -34,7 +35,7 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (the AVX-512 BF16 or AMX flags of Linux's /proc/cpuinfo): there
-    bf16 matmuls run about twice as fast as float32 ones; elsewhere they are emulated and slower."""
+    bf16 matmuls are faster than float32 ones; elsewhere they are emulated and slower."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = {word for line in f if line.startswith("flags") for word in line.split()}
@@ -62,6 +63,21 @@ def configure_cpu(threads: int | None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op CPU threads set to `n` inside the block, the count before it restored after it (also on an
+    exception); None leaves the count as it is."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # glibc malloc: blocks above MMAP_THRESHOLD get their own mapping, and free memory above TRIM_THRESHOLD at the top of
 # the heap goes back to the kernel (docs/benchmark.md "The allocator")
 MMAP_THRESHOLD = 32 << 20
@@ -73,8 +89,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (ma
 def keep_freed_memory() -> bool:
     """Fixes glibc's malloc thresholds at MMAP_THRESHOLD and TRIM_THRESHOLD; whether it did. By default glibc maps
     blocks of a few MiB afresh and trims the heap's top, so the activations a training step frees and allocates again
-    come back as new pages: 0.9 million page faults in one `cpu` bench run, about 5% of its time; about 0.15 million
-    with these thresholds. Once per process, like jemalloc or tcmalloc (which PyTorch recommends on CPUs). Left alone
+    come back as new pages, each a page fault (docs/benchmark.md "The allocator"); with these thresholds the freed
+    memory is reused. Once per process, like jemalloc or tcmalloc (which PyTorch recommends on CPUs). Left alone
     where the user set glibc's malloc tunables (GLIBC_TUNABLES, MALLOC_*_), and off glibc (musl's mallopt is a
     no-op; other systems lack it)."""
     if not sys.platform.startswith("linux"):

@@ -10,6 +10,7 @@ from rlhf.ops.advantages import (
     group_advantages,
     reinforce_returns,
 )
+from rlhf.ops.dpo import DPO_LOSS_TYPES, DPOLossOutput, dpo_loss, sequence_logps
 from rlhf.ops.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -42,9 +43,11 @@ from rlhf.ops.stats import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CRITIC_FREE",
+    "DPO_LOSS_TYPES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
+    "DPOLossOutput",
     "FixedKLController",
     "GAEOutput",
     "GroupAdvantages",
@@ -55,6 +58,7 @@ __all__ = [
     "ValueLossOutput",
     "aggregate_loss",
     "broadcast_to_tokens",
+    "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
     "gae",
@@ -73,6 +77,7 @@ __all__ = [
     "per_token_rewards",
     "policy_loss",
     "reinforce_returns",
+    "sequence_logps",
     "shape_scores",
     "value_loss",
 ]

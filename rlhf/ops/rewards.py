@@ -14,7 +14,7 @@ PENALTY_MODES: tuple[str, ...] = ("subtract", "replace")
 
 class ShapedScores(NamedTuple):
     scores: Tensor  # (b,) shaped scores
-    missing_stop: Tensor  # (b,) bool, the response has no stop token
+    missing_eos: Tensor  # (b,) bool, the response has no stop token (EOS by default)
     too_short: Tensor  # (b,) bool, the response is shorter than min_length (all False without min_length)
 
 
@@ -38,8 +38,8 @@ def shape_scores(
     contains_stop: Tensor,
     *,
     clip: float | None = None,
-    missing_stop_penalty: float | None = None,
-    missing_stop_mode: str = "subtract",
+    missing_eos_penalty: float | None = None,
+    missing_eos_mode: str = "subtract",
     min_length: int | None = None,
     min_length_penalty: float | None = None,
     min_length_mode: str = "subtract",
@@ -47,28 +47,28 @@ def shape_scores(
     """Shape reward-model scores before they become rewards.
 
     In order: clip to ``[-clip, clip]``; then for responses without a stop token, ``"subtract"`` gives
-    ``score - missing_stop_penalty`` and ``"replace"`` sets the score to ``missing_stop_penalty`` as given (e.g.
+    ``score - missing_eos_penalty`` and ``"replace"`` sets the score to ``missing_eos_penalty`` as given (e.g.
     ``-1.0``); then likewise for responses with ``length < min_length`` (so with both in ``"replace"`` mode the
     length penalty wins). A penalty of ``None`` changes nothing; the flags are returned either way.
 
     Shape: scores, response_lengths and contains_stop (b,); outputs (b,).
     """
-    for name, mode in (("missing_stop_mode", missing_stop_mode), ("min_length_mode", min_length_mode)):
+    for name, mode in (("missing_eos_mode", missing_eos_mode), ("min_length_mode", min_length_mode)):
         if mode not in PENALTY_MODES:
             raise ValueError(f"Unknown {name} {mode!r}; allowed values are {', '.join(PENALTY_MODES)}.")
     if clip is not None and clip <= 0:
         raise ValueError(f"Score clip must be positive, got {clip}.")
 
-    missing_stop = ~contains_stop.bool()
+    missing_eos = ~contains_stop.bool()
     if min_length is None:
-        too_short = torch.zeros_like(missing_stop)
+        too_short = torch.zeros_like(missing_eos)
     else:
         too_short = response_lengths < min_length
 
     shaped = scores if clip is None else scores.clamp(-clip, clip)
-    shaped = _apply_penalty(shaped, missing_stop, missing_stop_penalty, missing_stop_mode)
+    shaped = _apply_penalty(shaped, missing_eos, missing_eos_penalty, missing_eos_mode)
     shaped = _apply_penalty(shaped, too_short, min_length_penalty, min_length_mode)
-    return ShapedScores(scores=shaped, missing_stop=missing_stop, too_short=too_short)
+    return ShapedScores(scores=shaped, missing_eos=missing_eos, too_short=too_short)
 
 
 def per_token_rewards(

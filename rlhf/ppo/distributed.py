@@ -100,9 +100,15 @@ def _comm_device() -> torch.device:
 
 
 def check_world_size(cfg: PPOConfig, world_size: int) -> None:
-    """The global rollout batch and minibatch must split evenly into per-process shards."""
+    """The global rollout batch and minibatch must split evenly into per-process shards, and each shard hold whole
+    groups of ppo.samples_per_prompt samples (a group's baseline is computed on one process)."""
     if world_size <= 1:
         return
+    if cfg.batch_size % (world_size * cfg.samples_per_prompt):
+        raise ConfigError(
+            f"ppo.batch_size ({cfg.batch_size}) must be divisible by the number of processes ({world_size}) times "
+            f"ppo.samples_per_prompt ({cfg.samples_per_prompt}): each process takes whole groups of samples"
+        )
     if cfg.batch_size % world_size:
         raise ConfigError(
             f"ppo.batch_size ({cfg.batch_size}) must be divisible by the number of processes ({world_size})"
@@ -258,10 +264,12 @@ def barrier() -> None:
             dist.barrier()
 
 
-def parameter_digest(*modules: nn.Module) -> str:
+def parameter_digest(*modules: nn.Module | None) -> str:
     """sha256 over the names and bytes of the modules' state dicts: equal on every rank while they stay in sync."""
     h = hashlib.sha256()
     for module in modules:
+        if module is None:  # no value model
+            continue
         for name, tensor in sorted(module.state_dict().items()):
             h.update(name.encode())
             tensor = sharding.full(tensor)  # a sharded model's whole parameter: every rank hashes the same bytes

@@ -9,9 +9,10 @@ Run without a launcher it trains in one process. ``ppo.batch_size`` is the globa
 docs/scaling.md section 5). Rank 0 prints the final line and, with ``--tracking-uri``, logs the run's parameters
 and metrics to MLflow (into an existing run with ``--run-id``).
 
-The pipeline's PPO stage uses :func:`run_data_parallel` when ``runtime.ppo_processes`` > 1: it starts this module
-under ``torchrun --standalone`` on the local machine and reads the outcome back from a small JSON file (torchrun
-does not pass its workers' exit codes on).
+The pipeline's PPO stage calls :func:`train_policy`, one entry point whatever the number of processes: in one
+process it trains in place (:func:`rlhf.ppo.trainer.train_ppo`); with ``runtime.ppo_processes`` > 1 it runs
+:func:`run_data_parallel`, which starts this module under ``torchrun --standalone`` on the local machine and reads
+the outcome back from a small JSON file (torchrun does not pass its workers' exit codes on).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from rlhf.checkpoints import atomic_write_text
+from rlhf.checkpoints import MANIFEST, atomic_write_text
 from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_config
 from rlhf.errors import ConfigError
 from rlhf.eval.evaluate import eval_prompts
 from rlhf.models.device import configure_cpu
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
+from rlhf.ppo.periodic_eval import EvalCallback
 from rlhf.ppo.trainer import PPOResult, TrainingInterrupted, train_ppo
 from rlhf.tracking.metrics_writer import LogFn
 
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _gold_fn(manifest_path: str | None):
+def _gold_fn(manifest_path: str | Path | None):
+    """The gold reward of the data set whose manifest.json is at `manifest_path` (None: no gold scores)."""
     if not manifest_path:
         return None
     from rlhf.data.prepare import gold_scorer
@@ -305,6 +308,59 @@ def run_data_parallel(
     raise RuntimeError(
         f"data-parallel PPO ({processes} processes) exited with code {proc.returncode} "
         f"({outcome.get('message', status)}); last output:\n" + "".join(tail)
+    )
+
+
+def train_policy(
+    cfg: PPOConfig,
+    runtime: RuntimeConfig,
+    seed: int,
+    policy_path: str,
+    reward_path: str,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    value_path: str | None = None,
+    processes: int = 1,
+    log: LogFn | None = None,
+    echo: Callable[[str], None] = print,
+    tracking_uri: str | None = None,
+    run_id: str | None = None,
+    on_eval: EvalCallback | None = None,
+    stop_after: int | None = None,
+) -> PPOResult:
+    """PPO of the policy at `policy_path` against the reward model at `reward_path` (the value model starts from
+    `value_path`, by default the reward model) on the prepared data in `data_dir` (``rlhf.data.prepare``: the
+    rollouts' prompts.parquet, eval.parquet for ppo.eval_every's periodic evaluation, manifest.json for gold scores),
+    in one process or in `processes` data-parallel ones on this machine; resumes from ``out_dir/state``.
+
+    One process (:func:`rlhf.ppo.trainer.train_ppo`): `log` gets the logged updates' metrics (None: nothing logs)
+    and `on_eval` the periodic evaluations. Several (:func:`run_data_parallel`): rank 0 logs the metrics into the
+    MLflow run `run_id` of `tracking_uri` itself, `echo` gets the processes' output line by line, and `log` and
+    `on_eval` are not called. Raises :class:`TrainingInterrupted` after `stop_after` updates, with the state saved.
+    """
+    data = Path(data_dir)
+    value_path = value_path or reward_path
+    if processes > 1:
+        return run_data_parallel(
+            processes, cfg, runtime, seed, policy_path, reward_path, value_path, data / "prompts.parquet", out_dir,
+            tracking_uri=tracking_uri, run_id=run_id, data_manifest=data / MANIFEST, eval_file=data / "eval.parquet",
+            stop_after=stop_after, echo=echo,
+        )  # fmt: skip
+    return train_ppo(
+        cfg,
+        runtime,
+        policy_path,
+        reward_path,
+        pd.read_parquet(data / "prompts.parquet")["prompt"].tolist(),
+        out_dir,
+        seed,
+        log or (lambda metrics, step: None),
+        value_path=value_path,
+        gold_fn=_gold_fn(data / MANIFEST),
+        stop_after=stop_after,
+        eval_prompts=eval_prompts(data / "eval.parquet", cfg.eval_prompts) if cfg.eval_every > 0 else None,
+        on_eval=on_eval,
     )
 
 

@@ -33,7 +33,7 @@ class PPOModels:
 
     policy: PreTrainedModel  # a peft model when LoRA is on
     reference: PreTrainedModel | None  # None with LoRA: the policy with adapters disabled
-    value: nn.Module
+    value: nn.Module | None  # None with a critic-free estimator (ppo.advantage_estimator other than gae)
     reward: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     reward_tokenizer: PreTrainedTokenizerBase
@@ -45,8 +45,9 @@ class PPOModels:
     def shared_value_head(self) -> bool:
         return isinstance(self.value, PolicyValueHead)
 
-    def value_trainable(self) -> nn.Module:
-        """The value parameters the value optimizer owns (only the head when the trunk is the policy's)."""
+    def value_trainable(self) -> nn.Module | None:
+        """The value parameters the value optimizer owns (only the head when the trunk is the policy's); None
+        without a value model."""
         return self.value.score if self.shared_value_head else self.value
 
     def scoring(self) -> ScoringModels:
@@ -80,7 +81,8 @@ def load_models(
 ) -> PPOModels:
     """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM.
 
-    Trained models (policy, value) get float32 weights, frozen ones the runtime dtype (`load_options`).
+    A critic-free estimator (`cfg.critic_free`) loads no value model at all. Trained models (policy, value) get
+    float32 weights, frozen ones the runtime dtype (`load_options`).
     """
     trained, frozen = (load_options(runtime, device, trainable) for trainable in (True, False))
     trust_remote_code = runtime.trust_remote_code
@@ -93,9 +95,12 @@ def load_models(
     reference = None if cfg.lora.enabled else load_causal_lm(policy_path, device, **frozen)
     if cfg.lora.enabled:
         policy = apply_lora(policy, cfg.lora)
-    if cfg.value_model == "policy_head":
+    value: nn.Module | None = None
+    if cfg.critic_free:
+        pass
+    elif cfg.value_model == "policy_head":
         with MODEL_BUILD_LOCK:
-            value: nn.Module = PolicyValueHead(unwrap(policy))
+            value = PolicyValueHead(unwrap(policy))
     else:
         value = load_reward_model(value_path, device, **trained)
         if not same_vocabulary(tokenizer, load_tokenizer(value_path, trust_remote_code=trust_remote_code)):

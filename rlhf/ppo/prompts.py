@@ -32,17 +32,21 @@ def prompt_batch(
     pad_id: int,
     rank: int = 0,
     world_size: int = 1,
+    samples_per_prompt: int = 1,
 ) -> PromptBatch:
     """Prompts of one update: a seeded stream of shuffled passes, so the data position is the update index.
 
-    `batch_size` is the global batch; with `world_size` processes, rank r takes the r-th of `world_size` equal,
-    disjoint slices of it (padded to its own longest prompt).
+    `batch_size` is the global batch of episodes: batch_size / `samples_per_prompt` prompts of the stream, each
+    repeated `samples_per_prompt` times in a row (a group: rows g*G .. g*G + G - 1). With `world_size` processes,
+    rank r takes the r-th of `world_size` equal, disjoint slices of it (padded to its own longest prompt), whole
+    groups each (`rlhf.ppo.distributed.check_world_size`).
     """
     n = len(prompt_ids)
+    prompts_per_batch = batch_size // samples_per_prompt
     indices = []
-    for pos in range(update * batch_size, (update + 1) * batch_size):
+    for pos in range(update * prompts_per_batch, (update + 1) * prompts_per_batch):
         epoch, offset = divmod(pos, n)
-        indices.append(_pass_order(n, seed, epoch)[offset])
+        indices.extend([_pass_order(n, seed, epoch)[offset]] * samples_per_prompt)
     if world_size > 1:
         local = batch_size // world_size
         indices = indices[rank * local : (rank + 1) * local]

@@ -43,12 +43,20 @@ def shard_models(models: PPOModels, dist: DistContext) -> dict[str, tuple[int, i
     return sizes
 
 
-def _state_dicts(models: PPOModels, policy_opt: torch.optim.Optimizer, value_opt: torch.optim.Optimizer) -> dict:
+def _trained(models: PPOModels, policy_opt, value_opt) -> list[tuple[str, Any, Any]]:
+    """(name, model, optimizer) of the trained models: the policy, and the value model where there is one."""
+    trained = [("policy", models.policy, policy_opt)]
+    if models.value is not None:
+        trained.append(("value", models.value, value_opt))
+    return trained
+
+
+def _state_dicts(models: PPOModels, policy_opt: torch.optim.Optimizer, value_opt: torch.optim.Optimizer | None) -> dict:
     """The sharded weights and optimizer states of the trained models (this rank's shards, as DTensors)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out: dict[str, Any] = {}
-    for name, model, optimizer in (("policy", models.policy, policy_opt), ("value", models.value, value_opt)):
+    for name, model, optimizer in _trained(models, policy_opt, value_opt):
         weights, optim = get_state_dict(model, optimizer)
         out[name] = {"model": weights, "optim": optim}
     return out
@@ -85,7 +93,7 @@ def load_sharded_weights(folder: Path, models: PPOModels, policy_opt, value_opt)
 
     tensors = _state_dicts(models, policy_opt, value_opt)
     dcp.load(tensors, checkpoint_id=folder / SHARDS)
-    for name, model, optimizer in (("policy", models.policy, policy_opt), ("value", models.value, value_opt)):
+    for name, model, optimizer in _trained(models, policy_opt, value_opt):
         set_state_dict(
             model, optimizer, model_state_dict=tensors[name]["model"], optim_state_dict=tensors[name]["optim"]
         )
@@ -93,4 +101,7 @@ def load_sharded_weights(folder: Path, models: PPOModels, policy_opt, value_opt)
 
 def full_weights(models: PPOModels) -> dict[str, dict[str, torch.Tensor]]:
     """The whole policy and value state dicts on rank 0 (empty on the others): a collective every rank calls."""
-    return {"policy": sharding.full_state_dict(models.policy), "value": sharding.full_state_dict(models.value)}
+    weights = {"policy": sharding.full_state_dict(models.policy)}
+    if models.value is not None:
+        weights["value"] = sharding.full_state_dict(models.value)
+    return weights

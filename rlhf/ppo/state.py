@@ -33,11 +33,11 @@ class TrainerState:
 
     step: int
     policy_params: list[nn.Parameter]
-    value_params: list[nn.Parameter]
+    value_params: list[nn.Parameter]  # empty without a value model (a critic-free estimator)
     policy_opt: torch.optim.Optimizer
-    value_opt: torch.optim.Optimizer
+    value_opt: torch.optim.Optimizer | None  # None without a value model, as value_sched
     policy_sched: torch.optim.lr_scheduler.LRScheduler
-    value_sched: torch.optim.lr_scheduler.LRScheduler
+    value_sched: torch.optim.lr_scheduler.LRScheduler | None
     kl_ctl: FixedKLController | AdaptiveKLController
     sample_generator: torch.Generator
     shuffle_generator: torch.Generator
@@ -60,9 +60,10 @@ def fresh_state(models: PPOModels, cfg: PPOConfig, seed: int, device: torch.devi
     The shuffle generator is the same on every rank; the sampling generator differs per rank (`sample_seed`).
     """
     policy_params = [p for p in models.policy.parameters() if p.requires_grad]
-    value_params = [p for p in models.value_trainable().parameters() if p.requires_grad]
     policy_opt = adamw(policy_params, lr=cfg.lr, eps=1e-5)
-    value_opt = adamw(value_params, lr=cfg.value_lr, eps=1e-5)
+    value_module = models.value_trainable()
+    value_params = [p for p in value_module.parameters() if p.requires_grad] if value_module is not None else []
+    value_opt = adamw(value_params, lr=cfg.value_lr, eps=1e-5) if value_module is not None else None
     return TrainerState(
         step=0,
         policy_params=policy_params,
@@ -70,7 +71,7 @@ def fresh_state(models: PPOModels, cfg: PPOConfig, seed: int, device: torch.devi
         policy_opt=policy_opt,
         value_opt=value_opt,
         policy_sched=_scheduler(policy_opt, cfg),
-        value_sched=_scheduler(value_opt, cfg),
+        value_sched=_scheduler(value_opt, cfg) if value_opt is not None else None,
         kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
         sample_generator=torch.Generator(device=device).manual_seed(sample_seed(seed, rank)),
         shuffle_generator=torch.Generator().manual_seed(seed + 1),
@@ -113,12 +114,14 @@ def load_state(
         load_sharded_weights(folder, models, state.policy_opt, state.value_opt)
     else:
         load_model(models.policy, folder / POLICY_FILE, device=str(device))
-        models.value_trainable().load_state_dict(load_file(folder / VALUE_FILE, device=str(device)))
         state.policy_opt.load_state_dict(saved["policy_opt"])
-        state.value_opt.load_state_dict(saved["value_opt"])
+        if state.value_opt is not None:
+            models.value_trainable().load_state_dict(load_file(folder / VALUE_FILE, device=str(device)))
+            state.value_opt.load_state_dict(saved["value_opt"])
     state.step = int(saved["step"])
     state.policy_sched.load_state_dict(saved["policy_sched"])
-    state.value_sched.load_state_dict(saved["value_sched"])
+    if state.value_sched is not None:
+        state.value_sched.load_state_dict(saved["value_sched"])
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
     state.sample_generator.set_state(saved["sample_rngs"][rank] if world_size > 1 else saved["sample_rng"])
     state.shuffle_generator.set_state(saved["shuffle_rng"])
@@ -131,12 +134,11 @@ def save_state(folder: Path, models: PPOModels, state: TrainerState, sample_rngs
     With several processes, rank 0 alone calls this, with `sample_rngs`: every rank's sampling generator state in
     rank order (weights, optimizers and the shuffle generator are the same on every rank).
     """
-    fields = {
-        **trainer_fields(state, sample_rngs),
-        "policy_opt": state.policy_opt.state_dict(),
-        "value_opt": state.value_opt.state_dict(),
-    }
-    value_weights = {VALUE_FILE: models.value_trainable().state_dict()}
+    fields = {**trainer_fields(state, sample_rngs), "policy_opt": state.policy_opt.state_dict()}
+    value_weights = {}
+    if state.value_opt is not None:  # a critic-free run saves no value model
+        fields["value_opt"] = state.value_opt.state_dict()
+        value_weights = {VALUE_FILE: models.value_trainable().state_dict()}
     write_state(folder, fields, {POLICY_FILE: models.policy}, value_weights)  # save_model handles tied weights
 
 
@@ -148,7 +150,7 @@ def trainer_fields(state: TrainerState, sample_rngs: list[Tensor] | None = None)
     return {
         "step": state.step,
         "policy_sched": state.policy_sched.state_dict(),
-        "value_sched": state.value_sched.state_dict(),
+        **({"value_sched": state.value_sched.state_dict()} if state.value_sched is not None else {}),
         "kl_ctl": state.kl_ctl.state_dict(),
         "sample_rng": state.sample_generator.get_state(),
         "shuffle_rng": state.shuffle_generator.get_state(),
@@ -164,6 +166,8 @@ def save_final(folder: Path, models: PPOModels, weights: dict[str, dict[str, Ten
     policy = models.policy.merge_and_unload() if hasattr(models.policy, "merge_and_unload") else models.policy
     policy.save_pretrained(folder / "policy", safe_serialization=True, state_dict=weights.get("policy"))
     models.tokenizer.save_pretrained(folder / "policy")
+    if models.value is None:  # a critic-free run: the policy is all it trains
+        return
     (folder / "value").mkdir(parents=True, exist_ok=True)
     if models.shared_value_head:
         save_file(

@@ -45,11 +45,12 @@ def rollout_stats(
     response_mask: Tensor,
     query_lengths: Tensor,
     advantages: Tensor,
-    returns: Tensor,
-    values: Tensor,
+    returns: Tensor | None,
+    values: Tensor | None,
     kl_coef: float,
 ) -> dict[str, float]:
-    """Objective, token and distribution statistics of one rollout batch (shapes (b,) and (b, r))."""
+    """Objective, token and distribution statistics of one rollout batch (shapes (b,) and (b, r)); the returns and
+    value statistics only where there is a value model (`values` and `returns` not None)."""
     m = response_mask.float()
     kl_seq = kl.sum(1)  # (b, r) -> (b,)
     non_score = non_score_rewards.sum(1)
@@ -69,16 +70,21 @@ def rollout_stats(
         "objective/rlhf_reward": (shaped_scores + non_score).mean().item(),
         "objective/stop_rate": contains_stop.float().mean().item(),
         "advantages/mean": masked_mean(advantages, m).item(),
-        "returns/mean": masked_mean(returns, m).item(),
-        "returns/var": masked_var(returns, m).item(),
-        "value/mean": masked_mean(values, m).item(),
-        "value/var": masked_var(values, m).item(),
-        "value/explained_variance": explained_variance(values, returns, m).item(),
         "tokens/query_len_mean": query_lengths.float().mean().item(),
         "tokens/query_len_std": query_lengths.float().std().item() if len(query_lengths) > 1 else 0.0,
         "tokens/response_len_mean": response_len.mean().item(),
         "tokens/response_len_std": response_len.std().item() if len(response_len) > 1 else 0.0,
     }
+    if values is not None and returns is not None:
+        stats.update(
+            {
+                "returns/mean": masked_mean(returns, m).item(),
+                "returns/var": masked_var(returns, m).item(),
+                "value/mean": masked_mean(values, m).item(),
+                "value/var": masked_var(values, m).item(),
+                "value/explained_variance": explained_variance(values, returns, m).item(),
+            }
+        )
     stats.update(_pcts("dist/kl", kl_seq))
     stats.update(_pcts("dist/scores", scores))
     stats.update(_pcts("dist/response_len", response_len))

@@ -96,7 +96,8 @@ def train_ppo(
     models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
     if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
         distributed.broadcast_parameters(models.policy)
-        distributed.broadcast_parameters(models.value_trainable())
+        if models.value is not None:
+            distributed.broadcast_parameters(models.value_trainable())
     if sharded:  # each rank keeps its shards of the four models from here on
         shard_models(models, dist)
     state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
@@ -126,7 +127,9 @@ def train_ppo(
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
         pad_id = models.tokenizer.pad_token_id
-        batch = prompt_batch(prompt_ids, update, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size)
+        batch = prompt_batch(
+            prompt_ids, update, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
+        )
         rollout = generate_and_score(
             models,
             batch.ids.to(device),
@@ -139,12 +142,13 @@ def train_ppo(
             dtype,
             dist.world_size,
         )
-        # steps 4-6. rewards with the KL penalty, advantages (whitened with the global batch's moments)
+        # steps 4-6. rewards with the KL penalty, advantages (GAE or the critic-free estimator's; whitened with the
+        # global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
         optim = optimize(models, state, rollout, cfg, dtype, dist, runtime.on_nonfinite, log if dist.is_main else None)
         if models.sampler is not None:  # the next rollout samples from the updated policy
-            rollout.timings["time/weight_sync"] = models.sampler.sync_weights()
+            rollout.scored.timings["time/weight_sync"] = models.sampler.sync_weights()
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
@@ -183,7 +187,8 @@ def train_ppo(
         if param_digest:
             params = distributed.parameter_digest(models.policy, models.value_trainable())
     value_path = final / "value" / "value_head.safetensors" if models.shared_value_head else final / "value"
-    return PPOResult(str(final / "policy"), str(value_path), digest, state.step, stats, params)
+    value_file = "" if models.value is None else str(value_path)  # a critic-free run has no value model
+    return PPOResult(str(final / "policy"), value_file, digest, state.step, stats, params)
 
 
 def truncated_prompts(
@@ -232,21 +237,23 @@ def checkpoint_state(folder: Path, models: PPOModels, state: TrainerState, dist:
 def update_stats(
     rollout: Rollout, optim_stats: dict[str, float], ratio_quantiles: list[float], kl_coef: float
 ) -> dict[str, float]:
+    scored = rollout.scored
     stats = rollout_stats(
-        scores=rollout.scores,
+        scores=scored.scores,
         shaped_scores=rollout.shaped_scores,
-        contains_stop=rollout.resp.contains_stop,
-        logprobs=rollout.logprobs,
-        ref_logprobs=rollout.ref_logprobs,
+        contains_stop=scored.resp.contains_stop,
+        logprobs=scored.logprobs,
+        ref_logprobs=scored.ref_logprobs,
         kl=rollout.kl,
         non_score_rewards=rollout.non_score_rewards,
         response_mask=rollout.mask,
-        query_lengths=rollout.qr_mask[:, : rollout.prompt_len].sum(1),
+        query_lengths=scored.qr_mask[:, : scored.prompt_len].sum(1),
         advantages=rollout.advantages,
         returns=rollout.returns,
-        values=rollout.values,
+        values=scored.values,
         kl_coef=kl_coef,
     )
+    stats.update(rollout.group_stats)
     stats.update(optim_stats)
     stats.update(dict(zip(("dist/ratio_p05", "dist/ratio_p50", "dist/ratio_p95"), ratio_quantiles, strict=True)))
     return stats
@@ -266,7 +273,7 @@ def speed_stats(
     now = time.perf_counter()
     total = now - t0
     return {
-        **rollout.timings,
+        **rollout.scored.timings,
         "time/stats": now - t_stats,
         "time/total": total,
         "speed/episodes_per_s": batch_size / total,
@@ -279,21 +286,21 @@ def rollout_records(
     models: PPOModels, update: int, prompts: list[str], rollout: Rollout, gold_fn: GoldFn | None
 ) -> pd.DataFrame:
     """Per-sample records of one update (the Parquet artifact of the rollouts)."""
-    tokenizer = models.tokenizer
+    tokenizer, resp = models.tokenizer, rollout.scored.resp
     responses = tokenizer.batch_decode(
-        rollout.resp.tokens.masked_fill(rollout.resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
+        resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
     )
     frame = pd.DataFrame(
         {
             "update": update + 1,
             "prompt": [prompts[i] for i in rollout.indices],
             "response": responses,
-            "score": rollout.scores.cpu().numpy(),
+            "score": rollout.scored.scores.cpu().numpy(),
             "shaped_score": rollout.shaped_scores.cpu().numpy(),
             "kl": rollout.kl.sum(1).cpu().numpy(),
             "non_score_reward": rollout.non_score_rewards.sum(1).cpu().numpy(),
-            "response_len": rollout.resp.mask.sum(1).cpu().numpy(),
-            "contains_stop": rollout.resp.contains_stop.cpu().numpy(),
+            "response_len": resp.mask.sum(1).cpu().numpy(),
+            "contains_stop": resp.contains_stop.cpu().numpy(),
         }
     )
     if gold_fn is not None:

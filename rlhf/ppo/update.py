@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -13,46 +13,55 @@ from torch import Tensor
 
 from rlhf.config import PPOConfig
 from rlhf.models import sharding
-from rlhf.models.device import autocast
+from rlhf.models.device import autocast, torch_threads
 from rlhf.models.training import unwrap
 from rlhf.nonfinite import skip_nonfinite
-from rlhf.ops import gae, masked_mean, masked_quantiles, masked_whiten, per_token_rewards, policy_loss, shape_scores
+from rlhf.ops import (
+    PolicyLossOutput,
+    ValueLossOutput,
+    broadcast_to_tokens,
+    gae,
+    group_advantages,
+    kl_loss,
+    masked_mean,
+    masked_quantiles,
+    masked_whiten,
+    per_token_rewards,
+    policy_loss,
+    reinforce_returns,
+    shape_scores,
+)
 from rlhf.ops import value_loss as value_loss_fn
 from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients, masked_mean_var
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import OptimStats
 from rlhf.rollout import scoring
-from rlhf.rollout.generation import GenerationSettings, Responses
-from rlhf.rollout.scoring import policy_forward, value_forward
+from rlhf.rollout.generation import GenerationSettings
+from rlhf.rollout.scoring import ScoredResponses, policy_forward, value_forward
 from rlhf.tracking.metrics_writer import LogFn
 
 
 @dataclass
 class Rollout:
-    """One rollout batch: everything the optimisation pass and the statistics need."""
+    """One rollout batch: the scored responses, then what `compute_advantages` adds; everything the optimisation
+    pass and the statistics need."""
 
     indices: list[int]  # rows of the prompt list
-    query_responses: Tensor  # (b, p + r)
-    qr_mask: Tensor  # (b, p + r)
-    prompt_len: int
-    resp: Responses  # tokens, mask (b, r), contains_stop (b,)
-    logprobs: Tensor  # (b, r) policy log-probs at sampling temperature
-    ref_logprobs: Tensor  # (b, r)
-    values: Tensor  # (b, r)
-    scores: Tensor  # (b,) reward-model scores
-    timings: dict[str, float] = field(default_factory=dict)
+    scored: ScoredResponses  # query_responses (b, p + r), resp (b, r), logprobs, ref_logprobs, values (b, r), scores
     # filled by compute_advantages
     shaped_scores: Tensor | None = None
     kl: Tensor | None = None
     non_score_rewards: Tensor | None = None
-    advantages: Tensor | None = None  # raw GAE advantages
+    advantages: Tensor | None = None  # raw advantages (GAE, or the critic-free estimator's)
     loss_advantages: Tensor | None = None  # whitened when configured: what the loss sees
-    returns: Tensor | None = None
+    returns: Tensor | None = None  # GAE's value targets; None without a value model
+    group_stats: dict[str, float] = field(default_factory=dict)  # critic-free group estimators: group/*
 
     @property
     def mask(self) -> Tensor:
-        return self.resp.mask.float()
+        """The response mask as floats. Shape: (b, r)."""
+        return self.scored.resp.mask.float()
 
 
 def generate_and_score(
@@ -75,28 +84,17 @@ def generate_and_score(
     texts = [prompts[i] for i in indices] if prompts is not None else None
     scored = scoring.generate_and_score(
         models.scoring(), query, query_mask, texts, settings, generator, dtype, cfg.forward_batch_size,
-        two_streams=streams_apply(query.device, models, world_size),
+        second_thread=use_second_thread(query.device, models, world_size, scoring=True),
     )  # fmt: skip
-    assert scored.values is not None  # PPO has a value model
-    return Rollout(
-        indices,
-        scored.query_responses,
-        scored.qr_mask,
-        scored.prompt_len,
-        scored.resp,
-        scored.logprobs,
-        scored.ref_logprobs,
-        scored.values,
-        scored.scores,
-        timings=scored.timings,
-    )
+    return Rollout(indices, scored)
 
 
 def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistContext | None = None) -> Rollout:
-    """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), GAE, whitening.
+    """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), advantages, whitening.
 
-    With several processes (`dist`), the whitening moments are those of the global batch (every rank's shard),
-    so W processes whiten as one process with the same global batch would.
+    ppo.advantage_estimator 'gae' runs GAE over the value model's values; the critic-free estimators go through
+    `critic_free_advantages`. With several processes (`dist`), the whitening moments are those of the global batch
+    (every rank's shard), so W processes whiten as one process with the same global batch would.
     """
     t0 = time.perf_counter()
     mask = rollout.mask
@@ -106,33 +104,76 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: D
         moments = masked_mean_var(x, mask) if several else None
         return masked_whiten(x, mask, restore_mean=restore_mean, moments=moments)
 
+    scored = rollout.scored
     shaped = shape_scores(
-        rollout.scores,
-        rollout.resp.mask.sum(1),
-        rollout.resp.contains_stop,
+        scored.scores,
+        scored.resp.mask.sum(1),
+        scored.resp.contains_stop,
         clip=cfg.score_clip,
-        missing_stop_penalty=cfg.missing_eos_penalty,
-        missing_stop_mode=cfg.missing_eos_mode,
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        missing_eos_mode=cfg.missing_eos_mode,
         min_length=cfg.min_response_length,
         min_length_penalty=cfg.min_length_penalty,
         min_length_mode=cfg.missing_eos_mode,
     )
+    reward_kl_coef = kl_coef if cfg.kl_placement == "reward" else 0.0  # KL in the loss: not in the reward
     token_rewards = per_token_rewards(
-        shaped.scores, rollout.logprobs, rollout.ref_logprobs, mask, kl_coef, cfg.kl_estimator
+        shaped.scores, scored.logprobs, scored.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator_used
     )
-    rewards = (
-        whiten(token_rewards.rewards, cfg.whiten_rewards_keep_mean) if cfg.whiten_rewards else token_rewards.rewards
-    )
-    adv = gae(rewards, rollout.values, mask, cfg.gamma, cfg.lam)
     rollout.shaped_scores, rollout.kl, rollout.non_score_rewards = (
         shaped.scores,
         token_rewards.kl,
         token_rewards.non_score_rewards,
     )
-    rollout.advantages, rollout.returns = adv.advantages, adv.returns
-    rollout.loss_advantages = whiten(adv.advantages, False) if cfg.whiten_advantages else adv.advantages
-    rollout.timings["time/advantages"] = time.perf_counter() - t0
+    if cfg.critic_free:
+        rollout.advantages, rollout.group_stats = critic_free_advantages(rollout, cfg, reward_kl_coef, whiten)
+        rollout.loss_advantages = rollout.advantages
+    else:
+        rewards = token_rewards.rewards
+        if cfg.whiten_rewards:
+            rewards = whiten(rewards, cfg.whiten_rewards_keep_mean)
+        adv = gae(rewards, scored.values, mask, cfg.gamma, cfg.lam)
+        rollout.advantages, rollout.returns = adv.advantages, adv.returns
+        rollout.loss_advantages = whiten(adv.advantages, False) if cfg.whiten_advantages else adv.advantages
+    scored.timings["time/advantages"] = time.perf_counter() - t0
     return rollout
+
+
+def critic_free_advantages(
+    rollout: Rollout, cfg: PPOConfig, reward_kl_coef: float, whiten: Callable[[Tensor, bool], Tensor]
+) -> tuple[Tensor, dict[str, float]]:
+    """The advantages of a critic-free estimator (docs/algorithm.md) and its group statistics.
+
+    The rollout's rows hold whole groups of ppo.samples_per_prompt samples of one prompt, contiguous
+    (`rlhf.ppo.prompts.prompt_batch`). grpo, dr_grpo and rloo give every token of a response its sequence's
+    advantage: the shaped score (minus `reward_kl_coef` times the response's KL when the KL is in the reward) against
+    its group's baseline. reinforce_pp takes the return to go of the per-token rewards (KL penalty at every token,
+    score at the last), whitened over the global batch (`whiten`); reinforce_pp_baseline subtracts the group mean of
+    the scores first.
+
+    Shape: rollout tensors (b, r); advantages (b, r), 0 at padding.
+    """
+    scored, mask, group = rollout.scored, rollout.mask, cfg.samples_per_prompt
+    estimator = cfg.advantage_estimator
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        scores = rollout.shaped_scores
+        groups = group_advantages(scores, group, estimator)
+        token_rewards = per_token_rewards(
+            groups.advantages, scored.logprobs, scored.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator_used
+        )
+        advantages = whiten(reinforce_returns(token_rewards.rewards, mask, cfg.gamma), False)
+    else:
+        # the sequence reward: the shaped score, less the KL penalty where the KL goes in the reward
+        sequence_rewards = rollout.shaped_scores + rollout.non_score_rewards.sum(1)  # (b, r) -> (b,)
+        groups = group_advantages(sequence_rewards, group, estimator)
+        advantages = broadcast_to_tokens(groups.advantages, mask)
+    if group == 1:  # reinforce_pp with one sample a prompt: no groups to describe
+        return advantages, {}
+    stats = {
+        "group/reward_std": float(groups.group_std.mean()),
+        "group/zero_std_fraction": float(groups.zero_std_fraction),
+    }
+    return advantages, stats
 
 
 @dataclass
@@ -153,31 +194,36 @@ class MicroBatch(NamedTuple):
     mask: Tensor  # (m, r') float
     logprobs: Tensor  # (m, r') at sampling
     advantages: Tensor  # (m, r') as the loss sees them
-    values: Tensor  # (m, r') at sampling
-    returns: Tensor  # (m, r')
+    values: Tensor | None  # (m, r') at sampling; None without a value model
+    returns: Tensor | None  # (m, r')
+    ref_logprobs: Tensor  # (m, r') the reference's, for the KL term of the loss (ppo.kl_in: loss)
 
 
 def micro_batch(rollout: Rollout, rows: Tensor) -> MicroBatch:
-    qr_mask = rollout.qr_mask[rows]
-    p = rollout.prompt_len
+    scored = rollout.scored
+    qr_mask = scored.qr_mask[rows]
+    p = scored.prompt_len
     used_prompt = qr_mask[:, :p].any(0)
     lead = int(used_prompt.int().argmax()) if bool(used_prompt.any()) else 0
-    r = max(1, int(rollout.resp.mask[rows].sum(1).max()))
+    r = max(1, int(scored.resp.mask[rows].sum(1).max()))
     cols = slice(lead, p + r)
+    critic = scored.values is not None
     return MicroBatch(
-        rollout.query_responses[rows][:, cols],
+        scored.query_responses[rows][:, cols],
         qr_mask[:, cols],
         p - lead,
         rollout.mask[rows][:, :r],
-        rollout.logprobs[rows][:, :r],
+        scored.logprobs[rows][:, :r],
         rollout.loss_advantages[rows][:, :r],
-        rollout.values[rows][:, :r],
-        rollout.returns[rows][:, :r],
+        scored.values[rows][:, :r] if critic else None,
+        rollout.returns[rows][:, :r] if critic else None,
+        scored.ref_logprobs[rows][:, :r],
     )
 
 
-def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
-    """Policy forward, clipped loss (minus the entropy bonus) and its backward for one micro-batch."""
+def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype, kl_coef: float):
+    """Policy forward, clipped loss (minus the entropy bonus, plus `kl_coef` times the KL to the reference with
+    ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says."""
     with autocast(mb.mask.device, dtype):
         out = sharding.call(
             unwrap(models.policy),
@@ -189,11 +235,17 @@ def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torc
             with_entropy=True,
             entropy_grad=cfg.entropy_coef > 0,
         )
-    pl = policy_loss(out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.cliprange)
+    aggregation = dict(loss_aggregation=cfg.aggregation, norm_length=cfg.max_new_tokens)
+    pl = policy_loss(out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.cliprange, **aggregation)
     entropy = masked_mean(out.entropy, mb.mask)
-    ((pl.loss - cfg.entropy_coef * entropy) / cfg.gradient_accumulation_steps).backward()
+    loss = pl.loss - cfg.entropy_coef * entropy
+    kl = None
+    if cfg.kl_placement == "loss":
+        kl = kl_loss(out.logprobs, mb.ref_logprobs, mb.mask, cfg.kl_estimator_used, **aggregation)
+        loss = loss + kl_coef * kl
+    (loss / cfg.gradient_accumulation_steps).backward()
     ratios = torch.exp(out.logprobs.detach() - mb.logprobs)[mb.mask.bool()]
-    return pl, entropy, ratios
+    return pl, entropy, ratios, kl
 
 
 def _value_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
@@ -206,18 +258,67 @@ def _value_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch
     return vl
 
 
+class MicroStats(NamedTuple):
+    """One micro-batch's optimisation statistics; `metrics()` names them with their keys (`MICRO_KEYS`), leaving
+    out what the run does not have (value statistics without a value model, the KL loss with the KL in the reward)."""
+
+    policy_loss: Tensor
+    value_loss: Tensor | None
+    total_loss: Tensor  # policy + vf_coef * value - entropy_coef * entropy (+ kl_coef * KL with ppo.kl_in 'loss')
+    entropy: Tensor
+    approxkl: Tensor
+    policykl: Tensor
+    clipfrac: Tensor
+    ratio_mean: Tensor
+    ratio_var: Tensor
+    value_clipfrac: Tensor | None
+    value_error: Tensor | None
+    kl_loss: Tensor | None
+
+    @classmethod
+    def of(
+        cls,
+        pl: PolicyLossOutput,
+        vl: ValueLossOutput | None,
+        entropy: Tensor,
+        cfg: PPOConfig,
+        kl: Tensor | None = None,
+        kl_coef: float = 0.0,
+    ) -> MicroStats:
+        if vl is None:
+            total = pl.loss - cfg.entropy_coef * entropy
+        else:
+            total = pl.loss + cfg.vf_coef * vl.loss - cfg.entropy_coef * entropy
+        if kl is not None:
+            total = total + kl_coef * kl
+        return cls(
+            pl.loss, None if vl is None else vl.loss, total, entropy, pl.approx_kl, pl.policy_kl, pl.clipfrac,
+            pl.ratio_mean, pl.ratio_var, None if vl is None else vl.clipfrac, None if vl is None else vl.value_error,
+            None if kl is None else kl.detach(),
+        )  # fmt: skip
+
+    def metrics(self) -> dict[str, Tensor]:
+        return {key: value for key, value in zip(MICRO_KEYS, self, strict=True) if value is not None}
+
+
+# the metric key of each field of MicroStats, in its order
+MICRO_KEYS = (
+    "policy/loss",
+    "value/loss",
+    "loss/total",
+    "policy/entropy",
+    "policy/approxkl",
+    "policy/policykl",
+    "policy/clipfrac",
+    "policy/ratio_mean",
+    "policy/ratio_var",
+    "value/clipfrac",
+    "value/error",
+    "policy/kl_loss",
+)
 # the statistics whose NaN or inf stops (or skips) an optimizer step
 _CHECKED = ("policy/loss", "value/loss", "policy/grad_norm", "value/grad_norm")
-
-
-def _paired(concurrent: bool, policy_side, value_side) -> tuple:
-    """`policy_side()` and `value_side()`: the value side in the second stream's thread when `concurrent` (the
-    gradient clipping and the optimizer steps of the two models touch disjoint tensors), else one after the other."""
-    if not concurrent:
-        return policy_side(), value_side()
-    future = scoring.value_stream().submit(value_side)
-    first = policy_side()
-    return first, future.result()
+_CHECKED_POLICY = ("policy/loss", "policy/grad_norm")  # without a value model
 
 
 def matmul_weights(model: torch.nn.Module) -> int:
@@ -233,37 +334,98 @@ def matmul_weights(model: torch.nn.Module) -> int:
 
 
 # the policy's per-token work (its LM head included) may be at most this multiple of the value model's for the two
-# to share the cores as two single-threaded streams; past it the policy's stream would leave the other core idle
-_BALANCED_STREAMS = 2.0
+# to share the cores as two single-threaded threads; past it the policy's thread would leave the other core idle
+_BALANCED_THREADS = 2.0
 
 
-def streams_apply(device: torch.device, models: PPOModels, world_size: int = 1) -> bool:
-    """Whether `two_streams` runs the policy's and the value model's work in two single-threaded streams."""
+def use_second_thread(device: torch.device, models: PPOModels, world_size: int = 1, scoring: bool = False) -> bool:
+    """Whether the policy's and the value model's work (scoring and optimisation) run in two CPU threads, each op
+    single-threaded (`rlhf.models.device.torch_threads`), rather than one after the other with every torch thread
+    on each op. Small models' matmuls do not keep several cores busy on their own, so two models side by side do
+    better; not where the policy's LM head makes its side much heavier than the value model's (a large vocabulary
+    on a small model: the value thread would wait idle), and not with several processes: they already share the
+    cores (docs/benchmark.md). Without a value model (a critic-free estimator) the optimisation phase has one side;
+    the scoring phase (`scoring`) then weighs the reward model against the policy instead."""
+    other = models.value if models.value is not None else (models.reward if scoring else None)
     return (
-        device.type == "cpu"
+        other is not None
+        and device.type == "cpu"
         and not models.shared_value_head
         and torch.get_num_threads() > 1
         and world_size == 1
-        and matmul_weights(models.policy) <= _BALANCED_STREAMS * matmul_weights(models.value)
+        and matmul_weights(models.policy) <= _BALANCED_THREADS * matmul_weights(other)
     )
 
 
-@contextlib.contextmanager
-def two_streams(device: torch.device, models: PPOModels, world_size: int = 1) -> Iterator[bool]:
-    """On a multi-threaded CPU with a separate value model of about the policy's cost, run policy-side and
-    value-side work in two threads, each op single-threaded (no oversubscription); yields whether to. Small models'
-    matmuls do not keep two cores busy on their own: this measured about 7% faster on the `cpu` bench shape with
-    2 cores. Not where the policy's LM head makes its side much heavier (a 32k vocabulary on a small model: the
-    `cpu-long` shape's optimisation took 18.0 s in two streams against 12.3 s with both threads on each op), and not
-    with several processes: they already share the cores."""
-    threads = torch.get_num_threads()
-    concurrent = streams_apply(device, models, world_size)
-    if concurrent:
-        torch.set_num_threads(1)
-    try:
-        yield concurrent
-    finally:
-        torch.set_num_threads(threads)
+class MinibatchResult(NamedTuple):
+    stats: dict[str, float]  # means over the micro-batches, with the gradient norms
+    ratios: Tensor  # (n,) the probability ratios at the minibatch's real response tokens
+    skipped: bool  # its optimizer steps were skipped (a non-finite statistic, on_nonfinite 'skip_update')
+
+
+def minibatch_step(
+    models: PPOModels,
+    state: TrainerState,
+    rollout: Rollout,
+    rows: Tensor,
+    cfg: PPOConfig,
+    dtype: torch.dtype,
+    world_size: int = 1,
+    second_thread: bool = False,
+    on_nonfinite: str = "stop",
+    log: LogFn | None = None,
+) -> MinibatchResult:
+    """One optimizer step of the policy and of the value model on the minibatch `rows` of `rollout`.
+
+    The gradients of its micro-batches (ppo.gradient_accumulation_steps) accumulate, the policy's and the value
+    model's side by side in two threads with `second_thread` (their backward passes, gradient clipping and optimizer
+    steps touch disjoint tensors); with W > 1 processes they are averaged across ranks before clipping (FSDP
+    averages sharded models' gradients in backward). A non-finite loss or gradient norm stops the update
+    (`NonFiniteError`, after logging the statistics) or, with `on_nonfinite` 'skip_update', skips the optimizer
+    steps on every rank.
+    """
+    device = rollout.scored.query_responses.device
+    micro_size = cfg.mini_batch_size // world_size // cfg.gradient_accumulation_steps
+    critic = models.value is not None
+    kl_coef = state.kl_ctl.value
+    stats, ratios = OptimStats(), []
+    for micro in rows.split(micro_size):
+        mb = micro_batch(rollout, micro.to(device))
+        policy_side = partial(_policy_micro, models, mb, cfg, dtype, kl_coef)
+        if critic:
+            (pl, entropy, mb_ratios, kl), vl = scoring.run_sides(
+                policy_side, partial(_value_micro, models, mb, cfg, dtype), second_thread
+            )
+        else:
+            (pl, entropy, mb_ratios, kl), vl = policy_side(), None
+        ratios.append(mb_ratios)
+        stats.add(MicroStats.of(pl, vl, entropy, cfg, kl, kl_coef).metrics())
+    if world_size > 1 and not sharding.is_sharded(unwrap(models.policy)):  # the summed gradients, averaged
+        average_gradients(state.policy_params)
+        if critic:
+            average_gradients(state.value_params)
+    if critic:
+        policy_norm, value_norm = scoring.run_sides(
+            partial(sharding.clip_grad_norm, state.policy_params, cfg.max_grad_norm),
+            partial(sharding.clip_grad_norm, state.value_params, cfg.max_grad_norm),
+            second_thread,
+        )
+        stats.add({"policy/grad_norm": policy_norm, "value/grad_norm": value_norm})
+    else:
+        stats.add({"policy/grad_norm": sharding.clip_grad_norm(state.policy_params, cfg.max_grad_norm)})
+    means = stats.means()
+    skip = skip_nonfinite(means, "PPO", state.step + 1, on_nonfinite, log, _CHECKED if critic else _CHECKED_POLICY)
+    if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
+        skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
+    if not skip:
+        if critic:
+            scoring.run_sides(state.policy_opt.step, state.value_opt.step, second_thread)
+        else:
+            state.policy_opt.step()
+    state.policy_opt.zero_grad(set_to_none=True)
+    if critic:
+        state.value_opt.zero_grad(set_to_none=True)
+    return MinibatchResult(means, torch.cat(ratios), skip)
 
 
 def _global_approxkl(running: OptimStats, world_size: int, device: torch.device) -> float:
@@ -287,8 +449,9 @@ def optimize(
     """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop.
 
     Policy and value losses have disjoint parameters, so their backward passes are independent: with a separate
-    value model on the CPU, the value model's forward and backward run in a second thread beside the policy's
-    (each op single-threaded), which keeps both cores busy where one model's small matmuls would not.
+    value model on the CPU (`use_second_thread`), the value model's forward and backward run in a second thread
+    beside the policy's (each op single-threaded), which keeps both cores busy where one model's small matmuls would
+    not.
 
     With `dist` over W > 1 processes, `rollout` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
     is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
@@ -301,84 +464,52 @@ def optimize(
     steps and counts it in ``ppo/skipped_nonfinite``.
     """
     t0 = time.perf_counter()
-    device = rollout.query_responses.device
+    device = rollout.scored.query_responses.device
     world_size = dist.world_size if dist is not None else 1
-    sharded = sharding.is_sharded(unwrap(models.policy))  # FSDP averages the gradients itself
+    n, mini_size = len(rollout.indices), cfg.mini_batch_size // world_size
+    second_thread = use_second_thread(device, models, world_size)
     running, per_minibatch, ratios = OptimStats(), [], []
-    mini_size = cfg.mini_batch_size // world_size
-    micro_size = mini_size // cfg.gradient_accumulation_steps
-    stopped_early = 0.0
-    skipped = 0
-    models.policy.train()  # dropout is disabled; train mode only switches on gradient checkpointing
-    models.value.train()
-    with two_streams(device, models, world_size) as concurrent:
+    stopped_early, skipped = 0.0, 0
+    # step 1. train mode: dropout is disabled, it only switches on gradient checkpointing
+    models.policy.train()
+    if models.value is not None:
+        models.value.train()
+    with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded
         for _epoch in range(cfg.num_ppo_epochs):
-            perm = torch.randperm(len(rollout.indices), generator=state.shuffle_generator)
-            for start in range(0, len(rollout.indices), mini_size):
-                mb_stats = OptimStats()
-                for micro in perm[start : start + mini_size].split(micro_size):
-                    mb = micro_batch(rollout, micro.to(device))
-                    if concurrent:
-                        value_future = scoring.value_stream().submit(_value_micro, models, mb, cfg, dtype)
-                        pl, entropy, mb_ratios = _policy_micro(models, mb, cfg, dtype)
-                        vl = value_future.result()
-                    else:
-                        pl, entropy, mb_ratios = _policy_micro(models, mb, cfg, dtype)
-                        vl = _value_micro(models, mb, cfg, dtype)
-                    ratios.append(mb_ratios)
-                    mb_stats.add(
-                        {
-                            "policy/loss": pl.loss,
-                            "value/loss": vl.loss,
-                            "loss/total": pl.loss + cfg.vf_coef * vl.loss - cfg.entropy_coef * entropy,
-                            "policy/entropy": entropy,
-                            "policy/approxkl": pl.approx_kl,
-                            "policy/policykl": pl.policy_kl,
-                            "policy/clipfrac": pl.clipfrac,
-                            "policy/ratio_mean": pl.ratio_mean,
-                            "policy/ratio_var": pl.ratio_var,
-                            "value/clipfrac": vl.clipfrac,
-                            "value/error": vl.value_error,
-                        }
-                    )
-                if world_size > 1 and not sharded:  # after both backward passes: the summed gradients, averaged
-                    average_gradients(state.policy_params)
-                    average_gradients(state.value_params)
-                policy_norm, value_norm = _paired(
-                    concurrent,
-                    lambda: sharding.clip_grad_norm(state.policy_params, cfg.max_grad_norm),
-                    lambda: sharding.clip_grad_norm(state.value_params, cfg.max_grad_norm),
-                )
-                mb_stats.add({"policy/grad_norm": policy_norm, "value/grad_norm": value_norm})
-                mb_means = mb_stats.means()
-                skip = skip_nonfinite(mb_means, "PPO", state.step + 1, on_nonfinite, log, _CHECKED)
-                if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
-                    skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
-                skipped += skip
-                if not skip:
-                    _paired(concurrent, state.policy_opt.step, state.value_opt.step)
-                state.policy_opt.zero_grad(set_to_none=True)
-                state.value_opt.zero_grad(set_to_none=True)
-                per_minibatch.append(mb_means)
-                running.add(per_minibatch[-1])
+            # step 2. a shuffled pass over the rollout: one optimizer step of each model per minibatch
+            perm = torch.randperm(n, generator=state.shuffle_generator)
+            for start in range(0, n, mini_size):
+                step = minibatch_step(
+                    models, state, rollout, perm[start : start + mini_size], cfg, dtype, world_size, second_thread,
+                    on_nonfinite, log,
+                )  # fmt: skip
+                per_minibatch.append(step.stats)
+                running.add(step.stats)
+                ratios.append(step.ratios)
+                skipped += step.skipped
+            # step 3. early stop once the epoch's approximate KL (the mean over every rank) passes ppo.target_kl
             if cfg.target_kl is not None and _global_approxkl(running, world_size, device) > cfg.target_kl:
                 stopped_early = 1.0
                 break
+    # step 4. eval mode; one learning-rate scheduler step per update
     models.policy.eval()
-    models.value.eval()
     state.policy_sched.step()
-    state.value_sched.step()
-    all_ratios = torch.cat(ratios).float()
+    if models.value is not None:
+        models.value.eval()
+        state.value_sched.step()
+    # step 5. statistics: means over every minibatch of every epoch, and the quantiles of the ratios
     stats = running.means()
     stats.update(
         {
             "policy/early_stopped": stopped_early,
             "policy/lr": state.policy_sched.get_last_lr()[0],
-            "value/lr": state.value_sched.get_last_lr()[0],
             "time/optimize": time.perf_counter() - t0,
         }
     )
+    if models.value is not None:
+        stats["value/lr"] = state.value_sched.get_last_lr()[0]
     if on_nonfinite == "skip_update":
         stats["ppo/skipped_nonfinite"] = float(skipped)
+    all_ratios = torch.cat(ratios).float()
     quantiles = masked_quantiles(all_ratios, torch.ones_like(all_ratios))
     return OptimResult(stats, per_minibatch, quantiles)

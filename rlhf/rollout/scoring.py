@@ -7,21 +7,25 @@ both call it, so a rollout and an evaluation batch are generated and scored the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models import sharding
-from rlhf.models.device import autocast
+from rlhf.models.device import autocast, torch_threads
 from rlhf.models.heads import backbone_hidden, lm_logits, sequence_scores, token_scores
 from rlhf.models.training import unwrap
 from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.rollout.generation import GenerationSettings, Responses, Sampler, sample_responses
+
+P = TypeVar("P")
+V = TypeVar("V")
 
 
 class PolicyOutput(NamedTuple):
@@ -185,16 +189,26 @@ def _chunks(n: int, size: int | None) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-_VALUE_STREAM: ThreadPoolExecutor | None = None
+_VALUE_THREAD: ThreadPoolExecutor | None = None
 
 
-def value_stream() -> ThreadPoolExecutor:
-    """The one worker thread of the CPU's second stream: the value (and reward) model's side of the scoring phase
-    here, and of the optimisation phase (`rlhf.ppo.update`)."""
-    global _VALUE_STREAM
-    if _VALUE_STREAM is None:
-        _VALUE_STREAM = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
-    return _VALUE_STREAM
+def value_thread() -> ThreadPoolExecutor:
+    """The one worker of the CPU's second thread: the value (and reward) model's side of the scoring phase here, and
+    of the optimisation phase (`rlhf.ppo.update`)."""
+    global _VALUE_THREAD
+    if _VALUE_THREAD is None:
+        _VALUE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
+    return _VALUE_THREAD
+
+
+def run_sides(policy_side: Callable[[], P], value_side: Callable[[], V], second_thread: bool) -> tuple[P, V]:
+    """`policy_side()` and `value_side()`: with `second_thread`, the value side on `value_thread()` while the policy
+    side runs in this thread (the two touch disjoint models and tensors); else one after the other, policy first."""
+    if not second_thread:
+        return policy_side(), value_side()
+    future = value_thread().submit(value_side)
+    first = policy_side()
+    return first, future.result()
 
 
 def generate_and_score(
@@ -206,12 +220,12 @@ def generate_and_score(
     generator: torch.Generator | None,
     dtype: torch.dtype,
     forward_batch_size: int | None = None,
-    two_streams: bool = False,
+    second_thread: bool = False,
 ) -> ScoredResponses:
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
-    temperature, values (when there is a value model) and reward-model scores. `two_streams` (a CPU, models of
+    temperature, values (when there is a value model) and reward-model scores. `second_thread` (a CPU, models of
     about one size): the value and reward forwards run in a second thread beside the policy's and the reference's,
-    each op single-threaded (`rlhf.ppo.update.two_streams`).
+    each op single-threaded (`rlhf.ppo.update.use_second_thread`).
 
     `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
     dtype on CUDA (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
@@ -281,18 +295,8 @@ def generate_and_score(
             )
         return values, scores
 
-    if two_streams:  # each side single-threaded, the value and reward models' in a second thread
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            future = value_stream().submit(value_side)
-            logprobs, ref_logprobs = policy_side()
-            values, scores = future.result()
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        logprobs, ref_logprobs = policy_side()
-        values, scores = value_side()
+    with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded
+        (logprobs, ref_logprobs), (values, scores) = run_sides(policy_side, value_side, second_thread)
     sharding.reshard(policy, models.reference, models.value, models.reward)  # free what the no-grad calls gathered
     timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
     return ScoredResponses(query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings)

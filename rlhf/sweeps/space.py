@@ -73,6 +73,14 @@ class SearchParameter(BaseModel):
     log: bool = Field(False, description="Draw the range uniformly in log space (both bounds > 0).")
     integer: bool = Field(False, description="Round each draw to an integer.")
 
+    def check_values_or_range(self) -> None:
+        """Raise ValueError unless the row gives either values or both bounds of a range."""
+        has_range = self.low is not None or self.high is not None
+        if self.values is not None and has_range:
+            raise ValueError(f"parameters.{self.key} has both values and low/high; give one of them")
+        if self.values is None and (self.low is None or self.high is None):
+            raise ValueError(f"parameters.{self.key} needs values, or low and high")
+
     def axis(self) -> list[Any] | Range:
         if self.values is not None:
             return self.values
@@ -170,11 +178,7 @@ class SweepSpace(BaseModel):
         if not self.parameters:
             raise ValueError(f"sweep '{self.name}' has no parameters to vary")
         for row in self.parameters:
-            has_range = row.low is not None or row.high is not None
-            if row.values is not None and has_range:
-                raise ValueError(f"parameters.{row.key} has both values and low/high; give one of them")
-            if row.values is None and (row.low is None or row.high is None):
-                raise ValueError(f"parameters.{row.key} needs values, or low and high")
+            row.check_values_or_range()
         keys = [row.key for row in self.parameters]
         if len(set(keys)) < len(keys):
             twice = next(k for k in keys if keys.count(k) > 1)
@@ -187,21 +191,25 @@ class SweepSpace(BaseModel):
                 raise ValueError(f"optuna.enqueue names '{unknown[0]}', which is not one of the sweep's parameters")
         for key, values in self.axes.items():
             check_key(key)
-            if isinstance(values, Range):
-                if self.method == "grid":
-                    raise ValueError(
-                        f"parameters.{key} is a range, which needs method: random or optuna (a grid needs a list of "
-                        "values)"
-                    )
-                if not values.low < values.high:
-                    raise ValueError(f"parameters.{key}: low ({values.low}) must be below high ({values.high})")
-                if values.log and values.low <= 0:
-                    raise ValueError(f"parameters.{key}: a log range needs low > 0 (got {values.low})")
-            elif not values:
-                raise ValueError(f"parameters.{key} is an empty list; give at least one value")
-            elif self.method == "optuna" and not all(isinstance(v, SCALARS) or v is None for v in values):
-                raise ValueError(f"parameters.{key}: Optuna chooses among numbers, strings, booleans or null only")
+            check_axis(key, values, self.method)
         return self
+
+
+def check_axis(key: str, values: list[Any] | Range, method: str) -> None:
+    """Raise ValueError unless the values (or range) of parameter `key` can be searched by `method`."""
+    if isinstance(values, Range):
+        if method == "grid":
+            raise ValueError(
+                f"parameters.{key} is a range, which needs method: random or optuna (a grid needs a list of values)"
+            )
+        if not values.low < values.high:
+            raise ValueError(f"parameters.{key}: low ({values.low}) must be below high ({values.high})")
+        if values.log and values.low <= 0:
+            raise ValueError(f"parameters.{key}: a log range needs low > 0 (got {values.low})")
+    elif not values:
+        raise ValueError(f"parameters.{key} is an empty list; give at least one value")
+    elif method == "optuna" and not all(isinstance(v, SCALARS) or v is None for v in values):
+        raise ValueError(f"parameters.{key}: Optuna chooses among numbers, strings, booleans or null only")
 
 
 class Variant(NamedTuple):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +34,9 @@ from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: import
 
 MAX_PARAM_LEN = 6000
 _logger = logging.getLogger(__name__)
+# MLflow's source of a run (the run page's Source) and of a logged model (the Models tab's "Logged from")
+SOURCE_NAME_TAG, SOURCE_TYPE_TAG = "mlflow.source.name", "mlflow.source.type"
+_CHECKOUT = Path(__file__).resolve().parents[2]  # rlhf/tracking/client.py -> the project's folder
 
 # Arrow type -> MLflow column type, for the schema of dataset inputs.
 _MLFLOW_TYPES = {
@@ -78,6 +82,28 @@ class _RetryingClient:
         return call
 
 
+def source_tags(name: str) -> dict[str, str]:
+    """The tags that make `name` (e.g. ``flows/pipeline.py``) MLflow's source of a run or a logged model."""
+    return {SOURCE_NAME_TAG: name, SOURCE_TYPE_TAG: "LOCAL"}
+
+
+def default_source() -> str:
+    """What started this process, as the project names it: ``rlhf run`` (the `rlhf` command and its subcommand),
+    a file of the checkout (``benchmarks/overhead_bench.py``), else ``rlhf``. MLflow's own guess is the file Python
+    started, which for a flow run of a deployment is Prefect's engine.py."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if main is None:
+        return "rlhf"
+    if main.name == "rlhf":
+        command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+        return f"rlhf {command}" if command else "rlhf"
+    main = main.resolve()
+    installed = Path(sys.prefix).resolve()  # a virtual environment inside the checkout is not the project's code
+    if main.suffix == ".py" and main.is_relative_to(_CHECKOUT) and not main.is_relative_to(installed):
+        return main.relative_to(_CHECKOUT).as_posix()
+    return "rlhf"
+
+
 class Tracker:
     """Runs, params, metrics and artifacts of one MLflow experiment."""
 
@@ -100,11 +126,24 @@ class Tracker:
                 self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, default_view_json())
 
     def start_run(self, name: str, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
+        """A new run; its MLflow source (`source_tags`) is the one in `tags`, else its parent's, else
+        `default_source()`."""
         all_tags = {**process_tags(), **(tags or {})}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
+        if SOURCE_NAME_TAG not in all_tags:
+            parent = self.client.get_run(parent_run_id).data.tags if parent_run_id else {}
+            all_tags |= source_tags(parent.get(SOURCE_NAME_TAG) or default_source())
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
         return run.info.run_id
+
+    def source_of(self, run_id: str) -> dict[str, str]:
+        """The MLflow source tags of a run (`default_source()` for a run without them)."""
+        tags = self.client.get_run(run_id).data.tags
+        return {
+            SOURCE_NAME_TAG: tags.get(SOURCE_NAME_TAG) or default_source(),
+            SOURCE_TYPE_TAG: tags.get(SOURCE_TYPE_TAG) or "LOCAL",
+        }
 
     def reopen_run(self, run_id: str) -> None:
         """Mark a failed, killed or finished run as running again (a retried or rerun stage continues its own run),
@@ -241,8 +280,8 @@ class Tracker:
     def log_transformers_model(self, run_id: str, folder: str | Path, name: str = "policy_model") -> str:
         """Log a ``save_pretrained`` folder of a causal LM (with its tokenizer) as an MLflow transformers model of
         the run (a text-generation pipeline): it shows in the run's Models column, and ``mlflow models serve`` and
-        ``mlflow.transformers.load_model`` work on it. The model is loaded on the CPU to be logged. Returns the
-        model URI (``models:/m-...``)."""
+        ``mlflow.transformers.load_model`` work on it. The model is loaded on the CPU to be logged; its source is
+        the run's (MLflow would name the file Python started). Returns the model URI (``models:/m-...``)."""
         import mlflow
         import torch
         import transformers
@@ -253,8 +292,9 @@ class Tracker:
         # (unset, when it was: MLFLOW_TRACKING_URI keeps working afterwards)
         from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
+        source = self.source_of(run_id)
         with _FLUENT_LOCK, _use_tracking_uri(self.uri), mlflow.start_run(run_id=run_id):
-            info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements)
+            info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements, tags=source)
         self.client.update_run(run_id, status="RUNNING")  # leaving start_run ended it; the stage ends it
         return info.model_uri
 

@@ -67,7 +67,15 @@ def score_pairs(
     return scores[: len(frame)], scores[len(frame) :]
 
 
+# the reward model's metric keys: TRAIN_PREFIX/<stat> every step, EVAL_PREFIX/<stat> on the held-out pairs every
+# reward.eval_every steps (`pair_stats`); the run's summary keys are reward/<name> (reward/eval_accuracy: the kept
+# checkpoint's held-out accuracy)
+TRAIN_PREFIX = "reward/train"
+EVAL_PREFIX = "reward/eval"
+
+
 def pair_stats(prefix: str, chosen: Tensor, rejected: Tensor, loss: Tensor | None = None) -> dict[str, float]:
+    """Accuracy, mean margin, and mean and std of the chosen and rejected scores (and the loss) under `prefix`."""
     stats = {
         f"{prefix}/accuracy": (chosen > rejected).float().mean().item(),
         f"{prefix}/margin": (chosen - rejected).mean().item(),
@@ -90,7 +98,7 @@ def evaluate_pairs(
     device: torch.device,
     batch_size: int = 128,
 ) -> dict[str, float]:
-    """Held-out loss, accuracy, margin and reward statistics."""
+    """Held-out loss, accuracy, margin and reward statistics (`EVAL_PREFIX`/<stat>)."""
     was_training = model.training
     model.eval()
     chosen, rejected = [], []
@@ -103,7 +111,7 @@ def evaluate_pairs(
     c, r = torch.cat(chosen), torch.cat(rejected)
     margin = _margins(frame, cfg, device)
     loss = pairwise_reward_loss(c, r, margin, cfg.center_coef).loss
-    return pair_stats("eval", c, r, loss)
+    return pair_stats(EVAL_PREFIX, c, r, loss)
 
 
 def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Tensor | None:
@@ -151,6 +159,44 @@ def total_steps(cfg: RewardConfig, n_pairs: int) -> int:
     return max(1, int(cfg.epochs * math.ceil(n_pairs / cfg.batch_size)))
 
 
+BEST_FILE = "best.safetensors"  # the best checkpoint's weights, in the resume state's folder
+
+
+@dataclass
+class BestCheckpoint:
+    """The checkpoint with the best held-out accuracy so far: its accuracy, step and a copy of its weights, saved
+    with the resume state in `folder` (`fields`, `tensor_files`) and restored from it (`resume`)."""
+
+    folder: Path  # the resume state's folder
+    device: torch.device  # where resumed weights are loaded
+    accuracy: float = -1.0
+    step: int = 0
+    weights: dict[str, Tensor] | None = None
+
+    def update(self, model: PreTrainedModel, accuracy: float, step: int) -> None:
+        """Keep `model`'s weights when `accuracy` beats the best so far (the earliest of equal ones stays)."""
+        if accuracy > self.accuracy:
+            self.accuracy, self.step = accuracy, step
+            self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def resume(self, saved: dict[str, Any]) -> None:
+        """The best checkpoint of the resume state in `folder` (`saved`: its fields)."""
+        self.accuracy, self.step = saved["best_acc"], saved["best_step"]
+        if (self.folder / BEST_FILE).is_file():
+            self.weights = load_file(self.folder / BEST_FILE, device=str(self.device))
+
+    def fields(self) -> dict[str, Any]:
+        return {"best_acc": self.accuracy, "best_step": self.step}
+
+    def tensor_files(self) -> dict[str, dict[str, Tensor]] | None:
+        return {BEST_FILE: _untied(self.weights)} if self.weights is not None else None
+
+    def load_into(self, model: PreTrainedModel) -> None:
+        """Give `model` the best checkpoint's weights (none kept: it stays as it is)."""
+        if self.weights is not None:
+            model.load_state_dict(self.weights, strict=False)
+
+
 def train_reward_model(
     cfg: RewardConfig,
     runtime: RuntimeConfig,
@@ -185,39 +231,29 @@ def train_reward_model(
     optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)  # linear warm-up, then linear decay to 0
     dtype = compute_dtype(runtime.dtype, device)
-    best_acc, best_state, best_step = -1.0, None, 0
     state_dir = Path(out_dir) / "state"
+    best = BestCheckpoint(state_dir, device)
     pending = dict(length_stats)  # logged once, with the first step of this run
     start = time.perf_counter()
 
-    def on_resume(saved: dict[str, Any]) -> None:
-        nonlocal best_acc, best_step, best_state
-        best_acc, best_step = saved["best_acc"], saved["best_step"]
-        if (state_dir / "best.safetensors").is_file():
-            best_state = load_file(state_dir / "best.safetensors", device=str(device))
-
     def step_fn(batch_rows: list[int]) -> StepOutput:
         """Pairwise loss of one batch of pairs; the statistics of its chosen (b,) and rejected (b,) scores."""
-        nonlocal pending
         rows = train.iloc[batch_rows]
         with autocast(device, dtype):
             chosen, rejected = score_pairs(model, tokenizer, rows, cfg.max_length, device, cfg.min_prompt_tokens)
         out = pairwise_reward_loss(chosen, rejected, _margins(rows, cfg, device), cfg.center_coef)
-        stats = pair_stats("train", chosen.detach(), rejected.detach(), out.loss.detach())
-        stats.update({"train/lr": scheduler.get_last_lr()[0], **pending})
-        pending = {}
+        stats = pair_stats(TRAIN_PREFIX, chosen.detach(), rejected.detach(), out.loss.detach())
+        stats.update({f"{TRAIN_PREFIX}/lr": scheduler.get_last_lr()[0], **pending})
+        pending.clear()
         return StepOutput(out.loss, stats)
 
     def after_step(end: StepEnd) -> None:
-        nonlocal best_acc, best_step, best_state
         stats = end.stats
         if end.skipped:
-            stats["train/skipped_nonfinite"] = float(end.skipped)
+            stats[f"{TRAIN_PREFIX}/skipped_nonfinite"] = float(end.skipped)
         if end.step % cfg.eval_every == 0 or end.step == total:
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
-            if stats["eval/accuracy"] > best_acc:
-                best_acc, best_step = stats["eval/accuracy"], end.step
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best.update(model, stats[f"{EVAL_PREFIX}/accuracy"], end.step)
         log(stats, end.step)
 
     settings = LoopSettings(
@@ -227,24 +263,22 @@ def train_reward_model(
         n_rows=len(train),
         save_every=cfg.save_every,
         on_nonfinite=runtime.on_nonfinite,
-        grad_norm_key="train/grad_norm",
-        checked=("train/loss", "train/grad_norm"),
-        first_step=1,
+        grad_norm_key=f"{TRAIN_PREFIX}/grad_norm",
+        checked=(f"{TRAIN_PREFIX}/loss", f"{TRAIN_PREFIX}/grad_norm"),
         desc="reward",
         progress=runtime.progress,
-        extra_fields=lambda: {"best_acc": best_acc, "best_step": best_step},
-        tensor_files=lambda: {"best.safetensors": _untied(best_state)} if best_state is not None else None,
+        extra_fields=best.fields,
+        tensor_files=best.tensor_files,
     )
     rng = random.Random(seed)
     run_supervised(
-        model, optimizer, scheduler, rng, state_dir, device, settings, step_fn, log, after_step, on_resume, stop_after
+        model, optimizer, scheduler, rng, state_dir, device, settings, step_fn, log, after_step, best.resume, stop_after
     )
-    if best_state is not None:
-        model.load_state_dict(best_state, strict=False)
+    best.load_into(model)
     final = evaluate_pairs(model, tokenizer, evals, cfg, device)
     metrics = {
-        "reward/eval_accuracy": final["eval/accuracy"],
-        "reward/best_step": float(best_step),
+        "reward/eval_accuracy": final[f"{EVAL_PREFIX}/accuracy"],
+        "reward/best_step": float(best.step),
         "reward/seconds": time.perf_counter() - start,
         "memory/peak_mb": peak_memory_mb(device),
         **length_stats,
@@ -256,5 +290,7 @@ def train_reward_model(
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        manifest = write_manifest(tmp, stage="reward", best_step=best_step, eval_accuracy=final["eval/accuracy"])
+        manifest = write_manifest(
+            tmp, stage="reward", best_step=best.step, eval_accuracy=final[f"{EVAL_PREFIX}/accuracy"]
+        )
     return RewardResult(str(out_dir), manifest["digest"], metrics)

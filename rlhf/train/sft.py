@@ -150,7 +150,7 @@ def train_sft(
     def after_step(end: StepEnd) -> None:
         nonlocal loss_value, pending
         loss_value = end.loss.item()
-        if end.step % 10 == 0 or end.done == cfg.steps or end.skip:
+        if end.step == 1 or end.step % 10 == 0 or end.step == cfg.steps or end.skip:  # the first, every 10th, last
             grad_norm = float(end.stats["sft/grad_norm"])
             stats = {"sft/loss": loss_value, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0]}
             if end.skipped:

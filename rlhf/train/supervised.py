@@ -37,8 +37,7 @@ class StepOutput(NamedTuple):
 class StepEnd:
     """A finished step, handed to the stage's `after_step` callback."""
 
-    step: int  # the number the step is logged under
-    done: int  # steps done, this one included
+    step: int  # the number the step is logged under, counted from 1: the steps done, this one included
     loss: Tensor
     stats: dict[str, Any]  # the callback's statistics with the gradient norm
     skip: bool  # the optimizer step was skipped (non-finite loss or gradient norm)
@@ -57,7 +56,6 @@ class LoopSettings:
     on_nonfinite: str  # runtime.on_nonfinite
     grad_norm_key: str  # e.g. "sft/grad_norm"
     checked: tuple[str, ...] | None = None  # statistics whose NaN or inf stops (or skips) the step; None: all
-    first_step: int = 0  # the number the first step is logged under (SFT: 0, reward model: 1)
     desc: str = "train"
     progress: bool = True
     extra_fields: Callable[[], dict[str, Any]] = field(default=lambda: {})
@@ -105,7 +103,7 @@ def run_supervised(
         total=total,
     )
     for index in bar:
-        step = index + settings.first_step
+        step = index + 1  # every stage counts its steps from 1
         if len(order) < settings.batch_size:
             order = list(range(settings.n_rows))
             rng.shuffle(order)
@@ -121,13 +119,12 @@ def run_supervised(
         if not skip:
             optimizer.step()
         scheduler.step()
-        done = index + 1
         if after_step is not None:
-            after_step(StepEnd(step, done, out.loss, stats, skip, skipped))
-        if done < total and (done % settings.save_every == 0 or done == stop_after):
-            fields = {"step": done, "order": order, **settings.extra_fields()}
+            after_step(StepEnd(step, out.loss, stats, skip, skipped))
+        if step < total and (step % settings.save_every == 0 or step == stop_after):
+            fields = {"step": step, "order": order, **settings.extra_fields()}
             flush_log(log)  # every step up to a saved state is in the store
             save_trainer_state(state_dir, model, optimizer, scheduler, rng, fields, settings.tensor_files())
-        if done == stop_after and done < total:
-            raise TrainingInterrupted(f"{settings.stage} training stopped after {done} steps (stop_after); state saved")
+        if step == stop_after and step < total:
+            raise TrainingInterrupted(f"{settings.stage} training stopped after {step} steps (stop_after); state saved")
     return skipped

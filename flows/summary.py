@@ -1,0 +1,124 @@
+"""The pipeline's summary as the terminal shows it at the end of `make run` (`python -m flows.pipeline`)."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from flows.artifacts import mlflow_experiment_url
+from flows.pipeline_run import RESULTS_FROM_TAG
+from rlhf.eval.length_control import EVAL_WARNING_TAG
+from tasks.stage_table import STAGES
+
+# A run below either budget checks the plumbing (every stage runs and hands the next one its outputs), not learning:
+# too few PPO episodes to move the policy, or an SFT policy trained from scratch (sft.model: null) in too few steps to
+# write a sentence. Its gold reward, win rates and completions then mean nothing (conf/smoke.yaml is one; the
+# default config is far above both).
+PLUMBING_PPO_EPISODES = 1024
+PLUMBING_SFT_STEPS = 100
+# The run's budget in the summary (ints: neither MLflow metrics nor tags; the run's params hold them already)
+PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
+
+
+def _row(label: str, value: str) -> str:
+    return f"{label + ':':<40}{value}"
+
+
+def _rate(summary: dict[str, Any], key: str) -> str:
+    return f"{summary[key]:.1%}" if key in summary else "n/a"
+
+
+def _equal_length(summary: dict[str, Any], score: str) -> str:
+    """'52.0% (logistic fit); 50.0% of 40 length-matched pairs'."""
+    matched = f"{_rate(summary, f'eval/win_rate_{score}_len_matched')} of {int(summary.get('eval/n_len_matched', 0))}"
+    return f"{_rate(summary, f'eval/win_rate_{score}_len_controlled')} (logistic fit); {matched} length-matched pairs"
+
+
+def hacking_warnings(summary: dict[str, Any]) -> list[str]:
+    """The evaluation's reward-hacking warnings, one per line; a generic one for a flag set without its text."""
+    lines = [line for line in str(summary.get(EVAL_WARNING_TAG, "")).splitlines() if line.strip()]
+    if not lines and summary.get("eval/hacking_flag_length"):
+        lines.append("PPO's gain over SFT is mostly explained by response length (see docs/evaluation.md).")
+    if not lines and summary.get("eval/hacking_flag_empty"):
+        lines.append("PPO gives more empty answers than SFT and the reward model scores them highly.")
+    return lines
+
+
+def plumbing_check(summary: dict[str, Any]) -> str | None:
+    """Why this run checks the plumbing rather than learning (its budget under `PLUMBING_PPO_EPISODES` PPO episodes,
+    or under `PLUMBING_SFT_STEPS` SFT steps from scratch), else None."""
+    small = []
+    episodes, steps = summary.get(PPO_EPISODES), summary.get(SFT_STEPS)
+    if episodes is not None and episodes < PLUMBING_PPO_EPISODES:
+        small.append(f"{episodes} PPO episodes (under {PLUMBING_PPO_EPISODES})")
+    if steps is not None and steps < PLUMBING_SFT_STEPS:
+        small.append(f"{steps} SFT steps of a policy trained from scratch (under {PLUMBING_SFT_STEPS})")
+    if not small:
+        return None
+    return (
+        f"a plumbing check, not learning: {' and '.join(small)} are too few to learn the task. The figures below "
+        "show that every stage ran, not how well: gold reward, win rates and completions are not meant to be good."
+    )
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = ["", "== RLHF pipeline summary"]
+    if note := plumbing_check(summary):
+        lines += [*textwrap.wrap(f"NOTE: {note}", 116, subsequent_indent="      "), ""]
+    lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/eval_accuracy']:.3f}"))
+    if "eval/win_rate_gold" in summary:
+        lines.append(
+            _row(
+                "PPO beats SFT on gold reward",
+                f"{summary['eval/win_rate_gold']:.1%} of {int(summary['eval/n_prompts'])} held-out prompts "
+                f"(ties {summary['eval/tie_rate_gold']:.1%})",
+            )
+        )
+        if "eval/win_rate_gold_len_controlled" in summary:
+            lines.append(_row("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
+        lines.append(
+            _row("mean gold reward PPO / SFT", f"{summary['eval/ppo_gold']:.3f} / {summary['eval/sft_gold']:.3f}")
+        )
+    lines.append(_row("PPO beats SFT on reward-model score", f"{summary['eval/win_rate_rm']:.1%}"))
+    if "eval/win_rate_rm_len_controlled" in summary:
+        lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
+    lines.append(_row("mean KL(PPO || SFT) per response", f"{summary['eval/kl']:.3f}"))
+    if "eval/ppo_length_mean" in summary:
+        for name in ("ppo", "sft"):
+            mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
+            lines.append(
+                _row(
+                    f"{name.upper()} response tokens",
+                    f"mean {mean:.1f}, p10/p50/p90 {p10:g}/{p50:g}/{p90:g}; "
+                    f"empty {summary[f'eval/{name}_empty_rate']:.1%}, "
+                    f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
+                )
+            )
+    warnings = hacking_warnings(summary)
+    if warnings:
+        lines += ["", *(f"WARNING: {w}" for w in warnings), ""]
+    cached = [stage.label for stage in STAGES if summary.get(f"stage.{stage.task}.cached") == "true"]
+    if cached:
+        origin = summary.get(f"{RESULTS_FROM_TAG}_name") or summary.get(RESULTS_FROM_TAG)
+        lines.append(
+            _row("stages from the cache", f"{len(cached)} of {len(STAGES)}")
+            + (f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})")
+        )
+    for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
+        lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
+    if "registered_policy" in summary:
+        lines.append(f"{'registered policy':<40}{summary['registered_policy']}")
+    lines += [
+        "",
+        f"MLflow run {summary['mlflow_run_id']}; open the UI with:",
+        "  make mlflow-ui     (or: .venv/bin/mlflow ui --backend-store-uri "
+        f"{summary['tracking_uri']} --host 127.0.0.1 --port 5000)",
+        *(
+            [f"  then the experiment (the project's columns and charts): {mlflow_experiment_url(experiment)}"]
+            if (experiment := summary.get("mlflow_experiment_id"))
+            else []
+        ),
+        "Prefect UI (flow runs, task states, logs, artifacts; deployments to trigger runs from a form):",
+        "  make ui            (both UIs and the deployments; or just: make prefect-ui)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""Rule-based rewards: a Python callable ``(prompts: list[str], responses: list[str]) -> list[float]`` scores the
+responses instead of (``reward.source: function``) or on top of (``reward.function_weight``) the reward model.
+
+The callable is named ``"module:callable"`` (``rlhf.data.synthetic:gold_reward`` is the built-in task's gold
+reward) and must be importable in the run's environment. Every way it can go wrong is one sentence naming the
+function (and the row where one is to blame): it cannot be imported, it raises, it returns the wrong number of
+values, or a value that is not a finite number. ``function_digest`` is part of the cache key of every stage that
+scores with it: the function's name and its source file's digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf.errors import ConfigError, UserInputError
+
+RewardCallable = Callable[[list[str], list[str]], Sequence[float]]
+
+
+class RewardFunctionError(UserInputError):
+    """A reward function that cannot be used: the message names the function, and the row where one is to blame."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    spec: str  # "module:callable"
+    fn: RewardCallable
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """The scores of the (prompt, response) pairs, checked: one finite float per pair."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        try:
+            values = self.fn(list(prompts), list(responses))
+        except Exception as err:  # noqa: BLE001 (the user's code: any error is reported in one sentence)
+            raise RewardFunctionError(
+                f"reward function {self.spec} raised {type(err).__name__}: {_first_line(err)} (on a batch of "
+                f"{len(prompts)} responses)"
+            ) from err
+        try:
+            scores = [float(v) for v in values]
+        except (TypeError, ValueError) as err:
+            raise RewardFunctionError(
+                f"reward function {self.spec} must return a list of numbers, one per response; it returned "
+                f"{type(values).__name__} ({_first_line(err)})"
+            ) from err
+        if len(scores) != len(prompts):
+            raise RewardFunctionError(
+                f"reward function {self.spec} returned {len(scores)} values for {len(prompts)} responses: it must "
+                "return one per response"
+            )
+        for row, score in enumerate(scores):
+            if not math.isfinite(score):
+                raise RewardFunctionError(
+                    f"reward function {self.spec} returned {score} for row {row} of a batch (prompt "
+                    f"{_clip(prompts[row])!r}, response {_clip(responses[row])!r}): every score must be finite"
+                )
+        return scores
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else "no message"
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_reward_function(spec: str, key: str = "reward.function") -> RewardFunction:
+    """The callable named ``"module:callable"`` (dotted attributes allowed after the colon), or ConfigError naming
+    `key` when the name is malformed, the module does not import or the attribute is missing or not callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{key} must be 'module:callable' (e.g. rlhf.data.synthetic:gold_reward), got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 (any import failure of the user's module is one sentence)
+        raise ConfigError(
+            f"{key}: module {module_name!r} of {spec} cannot be imported ({type(err).__name__}: {_first_line(err)}); "
+            "it must be importable in the run's environment (installed, or on PYTHONPATH)"
+        ) from err
+    target: object = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{key}: module {module_name!r} has no attribute {attr!r} (from {spec})")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{key}: {spec} is a {type(target).__name__}, not a callable")
+    return RewardFunction(spec, target)  # type: ignore[arg-type]
+
+
+def function_digest(spec: str) -> str:
+    """The function's name and its source file's content digest: what a stage scoring with it is cached on (a
+    changed rule recomputes the stage). Functions without a source file (builtins) are keyed on the name alone."""
+    fn = load_reward_function(spec).fn
+    try:
+        source = inspect.getsourcefile(inspect.unwrap(fn))
+    except TypeError:
+        source = None
+    h = hashlib.sha256(spec.encode())
+    if source and Path(source).is_file():
+        h.update(Path(source).read_bytes())
+    return h.hexdigest()[:16]

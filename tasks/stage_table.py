@@ -1,0 +1,35 @@
+"""The pipeline's stages, in the order the flow runs them: the one table the flow, the stage runs and the overhead
+benchmark read.
+
+No Prefect here (nor anything heavy): benchmarks/overhead_report.py imports this module in its library-alone variant,
+whose times must not include Prefect's import.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Stage(NamedTuple):
+    """One stage of the pipeline."""
+
+    task: str  # the Prefect task's name: its output folder `<runtime.output_dir>/<task>/`, the MLflow tag `stage`
+    short: str  # the MLflow run's suffix: `<pipeline run name>/<short>` (`pipeline-brave-owl/ppo`)
+    label: str  # what the progress artifact and the printed summary call it
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("prepare_preferences", "data", "data"),
+    Stage("supervised_finetune", "sft", "SFT"),
+    Stage("train_reward_model", "reward", "reward model"),
+    Stage("init_policy_models", "init", "PPO init"),
+    Stage("train_policy_ppo", "ppo", "PPO"),
+    Stage("evaluate_policies", "eval", "evaluation"),
+)
+STAGE_TASKS: tuple[str, ...] = tuple(stage.task for stage in STAGES)
+_BY_TASK = {stage.task: stage for stage in STAGES}
+
+
+def stage_of(task: str) -> Stage:
+    """The stage whose Prefect task is named `task`; a name outside the table is its own short name and label."""
+    return _BY_TASK.get(task, Stage(task, task, task))

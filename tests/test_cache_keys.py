@@ -1,0 +1,109 @@
+"""Caches that never lie: every runtime setting that changes a stage's numbers is in its cache key (a change makes the
+stage compute again), every one that cannot is not (a change finds the same folder and the cached result)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import RuntimeConfig, load_config
+from tasks import caching
+from tasks.tracking import TrackingContext
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ("supervised_finetune", "train_reward_model", "train_policy_ppo", "evaluate_policies", "a_new_stage")
+MODEL_FREE = ("prepare_preferences", "init_policy_models")  # data preparation, the plan of the PPO models
+
+# (setting, the value of conf/smoke.yaml on a CPU machine, another value)
+IN_KEY = [
+    ("dtype", "float32", "bfloat16"),
+    ("dtype", "float32", "float16"),
+    ("attn_implementation", "sdpa", "eager"),
+    ("attn_implementation", "sdpa", None),
+    ("device", "cpu", "cuda"),
+]
+OUT_OF_KEY = [
+    ("threads", None, 1),
+    ("threads", 2, 3),
+    ("trust_remote_code", False, True),
+    ("output_dir", "outputs", "elsewhere"),
+    ("device_slot", None, "gpu-0"),
+    ("progress", True, False),
+    ("ppo_processes", 1, 2),  # PPO's key has it as `processes`
+    ("memory_check", "error", "off"),
+    ("memory_budget_gb", None, 8.0),
+    ("on_nonfinite", "stop", "skip_update"),
+    ("device", "cuda:0", "cuda:1"),
+    ("device", "cuda", "cuda:0"),
+]
+
+
+def _key(stage: str, **runtime) -> str:
+    config = load_config(REPO / "conf" / "smoke.yaml", [])
+    tracking = TrackingContext(uri="sqlite:///unused.db", experiment="e", parent_run_id="p")
+    parameters = {
+        "data_cfg": config.data,
+        "seed": 0,
+        "runtime": RuntimeConfig(**{"device": "cpu", **runtime}),
+        "tracking": tracking,
+    }
+    return caching.stage_key(stage, parameters)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(("setting", "before", "after"), IN_KEY, ids=[f"{s}={a}" for s, _, a in IN_KEY])
+def test_a_setting_that_changes_the_numbers_recomputes_the_stage(stage, setting, before, after):
+    assert _key(stage, **{setting: before}) != _key(stage, **{setting: after})
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(("setting", "before", "after"), OUT_OF_KEY, ids=[f"{s}={a}" for s, _, a in OUT_OF_KEY])
+def test_a_setting_that_cannot_change_the_numbers_keeps_the_cache(stage, setting, before, after):
+    assert _key(stage, **{setting: before}) == _key(stage, **{setting: after})
+
+
+@pytest.mark.parametrize("stage", MODEL_FREE)
+@pytest.mark.parametrize(("setting", "before", "after"), IN_KEY, ids=[f"{s}={a}" for s, _, a in IN_KEY])
+def test_a_stage_without_a_model_keeps_its_cache_whatever_the_runtime(stage, setting, before, after):
+    assert _key(stage, **{setting: before}) == _key(stage, **{setting: after})
+
+
+def test_sharding_is_in_the_key_of_ppo_only():
+    # PPO's resume state is a torch.distributed.checkpoint folder under fsdp, a torch.save file otherwise
+    assert _key("train_policy_ppo", sharding="none") != _key("train_policy_ppo", sharding="fsdp")
+    for stage in {*STAGES, *MODEL_FREE} - {"train_policy_ppo"}:
+        assert _key(stage, sharding="none") == _key(stage, sharding="fsdp")
+
+
+def test_auto_resolves_where_that_asks_nothing_of_a_gpu(monkeypatch):
+    """'auto' on a CPU is float32 on a CPU: the same key as float32 there. The device 'auto' is the device it picks."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _key("train_reward_model", dtype="auto") == _key("train_reward_model", dtype="float32")
+    assert _key("train_reward_model", device="auto") == _key("train_reward_model", device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _key("train_reward_model", device="auto") == _key("train_reward_model", device="cuda")
+    # on a GPU 'auto' stays 'auto' (bfloat16 where the GPU has it): asking would need a CUDA context
+    assert _key("train_reward_model", device="cuda", dtype="auto") != _key(
+        "train_reward_model", device="cuda", dtype="float32"
+    )
+
+
+def test_every_runtime_setting_is_decided():
+    """A new RuntimeConfig field must be put in or out of the key on purpose (and into these tests)."""
+    decided = {s for s, _, _ in IN_KEY + OUT_OF_KEY} | {"sharding"}
+    assert set(RuntimeConfig.model_fields) == decided
+
+
+def test_a_stage_folder_follows_its_key(tmp_path):
+    """A run with another compute dtype writes (and looks for) another folder: it is computed, not served."""
+    config = load_config(REPO / "conf" / "smoke.yaml", [f"runtime.output_dir={tmp_path}"])
+    tracking = TrackingContext(uri="sqlite:///unused.db", experiment="e", parent_run_id="p")
+    params = {"sft_cfg": config.sft, "prepared": None, "seed": 0, "tracking": tracking}
+    fp32 = caching.stage_dir("supervised_finetune", {**params, "runtime": config.runtime})
+    bf16 = config.runtime.model_copy(update={"dtype": "bfloat16"})
+    assert caching.stage_dir("supervised_finetune", {**params, "runtime": bf16}) != fp32
+    more_threads = config.runtime.model_copy(update={"threads": 7})
+    assert caching.stage_dir("supervised_finetune", {**params, "runtime": more_threads}) == fp32
