@@ -5,6 +5,7 @@
     rlhf bench --shape gpt2-124m         # GPU, bf16
     rlhf bench --shape llama-1b          # GPU, bf16, gradient checkpointing
     rlhf bench --peers --shape cpu-long  # TRL 0.19.1 and TRL 1.12.0 (each in its venv), then this project
+    rlhf bench --estimator grpo --peers  # GRPO (4 samples a prompt) against TRL 1.12.0's GRPOTrainer
 
 Prints per-update and median per-phase times, the peak memory, the limit report (per-phase FLOP/s against the
 measured matmul peaks; generation's memory traffic on a GPU) and, last, `episodes/s: X`: the median over the
@@ -37,16 +38,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = ROOT / "benchmarks" / "trl_peer.py"
 # (label, virtual environment): `make bench PEER=1` creates them (docs/benchmark.md "Peers")
 PEERS = (("TRL 0.19.1", ".bench-peer"), ("TRL 1.12.0", ".bench-peer-trl112"))
+# the peers of each estimator of `--estimator`: TRL's PPOTrainer for gae, TRL 1.12.0's GRPOTrainer for grpo
+ESTIMATOR_PEERS = {"gae": (PEERS, "ppo"), "grpo": (PEERS[1:], "grpo")}
 MIN_UPDATES = 9  # the figure is the median of at least 8 updates after the first
 
 
-def run_peer(label: str, venv: str, shape: str, updates: int, threads: int | None) -> float | None:
+def run_peer(
+    label: str, venv: str, shape: str, updates: int, threads: int | None, estimator: str = "ppo"
+) -> float | None:
     """Runs benchmarks/trl_peer.py in `venv`, echoing (and logging to `<venv>.log`) its output; its episodes/s."""
     python = ROOT / venv / "bin" / "python"
     if not python.exists():
         print(f"[{label}] no {python}: `make bench PEER=1` creates it", flush=True)
         return None
-    cmd = [str(python), str(PEER_SCRIPT), "--shape", shape, "--updates", str(updates)]
+    cmd = [str(python), str(PEER_SCRIPT), "--shape", shape, "--updates", str(updates), "--estimator", estimator]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     figure = None
@@ -100,7 +105,7 @@ def limit_report(bench, summary: dict[str, float]) -> None:
         print(f"  generated tokens/s: {tokens_per_s:.0f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="cpu")
     parser.add_argument(
@@ -114,39 +119,75 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto: bfloat16 on a GPU, and on a CPU with AVX-512 BF16 or AMX (runtime.dtype: bfloat16), else float32",
     )
+    parser.add_argument(
+        "--estimator",
+        choices=["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+        default="gae",
+        help="ppo.advantage_estimator; the critic-free ones sample 4 responses a prompt (docs/benchmark.md)",
+    )
     parser.add_argument("--no-limit", action="store_true", help="skip the limit report (FLOPs, matmul peaks)")
     parser.add_argument("--peers", action="store_true", help="run the TRL peers first, each in its own venv")
     parser.add_argument("--rounds", type=int, default=1, help="with --peers: alternate peers and this project")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def bench_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """The compute dtype of `--dtype`: auto picks bfloat16 on CPUs with native bf16 (runtime.dtype: bfloat16)."""
+    from rlhf.models.device import compute_dtype, cpu_has_native_bf16
+
+    dtype = compute_dtype(requested, device)
+    if requested == "auto" and device.type == "cpu" and cpu_has_native_bf16():
+        dtype = torch.bfloat16  # float32 where the CPU emulates bf16
+    return dtype
+
+
+def print_peer_ratios(peers, peer_figures: dict[str, list[float]], figure: float, rounds: int) -> None:
+    medians = {label: statistics.median(v) for label, v in peer_figures.items() if v}
+    for label, _ in peers:
+        shown = f"{medians[label]:.2f}" if label in medians else "failed"
+        ratio = f"; this project / it: {figure / medians[label]:.2f}x" if label in medians else ""
+        print(f"peer {label} episodes/s: {shown}{ratio}")
+    if medians:
+        best = max(medians, key=medians.get)
+        print(f"ratio to the best peer ({best}): {figure / medians[best]:.2f}x ({rounds} round(s), side by side)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     shape = SHAPES[args.shape]
     if (args.device or shape.device).startswith("cuda") and not torch.cuda.is_available():
         print(cuda_refusal(args.shape), file=sys.stderr)
         return 2
-    from rlhf.models.device import compute_dtype, configure_cpu, cpu_has_native_bf16, resolve_device
+    from rlhf.models.device import configure_cpu, resolve_device
 
     from .ppo_bench import PHASES, Bench, run_bench
 
     threads = args.threads or shape.threads
     configure_cpu(threads)  # torch's threads and the allocator, as every pipeline stage sets them
     device = resolve_device(args.device or shape.device)
-    dtype = compute_dtype(args.dtype, device)
-    if args.dtype == "auto" and device.type == "cpu" and cpu_has_native_bf16():
-        dtype = torch.bfloat16  # runtime.dtype: bfloat16 (CPU autocast); float32 where the CPU emulates bf16
-    print(f"PPO bench: shape={args.shape} {shape} device={device} threads={torch.get_num_threads()} dtype={dtype}")
+    dtype = bench_dtype(args.dtype, device)
+    print(
+        f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
+        f"threads={torch.get_num_threads()} dtype={dtype}"
+    )
     if args.updates < MIN_UPDATES:
         print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")
-    peer_figures: dict[str, list[float]] = {label: [] for label, _ in PEERS} if args.peers else {}
+    peers, peer_estimator = ESTIMATOR_PEERS.get(args.estimator, ((), ""))
+    if args.peers and not peers:
+        print(f"note: no peer runs --estimator {args.estimator} (peers: gae, grpo); this project alone")
+    peers = peers if args.peers else ()
+    peer_figures: dict[str, list[float]] = {label: [] for label, _ in peers}
     ours: list[float] = []
-    rounds = max(1, args.rounds if args.peers else 1)
+    rounds = max(1, args.rounds if peers else 1)
     for round_ in range(rounds):
-        for label, venv in PEERS if args.peers else ():
-            figure = run_peer(label, venv, args.shape, args.updates, args.threads)
+        for label, venv in peers:
+            figure = run_peer(label, venv, args.shape, args.updates, args.threads, peer_estimator)
             if figure is not None:
                 peer_figures[label].append(figure)
         torch.set_num_threads(threads)
         if rounds > 1:
             print(f"this project, round {round_ + 1}/{rounds}:")
-        bench = Bench(shape, device, dtype, args.updates)
+        bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator)
         summary = run_bench(bench)
         ours.append(summary["episodes/s"])
     print("median per update (updates after the first):")
@@ -156,14 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_limit:
         limit_report(bench, summary)
     figure = statistics.median(ours)
-    if args.peers:
-        medians = {label: statistics.median(v) for label, v in peer_figures.items() if v}
-        for label, _ in PEERS:
-            shown = f"{medians[label]:.2f}" if label in medians else "failed"
-            ratio = f"; this project / it: {figure / medians[label]:.2f}x" if label in medians else ""
-            print(f"peer {label} episodes/s: {shown}{ratio}")
-        if medians:
-            best = max(medians, key=medians.get)
-            print(f"ratio to the best peer ({best}): {figure / medians[best]:.2f}x ({rounds} round(s), side by side)")
+    if peers:
+        print_peer_ratios(peers, peer_figures, figure, rounds)
     print(f"episodes/s: {figure:.2f}")
     return 0

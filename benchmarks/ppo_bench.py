@@ -27,33 +27,44 @@ from .limit import count_flops, synchronize
 from .shapes import BenchShape, model_classes, model_config
 
 PHASES = ("time/generate", "time/score", "time/advantages", "time/optimize")
+# responses a prompt with a critic-free group estimator (`--estimator grpo`): a batch of the shape's batch_size
+# episodes holds batch_size / SAMPLES_PER_PROMPT prompts (docs/benchmark.md)
+SAMPLES_PER_PROMPT = 4
 
 
-def build_models(shape: BenchShape, device: torch.device, dtype: torch.dtype, seed: int = 0) -> PPOModels:
-    """Random-init policy and its frozen reference copy, and separate value and frozen reward models
-    (`*ForSequenceClassification` of the same shape). As in the trainer, the trained models keep float32 weights
-    and the frozen ones are cast to the compute dtype."""
+def build_models(
+    shape: BenchShape, device: torch.device, dtype: torch.dtype, seed: int = 0, critic: bool = True
+) -> PPOModels:
+    """Random-init policy and its frozen reference copy, and separate value (with `critic`) and frozen reward
+    models (`*ForSequenceClassification` of the same shape). As in the trainer, the trained models keep float32
+    weights and the frozen ones are cast to the compute dtype."""
     torch.manual_seed(seed)
     config = model_config(shape)
     lm_class, scalar_class = model_classes(shape)
     with torch.device(device):  # initialise in place (a 1B model's init on the CPU takes a while)
         policy, value, reward = lm_class(config), scalar_class(config), scalar_class(config)
+    value = value if critic else None
     reference = copy.deepcopy(policy).to(dtype).requires_grad_(False)
     reward = reward.to(dtype).requires_grad_(False)
     for model in (policy, reference, value, reward):
+        if model is None:
+            continue
         disable_dropout(model)
         use_cpu_kernels(model)
         model.eval()
     if shape.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
-        enable_gradient_checkpointing(value)
+        if value is not None:
+            enable_gradient_checkpointing(value)
     return PPOModels(
         policy, reference, value, reward, tokenizer=None, reward_tokenizer=None, stop_token_ids=(), same_tokenizer=True
     )
 
 
-def ppo_config(shape: BenchShape, updates: int) -> PPOConfig:
+def ppo_config(shape: BenchShape, updates: int, estimator: str = "gae") -> PPOConfig:
     return PPOConfig(
+        advantage_estimator=estimator,
+        samples_per_prompt=1 if estimator == "gae" else SAMPLES_PER_PROMPT,
         total_episodes=shape.batch_size * updates,
         batch_size=shape.batch_size,
         num_mini_batches=shape.num_mini_batches,
@@ -76,21 +87,23 @@ class Bench:
     dtype: torch.dtype
     updates: int
     seed: int = 0
+    estimator: str = "gae"  # ppo.advantage_estimator
     m: PPOModels = field(init=False)
     cfg: PPOConfig = field(init=False)
     state: TrainerState = field(init=False)
 
     def __post_init__(self) -> None:
-        self.models = build_models(self.shape, self.device, self.dtype, self.seed)
-        self.cfg = ppo_config(self.shape, self.updates + 1)
+        self.cfg = ppo_config(self.shape, self.updates + 1, self.estimator)
+        self.models = build_models(self.shape, self.device, self.dtype, self.seed, critic=not self.cfg.critic_free)
         self.state = fresh_state(self.models, self.cfg, self.seed, self.device)
         # no stop tokens: every response has exactly response_len tokens (docs/benchmark.md)
         self.settings = GenerationSettings(self.shape.response_len, temperature=1.0, stop_token_ids=(), pad_token_id=0)
         self.data = torch.Generator().manual_seed(self.seed)
 
     def query(self) -> tuple[Tensor, Tensor]:
-        s = self.shape
-        query = torch.randint(1, s.vocab_size, (s.batch_size, s.prompt_len), generator=self.data).to(self.device)
+        s, group = self.shape, self.cfg.samples_per_prompt
+        prompts = torch.randint(1, s.vocab_size, (s.batch_size // group, s.prompt_len), generator=self.data)
+        query = prompts.repeat_interleave(group, dim=0).to(self.device)  # whole groups of one prompt, in a row
         return query, torch.ones_like(query)
 
     def update(self) -> dict[str, float]:

@@ -11,8 +11,12 @@
 Run it from the root of a checkout: ``run``, ``sweep`` and ``ui`` use the Prefect flows in ``flows/``, which live in
 the repository beside ``rlhf/`` and are not installed as packages of their own (see pyproject.toml). As ``make``
 does, the command turns hub downloads off unless ``HF_HUB_OFFLINE=0`` is set, keeps Prefect's state in ``.prefect/``
-of the current folder (``PREFECT_HOME``) and Prefect's analytics off. Exit codes are those of the subcommand:
-0 on success, 2 for a user error (bad config, bad override, missing file), explained in one sentence.
+of the current folder (``PREFECT_HOME``) and Prefect's analytics off. Exit codes are those of the subcommand. ``run``
+and ``sweep`` (flows/terminal.py): 0 finished; 1 an unexpected failure (with its traceback); 2 bad input (the config,
+the data, a model folder, the environment), explained in one sentence; 3 a loss or gradient norm became NaN or
+infinite (NonFiniteError; the last saved state is kept); 4 the disk filled up while a checkpoint was written; 5 the
+MLflow tracking server stopped answering mid-run; 130 / 143 stopped by Ctrl-C / SIGTERM (the finished stages and the
+last saved state are kept, the MLflow runs end KILLED). The others: 0 on success, 2 for a user error.
 
 This module imports no Prefect: the flows are imported inside the subcommands that need them.
 """

@@ -204,9 +204,11 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     trainable = ppo.lora.r * shape.linear_in_out if lora else shape.params
     policy = 4.0 * shape.params + 12.0 * trainable if lora else _trained(shape.params)
     reference = 0.0 if lora else shape.params * frozen_b
-    separate_value = ppo.value_model == "separate"
-    value = _trained(shape.reward_params) if separate_value else _trained(shape.hidden + 1)
-    persistent = policy + reference + shape.reward_params * frozen_b + value
+    critic = not ppo.critic_free  # a critic-free estimator loads no value model
+    separate_value = critic and ppo.value_model == "separate"
+    value = _trained(shape.reward_params) if separate_value else (_trained(shape.hidden + 1) if critic else 0.0)
+    reward_model = shape.reward_params * frozen_b if config.reward.source == "model" else 0.0
+    persistent = policy + reference + reward_model + value
     if getattr(rt, "sharding", "none") == "fsdp":  # each process holds 1/W of the weights and optimizer states
         persistent /= world  # (a block's gathered weights are transient and small beside the activations)
     kv_cache = 2.0 * shape.layers * rollout * seq * shape.kv_dim * act_b
@@ -218,7 +220,7 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     training += _logits(shape, micro * ppo.max_new_tokens, act_b, True)
     if separate_value:
         training += _layer_activations(shape, train_tokens, act_b, ckpt_ppo)
-    rollout_tensors = rollout * seq * 8 * 4  # ids, masks, log-probs, values, rewards, advantages, returns
+    rollout_tensors = rollout * seq * (8 if critic else 6) * 4  # ids, masks, log-probs, (values,) rewards, ...
     stage("ppo", persistent, max(generation, scoring, training) + rollout_tensors)
     # evaluation: SFT and PPO policies and the reward model, in the runtime dtype
     eval_new = ev.max_new_tokens or ppo.max_new_tokens
@@ -281,7 +283,7 @@ def _remedies(config: PipelineConfig) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     if not ppo.gradient_checkpointing:
         out.append(("ppo.gradient_checkpointing=true", {"ppo": {"gradient_checkpointing": True}}))
-    if ppo.value_model == "separate":
+    if ppo.value_model == "separate" and not ppo.critic_free:
         out.append(("ppo.value_model=policy_head", {"ppo": {"value_model": "policy_head"}}))
     if not ppo.lora.enabled:
         out.append(("ppo.lora.enabled=true", {"ppo": {"lora": {"enabled": True}}}))

@@ -20,6 +20,7 @@ from benchmarks.limit import (
     phase_rows,
     weights_read_per_step,
 )
+from benchmarks.ppo_bench import SAMPLES_PER_PROMPT, Bench
 from benchmarks.shapes import SHAPES, BenchShape, model_classes, model_config
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmark.md"
@@ -127,6 +128,19 @@ def test_smoke_on_a_tiny_shape(monkeypatch, capsys, tiny):
     table = {line.split()[0]: line.split() for line in out if line.startswith("  ") and "%" in line}
     assert set(table) == {"phase", "generate", "score", "advantages", "optimize", "total"}
     assert float(table["optimize"][2]) > 0 and float(table["score"][2]) > 0 and float(table["generate"][2]) > 0
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp"])
+def test_a_critic_free_estimator_benches_without_a_value_model(monkeypatch, capsys, estimator):
+    monkeypatch.setitem(SHAPES, "tiny", TINY)
+    bench = Bench(TINY, torch.device("cpu"), torch.float32, 2, estimator=estimator)
+    assert bench.models.value is None and bench.cfg.samples_per_prompt == SAMPLES_PER_PROMPT
+    query, _ = bench.query()  # 8 episodes: 2 prompts of 4 samples each, in a row
+    assert torch.equal(query[:4], query[0].expand(4, -1)) and not torch.equal(query[0], query[4])
+    args = ["--shape", "tiny", "--updates", "2", "--device", "cpu", "--no-limit", "--estimator", estimator]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"estimator={estimator}" in out[0] and float(out[-1].split(": ")[1]) > 0
 
 
 def test_llama_refuses_without_cuda(monkeypatch, capsys):

@@ -38,11 +38,15 @@ def write(path, rows: list[dict]):
 
 def test_gold_reward_examples():
     # mean valence of well-formed clauses: (superb 1.0 + dull -0.6) / 2 = 0.2
-    assert synthetic.gold_reward("p", " the plot was superb and the music was dull.") == pytest.approx(0.2)
+    assert synthetic.gold_score("p", " the plot was superb and the music was dull.") == pytest.approx(0.2)
     # unfinished sentence: 0.8 (great) - 0.5 penalty = 0.3
-    assert synthetic.gold_reward("p", " the plot was great") == pytest.approx(0.3)
+    assert synthetic.gold_score("p", " the plot was great") == pytest.approx(0.3)
     # no well-formed clause
-    assert synthetic.gold_reward("p", " great great great.") == -1.0
+    assert synthetic.gold_score("p", " great great great.") == -1.0
+    # the same scores as a reward function, a batch at a time (reward.function: rlhf.data.synthetic:gold_reward)
+    assert synthetic.gold_reward(["p", "q"], [" the plot was great", " great great great."]) == pytest.approx(
+        [0.3, -1.0]
+    )
 
 
 def test_synthetic_task_is_deterministic_and_labelled_by_gold():

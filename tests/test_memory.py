@@ -54,6 +54,22 @@ def test_settings_that_save_memory_lower_the_ppo_estimate():
     )
 
 
+def test_a_critic_free_estimator_saves_the_value_model_and_its_optimizer():
+    cfg = AutoConfig.for_model("llama", vocab_size=32000, max_position_embeddings=2048, **TINY["llama"])
+    shape = shape_of(cfg)
+    gae = _ppo(load_config("conf/default.yaml"), shape)
+    grpo = _ppo(load_config("conf/default.yaml", ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"]), shape)
+    # the value model: its weights, gradients and AdamW moments (16 bytes a parameter of the reward-model trunk)
+    assert gae.persistent - grpo.persistent == pytest.approx(16 * shape.reward_params)
+    assert grpo.transient < gae.transient  # no value forward and backward beside the policy's
+    # a rule reward: no reward model either
+    rule = load_config(
+        "conf/default.yaml",
+        ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4", "reward.source=function", "reward.function=m:f"],
+    )
+    assert _ppo(rule, shape).persistent < grpo.persistent
+
+
 def test_fsdp_divides_the_ppo_weights_by_the_processes():
     shape = shape_of(AutoConfig.for_model("llama", vocab_size=32000, **TINY["llama"]))
     two = ["runtime.ppo_processes=2", "ppo.batch_size=64"]

@@ -214,7 +214,7 @@ def test_evaluation_compares_the_ppo_and_sft_policies(stacks, data, family, tmp_
         _rm(stack, data),
         data.eval,
         tmp_path / "eval",
-        synthetic.gold_reward,
+        synthetic.gold_score,
         _nolog,
     )
     assert result.summary["eval/n_prompts"] == 4

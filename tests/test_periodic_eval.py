@@ -62,7 +62,7 @@ def _train(tiny_checkpoints, cfg, folder, log, **kw):
         folder,
         0,
         log,
-        gold_fn=synthetic.gold_reward,
+        gold_fn=synthetic.gold_score,
         **kw,
     )
 

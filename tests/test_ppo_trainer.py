@@ -284,7 +284,7 @@ def test_every_spec_statistic_is_logged(stack, tmp_path):
         _cfg(total_episodes=16, record_rollouts=True),
         tmp_path,
         lambda m, s: logged.update(m),
-        gold_fn=synthetic.gold_reward,
+        gold_fn=synthetic.gold_score,
     )
     expected = {
         "objective/kl",
@@ -421,7 +421,7 @@ def test_negated_advantages_make_the_gold_reward_fall(stack, tmp_path, monkeypat
             cfg,
             folder,
             lambda m, s: gold.__setitem__(s, m["objective/gold_score"]),
-            gold_fn=synthetic.gold_reward,
+            gold_fn=synthetic.gold_score,
         )
         return gold
 
@@ -463,7 +463,7 @@ def test_train_policy_is_one_entry_point_for_one_process_and_several(tmp_path, m
     assert launch.train_policy(*args, log=log, on_eval=on_eval).policy_path == "policy"
     (_, _, policy, reward, prompts, out, seed, got_log), kw = calls.pop("one")
     assert (policy, reward, prompts, out, seed, got_log) == ("sft", "rm", ["p1", "p2"], tmp_path / "out", 0, log)
-    assert kw["value_path"] == "rm" and kw["gold_fn"] is synthetic.gold_reward and kw["on_eval"] is on_eval
+    assert kw["value_path"] == "rm" and kw["gold_fn"] is synthetic.gold_score and kw["on_eval"] is on_eval
     assert kw["eval_prompts"] == ["e1", "e2"]  # the first ppo.eval_prompts distinct held-out prompts
     launch.train_policy(*args, value_path="value", processes=2, tracking_uri="sqlite:///m.db", run_id="r", echo=print)
     (processes, *_, value, prompts_file, out), kw = calls.pop("several")
@@ -555,3 +555,38 @@ def test_a_critic_free_run_resumes_as_if_never_stopped(stack, tmp_path):
         for key, value in full[step].items():
             if not key.startswith(NOT_DETERMINISTIC):
                 assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_a_reward_function_scores_without_a_reward_model(stack, tmp_path, estimator):
+    reward_cfg = RewardConfig(source="function", function="rlhf.data.synthetic:gold_reward")
+    cfg = _cfg(advantage_estimator=estimator, samples_per_prompt=4 if estimator == "grpo" else 1)
+    m = load_models(cfg, RUNTIME, stack["sft"], None, None, torch.device("cpu"), reward_cfg)
+    assert m.reward is None and (m.value is None) == (estimator == "grpo")  # gae: a value model from the SFT model
+    logged: dict[int, dict[str, float]] = {}
+    train_ppo(
+        cfg, RUNTIME, stack["sft"], None, stack["prompts"], tmp_path, 0,
+        lambda metrics, step: logged.__setitem__(step, metrics), gold_fn=synthetic.gold_score, reward_cfg=reward_cfg,
+    )  # fmt: skip
+    for metrics in logged.values():  # the score is the gold reward itself
+        assert metrics["objective/scores"] == pytest.approx(metrics["objective/gold_score"], abs=1e-5)
+
+
+def test_a_reward_function_on_top_of_the_reward_model_adds_its_weighted_score(stack):
+    cfg = _cfg()
+    _, _, plain = _rollout(stack, cfg)
+    reward_cfg = RewardConfig(function="rlhf.data.synthetic:gold_reward", function_weight=0.5)
+    m = load_models(cfg, RUNTIME, stack["sft"], stack["rm"], stack["rm"], torch.device("cpu"), reward_cfg)
+    state = load_state(stack["root"] / "no-state", m, cfg, 0, torch.device("cpu"))
+    ids = encode_prompts(m.tokenizer, stack["prompts"], cfg.max_prompt_tokens)
+    batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
+    r = ppo_update.generate_and_score(
+        m, batch.ids, batch.mask, batch.indices, stack["prompts"], cfg, generation_settings(cfg, m),
+        state.sample_generator, dtype=torch.float32,
+    )  # fmt: skip
+    texts = m.tokenizer.batch_decode(
+        r.scored.resp.tokens.masked_fill(r.scored.resp.mask == 0, m.tokenizer.pad_token_id), skip_special_tokens=True
+    )
+    gold = torch.tensor(synthetic.gold_reward([stack["prompts"][i] for i in batch.indices], texts))
+    # the same seed samples the same responses: the model's score plus half the gold score
+    torch.testing.assert_close(r.scored.scores, plain.scored.scores + 0.5 * gold, atol=1e-4, rtol=1e-4)

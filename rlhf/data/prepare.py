@@ -364,5 +364,5 @@ def drop_report(manifest: dict) -> list[dict[str, Any]]:
 def gold_scorer(manifest: dict):
     """The gold reward function named in a manifest, or None when the data set has none."""
     if manifest.get("gold_reward") == synthetic.GOLD_REWARD_NAME:
-        return synthetic.gold_reward
+        return synthetic.gold_score
     return None

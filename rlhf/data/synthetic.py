@@ -113,7 +113,13 @@ def make_response(rng: random.Random, p_positive: float | None = None, max_claus
     return " " + " and ".join(clauses) + "."
 
 
-def gold_reward(prompt: str, response: str) -> float:
+def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """The gold scores of a batch as a reward function (``reward.function: rlhf.data.synthetic:gold_reward``):
+    `gold_score` of each (prompt, response)."""
+    return [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
+
+
+def gold_score(prompt: str, response: str) -> float:
     """Programmatic gold score of a response, in [-1.5, 1] (the prompt does not change it)."""
     del prompt
     valences = [VALENCE[adj] for aspect, adj in _CLAUSE.findall(response) if aspect in ASPECTS and adj in VALENCE]
@@ -138,7 +144,7 @@ def clause_count(response: str) -> int:
 def labeller_preference(prompt: str, response: str, length_bias: float) -> float:
     """What a labeller ranks a response by: its gold score plus `length_bias` per well-formed clause (a taste for
     longer reviews that the gold reward does not share; 0: the gold score alone)."""
-    return gold_reward(prompt, response) + length_bias * clause_count(response)
+    return gold_score(prompt, response) + length_bias * clause_count(response)
 
 
 def preference_pairs(
@@ -151,7 +157,7 @@ def preference_pairs(
     while len(pairs) < n:
         prompt = make_prompt(rng)
         a, b = make_response(rng, max_clauses=max_clauses), make_response(rng, max_clauses=max_clauses)
-        ga, gb = gold_reward(prompt, a), gold_reward(prompt, b)
+        ga, gb = gold_score(prompt, a), gold_score(prompt, b)
         pa, pb = labeller_preference(prompt, a, length_bias), labeller_preference(prompt, b, length_bias)
         if pa == pb:
             continue  # no preference to learn

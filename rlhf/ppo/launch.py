@@ -31,7 +31,7 @@ import pandas as pd
 import yaml
 
 from rlhf.checkpoints import MANIFEST, atomic_write_text
-from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, flatten, load_config
+from rlhf.config import PipelineConfig, PPOConfig, RewardConfig, RuntimeConfig, flatten, load_config
 from rlhf.errors import ConfigError
 from rlhf.eval.evaluate import eval_prompts
 from rlhf.models.device import configure_cpu
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rlhf.ppo.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="pipeline YAML (ppo, runtime and seed are used)")
     parser.add_argument("--policy", required=True, help="SFT checkpoint: the initial policy and the reference")
-    parser.add_argument("--reward", required=True, help="reward-model checkpoint")
+    parser.add_argument("--reward", required=True, help="reward-model checkpoint (empty: reward.function scores)")
     parser.add_argument("--value", default=None, help="value-model initialisation (default: the reward model)")
     parser.add_argument("--prompts", required=True, help="Parquet file with a 'prompt' column")
     parser.add_argument("--out", required=True, help="output folder: state/, rollouts/, final/ (shared by all ranks)")
@@ -195,12 +195,12 @@ def _main(args: argparse.Namespace) -> int:
             cfg.ppo,
             cfg.runtime,
             args.policy,
-            args.reward,
+            args.reward or None,
             prompts,
             args.out,
             cfg.seed if args.seed is None else args.seed,
             log,
-            value_path=args.value,
+            value_path=args.value or None,
             gold_fn=_gold_fn(args.data_manifest),
             stop_after=args.stop_after,
             dist=ctx,
@@ -210,6 +210,7 @@ def _main(args: argparse.Namespace) -> int:
                 if args.eval_prompts and cfg.ppo.eval_every > 0
                 else None
             ),
+            reward_cfg=cfg.reward,
         )
     except TrainingInterrupted as stop:
         end_run(True)
@@ -242,11 +243,12 @@ def run_data_parallel(
     runtime: RuntimeConfig,
     seed: int,
     policy_path: str,
-    reward_path: str,
-    value_path: str,
+    reward_path: str | None,
+    value_path: str | None,
     prompts_file: str | Path,
     out_dir: str | Path,
     *,
+    reward_cfg: RewardConfig | None = None,
     tracking_uri: str | None = None,
     run_id: str | None = None,
     data_manifest: str | Path | None = None,
@@ -270,12 +272,14 @@ def run_data_parallel(
         "seed": seed,
         "ppo": cfg.model_dump(mode="json"),
         "runtime": {**runtime.model_dump(mode="json"), "progress": False},  # bars do not survive a pipe
+        **({"reward": reward_cfg.model_dump(mode="json")} if reward_cfg is not None else {}),
     }
     atomic_write_text(config_file, yaml.safe_dump(launched, sort_keys=False))
     result_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     command += ["-m", "rlhf.ppo.launch", "--config", str(config_file), "--policy", policy_path]
-    command += ["--reward", reward_path, "--value", value_path, "--prompts", str(prompts_file), "--out", str(out)]
+    command += ["--reward", reward_path or "", "--value", value_path or "", "--prompts", str(prompts_file)]
+    command += ["--out", str(out)]
     command += ["--result", str(result_file), "--print-every", str(print_every)]
     if tracking_uri:
         command += ["--tracking-uri", tracking_uri] + (["--run-id", run_id] if run_id else [])
@@ -316,11 +320,12 @@ def train_policy(
     runtime: RuntimeConfig,
     seed: int,
     policy_path: str,
-    reward_path: str,
+    reward_path: str | None,
     data_dir: str | Path,
     out_dir: str | Path,
     *,
     value_path: str | None = None,
+    reward_cfg: RewardConfig | None = None,
     processes: int = 1,
     log: LogFn | None = None,
     echo: Callable[[str], None] = print,
@@ -338,13 +343,16 @@ def train_policy(
     and `on_eval` the periodic evaluations. Several (:func:`run_data_parallel`): rank 0 logs the metrics into the
     MLflow run `run_id` of `tracking_uri` itself, `echo` gets the processes' output line by line, and `log` and
     `on_eval` are not called. Raises :class:`TrainingInterrupted` after `stop_after` updates, with the state saved.
+    `reward_cfg` with a reward function (reward.function) scores with it: alone where `reward_path` is None
+    (reward.source: function), else added to the reward model's scores.
     """
     data = Path(data_dir)
     value_path = value_path or reward_path
     if processes > 1:
         return run_data_parallel(
             processes, cfg, runtime, seed, policy_path, reward_path, value_path, data / "prompts.parquet", out_dir,
-            tracking_uri=tracking_uri, run_id=run_id, data_manifest=data / MANIFEST, eval_file=data / "eval.parquet",
+            reward_cfg=reward_cfg, tracking_uri=tracking_uri, run_id=run_id, data_manifest=data / MANIFEST,
+            eval_file=data / "eval.parquet",
             stop_after=stop_after, echo=echo,
         )  # fmt: skip
     return train_ppo(
@@ -361,6 +369,7 @@ def train_policy(
         stop_after=stop_after,
         eval_prompts=eval_prompts(data / "eval.parquet", cfg.eval_prompts) if cfg.eval_every > 0 else None,
         on_eval=on_eval,
+        reward_cfg=reward_cfg,
     )
 
 

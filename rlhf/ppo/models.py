@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.heads import PolicyValueHead
@@ -24,6 +24,7 @@ from rlhf.models.training import (
     unwrap,
 )
 from rlhf.rollout.generation import Sampler
+from rlhf.rollout.reward_function import RewardFunction, load_reward_function
 from rlhf.rollout.scoring import ScoringModels
 
 
@@ -34,12 +35,14 @@ class PPOModels:
     policy: PreTrainedModel  # a peft model when LoRA is on
     reference: PreTrainedModel | None  # None with LoRA: the policy with adapters disabled
     value: nn.Module | None  # None with a critic-free estimator (ppo.advantage_estimator other than gae)
-    reward: PreTrainedModel
+    reward: PreTrainedModel | None  # None with reward.source: function
     tokenizer: PreTrainedTokenizerBase
     reward_tokenizer: PreTrainedTokenizerBase
     stop_token_ids: tuple[int, ...]
     same_tokenizer: bool
     sampler: Sampler | None = None  # ppo.generation.backend other than the built-in one (started by the trainer)
+    reward_fn: RewardFunction | None = None  # reward.function: the score, or added to the reward model's
+    reward_fn_weight: float = 1.0
 
     @property
     def shared_value_head(self) -> bool:
@@ -61,6 +64,8 @@ class PPOModels:
             same_tokenizer=self.same_tokenizer,
             value=self.value,
             sampler=self.sampler,
+            reward_fn=self.reward_fn,
+            reward_fn_weight=self.reward_fn_weight,
         )
 
 
@@ -76,19 +81,38 @@ def run_choices(cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str) -> dic
     return choices
 
 
+def reward_function(reward_cfg: RewardConfig | None) -> tuple[RewardFunction | None, float]:
+    """The reward function of `reward_cfg` (reward.function) and its weight beside a reward model, if one is used."""
+    if reward_cfg is None or not reward_cfg.uses_function:
+        return None, 1.0
+    assert reward_cfg.function is not None
+    weight = 1.0 if reward_cfg.source == "function" else reward_cfg.function_weight
+    return load_reward_function(reward_cfg.function), weight
+
+
 def load_models(
-    cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str, reward_path: str, value_path: str, device: torch.device
+    cfg: PPOConfig,
+    runtime: RuntimeConfig,
+    policy_path: str,
+    reward_path: str | None,
+    value_path: str | None,
+    device: torch.device,
+    reward_cfg: RewardConfig | None = None,
 ) -> PPOModels:
     """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM.
 
-    A critic-free estimator (`cfg.critic_free`) loads no value model at all. Trained models (policy, value) get
-    float32 weights, frozen ones the runtime dtype (`load_options`).
+    A critic-free estimator (`cfg.critic_free`) loads no value model at all; `reward_path` None (reward.source:
+    function) no reward model: the reward function of `reward_cfg` scores alone, and gae's value model starts from
+    `value_path` (the SFT checkpoint, with a new scalar head). Trained models (policy, value) get float32 weights,
+    frozen ones the runtime dtype (`load_options`).
     """
     trained, frozen = (load_options(runtime, device, trainable) for trainable in (True, False))
     trust_remote_code = runtime.trust_remote_code
     policy = load_causal_lm(policy_path, device, **trained)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=trust_remote_code)
-    reward_tokenizer = load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
+    reward_tokenizer = (
+        tokenizer if reward_path is None else load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
+    )
     stops = stop_token_ids(tokenizer, cfg.stop_tokens, policy.config, policy.generation_config)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
@@ -102,12 +126,14 @@ def load_models(
         with MODEL_BUILD_LOCK:
             value = PolicyValueHead(unwrap(policy))
     else:
+        value_path = value_path or policy_path
         value = load_reward_model(value_path, device, **trained)
         if not same_vocabulary(tokenizer, load_tokenizer(value_path, trust_remote_code=trust_remote_code)):
             raise ConfigError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(value)
-    reward = load_reward_model(reward_path, device, **frozen)
+    reward = None if reward_path is None else load_reward_model(reward_path, device, **frozen)
+    reward_fn, reward_fn_weight = reward_function(reward_cfg)
     for frozen_model in (reference, reward):
         if frozen_model is not None:
             frozen_model.requires_grad_(False)
@@ -125,4 +151,6 @@ def load_models(
         reward_tokenizer,
         stops,
         same_vocabulary(tokenizer, reward_tokenizer),
+        reward_fn=reward_fn,
+        reward_fn_weight=reward_fn_weight,
     )

@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf.checkpoints import atomic_dir, write_manifest
-from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models import sharding
@@ -54,7 +54,7 @@ def train_ppo(
     cfg: PPOConfig,
     runtime: RuntimeConfig,
     policy_path: str,
-    reward_path: str,
+    reward_path: str | None,
     prompts: list[str],
     out_dir: str | Path,
     seed: int,
@@ -66,6 +66,7 @@ def train_ppo(
     param_digest: bool = False,
     eval_prompts: list[str] | None = None,
     on_eval: EvalCallback | None = None,
+    reward_cfg: RewardConfig | None = None,
 ) -> PPOResult:
     """Train the policy with PPO against the reward model; resumes from ``out_dir/state`` when it exists.
 
@@ -79,6 +80,8 @@ def train_ppo(
     runtime.sharding 'fsdp' shards the four models over the ranks (`rlhf.ppo.sharded_state`): every rank then
     writes its shards of the resume state, and the final models are gathered on rank 0.
     `param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
+    `reward_cfg` with a reward function (reward.function): its scores replace (`reward_path` None) or add to the
+    reward model's.
 
     With ppo.eval_every > 0 and `eval_prompts`, the policy is evaluated on them before the first update (unless
     resuming past it), every eval_every updates and after the last (``rlhf.ppo.periodic_eval``): rank 0 logs
@@ -93,7 +96,7 @@ def train_ppo(
     sharded = runtime.sharding == "fsdp"
     device = dist.device
     reset_peak_memory(device)
-    models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device)
+    models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device, reward_cfg)
     if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
         distributed.broadcast_parameters(models.policy)
         if models.value is not None:

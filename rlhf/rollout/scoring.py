@@ -23,6 +23,7 @@ from rlhf.models.training import unwrap
 from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.rollout.generation import GenerationSettings, Responses, Sampler, sample_responses
+from rlhf.rollout.reward_function import RewardFunction
 
 P = TypeVar("P")
 V = TypeVar("V")
@@ -113,6 +114,21 @@ def reference_logprobs(
         return policy_forward(unwrap(policy), query_responses, mask, prompt_len, temperature).logprobs
 
 
+def function_scores(
+    models: ScoringModels, prompts: list[str] | None, resp: Responses, model_scores: Tensor | None, device: torch.device
+) -> Tensor:
+    """The reward function's scores of the decoded responses (reward.source: function), or the reward model's
+    scores plus ``reward_fn_weight`` times them. Shape: (b,)."""
+    if prompts is None:
+        raise ValueError("a reward function scores texts: the prompts' texts are needed")
+    tokenizer = models.tokenizer
+    texts = tokenizer.batch_decode(
+        resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
+    )
+    rule = torch.tensor(models.reward_fn(prompts, texts), dtype=torch.float32, device=device)
+    return rule if model_scores is None else model_scores + models.reward_fn_weight * rule
+
+
 @torch.no_grad()
 def reward_scores(
     reward: PreTrainedModel,
@@ -161,12 +177,14 @@ class ScoringModels:
 
     policy: nn.Module
     reference: PreTrainedModel | None
-    reward: PreTrainedModel
+    reward: PreTrainedModel | None  # None: the reward function alone scores (reward.source: function)
     tokenizer: PreTrainedTokenizerBase
     reward_tokenizer: PreTrainedTokenizerBase
     same_tokenizer: bool
     value: nn.Module | None = None
     sampler: Sampler | None = None
+    reward_fn: RewardFunction | None = None  # reward.function: the score (no reward model) or added to it
+    reward_fn_weight: float = 1.0  # with a reward model: score = model + weight * function
 
 
 @dataclass
@@ -281,18 +299,22 @@ def generate_and_score(
                         for s in chunks
                     ]
                 ).float()
-            scores = reward_scores(
-                models.reward,
-                models.reward_tokenizer,
-                models.tokenizer,
-                models.same_tokenizer,
-                prompt_texts,
-                query_responses,
-                qr_mask,
-                resp,
-                forward_batch_size,
-                device,
-            )
+            scores = None
+            if models.reward is not None:
+                scores = reward_scores(
+                    models.reward,
+                    models.reward_tokenizer,
+                    models.tokenizer,
+                    models.same_tokenizer,
+                    prompt_texts,
+                    query_responses,
+                    qr_mask,
+                    resp,
+                    forward_batch_size,
+                    device,
+                )
+        if models.reward_fn is not None:
+            scores = function_scores(models, prompt_texts, resp, scores, device)
         return values, scores
 
     with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded
