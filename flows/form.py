@@ -34,12 +34,15 @@ from rlhf.config.pipeline import parse_override
 from rlhf.config.schema_rules import (
     FIELD_OVERRIDE,
     FORM_KEYS,
+    MAX_GROUP,
     MAX_MINI_BATCHES,
     field_name,
+    group_clauses,
     overrides_set_a_field,
     ppo_batch_clauses,
 )
 from rlhf.errors import ConfigError
+from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.sweeps.space import SweepSpace, parse_space
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,7 +69,7 @@ DEFAULT_CONFIG = "conf/default.yaml"
 def _schema_rules(schema: dict[str, Any]) -> None:
     """The PPO batch rules as schema clauses (rlhf/config/schema_rules.py): Prefect's server and UI check them."""
     configs = {name: load_config(REPO / name).ppo for name in shipped_configs()}
-    schema["allOf"] = ppo_batch_clauses(configs, DEFAULT_CONFIG)
+    schema["allOf"] = ppo_batch_clauses(configs, DEFAULT_CONFIG) + group_clauses(configs, DEFAULT_CONFIG)
     overrides = schema["properties"]["overrides"]["items"]
     overrides["not"] = {"pattern": FIELD_OVERRIDE}
 
@@ -105,11 +108,24 @@ class PipelineRun(BaseModel):
         ge=1,
         le=MAX_MINI_BATCHES,
     )
+    ppo_advantage_estimator: Literal[ADVANTAGE_ESTIMATORS] | None = Field(  # type: ignore[valid-type]
+        None,
+        title="ppo.advantage_estimator",
+        description="gae (PPO with a value model), or a critic-free estimator: grpo, dr_grpo, rloo, reinforce_pp, "
+        "reinforce_pp_baseline (docs/algorithm.md). Empty: the config file's value (gae in the shipped ones).",
+    )
+    ppo_samples_per_prompt: int | None = _typed(
+        "samples_per_prompt",
+        f"Responses sampled per prompt (a group; at most {MAX_GROUP} here): it must divide ppo.batch_size, and "
+        "grpo, dr_grpo, rloo and reinforce_pp_baseline need 2 or more.",
+        ge=1,
+        le=MAX_GROUP,
+    )
     overrides: list[Override] = Field(
         default_factory=list,
         description="key=value changes to the config, one per entry, with the dotted keys of the README's config "
         "reference, e.g. ppo.kl_coef=0.1 or seed=3 (values are read as YAML). ppo.total_episodes, ppo.batch_size "
-        "and ppo.num_mini_batches have their own fields above.",
+        "ppo.num_mini_batches, ppo.advantage_estimator and ppo.samples_per_prompt have their own fields above.",
         examples=[["ppo.kl_coef=0.1", "seed=3"]],
     )
 
@@ -118,7 +134,8 @@ class PipelineRun(BaseModel):
         """The config file with the overrides must be a valid config, cross-field rules included."""
         if found := overrides_set_a_field(list(self.overrides)):
             raise ValueError(
-                f"override '{found}': set ppo.total_episodes, batch_size and num_mini_batches in their fields"
+                f"override '{found}': set ppo.total_episodes, batch_size, num_mini_batches, advantage_estimator and "
+                "samples_per_prompt in their fields"
             )
         self.config()
         return self

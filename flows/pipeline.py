@@ -1,4 +1,7 @@
-"""The RLHF pipeline flow: preferences -> SFT -> reward model -> init -> PPO -> evaluation.
+"""The RLHF pipeline flow: preferences -> SFT -> reward model -> init -> PPO (or DPO) -> evaluation.
+
+`algorithm: ppo` runs the RL stage with ppo.advantage_estimator (PPO's GAE or a critic-free estimator),
+`algorithm: dpo` the DPO stage instead of init and PPO; `reward.source: function` skips the reward-model stage.
 
 Run it with ``make run`` or ``python -m flows.pipeline --config conf/default.yaml key.sub=value ...``. Its MLflow run
 is flows/pipeline_run.py, the summary it prints flows/summary.py, the stages tasks/stage_table.py.
@@ -17,23 +20,25 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.prefect_home import prepare_prefect_database
-from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary
+from flows.summary import POLICY_LABEL, PPO_EPISODES, SFT_STEPS, format_summary, policy_label
 from flows.terminal import exit_code_of, stop_on_signals
-from rlhf.config import PipelineConfig, load_config
+from rlhf.config import PipelineConfig, RewardConfig, load_config
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned, UserInputError
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.preflight import preflight
+from rlhf.rollout.reward_function import function_digest
 from rlhf.sweeps.optuna_search import TrialRef
-from tasks.caching import run_stage
-from tasks.outputs import PreparedData, RewardModel, SFTModel
-from tasks.stage_table import STAGES, stage_of
+from tasks.caching import run_stage, runtime_key
+from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.stage_table import stage_of, stages_of
 from tasks.stages import (
     evaluate_policies,
     init_policy_models,
     prepare_preferences,
     supervised_finetune,
+    train_policy_dpo,
     train_policy_ppo,
     train_reward_model,
 )
@@ -70,11 +75,16 @@ def rlhf_pipeline(
 
 
 class Upstream(NamedTuple):
-    """The stages before PPO, which sweep variants that only change ppo.* or eval.* share."""
+    """The stages before the policy stage, which sweep variants that only change ppo.*, dpo.* or eval.* share."""
 
     prepared: PreparedData
     sft_model: SFTModel
-    reward_model: RewardModel
+    reward_model: RewardModel | None  # None with reward.source: function
+
+
+def reward_function_digest(reward: RewardConfig) -> str | None:
+    """The digest of the reward function the policy and evaluation stages score with (None: none is used)."""
+    return function_digest(reward.function) if reward.uses_function and reward.function else None
 
 
 def upstream_signature(config: PipelineConfig) -> str:
@@ -86,6 +96,9 @@ def upstream_signature(config: PipelineConfig) -> str:
         "seed": config.seed,
         "lengths": LengthLimits.from_config(config).model_dump(mode="json"),
         "output_dir": config.runtime.output_dir,
+        "runtime": {
+            stage: runtime_key(stage, config.runtime) for stage in ("supervised_finetune", "train_reward_model")
+        },
     }
     return json.dumps(keys, sort_keys=True, default=str)
 
@@ -105,6 +118,8 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
     sft_model = run_stage(supervised_finetune, sft_cfg=config.sft, prepared=prepared, seed=config.seed, **common)
     if progress:
         progress.done(stage_of(sft_model.stage).label)
+    if config.reward.source == "function":  # a reward function scores: no reward model to train
+        return Upstream(prepared, sft_model, None)
     reward_model = run_stage(
         train_reward_model,
         reward_cfg=config.reward,
@@ -121,20 +136,33 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
 def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialRef | None = None) -> dict[str, Any]:
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
     common = {"runtime": config.runtime, "tracking": tracking}
-    progress = StageProgress([stage.label for stage in STAGES])  # a progress artifact in the Prefect UI
+    stages = stages_of(config.algorithm, config.reward.source)
+    progress = StageProgress([stage.label for stage in stages])  # a progress artifact in the Prefect UI
     prepared, sft_model, reward_model = run_upstream(config, tracking, progress)
-    ppo_init = run_stage(init_policy_models, sft_model=sft_model, reward_model=reward_model, **common)
-    progress.done(stage_of(ppo_init.stage).label)
-    policy = run_stage(
-        train_policy_ppo,
-        ppo_cfg=config.ppo,
-        ppo_init=ppo_init,
-        prepared=prepared,
-        seed=config.seed,
-        processes=config.runtime.ppo_processes,
-        trial=trial,
-        **common,
-    )
+    # the reward function, where one scores: its name and source file are in the cache keys of the stages using it
+    rewarding = {"reward_cfg": config.reward, "reward_function_digest": reward_function_digest(config.reward)}
+    ppo_init = None
+    if config.algorithm == "dpo":
+        policy: PPOPolicy | DPOPolicy = run_stage(
+            train_policy_dpo, dpo_cfg=config.dpo, sft_model=sft_model, prepared=prepared, seed=config.seed, **common
+        )
+    else:
+        critic = not config.ppo.critic_free
+        ppo_init = run_stage(
+            init_policy_models, sft_model=sft_model, reward_model=reward_model, critic=critic, **common
+        )
+        progress.done(stage_of(ppo_init.stage).label)
+        policy = run_stage(
+            train_policy_ppo,
+            ppo_cfg=config.ppo,
+            ppo_init=ppo_init,
+            prepared=prepared,
+            seed=config.seed,
+            processes=config.runtime.ppo_processes,
+            trial=trial,
+            **rewarding,
+            **common,
+        )
     progress.done(stage_of(policy.stage).label)
     evaluation = run_stage(
         evaluate_policies,
@@ -144,38 +172,38 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         sft_model=sft_model,
         reward_model=reward_model,
         prepared=prepared,
+        **rewarding,
         **common,
     )
     progress.done(stage_of(evaluation.stage).label)
+    outputs = tuple(o for o in (prepared, sft_model, reward_model, ppo_init, policy, evaluation) if o is not None)
     summary: dict[str, Any] = {
-        "reward/eval_accuracy": reward_model.metrics["reward/eval_accuracy"],
+        **({"reward/eval_accuracy": reward_model.metrics["reward/eval_accuracy"]} if reward_model else {}),
         **evaluation.metrics,
+        POLICY_LABEL: policy_label(config),
         "data": prepared.path,
         "data_digest": prepared.digest,
         "sft_checkpoint": sft_model.path,
-        "reward_checkpoint": reward_model.path,
+        "reward_checkpoint": reward_model.path if reward_model else f"none (reward function {config.reward.function})",
         "policy_checkpoint": policy.path,
-        "value_checkpoint": policy.value_path,
+        "value_checkpoint": getattr(policy, "value_path", "") or "none (no value model)",
         "completions": f"{evaluation.path}/completions.parquet",
         "mlflow_run_id": tracking.parent_run_id,
         "mlflow_experiment_id": tracker_for(tracking).experiment_id,
         "tracking_uri": tracking.uri,
         # the run's budget, by which the printed summary tells a plumbing check from learning (flows/summary.py)
-        PPO_EPISODES: config.ppo.total_episodes,
+        **({PPO_EPISODES: config.ppo.total_episodes} if config.algorithm == "ppo" else {}),
         **({SFT_STEPS: config.sft.steps} if config.sft.model is None else {}),
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
             f"memory/{name}_peak_mb": output.metrics["memory/peak_mb"]
-            for name, output in (("sft", sft_model), ("reward", reward_model), ("ppo", policy))
-            if "memory/peak_mb" in output.metrics
+            for name, output in (("sft", sft_model), ("reward", reward_model), (stage_of(policy.stage).short, policy))
+            if output is not None and "memory/peak_mb" in output.metrics
         },
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
-        **{
-            f"stage.{output.stage}.run_id": output.mlflow_run_id
-            for output in (prepared, sft_model, reward_model, ppo_init, policy, evaluation)
-        },
+        **{f"stage.{output.stage}.run_id": output.mlflow_run_id for output in outputs},
     }
-    summary |= cache_tags(tracking, (prepared, sft_model, reward_model, ppo_init, policy, evaluation))
+    summary |= cache_tags(tracking, outputs)
     if evaluation.warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
         summary[EVAL_WARNING_TAG] = "\n".join(evaluation.warnings)
     if tracking.registered_model:

@@ -7,6 +7,7 @@ from typing import Any
 
 from flows.artifacts import mlflow_experiment_url
 from flows.pipeline_run import RESULTS_FROM_TAG
+from rlhf.config import PipelineConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from tasks.stage_table import STAGES
 
@@ -18,10 +19,25 @@ PLUMBING_PPO_EPISODES = 1024
 PLUMBING_SFT_STEPS = 100
 # The run's budget in the summary (ints: neither MLflow metrics nor tags; the run's params hold them already)
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
+# The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
+POLICY_LABEL = "rlhf.policy_algorithm"
+LABELS = {
+    "gae": "PPO",
+    "grpo": "GRPO",
+    "dr_grpo": "Dr. GRPO",
+    "rloo": "RLOO",
+    "reinforce_pp": "REINFORCE++",
+    "reinforce_pp_baseline": "REINFORCE++ (baseline)",
+}
+
+
+def policy_label(config: PipelineConfig) -> str:
+    """'PPO', 'GRPO', ..., or 'DPO': what trained the policy."""
+    return "DPO" if config.algorithm == "dpo" else LABELS[config.ppo.advantage_estimator]
 
 
 def _row(label: str, value: str) -> str:
-    return f"{label + ':':<40}{value}"
+    return f"{label + ':':<39} {value}"
 
 
 def _rate(summary: dict[str, Any], key: str) -> str:
@@ -65,11 +81,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", "== RLHF pipeline summary"]
     if note := plumbing_check(summary):
         lines += [*textwrap.wrap(f"NOTE: {note}", 116, subsequent_indent="      "), ""]
-    lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/eval_accuracy']:.3f}"))
+    label = summary.get(POLICY_LABEL, "PPO")
+    if "reward/eval_accuracy" in summary:
+        lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/eval_accuracy']:.3f}"))
     if "eval/win_rate_gold" in summary:
         lines.append(
             _row(
-                "PPO beats SFT on gold reward",
+                f"{label} beats SFT on gold reward",
                 f"{summary['eval/win_rate_gold']:.1%} of {int(summary['eval/n_prompts'])} held-out prompts "
                 f"(ties {summary['eval/tie_rate_gold']:.1%})",
             )
@@ -77,18 +95,19 @@ def format_summary(summary: dict[str, Any]) -> str:
         if "eval/win_rate_gold_len_controlled" in summary:
             lines.append(_row("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
         lines.append(
-            _row("mean gold reward PPO / SFT", f"{summary['eval/ppo_gold']:.3f} / {summary['eval/sft_gold']:.3f}")
+            _row(f"mean gold reward {label} / SFT", f"{summary['eval/ppo_gold']:.3f} / {summary['eval/sft_gold']:.3f}")
         )
-    lines.append(_row("PPO beats SFT on reward-model score", f"{summary['eval/win_rate_rm']:.1%}"))
+    score = "reward-model score" if "reward/eval_accuracy" in summary else "reward-function score"
+    lines.append(_row(f"{label} beats SFT on {score}", f"{summary['eval/win_rate_rm']:.1%}"))
     if "eval/win_rate_rm_len_controlled" in summary:
         lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
-    lines.append(_row("mean KL(PPO || SFT) per response", f"{summary['eval/kl']:.3f}"))
+    lines.append(_row(f"mean KL({label} || SFT) per response", f"{summary['eval/kl']:.3f}"))
     if "eval/ppo_length_mean" in summary:
         for name in ("ppo", "sft"):
             mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
             lines.append(
                 _row(
-                    f"{name.upper()} response tokens",
+                    f"{label if name == 'ppo' else 'SFT'} response tokens",
                     f"mean {mean:.1f}, p10/p50/p90 {p10:g}/{p50:g}/{p90:g}; "
                     f"empty {summary[f'eval/{name}_empty_rate']:.1%}, "
                     f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
@@ -97,11 +116,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     warnings = hacking_warnings(summary)
     if warnings:
         lines += ["", *(f"WARNING: {w}" for w in warnings), ""]
-    cached = [stage.label for stage in STAGES if summary.get(f"stage.{stage.task}.cached") == "true"]
+    ran = [stage for stage in STAGES if f"stage.{stage.task}.run_id" in summary]  # this pipeline's stages
+    cached = [stage.label for stage in ran if summary.get(f"stage.{stage.task}.cached") == "true"]
     if cached:
         origin = summary.get(f"{RESULTS_FROM_TAG}_name") or summary.get(RESULTS_FROM_TAG)
         lines.append(
-            _row("stages from the cache", f"{len(cached)} of {len(STAGES)}")
+            _row("stages from the cache", f"{len(cached)} of {len(ran)}")
             + (f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})")
         )
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):

@@ -185,20 +185,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
             metrics = tracker_for(base.tracking).get_run(row["mlflow_run_id"]).data.metrics
             row |= {k: metrics.get(k) for k in RANK_METRICS}
     while True:
-        while len(running) < concurrency and (planned := search.next()) is not None:
-            if planned.config is None:  # a point the config rejects: a failed trial, nothing to run
-                search.tell(planned, "failed", None, None)
-                rows.append({"variant": planned.variant.label, **planned.variant.overrides, "status": "failed"})
-                rows[-1]["error"] = planned.error
-                continue
-            slot = free.pop(0) if free else None
-            config = pinned(planned.config, slot, concurrency) if slot else planned.config
-            logger.info("sweep %s: starting %s: %s", space.name, config.run_name, planned.variant.label)
-            if space.deployment:
-                future = run_deployed_variant.submit(space.deployment, config, planned.trial)
-            else:
-                future = run_variant.submit(config, planned.trial)
-            running[future] = (planned, config, slot)
+        start_variants(space, search, concurrency, free, running, rows)
         if not running:
             break
         future = next(as_completed(list(running)))
@@ -235,6 +222,27 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         "plot": plot,
         "tracking_uri": tracker_for(base.tracking).uri,
     }
+
+
+def start_variants(
+    space: SweepSpace, search: VariantList | OptunaSearch, concurrency: int, free: list, running: dict, rows: list
+) -> None:
+    """Submit the next variants until `concurrency` run (`running`: future -> (planned, config, device slot)), each
+    on a free device slot; a point the config rejects is a failed row, with nothing run."""
+    while len(running) < concurrency and (planned := search.next()) is not None:
+        if planned.config is None:  # a point the config rejects: a failed trial, nothing to run
+            search.tell(planned, "failed", None, None)
+            rows.append({"variant": planned.variant.label, **planned.variant.overrides, "status": "failed"})
+            rows[-1]["error"] = planned.error
+            continue
+        slot = free.pop(0) if free else None
+        config = pinned(planned.config, slot, concurrency) if slot else planned.config
+        get_run_logger().info("sweep %s: starting %s: %s", space.name, config.run_name, planned.variant.label)
+        if space.deployment:
+            future = run_deployed_variant.submit(space.deployment, config, planned.trial)
+        else:
+            future = run_variant.submit(config, planned.trial)
+        running[future] = (planned, config, slot)
 
 
 def check_variants(base: PipelineConfig, space: SweepSpace) -> list[PipelineConfig]:

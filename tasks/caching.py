@@ -51,7 +51,7 @@ RUNTIME_IN_KEY = ("device", "dtype", "attn_implementation")
 SHARDED_STAGES = {"train_policy_ppo"}
 # Stages that compute nothing with a model (data preparation; the plan of the PPO models reads tokenizers only): no
 # runtime setting changes what they write. Any other stage, a new one too, has RUNTIME_IN_KEY in its key.
-MODEL_FREE_STAGES = {"prepare_preferences", "init_policy_models", "plan_ppo_models"}
+MODEL_FREE_STAGES = {"prepare_preferences", "init_policy_models"}
 # The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
 CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
 

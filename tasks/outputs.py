@@ -52,10 +52,17 @@ class PolicyInit(StageOutput):
 
 
 class PPOPolicy(StageOutput):
-    """`train_policy_ppo`: the trained policy (`path`) and value model, and the number of PPO updates."""
+    """`train_policy_ppo`: the trained policy (`path`) and value model ('' with a critic-free estimator), and the
+    number of PPO updates."""
 
     value_path: str
     updates: int
+
+
+class DPOPolicy(StageOutput):
+    """`train_policy_dpo`: the policy trained with DPO on the preference pairs (`path`), and its optimizer steps."""
+
+    steps: int
 
 
 class Evaluation(StageOutput):

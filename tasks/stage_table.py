@@ -24,10 +24,20 @@ STAGES: tuple[Stage, ...] = (
     Stage("train_reward_model", "reward", "reward model"),
     Stage("init_policy_models", "init", "PPO init"),
     Stage("train_policy_ppo", "ppo", "PPO"),
+    Stage("train_policy_dpo", "dpo", "DPO"),
     Stage("evaluate_policies", "eval", "evaluation"),
 )
 STAGE_TASKS: tuple[str, ...] = tuple(stage.task for stage in STAGES)
 _BY_TASK = {stage.task: stage for stage in STAGES}
+
+
+def stages_of(algorithm: str = "ppo", reward_source: str = "model") -> tuple[Stage, ...]:
+    """The stages a pipeline of `algorithm` ('ppo': init and the RL stage; 'dpo': the DPO stage) runs, without the
+    reward-model stage where a reward function scores (`reward_source` 'function')."""
+    skipped = {"train_policy_dpo"} if algorithm == "ppo" else {"init_policy_models", "train_policy_ppo"}
+    if reward_source == "function":
+        skipped.add("train_reward_model")
+    return tuple(stage for stage in STAGES if stage.task not in skipped)
 
 
 def stage_of(task: str) -> Stage:

@@ -7,7 +7,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from rlhf.checkpoints import write_manifest
-from rlhf.config import DataConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
+from rlhf.config import DataConfig, DPOConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
 from rlhf.data import prepare
 from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.eval import evaluate as evaluation
@@ -18,14 +18,18 @@ from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
+from rlhf.train import dpo as dpo_training
 from rlhf.train import reward as reward_training
 from rlhf.train import sft as sft_training
 from tasks.caching import content_cache_key, current_stage_dir
 from tasks.faults import injected_failure, retry_unless_user_error
-from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.outputs import DPOPolicy, Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.progress import echo_with_progress, progress_logger, task_logger
 from tasks.stage_runs import log_data_inputs, rollout_samples, samples_every, stage_run
 from tasks.tracking import TrackingContext, training_logger
+
+# the MLflow tag of a policy stage's run (and the pipeline's) that says which algorithm trained the policy
+ALGORITHM_TAG = "rlhf.algorithm"
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -156,21 +160,28 @@ def train_reward_model(
 
 @task(name="init_policy_models", tags=["gpu"], **STAGE)
 def init_policy_models(
-    sft_model: SFTModel, reward_model: RewardModel, runtime: RuntimeConfig, tracking: TrackingContext
+    sft_model: SFTModel,
+    reward_model: RewardModel | None,
+    critic: bool,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
 ) -> PolicyInit:
-    """Record which checkpoints the four PPO models start from (policy and frozen reference: the SFT model; value
-    model and reward model: the reward model) and whether the policy and the reward model share a tokenizer."""
+    """Record which checkpoints the PPO models start from (policy and frozen reference: the SFT model; value model
+    and reward model: the reward model) and whether the policy and the reward model share a tokenizer. Without a
+    value model (`critic` false: a critic-free estimator) `value_init` is empty; without a reward model
+    (reward.source: function) `reward_model` is empty and gae's value model starts from the SFT model."""
     folder = current_stage_dir()
+    reward_path = reward_model.path if reward_model is not None else ""
     init = {
         "policy_init": sft_model.path,
         "reference_init": sft_model.path,
-        "value_init": reward_model.path,
-        "reward_model": reward_model.path,
+        "value_init": (reward_path or sft_model.path) if critic else "",
+        "reward_model": reward_path,
     }
     with stage_run(tracking, "init_policy_models", folder, init) as (tracker, run_id):
-        same = same_vocabulary(
+        same = not reward_path or same_vocabulary(
             load_tokenizer(sft_model.path, trust_remote_code=runtime.trust_remote_code),
-            load_tokenizer(reward_model.path, trust_remote_code=runtime.trust_remote_code),
+            load_tokenizer(reward_path, trust_remote_code=runtime.trust_remote_code),
         )
         tracker.log_params(run_id, {"reward_retokenizes": not same})
         folder.mkdir(parents=True, exist_ok=True)
@@ -178,7 +189,7 @@ def init_policy_models(
     return PolicyInit(
         stage="init_policy_models",
         path=sft_model.path,
-        digest=f"{sft_model.digest}:{reward_model.digest}",
+        digest=f"{sft_model.digest}:{reward_model.digest if reward_model is not None else 'function'}:{critic}",
         mlflow_run_id=run_id,
         **init,
         same_tokenizer=same,
@@ -194,11 +205,15 @@ def train_policy_ppo(
     processes: int,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
+    reward_cfg: RewardConfig | None = None,
+    reward_function_digest: str | None = None,
     trial: TrialRef | None = None,
 ) -> PPOPolicy:
-    """PPO against the reward model (in `processes` data-parallel processes when > 1); a retry resumes from the
-    last saved trainer state and continues the same MLflow run. `trial`: the Optuna trial (of a sweep) its periodic
-    evaluations are reported to; its pruner may stop the stage (`TrialPruned`)."""
+    """The RL stage: ppo.advantage_estimator's policy optimisation against the reward model or reward function (in
+    `processes` data-parallel processes when > 1); a retry resumes from the last saved trainer state and continues
+    the same MLflow run. `reward_function_digest` (the function's name and source file) is in the cache key only.
+    `trial`: the Optuna trial (of a sweep) its periodic evaluations are reported to; its pruner may stop the stage
+    (`TrialPruned`)."""
     configure_cpu(runtime.threads)
     folder = current_stage_dir()
     params = {
@@ -209,6 +224,7 @@ def train_policy_ppo(
         **run_choices(ppo_cfg, runtime, ppo_init.policy_init),  # resolved stop tokens (and LoRA targets)
     }
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
+        tracker.set_tags(run_id, {ALGORITHM_TAG: ppo_cfg.advantage_estimator})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
         stop_after, updates, several = injected_failure("train_policy_ppo", folder), ppo_cfg.num_updates, processes > 1
         result = launch.train_policy(
@@ -216,10 +232,11 @@ def train_policy_ppo(
             runtime,
             seed,
             ppo_init.policy_init,
-            ppo_init.reward_model,
+            ppo_init.reward_model or None,
             prepared.path,
             folder,
-            value_path=ppo_init.value_init,
+            value_path=ppo_init.value_init or None,
+            reward_cfg=reward_cfg,
             processes=processes,
             # one process logs here; several log from their rank 0 and print progress lines
             log=None if several else training_logger(tracker, run_id, progress_logger("ppo", 10, updates), runtime),
@@ -253,19 +270,68 @@ def train_policy_ppo(
     )
 
 
+@task(name="train_policy_dpo", tags=["gpu"], **STAGE)
+def train_policy_dpo(
+    dpo_cfg: DPOConfig,
+    sft_model: SFTModel,
+    prepared: PreparedData,
+    seed: int,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
+) -> DPOPolicy:
+    """DPO of the SFT policy on the preference pairs against the frozen SFT model (`algorithm: dpo`); a retry
+    resumes from the last saved state and continues the same MLflow run."""
+    configure_cpu(runtime.threads)
+    folder = current_stage_dir()
+    with stage_run(tracking, "train_policy_dpo", folder, flatten(dpo_cfg, "dpo"), resume=True) as (tracker, run_id):
+        tracker.set_tags(run_id, {ALGORITHM_TAG: "dpo"})
+        log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
+        steps = dpo_training.total_steps(dpo_cfg, prepared.manifest["rows"]["train"])
+        log = training_logger(tracker, run_id, progress_logger("dpo", 10, steps), runtime)
+        result = dpo_training.train_dpo(
+            dpo_cfg,
+            runtime,
+            sft_model.path,
+            f"{prepared.path}/train.parquet",
+            f"{prepared.path}/eval.parquet",
+            folder,
+            seed,
+            log,
+            stop_after=injected_failure("train_policy_dpo", folder),
+        )
+        if tracking.log_checkpoints:
+            tracker.log_artifacts(run_id, folder / "final", "dpo_checkpoint")
+            try:  # the policy as an MLflow transformers model, as the PPO stage logs it
+                uri = tracker.log_transformers_model(run_id, result.path, "policy_model")
+                task_logger().info("DPO policy logged as MLflow model %s", uri)
+            except Exception as err:  # noqa: BLE001 (a model-logging problem never fails a trained stage)
+                task_logger().warning("could not log the DPO policy as an MLflow transformers model: %s", err)
+    return DPOPolicy(
+        stage="train_policy_dpo",
+        path=result.path,
+        digest=result.digest,
+        mlflow_run_id=run_id,
+        metrics=result.metrics,
+        steps=result.steps,
+    )
+
+
 @task(name="evaluate_policies", tags=["gpu"], **STAGE)
 def evaluate_policies(
     eval_cfg: EvalConfig,
     ppo_cfg: PPOConfig,
-    policy: PPOPolicy,
+    policy: PPOPolicy | DPOPolicy,
     sft_model: SFTModel,
-    reward_model: RewardModel,
+    reward_model: RewardModel | None,
     prepared: PreparedData,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
+    reward_cfg: RewardConfig | None = None,
+    reward_function_digest: str | None = None,
 ) -> Evaluation:
-    """Generate with the PPO and SFT policies on held-out prompts; scores, KL, win rates (also at equal length),
-    response lengths and empty answers, reward-hacking flags, completions table."""
+    """Generate with the trained (PPO's estimator or DPO) and SFT policies on held-out prompts; scores (the reward
+    model's, or the reward function's), KL, win rates (also at equal length), response lengths and empty answers,
+    reward-hacking flags, completions table."""
     configure_cpu(runtime.threads)
     folder = current_stage_dir()
     with stage_run(tracking, "evaluate_policies", folder, flatten(eval_cfg, "eval")) as (tracker, run_id):
@@ -276,11 +342,12 @@ def evaluate_policies(
             runtime,
             policy.path,
             sft_model.path,
-            reward_model.path,
+            reward_model.path if reward_model is not None else None,
             f"{prepared.path}/eval.parquet",
             folder,
             prepare.gold_scorer(prepared.manifest),
             tracker.metric_logger(run_id),
+            reward_cfg,
         )
         completions = pd.read_parquet(result.completions)
         tracker.log_table(run_id, completions, "completions.json")

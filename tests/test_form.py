@@ -28,7 +28,13 @@ def test_a_config_file_and_overrides_give_the_config():
     run = PipelineRun(config_file="conf/smoke.yaml", overrides=["ppo.kl_coef=0.1", "seed=3"])
     assert run.config() == load_config(REPO / "conf" / "smoke.yaml", ["ppo.kl_coef=0.1", "seed=3"])
     assert PipelineRun().config() == load_config(REPO / "conf" / "default.yaml")
-    empty = {"ppo_total_episodes": None, "ppo_batch_size": None, "ppo_num_mini_batches": None}
+    empty = {
+        "ppo_total_episodes": None,
+        "ppo_batch_size": None,
+        "ppo_num_mini_batches": None,
+        "ppo_advantage_estimator": None,
+        "ppo_samples_per_prompt": None,
+    }
     assert form_parameters("conf/smoke.yaml") == {
         "run": {"config_file": "conf/smoke.yaml", "config_path": "", **empty, "overrides": []}
     }
@@ -42,8 +48,11 @@ def test_a_config_file_and_overrides_give_the_config():
     ("run", "message"),
     [
         ({"ppo_num_mini_batches": 3}, "ppo.num_mini_batches (3) must divide ppo.batch_size (64)"),
-        ({"overrides": ["ppo.num_mini_batches=3"]}, "set ppo.total_episodes, batch_size and num_mini_batches in"),
-        ({"overrides": ["ppo={}"]}, "set ppo.total_episodes, batch_size and num_mini_batches in"),
+        (
+            {"overrides": ["ppo.num_mini_batches=3"]},
+            "set ppo.total_episodes, batch_size, num_mini_batches, advantage_estimator and",
+        ),
+        ({"overrides": ["ppo={}"]}, "set ppo.total_episodes, batch_size, num_mini_batches, advantage_estimator and"),
         ({"ppo_num_mini_batches": 129}, "less than or equal to 128"),
         ({"overrides": ["ppo.kl_cof=0.1"]}, "unknown key 'ppo.kl_cof'"),
         ({"overrides": ["seed"]}, "should match pattern"),
@@ -141,6 +150,34 @@ def _knowable(run: dict) -> bool:
     if "config_path" in run or run["overrides"]:
         return False
     return "ppo_total_episodes" not in run or run.get("ppo_batch_size", 1) in BREAKPOINTS
+
+
+GROUP_GRID = {
+    "config_file": ["conf/default.yaml", "conf/smoke.yaml", None],
+    "ppo_batch_size": [None, 16, 24, 36],
+    "ppo_advantage_estimator": [None, "gae", "grpo", "reinforce_pp"],
+    "ppo_samples_per_prompt": [None, 1, 3, 4, 5],
+}
+
+
+def test_the_schema_agrees_with_the_estimators_group_rules(form_schema):
+    """Over the estimator and group-size fields with shipped configs: the schema refuses exactly the runs the
+    config refuses (a group size that does not divide the batch, a group estimator with one sample a prompt)."""
+    checked = refused = 0
+    schema_check = _schema_check(form_schema)
+    for values in itertools.product(*GROUP_GRID.values()):
+        run = {k: v for k, v in zip(GROUP_GRID, values, strict=True) if v is not None}
+        try:
+            PipelineRun.model_validate(run)
+            valid = True
+        except ValidationError:
+            valid = False
+        assert schema_check(run) == valid, run
+        checked, refused = checked + 1, refused + (not valid)
+    assert checked == 240 and refused > 80
+    errors = _schema_errors({"ppo_batch_size": 24, "ppo_samples_per_prompt": 5}, form_schema)
+    fields = {e["property"]: e["errors"] for e in errors["errors"][0]["errors"]}
+    assert fields == {"ppo_batch_size": ["24 is not a multiple of 5"]}
 
 
 def test_prefect_refuses_a_bad_combination_before_a_flow_run_exists():

@@ -14,7 +14,7 @@ from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary, plumbing_chec
 from rlhf.config import load_config
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
 from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
-from tasks.stage_table import STAGE_TASKS, STAGES
+from tasks.stage_table import STAGE_TASKS, STAGES, stages_of
 from tests.conftest import REPO, flow_run_artifacts, task_states
 
 
@@ -240,7 +240,9 @@ def test_the_stage_table_names_the_flows_tasks_in_order():
     called = re.findall(r"run_stage\(\s*(\w+),", inspect.getsource(flows.pipeline))  # in the flow's order
     assert tuple(called) == STAGE_TASKS
     assert len({stage.short for stage in STAGES}) == len(STAGES)
-    assert [stage.short for stage in STAGES] == ["data", "sft", "reward", "init", "ppo", "eval"]
+    assert [stage.short for stage in stages_of()] == ["data", "sft", "reward", "init", "ppo", "eval"]
+    assert [stage.short for stage in stages_of("dpo", "model")] == ["data", "sft", "reward", "dpo", "eval"]
+    assert [stage.short for stage in stages_of("ppo", "function")] == ["data", "sft", "init", "ppo", "eval"]
 
 
 @pytest.mark.parametrize(

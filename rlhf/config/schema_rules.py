@@ -24,10 +24,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.config.stages import PPOConfig
+from rlhf.config.stages import GROUP_ESTIMATORS, PPOConfig
 
 MAX_MINI_BATCHES = 128  # the form's bound on ppo.num_mini_batches: the schema enumerates the values up to it
-FORM_KEYS = ("total_episodes", "batch_size", "num_mini_batches")  # typed fields of the form (ppo.<key>)
+# typed fields of the form (ppo.<key>): the batch fields, then the estimator and its group size
+FORM_KEYS = ("total_episodes", "batch_size", "num_mini_batches", "advantage_estimator", "samples_per_prompt")
+MAX_GROUP = 64  # the form's bound on ppo.samples_per_prompt: the schema enumerates the values up to it
 # overrides that would change what the typed fields say: the whole ppo section, or one of their keys
 FIELD_OVERRIDE = rf"^ppo(\.({'|'.join(FORM_KEYS)}))?="
 ACCUMULATION_OVERRIDE = r"^ppo(\.gradient_accumulation_steps)?="
@@ -80,7 +82,7 @@ def _constrain(name: str, **schema: Any) -> dict[str, Any]:
 def ppo_batch_clauses(configs: Mapping[str, PPOConfig], default: str) -> list[dict[str, Any]]:
     """``allOf`` clauses of the form's schema: the PPO batch rules over the typed fields and the shipped configs'
     values (`configs`: config_file choice -> its ppo section; `default`: the choice an absent config_file means)."""
-    total, batch, minis = (field_name(k) for k in FORM_KEYS)
+    total, batch, minis = (field_name(k) for k in ("total_episodes", "batch_size", "num_mini_batches"))
     ks = range(1, MAX_MINI_BATCHES + 1)
     clauses = [_when([_is(minis, k)], _constrain(batch, multipleOf=k)) for k in ks if k > 1]
     clauses += [
@@ -109,4 +111,21 @@ def ppo_batch_clauses(configs: Mapping[str, PPOConfig], default: str) -> list[di
             chosen = {"anyOf": [_config(name, default) for name in names]}
             steps = [_when([_is(minis, k)], _constrain(batch, multipleOf=k * accumulation)) for k in ks]
             clauses.append(_when([chosen, NO_ACCUMULATION_OVERRIDE], {"allOf": steps}))
+    return clauses
+
+
+def group_clauses(configs: Mapping[str, PPOConfig], default: str) -> list[dict[str, Any]]:
+    """``allOf`` clauses of the estimator's group rules: ppo.samples_per_prompt divides ppo.batch_size (typed, or the
+    chosen config file's), and a group estimator (grpo, dr_grpo, rloo, reinforce_pp_baseline) has 2 or more
+    samples a prompt (typed, or the config file's)."""
+    estimator, group, batch = (field_name(k) for k in ("advantage_estimator", "samples_per_prompt", "batch_size"))
+    grouped = {"properties": {estimator: {"enum": list(GROUP_ESTIMATORS)}}, "required": [estimator]}
+    clauses = [_when([_is(group, k), _given(batch)], _constrain(batch, multipleOf=k)) for k in range(2, MAX_GROUP + 1)]
+    clauses.append(_when([grouped, _given(group)], _constrain(group, minimum=2)))
+    for name, ppo in configs.items():
+        here = _config(name, default)
+        divisors = [k for k in range(1, MAX_GROUP + 1) if ppo.batch_size % k == 0]
+        clauses.append(_when([here, _empty(batch), _given(group)], _constrain(group, enum=divisors)))
+        if ppo.samples_per_prompt < 2:  # the config's one sample a prompt cannot feed a group estimator
+            clauses.append(_when([here, grouped, _empty(group)], _given(group)))
     return clauses

@@ -67,6 +67,31 @@ def _not_encoded(
     return f"{key}: {path} is not {name} text: byte 0x{byte:02x} at {where} cannot be decoded; {hint}"
 
 
+def _decoded_lines(f, key: str, path: Path, encoding: str, compressed: bool) -> Iterator[tuple[int, str]]:
+    """(line number, text) of an open binary file in an encoding that is not ASCII-compatible (UTF-16, ...): decoded
+    in chunks of 1 MiB, then split into lines; one DataError sentence for a byte that does not decode."""
+    decoder = codecs.getincrementaldecoder(encoding)(errors="strict")
+    offset, pending, number = 0, "", 0
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        buffered = len(decoder.getstate()[0])
+        try:
+            pending += decoder.decode(chunk)
+        except UnicodeDecodeError as err:
+            at = offset - buffered + err.start
+            raise DataError(_not_encoded(key, path, encoding, at, None, err.object[err.start], compressed)) from None
+        offset += len(chunk)
+        *complete, pending = pending.split("\n")
+        for text in complete:
+            number += 1
+            yield number, text + "\n"
+    try:
+        pending += decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise DataError(_not_encoded(key, path, encoding, offset, None, err.object[err.start], compressed)) from None
+    if pending:
+        yield number + 1, pending
+
+
 def _lines(key: str, path: Path, compression: str | None, encoding: str) -> Iterator[tuple[int, str]]:
     """(line number, text) of every line of a text file, decoded in `encoding`; one DataError sentence for a byte
     that does not decode or a compressed stream that cannot be read to its end."""
@@ -94,30 +119,7 @@ def _lines(key: str, path: Path, compression: str | None, encoding: str) -> Iter
                     offset += len(raw)
                     yield number, text
                 return
-            decoder = codecs.getincrementaldecoder(encoding)(errors="strict")
-            offset, pending, number = 0, "", 0
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                buffered = len(decoder.getstate()[0])
-                try:
-                    pending += decoder.decode(chunk)
-                except UnicodeDecodeError as err:
-                    at = offset - buffered + err.start
-                    raise DataError(
-                        _not_encoded(key, path, encoding, at, None, err.object[err.start], compressed)
-                    ) from None
-                offset += len(chunk)
-                *complete, pending = pending.split("\n")
-                for text in complete:
-                    number += 1
-                    yield number, text + "\n"
-            try:
-                pending += decoder.decode(b"", final=True)
-            except UnicodeDecodeError as err:
-                raise DataError(
-                    _not_encoded(key, path, encoding, offset, None, err.object[err.start], compressed)
-                ) from None
-            if pending:
-                yield number + 1, pending
+            yield from _decoded_lines(f, key, path, encoding, compressed)
     except (EOFError, OSError, lzma.LZMAError) as err:
         if isinstance(err, FileNotFoundError):
             raise DataError(f"{key}: file {path} does not exist") from None

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlhf.checkpoints import atomic_dir, write_manifest
-from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
+from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.eval import length_control
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
@@ -23,6 +23,7 @@ from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
 from rlhf.ops import kl_per_token
 from rlhf.rollout.batching import encode_prompts, pad_left
 from rlhf.rollout.generation import GenerationSettings
+from rlhf.rollout.reward_function import reward_function
 from rlhf.rollout.scoring import ScoringModels, generate_and_score
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
 
@@ -92,20 +93,26 @@ def evaluate_policies(
     runtime: RuntimeConfig,
     policy_path: str,
     sft_path: str,
-    reward_path: str,
+    reward_path: str | None,
     eval_file: str | Path,
     out_dir: str | Path,
     gold_fn: GoldFn | None,
     log: LogFn,
+    reward_cfg: RewardConfig | None = None,
 ) -> EvalResult:
-    """Generate with the PPO and SFT policies (same prompts, same seed) and compare them."""
+    """Generate with the trained and the SFT policies (same prompts, same seed) and compare them. The score is the
+    reward model's at `reward_path`, the reward function of `reward_cfg` (reward.source: function, `reward_path`
+    None), or the model's plus the weighted function (reward.function_weight), as in training."""
     device = resolve_device(runtime.device)
     trust_remote_code = runtime.trust_remote_code
     tokenizer = load_tokenizer(policy_path, trust_remote_code=trust_remote_code)
-    reward_tokenizer = load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
+    reward_tokenizer = (
+        tokenizer if reward_path is None else load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
+    )
     frozen = load_options(runtime, device, trainable=False)
     reference = load_causal_lm(sft_path, device, **frozen).eval()
-    reward = load_reward_model(reward_path, device, **frozen).eval()
+    reward = None if reward_path is None else load_reward_model(reward_path, device, **frozen).eval()
+    reward_fn, reward_fn_weight = reward_function(reward_cfg)
     settings = GenerationSettings(
         cfg.max_new_tokens or ppo_cfg.max_new_tokens,
         cfg.temperature or ppo_cfg.temperature,
@@ -120,7 +127,16 @@ def evaluate_policies(
     frames = {}
     for name, path in (("sft", sft_path), ("ppo", policy_path)):
         policy = reference if name == "sft" else load_causal_lm(path, device, **frozen).eval()
-        models = ScoringModels(policy, reference, reward, tokenizer, reward_tokenizer, same_tokenizer)  # no value
+        models = ScoringModels(
+            policy,
+            reference,
+            reward,
+            tokenizer,
+            reward_tokenizer,
+            same_tokenizer,
+            reward_fn=reward_fn,
+            reward_fn_weight=reward_fn_weight,
+        )  # fmt: skip (no value model)
         generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
         frames[name] = generate_and_score_prompts(
             models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress

@@ -24,7 +24,7 @@ from rlhf.models.training import (
     unwrap,
 )
 from rlhf.rollout.generation import Sampler
-from rlhf.rollout.reward_function import RewardFunction, load_reward_function
+from rlhf.rollout.reward_function import RewardFunction, reward_function
 from rlhf.rollout.scoring import ScoringModels
 
 
@@ -79,15 +79,6 @@ def run_choices(cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str) -> dic
         model_type = AutoConfig.from_pretrained(policy_path, trust_remote_code=trust_remote_code).model_type
         choices["lora_target_modules_resolved"] = json.dumps(lora_targets(model_type, cfg.lora.target_modules))
     return choices
-
-
-def reward_function(reward_cfg: RewardConfig | None) -> tuple[RewardFunction | None, float]:
-    """The reward function of `reward_cfg` (reward.function) and its weight beside a reward model, if one is used."""
-    if reward_cfg is None or not reward_cfg.uses_function:
-        return None, 1.0
-    assert reward_cfg.function is not None
-    weight = 1.0 if reward_cfg.source == "function" else reward_cfg.function_weight
-    return load_reward_function(reward_cfg.function), weight
 
 
 def load_models(

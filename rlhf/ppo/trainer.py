@@ -97,12 +97,7 @@ def train_ppo(
     device = dist.device
     reset_peak_memory(device)
     models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device, reward_cfg)
-    if dist.world_size > 1:  # loaded identically anyway; this makes the starting point certain
-        distributed.broadcast_parameters(models.policy)
-        if models.value is not None:
-            distributed.broadcast_parameters(models.value_trainable())
-    if sharded:  # each rank keeps its shards of the four models from here on
-        shard_models(models, dist)
+    place_models(models, dist, sharded)
     state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
     settings = generation_settings(cfg, models)
     prompt_ids, pending = truncated_prompts(
@@ -155,12 +150,7 @@ def train_ppo(
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
-        if cfg.record_rollouts or gold_fn is not None:
-            records = rollout_records(models, update, prompts, rollout, gold_fn)
-            if gold_fn is not None:
-                stats["objective/gold_score"] = float(records["gold_score"].mean())
-            if cfg.record_rollouts:
-                write_records(out_dir, update, records, dist)
+        stats.update(record_rollouts(out_dir, update, models, prompts, rollout, cfg, gold_fn, dist))
         stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device, dist.world_size))
         stats = distributed.reduce_stats(stats)
         state.kl_ctl.update(stats["objective/kl"], cfg.batch_size)
@@ -177,7 +167,30 @@ def train_ppo(
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
     if models.sampler is not None:
         models.sampler.close()
-    final = out_dir / "final"
+    return save_result(out_dir / "final", models, state, stats, dist, sharded, param_digest)
+
+
+def place_models(models: PPOModels, dist: DistContext, sharded: bool) -> None:
+    """With several processes, the trained models' starting weights broadcast from rank 0 (loaded identically
+    anyway: this makes the starting point certain) and, with FSDP, every model sharded over the ranks."""
+    if dist.world_size > 1:
+        distributed.broadcast_parameters(models.policy)
+        if models.value is not None:
+            distributed.broadcast_parameters(models.value_trainable())
+    if sharded:  # each rank keeps its shards of the models from here on
+        shard_models(models, dist)
+
+
+def save_result(
+    final: Path,
+    models: PPOModels,
+    state: TrainerState,
+    stats: dict[str, float],
+    dist: DistContext,
+    sharded: bool,
+    param_digest: bool,
+) -> PPOResult:
+    """Write the final models (rank 0; sharded models gathered first, a collective) and describe them."""
     digest = ""
     weights = full_weights(models) if sharded else None  # gathered on rank 0: a collective of every rank
     if dist.is_main:
@@ -192,6 +205,25 @@ def train_ppo(
     value_path = final / "value" / "value_head.safetensors" if models.shared_value_head else final / "value"
     value_file = "" if models.value is None else str(value_path)  # a critic-free run has no value model
     return PPOResult(str(final / "policy"), value_file, digest, state.step, stats, params)
+
+
+def record_rollouts(
+    out_dir: Path,
+    update: int,
+    models: PPOModels,
+    prompts: list[str],
+    rollout: Rollout,
+    cfg: PPOConfig,
+    gold_fn: GoldFn | None,
+    dist: DistContext,
+) -> dict[str, float]:
+    """The update's rollout records to Parquet (ppo.record_rollouts) and, with a gold reward, its mean gold score."""
+    if not cfg.record_rollouts and gold_fn is None:
+        return {}
+    records = rollout_records(models, update, prompts, rollout, gold_fn)
+    if cfg.record_rollouts:
+        write_records(out_dir, update, records, dist)
+    return {"objective/gold_score": float(records["gold_score"].mean())} if gold_fn is not None else {}
 
 
 def truncated_prompts(

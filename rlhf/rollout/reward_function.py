@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf.config import RewardConfig
 from rlhf.errors import ConfigError, UserInputError
 
 RewardCallable = Callable[[list[str], list[str]], Sequence[float]]
@@ -94,6 +95,16 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFunct
     if not callable(target):
         raise ConfigError(f"{key}: {spec} is a {type(target).__name__}, not a callable")
     return RewardFunction(spec, target)  # type: ignore[arg-type]
+
+
+def reward_function(reward_cfg: RewardConfig | None) -> tuple[RewardFunction | None, float]:
+    """The reward function of `reward_cfg` (reward.function) and its weight beside a reward model (1 where it scores
+    alone, reward.source: function); (None, 1.0) where none is used."""
+    if reward_cfg is None or not reward_cfg.uses_function:
+        return None, 1.0
+    assert reward_cfg.function is not None
+    weight = 1.0 if reward_cfg.source == "function" else reward_cfg.function_weight
+    return load_reward_function(reward_cfg.function), weight
 
 
 def function_digest(spec: str) -> str:
