@@ -142,11 +142,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     # the reward function, where one scores: its name and source file are in the cache keys of the stages using it
     rewarding = {"reward_cfg": config.reward, "reward_function_digest": reward_function_digest(config.reward)}
     ppo_init = None
-    if config.algorithm == "dpo":
-        policy: PPOPolicy | DPOPolicy = run_stage(
-            train_policy_dpo, dpo_cfg=config.dpo, sft_model=sft_model, prepared=prepared, seed=config.seed, **common
-        )
-    else:
+    policy: PPOPolicy | DPOPolicy
+    if config.algorithm == "ppo":
         critic = not config.ppo.critic_free
         ppo_init = run_stage(
             init_policy_models, sft_model=sft_model, reward_model=reward_model, critic=critic, **common
@@ -162,6 +159,10 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
             trial=trial,
             **rewarding,
             **common,
+        )
+    else:
+        policy = run_stage(
+            train_policy_dpo, dpo_cfg=config.dpo, sft_model=sft_model, prepared=prepared, seed=config.seed, **common
         )
     progress.done(stage_of(policy.stage).label)
     evaluation = run_stage(

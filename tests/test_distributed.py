@@ -285,3 +285,70 @@ def test_parameter_digest_only_when_asked(tiny_checkpoints, tmp_path, want):
         assert digests[0] == digests[1] and len(digests[0]) == 64
     else:
         assert called == [] and digests == ["", ""]
+
+
+def _reinforce_batch() -> tuple[PPOConfig, list]:
+    """A global batch of 8 scored responses (2 groups of 4 samples per rank of two), with ragged lengths."""
+    from rlhf.rollout.generation import Responses
+    from rlhf.rollout.scoring import ScoredResponses
+
+    g = torch.Generator().manual_seed(7)
+    b, r = 8, 5
+    lengths = torch.tensor([5, 3, 4, 1, 2, 5, 5, 3])
+    mask = (torch.arange(r) < lengths[:, None]).long()
+    logprobs, ref_logprobs = -torch.rand(b, r, generator=g), -torch.rand(b, r, generator=g)
+    scored = ScoredResponses(
+        query_responses=torch.zeros(b, 2 + r, dtype=torch.long),
+        qr_mask=torch.cat([torch.ones(b, 2, dtype=torch.long), mask], 1),
+        prompt_len=2,
+        resp=Responses(torch.zeros(b, r, dtype=torch.long), mask, torch.ones(b, dtype=torch.bool)),
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=None,
+        scores=torch.randn(b, generator=g),
+    )
+    cfg = PPOConfig(
+        advantage_estimator="reinforce_pp", samples_per_prompt=4, batch_size=8, num_mini_batches=2, total_episodes=8
+    )
+    return cfg, scored
+
+
+def _shard(scored, rows: slice):
+    import dataclasses
+
+    from rlhf.rollout.generation import Responses
+
+    resp = Responses(*(t[rows] for t in scored.resp))
+    tensors = {
+        k: getattr(scored, k)[rows] for k in ("query_responses", "qr_mask", "logprobs", "ref_logprobs", "scores")
+    }
+    return dataclasses.replace(scored, resp=resp, **tensors)
+
+
+def _whitening_worker(rank: int, world_size: int, port: int, results: Path) -> None:
+    from rlhf.ppo.update import Rollout, compute_advantages
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        cfg, scored = _reinforce_batch()
+        rows = slice(rank * 4, (rank + 1) * 4)
+        ctx = distributed.DistContext(rank=rank, world_size=world_size)
+        rollout = compute_advantages(Rollout(list(range(4)), _shard(scored, rows)), cfg, 0.05, ctx)
+        torch.save(rollout.advantages, results / f"advantages{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reinforce_pp_whitens_over_the_global_batch_across_processes(tmp_path):
+    """Two processes with half the batch each whiten REINFORCE++'s returns with the global batch's moments: the
+    advantages are those of one process holding the whole batch, not of each half whitened alone."""
+    from rlhf.ppo.update import Rollout, compute_advantages
+
+    mp.spawn(_whitening_worker, args=(2, _free_port(), tmp_path), nprocs=2, join=True)
+    sharded = torch.cat([torch.load(tmp_path / f"advantages{r}.pt") for r in range(2)])
+    cfg, scored = _reinforce_batch()
+    whole = compute_advantages(Rollout(list(range(8)), scored), cfg, 0.05).advantages
+    torch.testing.assert_close(sharded, whole, atol=1e-5, rtol=1e-5)
+    alone = compute_advantages(Rollout(list(range(4)), _shard(scored, slice(0, 4))), cfg, 0.05).advantages
+    assert not torch.allclose(alone, whole[:4], atol=1e-3)  # each half alone would whiten differently

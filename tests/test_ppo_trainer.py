@@ -143,6 +143,7 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
         return ppo_update.MicroBatch(
             scored.query_responses[rows], scored.qr_mask[rows], scored.prompt_len, rollout.mask[rows],
             scored.logprobs[rows], rollout.loss_advantages[rows], scored.values[rows], rollout.returns[rows],
+            scored.ref_logprobs[rows],
         )  # fmt: skip
 
     m.policy.load_state_dict(weights["policy"])

@@ -162,7 +162,7 @@ def test_sigkill_mid_training_then_the_same_command_resumes(tmp_path, uninterrup
         assert len(stage_runs(tmp_path, name)) == 1, name  # computed once: the killed stage continues its run
     (run,) = stage_runs(tmp_path, stage)
     assert run.info.run_id == killed_stage_run.info.run_id and run.info.status == "FINISHED"
-    key, total = ("objective/kl", 4) if stage == "train_policy_ppo" else ("train/loss", 8)
+    key, total = ("objective/kl", 4) if stage == "train_policy_ppo" else ("reward/train/loss", 8)
     assert steps(tmp_path, run, key) == list(range(1, total + 1)), "every step logged once"
     assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(killed_parent.info.run_id).info.status == "KILLED"
     assert_clean_store(tmp_path)
@@ -194,7 +194,7 @@ def test_repeated_sigkills_at_random_moments(tmp_path, uninterrupted):
         assert "Traceback" not in log.read_text(), log.read_text()
     finish(*start(tmp_path, name="final"))
     assert_clean_store(tmp_path, finished_runs=1 + finished_first)
-    for stage, key in (("train_reward_model", "train/loss"), ("train_policy_ppo", "objective/kl")):
+    for stage, key in (("train_reward_model", "reward/train/loss"), ("train_policy_ppo", "objective/kl")):
         (run,) = [r for r in stage_runs(tmp_path, stage) if r.info.status == "FINISHED"]
         logged = steps(tmp_path, run, key)
         assert logged == sorted(set(logged)), f"{stage}: a step logged twice"
