@@ -259,3 +259,33 @@ def test_the_stage_table_names_the_flows_tasks_in_order():
 def test_a_tiny_budget_is_called_a_plumbing_check(budget, says):
     note = plumbing_check(budget)
     assert note is None if says is None else says in note
+
+
+@pytest.mark.slow
+def test_dpo_and_a_rule_rewarded_grpo_run_the_dag_and_share_its_cached_stages(harness, tmp_path):
+    """algorithm: dpo trains the DPO stage instead of init and PPO and is evaluated as PPO is; reward.source: function
+    skips the reward-model stage; both reuse the data and SFT stages; a second DPO run comes from the cache."""
+    base = [
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"tracking.artifact_location={tmp_path}/artifacts",
+        f"runtime.output_dir={tmp_path}/out",
+    ]
+    dpo = load_config(REPO / "conf" / "smoke.yaml", [*base, "algorithm=dpo", "dpo.lr=1e-3"])
+    summary = rlhf_pipeline(dpo)
+    ran = {key.split(".")[1] for key in summary if key.startswith("stage.") and key.endswith(".run_id")}
+    assert ran == {"prepare_preferences", "supervised_finetune", "train_reward_model", "train_policy_dpo",
+                   "evaluate_policies"}  # fmt: skip
+    assert summary["rlhf.policy_algorithm"] == "DPO" and "DPO beats SFT" in format_summary(summary)
+    assert (Path(summary["policy_checkpoint"]) / "config.json").is_file() and "eval/kl" in summary
+    again = rlhf_pipeline(dpo)
+    assert all(again[f"stage.{stage}.cached"] == "true" for stage in ran)
+
+    rule = ["reward.source=function", "reward.function=rlhf.data.synthetic:gold_reward"]
+    grpo = load_config(
+        REPO / "conf" / "smoke.yaml", [*base, *rule, "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"]
+    )
+    summary = rlhf_pipeline(grpo)
+    assert "stage.train_reward_model.run_id" not in summary and "reward/eval_accuracy" not in summary
+    assert summary["stage.supervised_finetune.cached"] == "true"  # shared with the DPO run
+    assert summary["value_checkpoint"].startswith("none")
+    assert summary["eval/win_rate_rm"] == summary["eval/win_rate_gold"]  # the function is the gold reward
