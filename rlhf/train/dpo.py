@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_sc
 
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DPOConfig, RuntimeConfig
-from rlhf.errors import ConfigError, DataError
+from rlhf.errors import DataError
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
@@ -35,9 +35,9 @@ from rlhf.models.training import (
     enable_gradient_checkpointing,
 )
 from rlhf.ops import DPOLossOutput, dpo_loss, sequence_logps
-from rlhf.rollout.batching import encode_prompt_response, pair_lengths
+from rlhf.rollout.batching import encode_prompt_response
 from rlhf.tracking.metrics_writer import LogFn
-from rlhf.train.reward import MAX_DROPPED_FRACTION
+from rlhf.train.reward import length_policy
 from rlhf.train.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
@@ -81,28 +81,7 @@ def fit_pairs(
     the reward stage does (`rlhf.train.reward.length_policy`): 'drop' leaves them out, counted, and is a ConfigError
     past MAX_DROPPED_FRACTION of a split; 'truncate' keeps them, and `pair_logps` cuts them (the prompt on the left,
     at least `cfg.min_prompt_tokens` of it kept; the response on the right). Returns the pairs and the counts."""
-    kept, over_counts = [], []
-    for split, frame in (("training", train), ("held-out", evals)):
-        over = pair_lengths(tokenizer, *(frame[c].tolist() for c in PAIR_COLUMNS)) > cfg.max_length
-        n_over = int(over.sum())
-        if cfg.truncation == "drop" and n_over > MAX_DROPPED_FRACTION * len(frame):
-            raise ConfigError(
-                f"dpo.max_length ({cfg.max_length} tokens) is shorter than {n_over} of the {len(frame)} {split} "
-                f"pairs ({n_over / len(frame):.0%}, prompt + the longer response + EOS), and dpo.truncation 'drop' "
-                "would leave them out: raise dpo.max_length, or set dpo.truncation to 'truncate'"
-            )
-        kept.append(frame[~over].reset_index(drop=True) if cfg.truncation == "drop" else frame)
-        over_counts.append(n_over)
-    n_pairs, n_over = len(train) + len(evals), sum(over_counts)
-    dropped = n_over if cfg.truncation == "drop" else 0
-    stats = {
-        "dpo/dropped_too_long": float(dropped),
-        "dpo/dropped_too_long_fraction": dropped / max(n_pairs, 1),
-        "dpo/train_dropped_too_long": float(over_counts[0] if dropped else 0),
-        "dpo/eval_dropped_too_long": float(over_counts[1] if dropped else 0),
-        "dpo/truncated_fraction": (n_over - dropped) / max(n_pairs, 1),
-    }
-    return kept[0], kept[1], stats
+    return length_policy(train, evals, tokenizer, cfg, "dpo")
 
 
 def pair_logps(

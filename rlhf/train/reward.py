@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
 from rlhf.checkpoints import atomic_dir, write_manifest
-from rlhf.config import RewardConfig, RuntimeConfig
+from rlhf.config import DPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models.cpu_kernels import use_cpu_kernels
@@ -121,13 +121,18 @@ def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Te
 
 
 def length_policy(
-    train: pd.DataFrame, evals: pd.DataFrame, tokenizer: PreTrainedTokenizerBase, cfg: RewardConfig
+    train: pd.DataFrame,
+    evals: pd.DataFrame,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: RewardConfig | DPOConfig,
+    section: str = "reward",
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, float]]:
-    """Apply `cfg.truncation` to the pairs longer than `cfg.max_length` (prompt + the longer response + EOS).
+    """Apply `cfg.truncation` to the pairs longer than `cfg.max_length` (prompt + the longer response + EOS); the
+    reward stage's pairs and the DPO stage's (`section` names the config section and the metrics' prefix).
 
     'drop': they leave training and held-out evaluation, counted; a ConfigError when every pair of a split, or
-    more than MAX_DROPPED_FRACTION of it, is too long. 'truncate': they stay and are counted; `score_pairs` cuts
-    them keeping at least `cfg.min_prompt_tokens` of the prompt. Returns the pairs to use and the counts.
+    more than MAX_DROPPED_FRACTION of it, is too long. 'truncate': they stay and are counted; the stage cuts them
+    keeping at least `cfg.min_prompt_tokens` of the prompt. Returns the pairs to use and the counts.
     """
     kept, over_counts = [], []
     for split, frame in (("training", train), ("held-out", evals)):
@@ -136,20 +141,20 @@ def length_policy(
         n_over = int(over.sum())
         if cfg.truncation == "drop" and n_over > MAX_DROPPED_FRACTION * len(frame):  # all of them, too
             raise ConfigError(
-                f"reward.max_length ({cfg.max_length} tokens) is shorter than {n_over} of the {len(frame)} {split} "
-                f"pairs ({n_over / len(frame):.0%}, prompt + the longer response + EOS), and reward.truncation "
-                "'drop' would leave them out: raise reward.max_length, or set reward.truncation to 'truncate'"
+                f"{section}.max_length ({cfg.max_length} tokens) is shorter than {n_over} of the {len(frame)} {split} "
+                f"pairs ({n_over / len(frame):.0%}, prompt + the longer response + EOS), and {section}.truncation "
+                f"'drop' would leave them out: raise {section}.max_length, or set {section}.truncation to 'truncate'"
             )
         kept.append(frame[~over].reset_index(drop=True) if cfg.truncation == "drop" else frame)
         over_counts.append(n_over)
     n_pairs, n_over = len(train) + len(evals), sum(over_counts)
     dropped = n_over if cfg.truncation == "drop" else 0
     stats = {
-        "reward/dropped_too_long": float(dropped),
-        "reward/dropped_too_long_fraction": dropped / max(n_pairs, 1),
-        "reward/train_dropped_too_long": float(over_counts[0] if dropped else 0),
-        "reward/eval_dropped_too_long": float(over_counts[1] if dropped else 0),
-        "reward/truncated_fraction": (n_over - dropped) / max(n_pairs, 1),
+        f"{section}/dropped_too_long": float(dropped),
+        f"{section}/dropped_too_long_fraction": dropped / max(n_pairs, 1),
+        f"{section}/train_dropped_too_long": float(over_counts[0] if dropped else 0),
+        f"{section}/eval_dropped_too_long": float(over_counts[1] if dropped else 0),
+        f"{section}/truncated_fraction": (n_over - dropped) / max(n_pairs, 1),
     }
     return kept[0], kept[1], stats
 
