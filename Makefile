@@ -57,7 +57,7 @@ test: lint
 # to the best; the last line stays `episodes/s: X` (this project's figure). `make bench-peer[-trl112] ARGS=...`
 # runs one peer alone. Their output is logged to .bench-peer.log and .bench-peer-trl112.log.
 PEER_PKGS := "trl==0.19.1" "transformers>=4.51,<4.54" "accelerate>=1.4,<1.9" "datasets<4"
-PEER112_PKGS := "trl==1.12.0" "transformers>=5,<6"
+PEER112_PKGS := "trl==1.12.0" "transformers>=5,<6" requests  # requests: GRPOTrainer imports it, trl does not list it
 bench: $(STAMP)
 	@if [ "$(PEER)" = 1 ]; then \
 		$(MAKE) --no-print-directory .bench-peer/.installed .bench-peer-trl112/.installed; \
@@ -88,7 +88,7 @@ bench-overhead: $(STAMP)
 	@test -x .bench-peer-trl112/bin/python || $(PYTHON) -m venv .bench-peer-trl112
 	@.bench-peer-trl112/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET)
 	@.bench-peer-trl112/bin/python -m pip install -q $(PEER112_PKGS) $(PIP_QUIET)
-	@.bench-peer-trl112/bin/python -c "import trl.experimental.ppo, transformers, torch"
+	@.bench-peer-trl112/bin/python -c "import trl.experimental.ppo, transformers, torch; from trl import GRPOTrainer"
 	@touch $@
 
 bench-peer: .bench-peer/.installed
