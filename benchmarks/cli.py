@@ -88,7 +88,7 @@ def limit_report(bench, summary: dict[str, float]) -> None:
     rows = phase_rows({p: summary[p] for p in PHASES}, flops)
     print("\n".join("  " + line for line in format_table(rows, peak32, peak16).splitlines()))
     if device.type == "cuda":
-        policy = bench.m.policy
+        policy = bench.models.policy
         elem = bench.dtype.itemsize if bench.dtype in (torch.bfloat16, torch.float16) else 4
         traffic = generation_traffic(
             weights_read_per_step(policy),
