@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep mlflow-ui prefect-ui compare clean
+.PHONY: install run test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -129,6 +129,13 @@ ui-check: $(STAMP)
 # `make sweep SWEEP=conf/sweeps/kl_coef.yaml [CONFIG=...] [ARGS="ppo.total_episodes=3200"]`: every variant, ranked.
 sweep: $(STAMP)
 	$(RLHF) sweep --config $(CONFIG) --space $(SWEEP) $(ARGS)
+
+# `make study`: the algorithm study (conf/sweeps/algorithms.yaml: PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++ and DPO, 3
+# seeds each, on one SFT and reward model of CONFIG); `make study STUDY=conf/sweeps/algorithms_overoptimisation.yaml
+# CONFIG=conf/overoptimisation.yaml` on the exploitable reward model. docs/algorithms.md.
+STUDY ?= conf/sweeps/algorithms.yaml
+study: $(STAMP)
+	$(RLHF) sweep --config $(CONFIG) --space $(STUDY) $(ARGS)
 
 # `make compare [EXPERIMENT=rlhf-ppo] [ARGS="--sweep kl_coef"]`: runs side by side, plots in outputs/compare.
 compare: $(STAMP)

@@ -20,7 +20,7 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.prefect_home import prepare_prefect_database
-from flows.summary import POLICY_LABEL, PPO_EPISODES, SFT_STEPS, format_summary, policy_label
+from flows.summary import POLICY_LABEL, POLICY_SECONDS, PPO_EPISODES, SFT_STEPS, format_summary, policy_label
 from flows.terminal import exit_code_of, stop_on_signals
 from rlhf.config import PipelineConfig, RewardConfig, load_config
 from rlhf.data.lengths import LengthLimits
@@ -34,6 +34,7 @@ from tasks.caching import run_stage, runtime_key
 from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.stage_table import stage_of, stages_of
 from tasks.stages import (
+    TRAIN_SECONDS,
     evaluate_policies,
     init_policy_models,
     prepare_preferences,
@@ -154,7 +155,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
             ppo_cfg=config.ppo,
             ppo_init=ppo_init,
             prepared=prepared,
-            seed=config.seed,
+            seed=config.policy_stage_seed,
             processes=config.runtime.ppo_processes,
             trial=trial,
             **rewarding,
@@ -162,7 +163,12 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         )
     else:
         policy = run_stage(
-            train_policy_dpo, dpo_cfg=config.dpo, sft_model=sft_model, prepared=prepared, seed=config.seed, **common
+            train_policy_dpo,
+            dpo_cfg=config.dpo,
+            sft_model=sft_model,
+            prepared=prepared,
+            seed=config.policy_stage_seed,
+            **common,
         )
     progress.done(stage_of(policy.stage).label)
     evaluation = run_stage(
@@ -201,6 +207,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
             for name, output in (("sft", sft_model), ("reward", reward_model), (stage_of(policy.stage).short, policy))
             if output is not None and "memory/peak_mb" in output.metrics
         },
+        # the policy stage's wall time (the attempt that finished it; a cached stage keeps the time that computed it)
+        **({POLICY_SECONDS: policy.metrics[TRAIN_SECONDS]} if TRAIN_SECONDS in policy.metrics else {}),
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
         **{f"stage.{output.stage}.run_id": output.mlflow_run_id for output in outputs},
     }

@@ -19,6 +19,7 @@ PLUMBING_PPO_EPISODES = 1024
 PLUMBING_SFT_STEPS = 100
 # The run's budget in the summary (ints: neither MLflow metrics nor tags; the run's params hold them already)
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
+POLICY_SECONDS = "time/policy_train_s"  # the policy stage's wall time (a float: a metric of the pipeline run)
 # The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
 POLICY_LABEL = "rlhf.policy_algorithm"
 LABELS = {

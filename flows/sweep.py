@@ -49,6 +49,8 @@ from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
 from rlhf.sweeps.ranking import GOLD_METRIC, RM_METRIC
 from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, load_space, rank_key, ranking
+from rlhf.sweeps.study import STUDY_METRICS
+from rlhf.sweeps.study import report as study_report
 from rlhf.tracking.client import RUN_TYPE_TAG, source_tags
 from tasks.caching import code_version
 from tasks.tracking import tracker_for
@@ -113,9 +115,15 @@ def close_sweep_run(
     rows: list[dict[str, Any]],
     folder: str,
     figures: list[str] | None = None,
+    arm_of: dict[str, str] | None = None,
+    study_rows: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Log the ranking table, the reward-versus-KL plot and any other `figures` on the sweep run, and end it."""
+    """Log the ranking table, the reward-versus-KL plot and any other `figures` on the sweep run, and end it. A
+    study (a space with arms, `arm_of`: variant label -> arm; `study_rows`: every variant's row with the summary
+    metrics of the study) also gets its table and frontier plot, logged here and published as a Prefect table."""
     tracker = tracker_for(tracking)
+    if arm_of:
+        log_study(tracker, sweep_run_id, sweep_name, study_rows or [], arm_of, Path(folder))
     for figure in figures or []:
         tracker.log_artifacts(sweep_run_id, figure)
     frame = pd.DataFrame(rows)
@@ -150,6 +158,22 @@ def close_sweep_run(
         tracker.log_metrics(sweep_run_id, overoptimisation.summary.as_metrics(), 0)
     tracker.end_run(sweep_run_id, failed=len(done) == 0)
     return str(plot)
+
+
+def log_study(tracker, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], arm_of, folder: Path) -> None:
+    """The study table (MLflow table and files, a Prefect table artifact) and the frontier plot of a sweep's arms."""
+    study = study_report(tracker, sweep_run_id, rows, arm_of, folder, f"Study {sweep_name}: gold reward against KL")
+    for path in study.files:
+        tracker.log_artifacts(sweep_run_id, path)
+    tracker.log_table(sweep_run_id, study.table, "study_table.json")
+    publish_table(
+        study.table.to_dict("records"),
+        key=f"sweep-{sweep_name}-study",
+        description=f"Study '{sweep_name}': per arm, the mean over its finished runs and the 95% t-interval "
+        "half-width (_ci) of the gold win rate over SFT, its length-controlled version, mean gold reward and KL to "
+        "SFT; the policy stage's wall time; the largest peak memory; runs that raised a reward-hacking flag.",
+    )
+    get_run_logger().info("study %s:\n%s", sweep_name, study.markdown)
 
 
 @flow(name="rlhf-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
@@ -195,11 +219,19 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         rows.append(finish_variant(base, space, search, sweep_run_id, planned, config, future.result()))
         progress.done(config.run_name or "")
 
-    table = ranking(rows, list(space.axes))
+    table = ranking(rows, (["arm"] if space.arms else []) + list(space.axes))
     folder = Path(base.runtime.output_dir) / "sweeps" / f"{space.name}-{sweep_run_id[:8]}"
     figures = study_plots(search.study, folder) if isinstance(search, OptunaSearch) else []
+    arm_of = {v.label: v.arm for v in expand(space)} if space.arms else None
     plot = close_sweep_run(
-        base.tracking, sweep_run_id, space.name, table.to_dict("records"), str(folder), [str(f) for f in figures]
+        base.tracking,
+        sweep_run_id,
+        space.name,
+        table.to_dict("records"),
+        str(folder),
+        [str(f) for f in figures],
+        arm_of,
+        rows,
     )
     publish_table(
         table.to_dict("records"),
@@ -232,7 +264,8 @@ def start_variants(
     while len(running) < concurrency and (planned := search.next()) is not None:
         if planned.config is None:  # a point the config rejects: a failed trial, nothing to run
             search.tell(planned, "failed", None, None)
-            rows.append({"variant": planned.variant.label, **planned.variant.overrides, "status": "failed"})
+            variant = planned.variant
+            rows.append({"variant": variant.label, "arm": variant.arm, **variant.overrides, "status": "failed"})
             rows[-1]["error"] = planned.error
             continue
         slot = free.pop(0) if free else None
@@ -279,14 +312,15 @@ def finish_variant(
 ) -> dict[str, Any]:
     """Record a finished variant (MLflow, the study) and return its ranking row."""
     variant = planned.variant
-    row: dict[str, Any] = {"variant": config.run_name, **variant.overrides, "status": outcome.status}
+    row: dict[str, Any] = {"variant": config.run_name, "label": variant.label, "arm": variant.arm}
+    row |= {**variant.overrides, "status": outcome.status}
     if planned.trial is not None:
         row["trial"] = variant.index
     row["mlflow_run_id"] = outcome.mlflow_run_id
     value = None
     if outcome.status == "completed":
         record_variant(base.tracking, sweep_run_id, space.name, variant.index, variant.label, outcome.summary)
-        row |= {k: outcome.summary.get(k) for k in RANK_METRICS}
+        row |= {k: outcome.summary.get(k) for k in (*RANK_METRICS, *STUDY_METRICS)}
         value = outcome.summary.get(getattr(search, "objective", GOLD_METRIC))
     else:
         get_run_logger().warning(
@@ -305,6 +339,10 @@ def format_ranking(result: dict[str, Any]) -> str:
     frame = pd.DataFrame(result["ranking"]).drop(columns=["mlflow_run_id"])
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         text = frame.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
+    study = Path(result["ranking_csv"]).with_name("study_table.md")
+    if study.exists():  # a sweep with arms: the per-arm table (rlhf.sweeps.study)
+        text += f"\n\n== Study: per arm, mean ± 95% interval over its runs\n{study.read_text().strip()}"
+        text += f"\nfrontier (gold against sqrt(KL), one colour per arm): {study.with_name('frontier.png')}"
     return "\n".join(
         [
             "",

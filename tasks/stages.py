@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 from prefect import task
 from prefect.artifacts import create_table_artifact
@@ -30,6 +32,7 @@ from tasks.tracking import TrackingContext, training_logger
 
 # the MLflow tag of a policy stage's run (and the pipeline's) that says which algorithm trained the policy
 ALGORITHM_TAG = "rlhf.algorithm"
+TRAIN_SECONDS = "time/train_s"  # a policy stage's wall time (of the attempt that finished it), in its output's metrics
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -218,11 +221,13 @@ def train_policy_ppo(
     folder = current_stage_dir()
     params = {
         **flatten(ppo_cfg, "ppo"),
+        "seed": seed,
         "ppo_processes": processes,
         "reward_retokenizes": not ppo_init.same_tokenizer,
         "value_init": ppo_init.value_init,
         **run_choices(ppo_cfg, runtime, ppo_init.policy_init),  # resolved stop tokens (and LoRA targets)
     }
+    started = time.perf_counter()
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
         tracker.set_tags(run_id, {ALGORITHM_TAG: ppo_cfg.advantage_estimator})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
@@ -264,7 +269,7 @@ def train_policy_ppo(
         path=result.policy_path,
         digest=result.digest,
         mlflow_run_id=run_id,
-        metrics=result.metrics,
+        metrics={**result.metrics, TRAIN_SECONDS: time.perf_counter() - started},
         value_path=result.value_path,
         updates=result.updates,
     )
@@ -283,7 +288,9 @@ def train_policy_dpo(
     resumes from the last saved state and continues the same MLflow run."""
     configure_cpu(runtime.threads)
     folder = current_stage_dir()
-    with stage_run(tracking, "train_policy_dpo", folder, flatten(dpo_cfg, "dpo"), resume=True) as (tracker, run_id):
+    started = time.perf_counter()
+    params = {**flatten(dpo_cfg, "dpo"), "seed": seed}
+    with stage_run(tracking, "train_policy_dpo", folder, params, resume=True) as (tracker, run_id):
         tracker.set_tags(run_id, {ALGORITHM_TAG: "dpo"})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
         steps = dpo_training.total_steps(dpo_cfg, prepared.manifest["rows"]["train"])
@@ -311,7 +318,7 @@ def train_policy_dpo(
         path=result.path,
         digest=result.digest,
         mlflow_run_id=run_id,
-        metrics=result.metrics,
+        metrics={**result.metrics, TRAIN_SECONDS: time.perf_counter() - started},
         steps=result.steps,
     )
 

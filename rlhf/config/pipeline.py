@@ -20,6 +20,11 @@ class PipelineConfig(Section):
     """The whole pipeline: one YAML file (conf/default.yaml) maps onto this model."""
 
     seed: int = Field(0, description="Global seed for model init, sampling and shuffling.")
+    policy_seed: int | None = Field(
+        None,
+        description="Seed of the policy stage alone (PPO's sampling and minibatches, DPO's shuffling); None uses "
+        "`seed`. Varying it repeats the policy stage on one cached SFT and reward model (the algorithm study).",
+    )
     run_name: str | None = Field(None, description="Name of the MLflow parent run; None picks one.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
@@ -35,6 +40,11 @@ class PipelineConfig(Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def policy_stage_seed(self) -> int:
+        """The seed the policy stage (PPO or DPO) runs with: `policy_seed`, else `seed`."""
+        return self.seed if self.policy_seed is None else self.policy_seed
 
     @model_validator(mode="after")
     def _data_tokenizer_is_the_policys(self) -> PipelineConfig:

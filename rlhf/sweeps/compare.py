@@ -170,7 +170,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no pipeline runs match in experiment '{args.experiment}'", file=sys.stderr)
         return 2
     print(format_comparison(compare(tracker, runs, args.out, args.all_params)))
+    if args.sweep:
+        print(study_of(tracker, args.sweep, args.out))
     return 0
+
+
+def study_of(tracker: Tracker, sweep: str, out: str) -> str:
+    """A study sweep's table (per arm, mean and 95% interval over seeds) and where its frontier plot is; '' for a
+    sweep without arms."""
+    from rlhf.sweeps.overoptimisation import sweep_run
+
+    try:
+        run = sweep_run(tracker, sweep)
+    except LookupError:
+        return ""
+    table = tracker.download_artifact(run.run_id, "study_table.md", out)
+    if table is None:
+        return ""
+    figure = tracker.download_artifact(run.run_id, "frontier.png", out)
+    lines = ["", f"== Study {run.tags.get('sweep.name', run.name)}: per arm, mean ± 95% interval", table.read_text()]
+    return "\n".join([*lines, f"wrote {figure}" if figure else ""])
 
 
 if __name__ == "__main__":

@@ -115,6 +115,18 @@ class OptunaSettings(BaseModel):
     )
 
 
+class Arm(BaseModel):
+    """One named set of overrides of a study (e.g. an algorithm with its settings): every point of the space's
+    parameters runs once per arm, so that arms are compared on the same seeds and shared stages."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The arm's name: a row of the study table, a colour of its plot (e.g. PPO).")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Dotted config keys and their values for this arm."
+    )
+
+
 class SweepSpace(BaseModel):
     """A search space: dotted config keys mapped to a list of values or a range, and how to run the variants."""
 
@@ -130,8 +142,15 @@ class SweepSpace(BaseModel):
         "`trials` trials of an Optuna study (settings in `optuna`), hopeless trials pruned early.",
     )
     parameters: list[SearchParameter] = Field(
+        default_factory=list,
         description="The parameters to vary: a config key with its values, or a range {low, high, log, integer} "
-        "(random and optuna). In YAML a mapping, key: [values] or key: {low: .., high: ..}."
+        "(random and optuna). In YAML a mapping, key: [values] or key: {low: .., high: ..}.",
+    )
+    arms: list[Arm] = Field(
+        default_factory=list,
+        description="A study's arms (grid only): named override sets, each run at every point of `parameters` "
+        "(e.g. the algorithms, with policy_seed as the parameter); the sweep then also tabulates each arm's mean "
+        "and 95% interval over its points, and plots gold reward against sqrt(KL) one colour per arm.",
     )
     trials: int = Field(8, ge=1, description="Number of variants drawn (random) or trials run (optuna).")
     seed: int = Field(0, description="Seed of the random draws and of Optuna's sampler.")
@@ -176,8 +195,9 @@ class SweepSpace(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SweepSpace:
-        if not self.parameters:
+        if not self.parameters and not self.arms:
             raise ValueError(f"sweep '{self.name}' has no parameters to vary")
+        self._check_arms()
         for row in self.parameters:
             row.check_values_or_range()
         keys = [row.key for row in self.parameters]
@@ -194,6 +214,24 @@ class SweepSpace(BaseModel):
             check_key(key)
             check_axis(key, values, self.method)
         return self
+
+    def _check_arms(self) -> None:
+        if not self.arms:
+            return
+        if self.method != "grid":
+            raise ValueError(f"arms need method: grid (sweep '{self.name}' has method: {self.method})")
+        names = [arm.name for arm in self.arms]
+        if len(set(names)) < len(names):
+            raise ValueError(f"arms: the name '{next(n for n in names if names.count(n) > 1)}' is given twice")
+        swept = {row.key for row in self.parameters}
+        for arm in self.arms:
+            for key in arm.overrides:
+                if key in swept:
+                    raise ValueError(f"arms.{arm.name} sets {key}, which is also one of the sweep's parameters")
+                try:
+                    check_key(key)
+                except ValueError as err:
+                    raise ValueError(f"arms.{arm.name}: {err}") from None
 
 
 def check_axis(key: str, values: list[Any] | Range, method: str) -> None:
@@ -214,11 +252,12 @@ def check_axis(key: str, values: list[Any] | Range, method: str) -> None:
 
 
 class Variant(NamedTuple):
-    """One point of the space: its index, a readable label and the overrides it applies."""
+    """One point of the space: its index, a readable label and the overrides it applies (with its arm's, if any)."""
 
     index: int
     label: str
     overrides: dict[str, Any]
+    arm: str | None = None
 
 
 def check_key(key: str) -> None:
@@ -306,6 +345,11 @@ def expand(space: SweepSpace) -> list[Variant]:
             # draw in sorted key order, so reordering the YAML does not change the variants
             draw = {k: _draw(rng, axes[k]) for k in sorted(keys)}
             points.append({k: draw[k] for k in keys})
+    if space.arms:  # every arm at every point, arm by arm
+        return [
+            Variant(i, ",".join([arm.name, *([label(point)] if point else [])]), {**arm.overrides, **point}, arm.name)
+            for i, (arm, point) in enumerate((arm, point) for arm in space.arms for point in points)
+        ]
     return [Variant(i, label(p), p) for i, p in enumerate(points)]
 
 

@@ -239,6 +239,13 @@ class Tracker:
         elif local_path.is_file():
             self.client.log_artifact(run_id, str(local_path), artifact_path)
 
+    def download_artifact(self, run_id: str, path: str, dst_dir: str | Path) -> Path | None:
+        """The run's artifact `path` copied into `dst_dir`; None when the run has no such artifact."""
+        if path not in {a.path for a in self.client.list_artifacts(run_id)}:
+            return None
+        Path(dst_dir).mkdir(parents=True, exist_ok=True)
+        return Path(self.client.download_artifacts(run_id, path, str(dst_dir)))
+
     def log_table(self, run_id: str, frame: pd.DataFrame, artifact_file: str) -> None:
         self.client.log_table(run_id, data=frame, artifact_file=artifact_file)
 

@@ -1,0 +1,198 @@
+"""A study: the arms of a sweep (e.g. PPO, GRPO, RLOO, REINFORCE++, DPO) compared over repeated points (seeds) on
+one SFT and reward model. `study_table` gives one row per arm, the mean over its finished runs with a 95% interval
+(Student's t), and `frontier_plot` draws gold reward against sqrt(KL to SFT), one colour per arm: the periodic
+evaluations of every online run (``ppo.eval_every``) as lines, every run's final evaluation as a large marker.
+
+No Prefect here, and MLflow only through `rlhf.tracking.client`: flows/sweep.py calls `report` and logs its files on
+the sweep's run (docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from rlhf.sweeps.overoptimisation import collect_histories
+from rlhf.tracking.client import Tracker
+
+# Two-sided 95% critical values of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96).
+T95 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+# (column of the study table, the run's summary metrics (the first a run has), how the arm's runs combine)
+MEASURES = (
+    ("win_rate_gold", ("eval/win_rate_gold",), "mean"),
+    ("win_rate_gold_lc", ("eval/win_rate_gold_len_controlled",), "mean"),
+    ("gold", ("eval/ppo_gold",), "mean"),
+    ("kl", ("eval/kl",), "mean"),
+    ("train_s", ("time/policy_train_s",), "mean"),
+    ("peak_mb", ("memory/ppo_peak_mb", "memory/dpo_peak_mb"), "max"),  # the policy stage's measured peak
+)
+HACKING_FLAGS = ("eval/hacking_flag_length", "eval/hacking_flag_empty")
+STUDY_METRICS = tuple(metric for _, metrics, _ in MEASURES for metric in metrics) + HACKING_FLAGS
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _measure(run: Mapping[str, Any], metrics: Sequence[str]) -> float:
+    """The first of `metrics` the run has a finite value of, else NaN."""
+    return next((float(run[m]) for m in metrics if _finite(run.get(m))), math.nan)
+
+
+def interval95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval) of the finite `values`; the half-width is NaN below two values.
+
+    >>> interval95([0.9, 0.8, 1.0])  # sd 0.1, se 0.1 / sqrt(3) = 0.0577, t(2) = 4.303 -> 0.248
+    (0.9, 0.248...)
+    """
+    x = np.asarray([v for v in values if _finite(v)], dtype=float)
+    if len(x) == 0:
+        return math.nan, math.nan
+    if len(x) == 1:
+        return float(x[0]), math.nan
+    t = T95[len(x) - 2] if len(x) - 1 <= len(T95) else 1.96
+    return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
+
+
+def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.DataFrame:
+    """One row per arm (in `arms` order): runs finished out of started, then for each measure the mean over the
+    finished runs and the 95% half-width (`<measure>_ci`; peak memory: the largest), and how many runs raised a
+    reward-hacking flag (length or empty responses). `rows` are the sweep's ranking rows: `arm`, `status` and the
+    summary metrics of `STUDY_METRICS`."""
+    out = []
+    for arm in arms:
+        mine = [r for r in rows if r.get("arm") == arm]
+        done = [r for r in mine if r.get("status") == "completed"]
+        row: dict[str, Any] = {"arm": arm, "runs": f"{len(done)}/{len(mine)}"}
+        for column, metrics, how in MEASURES:
+            values = [_measure(run, metrics) for run in done]
+            if how == "max":
+                finite = [v for v in values if math.isfinite(v)]
+                row[column] = max(finite) if finite else math.nan
+            else:
+                row[column], row[f"{column}_ci"] = interval95(values)
+        flagged = sum(any(_finite(run.get(f)) and run[f] > 0 for f in HACKING_FLAGS) for run in done)
+        row["hacking_flagged"] = f"{flagged}/{len(done)}"
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def format_study(table: pd.DataFrame) -> str:
+    """The study table as Markdown, the intervals as 'mean ± half-width' (docs/algorithms.md prints this)."""
+
+    def cell(row: pd.Series, column: str, fmt: str) -> str:
+        mean, half = row.get(column, math.nan), row.get(f"{column}_ci", math.nan)
+        if mean is None or not math.isfinite(mean):
+            return "n/a"
+        return format(mean, fmt) + ("" if half is None or not math.isfinite(half) else f" ± {format(half, fmt)}")
+
+    head = (
+        "| arm | runs | gold win rate over SFT | length-controlled | mean gold reward | KL to SFT | "
+        "policy stage (s) | peak memory (MB) | hacking flag |"
+    )
+    lines = [head, "|" + " --- |" * 9]
+    for _, row in table.iterrows():
+        peak = row.get("peak_mb", math.nan)
+        lines.append(
+            f"| {row['arm']} | {row['runs']} | {cell(row, 'win_rate_gold', '.1%')} | "
+            f"{cell(row, 'win_rate_gold_lc', '.1%')} | {cell(row, 'gold', '.3f')} | {cell(row, 'kl', '.2f')} | "
+            f"{cell(row, 'train_s', '.0f')} | {'n/a' if not math.isfinite(peak) else f'{peak:.0f}'} | "
+            f"{row['hacking_flagged']} |"
+        )
+    return "\n".join(lines)
+
+
+def frontier_points(
+    rows: Sequence[Mapping[str, Any]], histories: Mapping[str, pd.DataFrame], arm_of: Mapping[str, str]
+) -> pd.DataFrame:
+    """Every point of the frontier: (arm, run, kind, step, gold, kl, sqrt_kl). `histories` maps a variant label to
+    its periodic evaluations (columns step, ppo_eval/gold, ppo_eval/kl: rlhf.sweeps.overoptimisation) and
+    `arm_of` a variant label to its arm; each finished row adds its final evaluation (kind 'final')."""
+    records = []
+    for label, history in histories.items():
+        if label not in arm_of:
+            continue
+        for _, h in history.iterrows():
+            step, gold, kl = int(h["step"]), h.get("ppo_eval/gold"), h.get("ppo_eval/kl")
+            records.append((arm_of[label], label, "periodic", step, gold, kl))
+    for row in rows:
+        if row.get("status") == "completed" and row.get("label") in arm_of:
+            records.append((row["arm"], row["label"], "final", -1, row.get("eval/ppo_gold"), row.get("eval/kl")))
+    frame = pd.DataFrame(records, columns=["arm", "run", "kind", "step", "gold", "kl"])
+    frame[["gold", "kl"]] = frame[["gold", "kl"]].astype(float)
+    frame = frame[np.isfinite(frame["gold"]) & np.isfinite(frame["kl"])].copy()
+    frame["sqrt_kl"] = np.sqrt(frame["kl"].clip(lower=0.0))
+    return frame.reset_index(drop=True)
+
+
+def frontier_plot(points: pd.DataFrame, arms: Sequence[str], path: str | Path, title: str = "") -> Path:
+    """Gold reward against sqrt(KL to SFT), one colour per arm: each online run's periodic evaluations as a thin
+    line in update order, each run's final evaluation as a large marker."""
+    fig = Figure(figsize=(7.6, 5.2), layout="constrained")
+    ax = fig.add_subplot()
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
+    for arm in arms:
+        mine = points[points["arm"] == arm]
+        for _, run in mine[mine["kind"] == "periodic"].groupby("run"):
+            run = run.sort_values("step")
+            ax.plot(run["sqrt_kl"], run["gold"], color=colours[arm], alpha=0.45, linewidth=1.0, marker=".")
+        final = mine[mine["kind"] == "final"]
+        ax.scatter(
+            final["sqrt_kl"], final["gold"], color=colours[arm], s=70, edgecolor="black", zorder=4,
+            label=f"{arm} ({len(final)} run{'s' if len(final) != 1 else ''})",
+        )  # fmt: skip
+    ax.set_xlabel("sqrt(mean KL(policy || SFT) per response)")
+    ax.set_ylabel("mean gold reward")
+    ax.set_title(title or "Gold reward against KL to SFT: lines periodic evaluations, markers final", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=130)
+    return path
+
+
+@dataclass
+class StudyReport:
+    table: pd.DataFrame
+    markdown: str
+    files: list[Path]  # study_table.csv, study_table.md, frontier_points.csv, frontier.png
+
+
+def report(
+    tracker: Tracker,
+    sweep_run_id: str,
+    rows: Sequence[Mapping[str, Any]],
+    arm_of: Mapping[str, str],
+    out_dir: str | Path,
+    title: str = "",
+) -> StudyReport:
+    """The study table and the frontier of a sweep with arms, written to `out_dir`. `rows` are the sweep's rows
+    (`arm`, `label`, `status`, summary metrics), `arm_of` maps each variant label to its arm (in the arms' order)."""
+    arms = list(dict.fromkeys(arm_of.values()))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = study_table(rows, arms)
+    markdown = format_study(table)
+    table.to_csv(out / "study_table.csv", index=False)
+    (out / "study_table.md").write_text(markdown + "\n")
+    points = frontier_points(rows, collect_histories(tracker, sweep_run_id), arm_of)
+    points.to_csv(out / "frontier_points.csv", index=False)
+    figure = frontier_plot(points, arms, out / "frontier.png", title)
+    return StudyReport(
+        table, markdown, [out / "study_table.csv", out / "study_table.md", out / "frontier_points.csv", figure]
+    )

@@ -1,0 +1,164 @@
+"""The algorithm study: sweep arms (named override sets), the per-arm table with 95% intervals, the frontier plot,
+and a two-arm, one-seed study end to end (PPO beside DPO on one SFT and reward model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlhf.config import load_config
+from rlhf.errors import ConfigError
+from rlhf.sweeps.space import expand, load_space, parse_space, variant_configs
+from rlhf.sweeps.study import format_study, frontier_points, interval95, study_table
+from tests.conftest import REPO, flow_run_artifacts, stage_name, subflow_runs, task_runs
+
+TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
+
+
+def test_interval95_by_hand():
+    # 0.9, 0.8, 1.0: mean 0.9; sample sd sqrt((0.01 + 0.01) / 2) = 0.1; se 0.1 / sqrt(3) = 0.057735;
+    # t(0.975, 2 df) = 4.303 -> half-width 0.248434
+    mean, half = interval95([0.9, 0.8, 1.0])
+    assert mean == pytest.approx(0.9) and half == pytest.approx(0.248434, abs=1e-6)
+    # 2 values 1 and 3: mean 2, sd sqrt(2) = 1.414214, se 1, t(1 df) = 12.706
+    assert interval95([1.0, 3.0]) == pytest.approx((2.0, 12.706))
+    mean, half = interval95([0.5, float("nan"), None])  # one finite value: no interval
+    assert mean == 0.5 and math.isnan(half)
+
+
+def test_study_table_one_row_per_arm_in_order_with_failures_counted():
+    rows = [
+        {"arm": "PPO", "status": "completed", "eval/win_rate_gold": 0.9, "eval/kl": 4.0, "memory/ppo_peak_mb": 900.0,
+         "eval/hacking_flag_length": 0.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 100.0},
+        {"arm": "PPO", "status": "completed", "eval/win_rate_gold": 0.8, "eval/kl": 6.0, "memory/ppo_peak_mb": 950.0,
+         "eval/hacking_flag_length": 1.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 120.0},
+        {"arm": "DPO", "status": "completed", "eval/win_rate_gold": 0.7, "eval/kl": 1.0, "memory/dpo_peak_mb": 500.0},
+        {"arm": "DPO", "status": "failed"},
+    ]  # fmt: skip
+    table = study_table(rows, ["PPO", "DPO", "GRPO"])
+    assert list(table["arm"]) == ["PPO", "DPO", "GRPO"]
+    ppo, dpo, grpo = (table.iloc[i] for i in range(3))
+    assert ppo["runs"] == "2/2" and dpo["runs"] == "1/2" and grpo["runs"] == "0/0"
+    # 0.9 and 0.8: mean 0.85, sd 0.070711, se 0.05, t(1) 12.706 -> 0.6353
+    assert ppo["win_rate_gold"] == pytest.approx(0.85) and ppo["win_rate_gold_ci"] == pytest.approx(0.6353)
+    assert ppo["kl"] == pytest.approx(5.0) and ppo["train_s"] == pytest.approx(110.0)
+    assert ppo["peak_mb"] == 950.0 and dpo["peak_mb"] == 500.0  # the largest peak, from each stage's own metric
+    assert ppo["hacking_flagged"] == "1/2" and dpo["hacking_flagged"] == "0/1"
+    assert math.isnan(dpo["win_rate_gold_ci"]) and math.isnan(grpo["gold"])
+    text = format_study(table)
+    assert "| PPO | 2/2 | 85.0% ± 63.5% |" in text and "| GRPO | 0/0 | n/a |" in text
+
+
+def test_frontier_points_periodic_and_final_per_arm():
+    import pandas as pd
+
+    history = pd.DataFrame({"step": [0, 2], "ppo_eval/gold": [0.0, 0.5], "ppo_eval/kl": [0.0, 4.0]})
+    rows = [
+        {"arm": "PPO", "label": "PPO,seed=0", "status": "completed", "eval/ppo_gold": 0.6, "eval/kl": 9.0},
+        {"arm": "DPO", "label": "DPO,seed=0", "status": "completed", "eval/ppo_gold": 0.4, "eval/kl": float("nan")},
+    ]
+    arm_of = {"PPO,seed=0": "PPO", "DPO,seed=0": "DPO"}
+    points = frontier_points(rows, {"PPO,seed=0": history}, arm_of)
+    assert list(points["kind"]) == ["periodic", "periodic", "final"]  # DPO's NaN KL is left out, not drawn at 0
+    assert list(points["sqrt_kl"]) == [0.0, 2.0, 3.0]
+
+
+def test_arms_expand_every_arm_at_every_point():
+    s = parse_space(
+        {
+            "name": "t",
+            "arms": [
+                {"name": "PPO", "overrides": {"ppo.advantage_estimator": "gae"}},
+                {"name": "DPO", "overrides": {"algorithm": "dpo"}},
+            ],
+            "parameters": {"policy_seed": [0, 1]},
+        }
+    )
+    variants = expand(s)
+    assert [v.label for v in variants] == ["PPO,policy_seed=0", "PPO,policy_seed=1", "DPO,policy_seed=0",
+                                           "DPO,policy_seed=1"]  # fmt: skip
+    assert variants[3].overrides == {"algorithm": "dpo", "policy_seed": 1} and variants[3].arm == "DPO"
+    only_arms = expand(parse_space({"name": "t", "arms": [{"name": "A", "overrides": {"ppo.kl_coef": 0.1}}]}))
+    assert [(v.label, v.overrides) for v in only_arms] == [("A", {"ppo.kl_coef": 0.1})]
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"method": "random", "arms": [{"name": "A"}], "parameters": {"seed": [0]}}, "arms need method: grid"),
+        ({"arms": [{"name": "A"}, {"name": "A"}]}, "arms: the name 'A' is given twice"),
+        ({"arms": [{"name": "A", "overrides": {"ppo.kl_cof": 1}}]}, "arms.A: parameters.ppo.kl_cof is not a config"),
+        ({"arms": [{"name": "A", "overrides": {"seed": 1}}], "parameters": {"seed": [0]}}, "arms.A sets seed, which"),
+        ({"arms": [{"name": "A", "set": {}}]}, "unknown key 'arms.0.set'"),
+    ],
+)
+def test_arm_errors_are_one_sentence(raw, message):
+    with pytest.raises(ConfigError) as err:
+        parse_space({"name": "t", **raw})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_shipped_study_spaces_are_valid_and_share_the_upstream_stages():
+    from flows.pipeline import upstream_signature
+
+    base = load_config(REPO / "conf" / "default.yaml")
+    for name in ("algorithms.yaml", "algorithms_overoptimisation.yaml"):
+        configs = [c for _, c in variant_configs(base, load_space(REPO / "conf" / "sweeps" / name))]
+        assert len({upstream_signature(c) for c in configs}) == 1, name  # data, SFT and RM built once
+        assert {c.policy_stage_seed for c in configs} == {0, 1, 2}
+        online = [c for c in configs if c.algorithm == "ppo"]
+        assert len({c.ppo.total_episodes * 1 for c in online}) == 1, "the online arms sample the same episodes"
+
+
+@pytest.mark.slow
+def test_two_arm_one_seed_study_builds_shared_stages_once_and_tabulates(harness, tmp_path):
+    from flows.sweep import rlhf_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking = [f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art", f"runtime.output_dir={tmp_path}"]
+    base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, "dpo.lr=1e-3", "dpo.batch_size=32"])
+    s = parse_space(
+        {
+            "name": "study",
+            "arms": [
+                {"name": "GRPO", "overrides": {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
+                                               "ppo.eval_every": 1, "ppo.eval_prompts": 8}},
+                {"name": "DPO", "overrides": {"algorithm": "dpo"}},
+            ],
+            "parameters": {"policy_seed": [3]},
+        }
+    )  # fmt: skip
+    state = rlhf_sweep(base, s, return_state=True)
+    result = state.result()
+    assert [row["status"] for row in result["ranking"]] == ["completed", "completed"]
+
+    sweep_flow_run = state.state_details.flow_run_id
+    built = [stage_name(t) for t in task_runs(sweep_flow_run) if t.state.name == "Completed"]
+    assert sorted(built) == ["prepare_preferences", "supervised_finetune", "train_reward_model"]
+    for sub in subflow_runs(sweep_flow_run):  # each arm takes the shared stages from the cache
+        states = {stage_name(t): t.state.name for t in task_runs(sub.id)}
+        assert {states[s] for s in ("prepare_preferences", "supervised_finetune", "train_reward_model")} == {"Cached"}
+    assert "sweep-study-study" in {a.key for a in flow_run_artifacts(sweep_flow_run)}
+
+    client = MlflowClient(uri)
+    run_id = result["sweep_run_id"]
+    files = {a.path for a in client.list_artifacts(run_id)}
+    assert {"study_table.json", "study_table.csv", "study_table.md", "frontier.png", "frontier_points.csv"} <= files
+    table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))
+    import pandas as pd
+
+    frame = pd.read_csv(table)
+    assert list(frame["arm"]) == ["GRPO", "DPO"] and list(frame["runs"]) == ["1/1", "1/1"]
+    assert frame["win_rate_gold"].notna().all() and frame["kl"].notna().all() and frame["train_s"].gt(0).all()
+    points = pd.read_csv(client.download_artifacts(run_id, "frontier_points.csv", str(tmp_path)))
+    grpo = points[points["arm"] == "GRPO"]
+    assert (grpo["kind"] == "periodic").sum() >= 2 and (points["kind"] == "final").sum() == 2
+    # the policy stage ran with the arm's seed, not the global one
+    for row in result["ranking"]:
+        stage = "train_policy_dpo" if row["arm"] == "DPO" else "train_policy_ppo"
+        experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+        query = f"tags.`mlflow.parentRunId` = '{row['mlflow_run_id']}' AND tags.stage = '{stage}'"
+        (stage_run,) = client.search_runs([experiment], query)
+        assert stage_run.data.params["seed"] == "3"
