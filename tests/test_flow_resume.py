@@ -86,6 +86,36 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch, 
     assert clean["eval/kl"] == pytest.approx(summary["eval/kl"], rel=1e-4, abs=1e-5)
 
 
+def test_failure_mid_dpo_is_retried_resumes_and_matches_an_uninterrupted_dpo(monkeypatch, uninterrupted_run):
+    """algorithm: dpo in the reference run's folder (data, SFT and reward model from its cache): the first attempt
+    dies after 2 of 4 steps, the retry resumes from the state saved at step 2 and continues the same MLflow run; the
+    stage recomputed from scratch (its folder deleted) gives the same policy and evaluation."""
+    folder, _ = uninterrupted_run
+    dpo = ["algorithm=dpo", "dpo.lr=1e-3", "dpo.save_every=1"]
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_policy_dpo:2")
+    state = rlhf_pipeline(_config(folder, *dpo), return_state=True)
+    retried = state.result()
+    (dpo_task,) = [t for t in task_runs(state.state_details.flow_run_id) if t.name.startswith("train_policy_dpo")]
+    assert (dpo_task.state.name, dpo_task.run_count) == ("Completed", 2)
+    stage_folder = Path(retried["policy_checkpoint"]).parent.parent
+    assert (stage_folder / ".failure_injected").read_text() == "2", "the first attempt really failed"
+    client = MlflowClient(_config(folder).tracking.uri)
+    experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    (run,) = client.search_runs([experiment], "tags.stage = 'train_policy_dpo'")
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "dpo/loss")) == [1, 2, 3, 4]
+
+    manifest = Path(retried["policy_checkpoint"]).parent / "manifest.json"
+    retried_digest = json.loads(manifest.read_text())["digest"]
+    monkeypatch.delenv("RLHF_INJECT_FAILURE")
+    shutil.rmtree(stage_folder)
+    clean = rlhf_pipeline(_config(folder, *dpo), return_state=True).result()
+    digest = json.loads((Path(clean["policy_checkpoint"]).parent / "manifest.json").read_text())["digest"]
+    assert retried["eval/win_rate_gold"] == clean["eval/win_rate_gold"]
+    assert retried["eval/kl"] == pytest.approx(clean["eval/kl"], rel=1e-4, abs=1e-5)
+    assert digest == retried_digest, "the resumed DPO trained the same weights as the uninterrupted one"
+
+
 def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_path, monkeypatch, tiny_checkpoints):
     """sft.model + sft.finetune: the SFT stage fine-tunes the given model; a failure after 4 of 8 steps is retried
     and resumes, and the later stages start from the fine-tuned checkpoint."""
