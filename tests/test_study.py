@@ -1,20 +1,18 @@
 """The algorithm study: sweep arms (named override sets), the per-arm table with 95% intervals, the frontier plot,
-and a two-arm, one-seed study end to end (PPO beside DPO on one SFT and reward model)."""
+(the study end to end:
+tests/test_sweep.py, beside the other sweeps, whose shared stages it reuses)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from rlhf.sweeps.space import expand, load_space, parse_space, variant_configs
 from rlhf.sweeps.study import format_study, frontier_points, interval95, study_table
-from tests.conftest import REPO, flow_run_artifacts, stage_name, subflow_runs, task_runs
-
-TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
+from tests.conftest import REPO
 
 
 def test_interval95_by_hand():
@@ -110,56 +108,3 @@ def test_the_shipped_study_spaces_are_valid_and_share_the_upstream_stages():
         assert {c.policy_stage_seed for c in configs} == {0, 1, 2}
         online = [c for c in configs if c.algorithm == "ppo"]
         assert len({c.ppo.total_episodes * 1 for c in online}) == 1, "the online arms sample the same episodes"
-
-
-@pytest.mark.slow
-def test_two_arm_one_seed_study_builds_shared_stages_once_and_tabulates(harness, tmp_path):
-    from flows.sweep import rlhf_sweep
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    tracking = [f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art", f"runtime.output_dir={tmp_path}"]
-    base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking, "dpo.lr=1e-3", "dpo.batch_size=32"])
-    s = parse_space(
-        {
-            "name": "study",
-            "arms": [
-                {"name": "GRPO", "overrides": {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
-                                               "ppo.eval_every": 1, "ppo.eval_prompts": 8}},
-                {"name": "DPO", "overrides": {"algorithm": "dpo"}},
-            ],
-            "parameters": {"policy_seed": [3]},
-        }
-    )  # fmt: skip
-    state = rlhf_sweep(base, s, return_state=True)
-    result = state.result()
-    assert [row["status"] for row in result["ranking"]] == ["completed", "completed"]
-
-    sweep_flow_run = state.state_details.flow_run_id
-    shared = ["prepare_preferences", "supervised_finetune", "train_reward_model"]
-    built = [stage_name(t) for t in task_runs(sweep_flow_run) if t.state.name == "Completed"]
-    assert sorted(name for name in built if name in shared) == shared  # each built once, by the sweep
-    for sub in subflow_runs(sweep_flow_run):  # each arm takes the shared stages from the cache
-        states = {stage_name(t): t.state.name for t in task_runs(sub.id)}
-        assert {states[name] for name in shared} == {"Cached"}
-    assert "sweep-study-study" in {a.key for a in flow_run_artifacts(sweep_flow_run)}
-
-    client = MlflowClient(uri)
-    run_id = result["sweep_run_id"]
-    files = {a.path for a in client.list_artifacts(run_id)}
-    assert {"study_table.json", "study_table.csv", "study_table.md", "frontier.png", "frontier_points.csv"} <= files
-    table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))
-    import pandas as pd
-
-    frame = pd.read_csv(table)
-    assert list(frame["arm"]) == ["GRPO", "DPO"] and list(frame["runs"]) == ["1/1", "1/1"]
-    assert frame["win_rate_gold"].notna().all() and frame["kl"].notna().all() and frame["train_s"].gt(0).all()
-    points = pd.read_csv(client.download_artifacts(run_id, "frontier_points.csv", str(tmp_path)))
-    grpo = points[points["arm"] == "GRPO"]
-    assert (grpo["kind"] == "periodic").sum() >= 2 and (points["kind"] == "final").sum() == 2
-    # the policy stage ran with the arm's seed, not the global one
-    for row in result["ranking"]:
-        stage = "train_policy_dpo" if row["arm"] == "DPO" else "train_policy_ppo"
-        experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
-        query = f"tags.`mlflow.parentRunId` = '{row['mlflow_run_id']}' AND tags.stage = '{stage}'"
-        (stage_run,) = client.search_runs([experiment], query)
-        assert stage_run.data.params["seed"] == "3"

@@ -295,3 +295,54 @@ def test_cli_rejects_a_bad_space_before_running(tmp_path, capsys):
     bad.write_text("name: x\nparameters:\n  ppo.kl_cof: [0.1]\n")
     assert main(["--config", str(REPO / "conf" / "smoke.yaml"), "--space", str(bad)]) == 2
     assert "parameters.ppo.kl_cof is not a config key" in capsys.readouterr().err
+
+
+@pytest.mark.xdist_group("sweep")
+def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path):
+    """GRPO beside DPO, one seed, on the sweep tests' store: both arms take data, SFT and reward model from the
+    cache; the study table and the frontier are logged on the sweep run and published as a Prefect table."""
+    import pandas as pd
+
+    from flows.sweep import rlhf_sweep
+
+    uri, base = tiny_base(sweep_dir)
+    s = parse_space(
+        {
+            "name": "study",
+            "arms": [
+                {"name": "GRPO", "overrides": {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
+                                               "ppo.eval_every": 1, "ppo.eval_prompts": 8}},
+                {"name": "DPO", "overrides": {"algorithm": "dpo", "dpo.lr": 1e-3, "dpo.batch_size": 32}},
+            ],
+            "parameters": {"policy_seed": [3]},
+        }
+    )  # fmt: skip
+    state = rlhf_sweep(base, s, return_state=True)
+    result = state.result()
+    assert [row["status"] for row in result["ranking"]] == ["completed", "completed"]
+
+    sweep_flow_run = state.state_details.flow_run_id
+    shared = ["prepare_preferences", "supervised_finetune", "train_reward_model"]
+    for sub in subflow_runs(sweep_flow_run):  # each arm takes the shared stages from the cache
+        states = {stage_name(t): t.state.name for t in task_runs(sub.id)}
+        assert {states[name] for name in shared} == {"Cached"}
+    assert "sweep-study-study" in {a.key for a in flow_run_artifacts(sweep_flow_run)}
+
+    client = MlflowClient(uri)
+    run_id = result["sweep_run_id"]
+    files = {a.path for a in client.list_artifacts(run_id)}
+    assert {"study_table.json", "study_table.csv", "study_table.md", "frontier.png", "frontier_points.csv"} <= files
+    table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))
+    frame = pd.read_csv(table)
+    assert list(frame["arm"]) == ["GRPO", "DPO"] and list(frame["runs"]) == ["1/1", "1/1"]
+    assert frame["win_rate_gold"].notna().all() and frame["kl"].notna().all() and frame["train_s"].gt(0).all()
+    points = pd.read_csv(client.download_artifacts(run_id, "frontier_points.csv", str(tmp_path)))
+    grpo = points[points["arm"] == "GRPO"]
+    assert (grpo["kind"] == "periodic").sum() >= 2 and (points["kind"] == "final").sum() == 2
+    # the policy stage ran with the arm's seed, not the global one
+    for row in result["ranking"]:
+        stage = "train_policy_dpo" if row["arm"] == "DPO" else "train_policy_ppo"
+        experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+        query = f"tags.`mlflow.parentRunId` = '{row['mlflow_run_id']}' AND tags.stage = '{stage}'"
+        (stage_run,) = client.search_runs([experiment], query)
+        assert stage_run.data.params["seed"] == "3"
