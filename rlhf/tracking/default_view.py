@@ -31,8 +31,21 @@ COLUMN_METRICS = (
     "reward/eval_accuracy",
     "eval/ppo_gold",
     "eval/ppo_length_mean",
+    "time/policy_train_s",
 )
-COLUMN_PARAMS = ("ppo.kl_coef", "ppo.total_episodes", "ppo.batch_size", "ppo.lr", "sft.model", "data.source", "seed")
+# the algorithm first: a study's runs (make study) read as arm and seed beside their win rates
+COLUMN_PARAMS = (
+    "algorithm",
+    "ppo.advantage_estimator",
+    "policy_seed",
+    "ppo.kl_coef",
+    "ppo.total_episodes",
+    "ppo.batch_size",
+    "ppo.lr",
+    "sft.model",
+    "data.source",
+    "seed",
+)
 # Chart sections (a metric's prefix before the last '/'), in display order; the UI appends any other one. The
 # sections from `CHART_SECTIONS_COLLAPSED` on start collapsed.
 CHART_SECTIONS = (
