@@ -101,20 +101,17 @@ def link_mlflow_run(tracking: TrackingConfig | TrackingContext, run_id: str, tex
 
 
 def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[dict[str, Any]]:
-    """One row per stage: whether it ran or came from the cache, and the URL of its MLflow run (for a cached stage,
-    the run that computed the result)."""
+    """One row per stage: whether it ran (continuing the stage of a crashed flow run, when it did) or came from the
+    cache, and the URL of its MLflow run (for a cached stage, the run that computed the result)."""
     rows = []
     for stage in STAGE_TASKS:
         run_id = summary.get(f"stage.{stage}.run_id")
         if run_id is None:
             continue
         cached = summary.get(f"stage.{stage}.cached") == "true"
-        rows.append(
-            {
-                "metric": f"stage {stage}",
-                "value": ("cached: " if cached else "ran: ") + mlflow_run_url(experiment_id, run_id),
-            }
-        )
+        resumed = summary.get(f"stage.{stage}.resumed_from")  # flows/crashed_runs.py
+        how = "cached: " if cached else f"ran (resumed from crashed flow run {resumed}): " if resumed else "ran: "
+        rows.append({"metric": f"stage {stage}", "value": how + mlflow_run_url(experiment_id, run_id)})
     return rows
 
 

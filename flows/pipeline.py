@@ -18,6 +18,7 @@ from prefect import flow
 from prefect.states import Completed
 
 from flows.artifacts import StageProgress, publish_pipeline_results
+from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.prefect_home import prepare_prefect_database
 from flows.summary import POLICY_LABEL, POLICY_SECONDS, PPO_EPISODES, SFT_STEPS, format_summary, policy_label
@@ -57,6 +58,7 @@ def rlhf_pipeline(
 
     `trial` (set by Optuna sweeps, leave it empty): the study trial PPO's periodic evaluations are reported to; when
     its pruner stops the trial, the run ends in the state 'Pruned' and its MLflow run KILLED, tagged sweep.pruned."""
+    check_in()  # labels this run with its process; runs of killed processes become Crashed (flows/crashed_runs.py)
     estimates = preflight(config)
     tracking = open_pipeline_run(config, trial)
     try:
@@ -213,6 +215,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         **{f"stage.{output.stage}.run_id": output.mlflow_run_id for output in outputs},
     }
     summary |= cache_tags(tracking, outputs)
+    summary |= resume_links(tracking)  # the killed run whose stage this one continued
     if evaluation.warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
         summary[EVAL_WARNING_TAG] = "\n".join(evaluation.warnings)
     if tracking.registered_model:

@@ -9,17 +9,36 @@ from rlhf.checkpoints import stage_lock
 
 def prepare_prefect_database() -> None:
     """Without a Prefect server (PREFECT_API_URL unset) every pipeline process starts a temporary one, which migrates
-    the database in PREFECT_HOME: two pipelines started together would run the same migrations at once (SQLite:
-    'index ... already exists'). Run them here first, one process at a time; the servers then find them done."""
+    the database in PREFECT_HOME and registers Prefect's block types in it: two pipelines started together would run
+    the same migrations at once (SQLite: 'index ... already exists'), and on a new database insert the same block
+    schemas at once ('UNIQUE constraint failed: block_schema.checksum', a traceback in both runs' output). Do both
+    here first, one process at a time; the servers then find them done."""
     import asyncio
 
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 
     if PREFECT_API_URL.value():
         return
-    from prefect.server.database import provide_database_interface
-
     home = Path(PREFECT_HOME.value())
     home.mkdir(parents=True, exist_ok=True)
     with stage_lock(home / "database"):
-        asyncio.run(provide_database_interface().create_db())
+        asyncio.run(_create_database())
+
+
+async def _create_database() -> None:
+    """Migrate the database; register the block types where none are (a new database), as a server does at its start."""
+    from prefect.server.database import provide_database_interface
+    from prefect.server.models.block_registration import run_block_auto_registration
+    from prefect.server.models.block_schemas import read_block_schemas
+    from prefect.settings import PREFECT_API_BLOCKS_REGISTER_ON_START
+
+    db = provide_database_interface()
+    await db.create_db()
+    if not PREFECT_API_BLOCKS_REGISTER_ON_START.value():
+        return
+    async with db.session_context() as session:
+        registered = await read_block_schemas(session=session, limit=1)
+    if not registered:
+        session = await db.session()
+        async with session:  # as the server's start does it
+            await run_block_auto_registration(session=session)

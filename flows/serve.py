@@ -23,6 +23,8 @@ Flow runs execute in subprocesses of this process, in the current folder (relati
 here). Before serving, a tag concurrency limit is set on the tag ``gpu`` (the training and evaluation stages carry
 it): one slot per GPU of the machine by default (one on a CPU-only machine), so concurrent runs take turns on the
 devices instead of fighting over their memory (sweeps also pin each variant to its own device, flows/variants.py).
+Served runs send a heartbeat every 30 s, and an automation marks Crashed a run whose heartbeats stop (its process was
+killed; flows/crashed_runs.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.settings import PREFECT_API_URL
 
+from flows.crashed_runs import HEARTBEAT_S, ensure_zombie_automation
 from flows.form import form_parameters, rlhf_run, rlhf_sweep_run, sweep_form_parameters
 from flows.pipeline import rlhf_pipeline
 from flows.sweep import check_variants, rlhf_sweep
@@ -156,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     slots = args.gpu_slots or len(device_names("auto"))
     ensure_gpu_limit(slots)
     print(f"Prefect API {url}; concurrency limit: {slots} slot(s) for tag '{GPU_TAG}'", flush=True)
-    serve(*served, limit=args.limit)
+    try:  # served runs send heartbeats; a run whose heartbeats stop (killed) becomes Crashed
+        ensure_zombie_automation()
+    except Exception as err:  # noqa: BLE001 (a server without automations still serves)
+        print(f"warning: no automation marks killed runs Crashed: {err}", file=sys.stderr)
+    serve(*served, limit=args.limit, heartbeat_seconds=HEARTBEAT_S)
     return 0
 
 

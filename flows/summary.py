@@ -9,6 +9,7 @@ from flows.artifacts import mlflow_experiment_url
 from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
+from tasks.stage_runs import RESUMED_FROM_TAG
 from tasks.stage_table import STAGES
 
 # A run below either budget checks the plumbing (every stage runs and hands the next one its outputs), not learning:
@@ -78,6 +79,22 @@ def plumbing_check(summary: dict[str, Any]) -> str | None:
     )
 
 
+def _origin_rows(summary: dict[str, Any]) -> list[str]:
+    """Where the results came from: the stages from the cache, and the crashed run whose saved state a stage resumed."""
+    rows = []
+    ran = [stage for stage in STAGES if f"stage.{stage.task}.run_id" in summary]  # this pipeline's stages
+    cached = [stage.label for stage in ran if summary.get(f"stage.{stage.task}.cached") == "true"]
+    if cached:
+        origin = summary.get(f"{RESULTS_FROM_TAG}_name") or summary.get(RESULTS_FROM_TAG)
+        rows.append(
+            _row("stages from the cache", f"{len(cached)} of {len(ran)}")
+            + (f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})")
+        )
+    if resumed := summary.get(f"{RESUMED_FROM_TAG}_name"):  # flows/crashed_runs.py
+        rows.append(_row("resumed from", f"crashed flow run {resumed} (its saved state)"))
+    return rows
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", "== RLHF pipeline summary"]
     if note := plumbing_check(summary):
@@ -117,14 +134,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     warnings = hacking_warnings(summary)
     if warnings:
         lines += ["", *(f"WARNING: {w}" for w in warnings), ""]
-    ran = [stage for stage in STAGES if f"stage.{stage.task}.run_id" in summary]  # this pipeline's stages
-    cached = [stage.label for stage in ran if summary.get(f"stage.{stage.task}.cached") == "true"]
-    if cached:
-        origin = summary.get(f"{RESULTS_FROM_TAG}_name") or summary.get(RESULTS_FROM_TAG)
-        lines.append(
-            _row("stages from the cache", f"{len(cached)} of {len(ran)}")
-            + (f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})")
-        )
+    lines += _origin_rows(summary)
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
     if "registered_policy" in summary:

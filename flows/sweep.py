@@ -35,6 +35,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
+from flows.crashed_runs import crash_dead_runs
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.prefect_home import prepare_prefect_database
@@ -381,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {variant.index:02d}  {variant.label}")
     prepare_prefect_database()
     stop_on_signals(base.tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
+    crash_dead_runs("python -m flows.sweep")  # runs of killed processes become Crashed (flows/crashed_runs.py)
     code, result = exit_code_of(lambda: rlhf_sweep(base, space))
     if result is not None:
         print(format_ranking(result))

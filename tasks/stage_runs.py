@@ -16,6 +16,9 @@ from tasks.stage_table import stage_of
 from tasks.tracking import TrackingContext, tracker_for
 
 RUN_ID_FILE = ".mlflow_run_id"
+# The flow run a stage run belongs to, and the earlier flow run (killed: a rerun, not a retry) whose stage run it
+# continued; also a tag of the pipeline run (with `stage.<stage>.resumed_from_flow_run`), flows/crashed_runs.py
+FLOW_RUN_TAG, RESUMED_FROM_TAG = "prefect.flow_run_id", "rlhf.resumed_from_flow_run"
 
 
 def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
@@ -34,14 +37,14 @@ def stage_run(
     marker = folder / RUN_ID_FILE
     run_id = marker.read_text().strip() if resume and marker.is_file() else None
     if run_id is not None:
-        tracker.reopen_run(run_id)  # a retry continues the run it started
+        reopen(tracker, run_id, tracking, stage)  # a retry or a rerun continues the run it started
     else:
         run_id = tracker.start_run(
             stage_run_name(tracking.run_name, stage),
             tracking.parent_run_id,
             tags={
                 "stage": stage,
-                "prefect.flow_run_id": str(tracking.flow_run_id),
+                FLOW_RUN_TAG: str(tracking.flow_run_id),
                 "code_version": code_version(),
                 "output_dir": str(folder),
             },
@@ -58,6 +61,19 @@ def stage_run(
         raise
     tracker.end_run(run_id)
     tracker.set_tags(tracking.parent_run_id, {f"stage.{stage}.run_id": run_id})
+
+
+def reopen(tracker: Tracker, run_id: str, tracking: TrackingContext, stage: str) -> None:
+    """Reopen a stage's run. Started by an earlier flow run (a rerun after a killed one, not a retry), it becomes
+    this flow run's, and it and the pipeline run name that earlier flow run (`RESUMED_FROM_TAG`)."""
+    earlier = tracker.get_run(run_id).data.tags.get(FLOW_RUN_TAG)
+    tracker.reopen_run(run_id)
+    current = str(tracking.flow_run_id) if tracking.flow_run_id else None
+    if earlier and current and earlier != current:
+        tracker.set_tags(run_id, {RESUMED_FROM_TAG: earlier, FLOW_RUN_TAG: current})
+        tracker.set_tags(
+            tracking.parent_run_id, {RESUMED_FROM_TAG: earlier, f"stage.{stage}.resumed_from_flow_run": earlier}
+        )
 
 
 # The prepared data files as MLflow dataset inputs: file -> (dataset name, context).

@@ -75,6 +75,7 @@ def test_failure_mid_ppo_is_retried_and_resumes(harness, tmp_path, monkeypatch, 
     assert len(ppo_runs) == 1, "the retry continues the same MLflow run"
     run = ppo_runs[0]
     assert run.info.status == "FINISHED"
+    assert "rlhf.resumed_from_flow_run" not in run.data.tags, "a retry resumes its own flow run's stage, no other"
     history = client.get_metric_history(run.info.run_id, "objective/kl")
     assert sorted(m.step for m in history) == [1, 2, 3, 4], "no step missing or logged twice"
     ppo_folder = Path(summary["policy_checkpoint"]).parent.parent

@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -167,6 +168,10 @@ def test_sigkill_mid_training_then_the_same_command_resumes(tmp_path, uninterrup
     assert MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(killed_parent.info.run_id).info.status == "KILLED"
     assert_clean_store(tmp_path)
     assert result(tmp_path) == uninterrupted
+    # in Prefect: the killed attempt's flow run Crashed, nothing left Running (flows/crashed_runs.py)
+    flows = prefect_rows(tmp_path, "flow_run")
+    assert sorted(r["state_type"] for r in flows) == ["COMPLETED", "CRASHED"]
+    assert [r["name"] for r in prefect_rows(tmp_path, "task_run") if r["state_type"] in ("RUNNING", "PENDING")] == []
 
 
 @pytest.mark.slow
@@ -270,3 +275,85 @@ def test_a_run_asked_to_stop_stops_within_seconds_keeps_its_state_and_leaves_not
     assert saved_state(tmp_path, "supervised_finetune"), "the SFT state is kept"
     statuses = {r.data.tags.get("stage", "pipeline"): r.info.status for r in runs(tmp_path)}
     assert statuses == {"prepare_preferences": "FINISHED", "supervised_finetune": "KILLED", "pipeline": "KILLED"}
+
+
+# -- A killed run in Prefect: Crashed, its slot free, named by the rerun (flows/crashed_runs.py) -------------------
+
+
+def prefect_rows(root: Path, table: str) -> list[dict]:
+    """The flow_run or task_run rows of the pipelines' Prefect database (PREFECT_HOME of `start`), each with its
+    state's message and its tags and labels decoded."""
+    with sqlite3.connect(root / "prefect" / "prefect.db") as db:
+        db.row_factory = sqlite3.Row
+        rows = db.execute(
+            f"SELECT r.*, s.message AS message FROM {table} r LEFT JOIN {table}_state s ON s.id = r.state_id"
+        )
+        rows = [dict(row) for row in rows]
+    return [
+        row | {"tags": json.loads(row["tags"] or "[]"), "labels": json.loads(row.get("labels") or "{}")} for row in rows
+    ]
+
+
+def gpu_slots_taken(root: Path) -> int:
+    with sqlite3.connect(root / "prefect" / "prefect.db") as db:
+        (taken,) = db.execute("SELECT active_slots FROM concurrency_limit_v2 WHERE name = 'tag:gpu'").fetchone()
+    return taken
+
+
+def make_gpu_limit(prefect_home: Path) -> None:
+    """A `gpu` tag limit of one slot in that Prefect home, as flows/serve.py (`make ui`) sets it on the shared one."""
+    code = (
+        "from flows.prefect_home import prepare_prefect_database\n"
+        "from prefect.client.orchestration import get_client\n"
+        "prepare_prefect_database()\n"
+        "with get_client(sync_client=True) as client:\n"
+        "    client.create_concurrency_limit(tag='gpu', concurrency_limit=1)\n"
+    )
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_critic_free_ppo_leaves_a_crashed_flow_run_the_rerun_names(tmp_path):
+    """Issue 25 with a critic-free (GRPO) run: SIGKILL mid-PPO leaves its Prefect flow run and PPO task run Running
+    and the `gpu` slot (limit 1, as `make ui` sets it) taken. The documented bound for a CLI run: the next run on that
+    Prefect home marks them Crashed before its first stage, naming the killed pid, and frees the slot (else its own
+    PPO stage would wait for it for ever); it resumes PPO in the same MLflow run and names the crashed run in Prefect
+    (a tag) and MLflow (tags of its pipeline run); nothing is left Running, and the policy has no value model."""
+    grpo = ("ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4")  # conf/smoke.yaml: ppo.batch_size 16
+    make_gpu_limit(tmp_path / "prefect")
+    proc, _ = start(tmp_path, name="killed", extra=grpo)
+    kill_when(proc, lambda: saved_state(tmp_path, "train_policy_ppo"))
+    (killed,) = prefect_rows(tmp_path, "flow_run")
+    (killed_ppo,) = [t for t in prefect_rows(tmp_path, "task_run") if t["name"].startswith("train_policy_ppo")]
+    assert killed["state_type"] == killed_ppo["state_type"] == "RUNNING"  # nothing reported the end
+    assert killed["labels"]["rlhf.process"].split(":")[1] == str(proc.pid)
+    assert gpu_slots_taken(tmp_path) == 1  # the PPO stage's slot
+
+    output = finish(*start(tmp_path, name="rerun", extra=grpo))
+    flows = {row["id"]: row for row in prefect_rows(tmp_path, "flow_run")}
+    crashed, tasks = flows.pop(killed["id"]), prefect_rows(tmp_path, "task_run")
+    assert crashed["state_type"] == "CRASHED" and f"pid {proc.pid} on" in crashed["message"], crashed
+    assert f"flow run {crashed['name']} marked Crashed" in output
+    assert {t["state_type"] for t in tasks if t["id"] == killed_ppo["id"]} == {"CRASHED"}
+    assert [r["name"] for r in [*flows.values(), *tasks] if r["state_type"] in ("RUNNING", "PENDING")] == []
+    assert gpu_slots_taken(tmp_path) == 0
+    (rerun,) = flows.values()
+    assert rerun["state_type"] == "COMPLETED" and f"resumed-from:{crashed['name']}" in rerun["tags"]
+    assert f"crashed flow run {crashed['name']}" in output  # the printed summary
+
+    (run,) = stage_runs(tmp_path, "train_policy_ppo")  # PPO continued its run: every update logged once
+    logged = steps(tmp_path, run, "objective/kl")
+    assert run.info.status == "FINISHED" and logged == list(range(1, len(logged) + 1)) and len(logged) >= 2
+    parents = {r.info.status: r for r in pipeline_runs(tmp_path)}
+    assert set(parents) == {"KILLED", "FINISHED"}
+    assert parents["KILLED"].data.tags["prefect.flow_run_id"] == killed["id"]
+    tags = parents["FINISHED"].data.tags
+    assert (
+        tags["rlhf.resumed_from_flow_run"] == killed["id"]
+        and tags["rlhf.resumed_from_flow_run_name"] == crashed["name"]
+    )
+    assert tags["rlhf.resumed_from_run"] == parents["KILLED"].info.run_id
+    assert tags["stage.train_policy_ppo.resumed_from"] == crashed["name"]
+    (final,) = (tmp_path / "out" / "train_policy_ppo").glob("*/final")
+    assert (final / "policy").is_dir() and not (final / "value").exists()  # critic-free: no value model
