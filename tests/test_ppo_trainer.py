@@ -591,3 +591,51 @@ def test_a_reward_function_on_top_of_the_reward_model_adds_its_weighted_score(st
     gold = torch.tensor(synthetic.gold_reward([stack["prompts"][i] for i in batch.indices], texts))
     # the same seed samples the same responses: the model's score plus half the gold score
     torch.testing.assert_close(r.scored.scores, plain.scored.scores + 0.5 * gold, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "estimator, aggregation",
+    [("grpo", "seq_mean_token_mean"), ("dr_grpo", "seq_mean_token_sum_norm"), ("rloo", "token_mean")],
+)
+def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, monkeypatch, estimator, aggregation):
+    """Without a value model, two torch threads split each micro-batch into two halves run side by side
+    (update.split_policy_work), their losses weighted by their share of the aggregation: the same gradients, so the
+    same statistics and weights as the one-thread update up to float rounding (not bit for bit: the sums run in
+    another order), for each aggregation; the entropy bonus and the KL in the loss (grpo, dr_grpo) included."""
+    cfg = _cfg(advantage_estimator=estimator, samples_per_prompt=4, entropy_coef=0.01)
+    assert cfg.aggregation == aggregation
+    m, state, r = _rollout(stack, cfg)
+    assert m.value is None
+    weights = copy.deepcopy(m.policy.state_dict())
+    optim_state = copy.deepcopy(state.policy_opt.state_dict())
+    shuffle = state.shuffle_generator.get_state()
+    threads_seen: list[str] = []
+    real = ppo_update._policy_micro
+
+    def spy(*args, **kwargs):
+        threads_seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ppo_update, "_policy_micro", spy)
+    results = {}
+    for threads in (1, 2):
+        m.policy.load_state_dict(weights)
+        state.policy_opt.load_state_dict(optim_state)
+        state.shuffle_generator.set_state(shuffle)
+        threads_seen.clear()
+        torch.set_num_threads(threads)
+        result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+        results[threads] = (result, copy.deepcopy(m.policy.state_dict()), list(threads_seen))
+    (one, one_weights, one_threads), (two, two_weights, two_threads) = results[1], results[2]
+    assert set(one_threads) == {threading.current_thread().name}
+    assert len(two_threads) == 2 * len(one_threads)  # two halves a micro-batch, one of them on the second thread
+    assert any(name.startswith("rlhf-value") for name in two_threads)
+    for a, b in zip(one.minibatch_stats, two.minibatch_stats, strict=True):
+        assert set(a) == set(b)
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    moved = 0
+    for key, value in two_weights.items():
+        torch.testing.assert_close(value, one_weights[key], atol=1e-5, rtol=1e-4)
+        moved += not torch.equal(value, weights[key])
+    assert moved > 0

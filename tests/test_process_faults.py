@@ -148,7 +148,9 @@ def uninterrupted(two_runs_at_once) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["train_policy_ppo", "train_reward_model"])
+# the PPO stage's kill and resume: test_sigkill_mid_critic_free_ppo_leaves_a_crashed_flow_run_the_rerun_names below
+# (a GRPO run), the repeated kills and tests/test_flow_resume.py (a GAE run's retry)
+@pytest.mark.parametrize("stage", ["train_reward_model"])
 def test_sigkill_mid_training_then_the_same_command_resumes(tmp_path, uninterrupted, stage):
     proc, _ = start(tmp_path, name="killed")
     kill_when(proc, lambda: saved_state(tmp_path, stage))

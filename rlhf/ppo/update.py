@@ -221,9 +221,19 @@ def micro_batch(rollout: Rollout, rows: Tensor) -> MicroBatch:
     )
 
 
-def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype, kl_coef: float):
+def _policy_micro(
+    models: PPOModels,
+    mb: MicroBatch,
+    cfg: PPOConfig,
+    dtype: torch.dtype,
+    kl_coef: float,
+    loss_weight: float = 1.0,
+    token_weight: float = 1.0,
+):
     """Policy forward, clipped loss (minus the entropy bonus, plus `kl_coef` times the KL to the reference with
-    ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says."""
+    ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says.
+    `loss_weight` (the clipped loss and the KL term) and `token_weight` (the entropy, a token mean) scale its part
+    of the gradient when the micro-batch is one of several halves (`_policy_halves`)."""
     with autocast(mb.mask.device, dtype):
         out = sharding.call(
             unwrap(models.policy),
@@ -238,14 +248,54 @@ def _policy_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torc
     aggregation = dict(loss_aggregation=cfg.aggregation, norm_length=cfg.max_new_tokens)
     pl = policy_loss(out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.cliprange, **aggregation)
     entropy = masked_mean(out.entropy, mb.mask)
-    loss = pl.loss - cfg.entropy_coef * entropy
+    loss = loss_weight * pl.loss - token_weight * cfg.entropy_coef * entropy
     kl = None
     if cfg.kl_placement == "loss":
         kl = kl_loss(out.logprobs, mb.ref_logprobs, mb.mask, cfg.kl_estimator_used, **aggregation)
-        loss = loss + kl_coef * kl
+        loss = loss + loss_weight * kl_coef * kl
     (loss / cfg.gradient_accumulation_steps).backward()
     ratios = torch.exp(out.logprobs.detach() - mb.logprobs)[mb.mask.bool()]
     return pl, entropy, ratios, kl
+
+
+# the statistics that are token means (combined over halves by their tokens) and those of the aggregated losses
+# (combined by the halves' loss weights); policy/ratio_var and loss/total are recombined from these
+_TOKEN_MEANS = ("policy/entropy", "policy/approxkl", "policy/policykl", "policy/clipfrac", "policy/ratio_mean")
+_LOSS_MEANS = ("policy/loss", "policy/kl_loss")
+
+
+def _policy_halves(
+    models: PPOModels, rollout: Rollout, rows: Tensor, cfg: PPOConfig, dtype: torch.dtype, kl_coef: float
+) -> tuple[dict[str, Tensor], Tensor]:
+    """One micro-batch of a critic-free run on a CPU as two halves, forward and backward side by side in two threads
+    (each op single-threaded: `split_policy_work`). Their losses are weighted by their share of the micro-batch's
+    aggregation (real tokens for token_mean, sequences with tokens for the sequence modes; the entropy by tokens),
+    so the gradients the autograd engine sums into the parameters (under its accumulation lock) are the whole
+    micro-batch's; the statistics are recombined exactly. Returns (the micro-batch's statistics, its ratios)."""
+    halves = [micro_batch(rollout, part) for part in rows.tensor_split(2)]
+    tokens = [float(mb.mask.sum()) for mb in halves]
+    if cfg.aggregation == "token_mean":
+        counts = tokens
+    else:
+        counts = [float(mb.mask.bool().any(-1).sum()) for mb in halves]
+    loss_w = [c / sum(counts) if sum(counts) else 0.5 for c in counts]
+    token_w = [t / sum(tokens) if sum(tokens) else 0.5 for t in tokens]
+    sides = [
+        partial(_policy_micro, models, mb, cfg, dtype, kl_coef, lw, tw)
+        for mb, lw, tw in zip(halves, loss_w, token_w, strict=True)
+    ]
+    outs = scoring.run_sides(sides[0], sides[1], True)
+    parts = [MicroStats.of(pl, None, entropy, cfg, kl, kl_coef).metrics() for pl, entropy, _, kl in outs]
+    metrics = {key: sum(w * part[key] for w, part in zip(token_w, parts, strict=True)) for key in _TOKEN_MEANS}
+    for key in (k for k in _LOSS_MEANS if k in parts[0]):
+        metrics[key] = sum(w * part[key] for w, part in zip(loss_w, parts, strict=True))
+    # E[x^2] of each half is its variance plus its squared mean (population variances)
+    second = sum(w * (p["policy/ratio_var"] + p["policy/ratio_mean"] ** 2) for w, p in zip(token_w, parts, strict=True))
+    metrics["policy/ratio_var"] = second - metrics["policy/ratio_mean"] ** 2
+    metrics["loss/total"] = metrics["policy/loss"] - cfg.entropy_coef * metrics["policy/entropy"]
+    if "policy/kl_loss" in metrics:
+        metrics["loss/total"] = metrics["loss/total"] + kl_coef * metrics["policy/kl_loss"]
+    return {key: metrics[key] for key in MICRO_KEYS if key in metrics}, torch.cat([out[2] for out in outs])
 
 
 def _value_micro(models: PPOModels, mb: MicroBatch, cfg: PPOConfig, dtype: torch.dtype):
@@ -357,6 +407,19 @@ def use_second_thread(device: torch.device, models: PPOModels, world_size: int =
     )
 
 
+def split_policy_work(device: torch.device, models: PPOModels, world_size: int = 1) -> bool:
+    """Whether a critic-free run's micro-batches run as two halves in two CPU threads (`_policy_halves`), each op
+    single-threaded: with no value model to run beside the policy, one small model's matmuls would leave a core idle
+    (docs/benchmark.md). Not with several processes (they share the cores) or a sharded policy."""
+    return (
+        models.value is None
+        and device.type == "cpu"
+        and torch.get_num_threads() > 1
+        and world_size == 1
+        and not sharding.is_sharded(unwrap(models.policy))
+    )
+
+
 class MinibatchResult(NamedTuple):
     stats: dict[str, float]  # means over the micro-batches, with the gradient norms
     ratios: Tensor  # (n,) the probability ratios at the minibatch's real response tokens
@@ -374,6 +437,7 @@ def minibatch_step(
     second_thread: bool = False,
     on_nonfinite: str = "stop",
     log: LogFn | None = None,
+    split_policy: bool = False,
 ) -> MinibatchResult:
     """One optimizer step of the policy and of the value model on the minibatch `rows` of `rollout`.
 
@@ -390,6 +454,11 @@ def minibatch_step(
     kl_coef = state.kl_ctl.value
     stats, ratios = OptimStats(), []
     for micro in rows.split(micro_size):
+        if split_policy and not critic and len(micro) > 1:  # two halves in two threads
+            metrics, mb_ratios = _policy_halves(models, rollout, micro.to(device), cfg, dtype, kl_coef)
+            ratios.append(mb_ratios)
+            stats.add(metrics)
+            continue
         mb = micro_batch(rollout, micro.to(device))
         policy_side = partial(_policy_micro, models, mb, cfg, dtype, kl_coef)
         if critic:
@@ -468,20 +537,21 @@ def optimize(
     world_size = dist.world_size if dist is not None else 1
     n, mini_size = len(rollout.indices), cfg.mini_batch_size // world_size
     second_thread = use_second_thread(device, models, world_size)
+    split_policy = split_policy_work(device, models, world_size)
     running, per_minibatch, ratios = OptimStats(), [], []
     stopped_early, skipped = 0.0, 0
     # step 1. train mode: dropout is disabled, it only switches on gradient checkpointing
     models.policy.train()
     if models.value is not None:
         models.value.train()
-    with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded
+    with torch_threads(1 if second_thread or split_policy else None):  # in two threads, each op single-threaded
         for _epoch in range(cfg.num_ppo_epochs):
             # step 2. a shuffled pass over the rollout: one optimizer step of each model per minibatch
             perm = torch.randperm(n, generator=state.shuffle_generator)
             for start in range(0, n, mini_size):
                 step = minibatch_step(
                     models, state, rollout, perm[start : start + mini_size], cfg, dtype, world_size, second_thread,
-                    on_nonfinite, log,
+                    on_nonfinite, log, split_policy,
                 )  # fmt: skip
                 per_minibatch.append(step.stats)
                 running.add(step.stats)
