@@ -88,7 +88,7 @@ class Bench:
     updates: int
     seed: int = 0
     estimator: str = "gae"  # ppo.advantage_estimator
-    m: PPOModels = field(init=False)
+    models: PPOModels = field(init=False)
     cfg: PPOConfig = field(init=False)
     state: TrainerState = field(init=False)
 
