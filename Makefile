@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch==$(TORCH_VERSION)"; \
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
 	@echo "installing the project into $(VENV)"
-	@$(PY) -m pip install -q -e ".[dev,lora,sweeps]" $(PIP_QUIET)
+	@$(PY) -m pip install -q -e ".[dev,lora,sweeps,gguf]" $(PIP_QUIET)
 	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf" 
 	@touch $@
 

@@ -110,7 +110,7 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
 def read_model_config(config: PipelineConfig, model_config: str | Path | None = None) -> Any:
     """The SFT model's config: `model_config` (a config.json or its folder) when given, the bootstrap GPT-2's
     when ``sft.model`` is None, else ``config.json`` of ``sft.model`` (a local folder or, with hub access, an id;
-    only that file is read)."""
+    only that file is read), or the metadata of its GGUF file."""
     from transformers import AutoConfig, GPT2Config
 
     if model_config is not None:
@@ -129,6 +129,11 @@ def read_model_config(config: PipelineConfig, model_config: str | Path | None = 
             bos_token_id=0,
             eos_token_id=0,
         )
+    from rlhf.models.gguf import gguf_config, gguf_path, gguf_reference
+
+    ref = gguf_reference(config.sft.model, config.sft.gguf_file)
+    if ref is not None:  # a GGUF file: its metadata is the config
+        return gguf_config("sft.model", gguf_path("sft.model", ref, config.sft.revision))
     try:
         return AutoConfig.from_pretrained(
             config.sft.model, revision=config.sft.revision, trust_remote_code=config.runtime.trust_remote_code

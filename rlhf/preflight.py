@@ -42,6 +42,24 @@ def check_model_reference(key: str, name: str) -> None:
         )
 
 
+def check_sft_model(config: PipelineConfig) -> None:
+    """sft.model is a checkpoint folder that loads, a hub id, or a GGUF file (a .gguf path, or sft.gguf_file in the
+    folder or repository sft.model) that transformers can dequantise."""
+    sft = config.sft
+    assert sft.model is not None
+    from rlhf.models.gguf import check_gguf, gguf_reference  # transformers: only where a checkpoint is named
+
+    ref = gguf_reference(sft.model, sft.gguf_file)
+    key = "sft.gguf_file" if sft.gguf_file else "sft.model"
+    if ref is not None:
+        check_gguf(key, ref, sft.revision)
+        return
+    check_model_reference("sft.model", sft.model)
+    from rlhf.models.loading import check_checkpoint
+
+    check_checkpoint("sft.model", sft.model, sft.revision, config.runtime.trust_remote_code)
+
+
 def preflight(config: PipelineConfig) -> list[StageEstimate]:
     """Everything that can be checked without loading a model or reading the data set: paths, the data's format
     and columns where cheap, lengths against the model's positions and memory against the device (only
@@ -51,10 +69,7 @@ def preflight(config: PipelineConfig) -> list[StageEstimate]:
     check_output_dir(config.runtime.output_dir)
     check_source(config.data)
     if config.sft.model is not None:
-        check_model_reference("sft.model", config.sft.model)
-        from rlhf.models.loading import check_checkpoint  # transformers: only where a checkpoint is named
-
-        check_checkpoint("sft.model", config.sft.model, config.sft.revision, config.runtime.trust_remote_code)
+        check_sft_model(config)
     check_ppo_processes(config)
     check_generation_backend(config)
     model_config = read_model_config(config)
@@ -132,6 +147,8 @@ def check_lengths(config: PipelineConfig, model_config: Any) -> None:
     if not over:
         return
     where = "sft.bootstrap.n_positions" if config.sft.model is None else f"config.json of {config.sft.model}"
+    if config.sft.gguf_file or (config.sft.model or "").lower().endswith(".gguf"):
+        where = f"the metadata of {config.sft.gguf_file or config.sft.model}"
     keys = ", ".join(over[:-1]) + (" and " if len(over) > 1 else "") + over[-1]
     raise ConfigError(
         f"{keys} {'exceed' if len(over) > 1 else 'exceeds'} the {positions} positions of the SFT model ({where}); "

@@ -34,6 +34,13 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# SmolLM2-Instruct's: ChatML with a default system prompt when the conversation has none
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST] {{ message['content'] }} "
     "[/INST]{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
@@ -289,3 +296,116 @@ def _root() -> Path:
 def cached_family(family: str) -> Path:
     """`build_family` once per process, in a temporary folder (read-only use: copy it before changing files)."""
     return build_family(family, _root() / family)
+
+
+# -- GGUF files (llama.cpp's format) of tiny Llama checkpoints -----------------------------------------------------
+
+# llama.cpp's tensor names: the model's top-level tensors, then each block's (blk.N.<name>.weight)
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_CONTROL, GGUF_NORMAL = 3, 1  # tokenizer.ggml.token_type of special and of ordinary tokens
+
+
+def _gguf_permute(weight, n_head: int):
+    """llama.cpp's permutation of a q/k projection (convert_hf_to_gguf.py): each head's rotary halves interleaved.
+    Transformers' GGUF loader undoes it (`LlamaTensorProcessor._reverse_permute_weights`). Shape: (out, in)."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(model: Any, tokenizer: PreTrainedTokenizerFast, path: Path, architecture: str = "llama") -> Path:
+    """Write a Llama model and its byte-level BPE tokenizer to a GGUF file (F32 tensors, llama.cpp's names and
+    metadata), as llama.cpp's converter would. `architecture` is written as general.architecture (another name
+    makes a file of an architecture transformers cannot load)."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name("tiny-llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = set(tokenizer.all_special_ids)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([GGUF_CONTROL if i in special else GGUF_NORMAL for i in range(len(tokens))])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    for name in ("bos", "eos", "pad"):
+        token_id = getattr(tokenizer, f"{name}_token_id")
+        if token_id is not None:
+            getattr(writer, f"add_{name}_token_id")(token_id)
+    writer.add_add_bos_token(False)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
+    for name, tensor in model.state_dict().items():
+        weight = tensor.detach().float().numpy()
+        if name in _GGUF_TOP:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # a tied head is the embedding: llama.cpp writes no output.weight
+            writer.add_tensor(f"{_GGUF_TOP[name]}.weight", np.ascontiguousarray(weight))
+            continue
+        _, _, layer, *module, _ = name.split(".")  # model.layers.N.<module>.weight
+        module = ".".join(module)
+        if module == "self_attn.q_proj":
+            weight = _gguf_permute(weight, cfg.num_attention_heads)
+        elif module == "self_attn.k_proj":
+            weight = _gguf_permute(weight, cfg.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[module]}.weight", np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+# SmolLM2's tokenizer: ChatML turns, <|im_start|> its BOS and <|im_end|> its EOS (and end of turn); no BOS added
+SMOLLM2_STYLE = TokenizerStyle(
+    special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    bos="<|im_start|>",
+    eos="<|im_end|>",
+    pad="<|im_end|>",
+    chat_template=SMOLLM2_TEMPLATE,
+    end_of_turn="<|im_end|>",
+)
+
+
+def build_smollm_like(tie_word_embeddings: bool = True, seed: int = 0) -> tuple[Any, PreTrainedTokenizerFast]:
+    """A tiny random-weight Llama (SmolLM2's architecture: tied embeddings, grouped KV heads) and a SmolLM2-like
+    tokenizer, float32, in memory."""
+    tokenizer = build_tokenizer(SMOLLM2_STYLE)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+        **_SHAPE,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).float().eval(), tokenizer

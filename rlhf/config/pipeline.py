@@ -49,11 +49,13 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _data_tokenizer_is_the_policys(self) -> PipelineConfig:
         """Chat data is rendered, and lengths measured, with the policy's tokenizer: `data.tokenizer` defaults to
-        `sft.model` (at `sft.revision`) when it is unset."""
+        `sft.model` (at `sft.revision`, its GGUF file `sft.gguf_file`) when it is unset."""
         if self.data.tokenizer is None and self.sft.model is not None:
             self.data.tokenizer = self.sft.model
             if self.data.tokenizer_revision is None:
                 self.data.tokenizer_revision = self.sft.revision
+            if self.data.tokenizer_gguf_file is None:
+                self.data.tokenizer_gguf_file = self.sft.gguf_file
         if self.data.max_length_tokens is not None and self.data.tokenizer is None:
             raise ValueError(
                 "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"

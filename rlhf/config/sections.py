@@ -244,6 +244,11 @@ class DataConfig(Section):
     tokenizer_revision: str | None = Field(
         None, description="Hub revision of `tokenizer`; None defaults to `sft.revision` when `tokenizer` is sft.model."
     )
+    tokenizer_gguf_file: str | None = Field(
+        None,
+        description="The GGUF file inside the folder or hub repository `tokenizer` whose tokenizer is used; None "
+        "defaults to `sft.gguf_file` when `tokenizer` is sft.model. A `tokenizer` ending in .gguf needs none.",
+    )
     user_marker: str = Field(
         "\n\nHuman:",
         description="Implicit format with a chat template: transcripts are split into user turns at these markers "

@@ -27,9 +27,16 @@ class SFTConfig(Section):
     model: str | None = Field(
         None,
         description="Existing model (local path or hub id): used as the SFT policy as it is, or fine-tuned first "
-        "with `finetune`. None bootstraps a tiny GPT-2 and its tokenizer from the task's demonstrations.",
+        "with `finetune`. A path ending in .gguf is a GGUF file, dequantised once into "
+        "<runtime.output_dir>/gguf/ (docs/models.md). None bootstraps a tiny GPT-2 and its tokenizer from the "
+        "task's demonstrations.",
     )
     revision: str | None = Field(None, description="Hub revision of `model`.")
+    gguf_file: str | None = Field(
+        None,
+        description="The GGUF file (a name such as 'smollm2-135m-instruct-q4_1.gguf') inside the folder or hub "
+        "repository `model`: the model is that file, dequantised once as a .gguf `model` is. Needs the 'gguf' extra.",
+    )
     finetune: bool = Field(
         False,
         description="Fine-tune `model` on the demonstrations (synthetic task: its demonstrations; otherwise the "
@@ -53,6 +60,17 @@ class SFTConfig(Section):
             raise ValueError(
                 "sft.finetune needs sft.model (the model to fine-tune); without a model the tiny GPT-2 is "
                 "bootstrapped and trained anyway"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _gguf_file_in_model(self) -> SFTConfig:
+        if self.gguf_file is not None and self.model is None:
+            raise ValueError("sft.gguf_file needs sft.model: the folder or hub repository that holds the file")
+        if self.gguf_file is not None and self.model is not None and self.model.lower().endswith(".gguf"):
+            raise ValueError(
+                f"sft.model ({self.model}) is a GGUF file already; sft.gguf_file names a file inside a folder or hub "
+                "repository sft.model: set one of them"
             )
         return self
 

@@ -193,7 +193,7 @@ def _load_tokenizer(cfg: DataConfig) -> Any:
     from rlhf.models.loading import load_tokenizer
 
     try:
-        return load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision, trust_remote_code=False)
+        return load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision, False, cfg.tokenizer_gguf_file)
     except Exception as err:  # noqa: BLE001 (one sentence, not a traceback from transformers)
         why = first_line(str(err), type(err).__name__)
         raise DataError(f"data.tokenizer: could not load tokenizer '{cfg.tokenizer}': {why}") from None

@@ -65,10 +65,19 @@ def _from_pretrained(auto_class: Any, name: str, attn_implementation: str | None
         return auto_class.from_pretrained(name, **kwargs)  # transformers' choice: sdpa where it can, else eager
 
 
-def load_tokenizer(name: str, revision: str | None = None, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """Load a tokenizer; one without a pad token pads with its EOS token (masks, not ids, mark padding here). One
-    with neither cannot pad a batch: a ConfigError sentence naming it."""
-    tok = AutoTokenizer.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
+def load_tokenizer(
+    name: str, revision: str | None = None, trust_remote_code: bool = False, gguf_file: str | None = None
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer (a GGUF file's: `name` ending in .gguf, or `gguf_file` inside the folder or repository
+    `name`); one without a pad token pads with its EOS token (masks, not ids, mark padding here). One with neither
+    cannot pad a batch: a ConfigError sentence naming it."""
+    from rlhf.models.gguf import gguf_path, gguf_reference, tokenizer_from_gguf
+
+    ref = gguf_reference(name, gguf_file)
+    if ref is not None:
+        tok = tokenizer_from_gguf(gguf_path("tokenizer", ref, revision))
+    else:
+        tok = AutoTokenizer.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ConfigError(no_pad_sentence(name))

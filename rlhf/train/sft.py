@@ -19,6 +19,7 @@ from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.gguf import ModelSource, resolve_model
 from rlhf.models.loading import is_local_checkpoint, load_causal_lm, load_options, load_tokenizer
 from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
 from rlhf.rollout.batching import encode_and_measure
@@ -34,15 +35,25 @@ class SFTResult:
     metrics: dict[str, float]
 
 
+def model_source(cfg: SFTConfig, runtime: RuntimeConfig) -> ModelSource:
+    """What `sft.model` loads from: a GGUF file's dequantised folder under runtime.output_dir (converted once),
+    else the configured path or hub id at `sft.revision`."""
+    assert cfg.model is not None
+    key = "sft.gguf_file" if cfg.gguf_file else "sft.model"
+    return resolve_model(key, cfg.model, cfg.gguf_file, cfg.revision, runtime.output_dir)
+
+
 def load_existing(cfg: SFTConfig, runtime: RuntimeConfig) -> SFTResult:
     """Use a configured checkpoint as the SFT policy (its tokenizer and config must load)."""
-    assert cfg.model is not None
-    load_tokenizer(cfg.model, cfg.revision, runtime.trust_remote_code)
-    if is_local_checkpoint(cfg.model):
-        digest = dir_digest(cfg.model)
+    source = model_source(cfg, runtime)
+    load_tokenizer(source.path, source.revision, runtime.trust_remote_code)
+    if source.digest is not None:  # a dequantised GGUF file: its manifest has the folder's digest
+        digest = source.digest
+    elif is_local_checkpoint(source.path):
+        digest = dir_digest(source.path)
     else:
-        digest = text_digest(cfg.model, cfg.revision)
-    return SFTResult(cfg.model, digest, trained=False, metrics={})
+        digest = text_digest(source.path, source.revision)
+    return SFTResult(source.path, digest, trained=False, metrics={})
 
 
 def tokenizer_corpus(demos: pd.DataFrame, pairs: pd.DataFrame) -> list[str]:
@@ -77,11 +88,12 @@ def finetune_sft(
     log: LogFn,
     stop_after: int | None = None,
 ) -> SFTResult:
-    """Fine-tune the configured model (`sft.model`: a path or hub id) on prompt -> response demonstrations."""
-    assert cfg.model is not None
-    tokenizer = load_tokenizer(cfg.model, cfg.revision, runtime.trust_remote_code)
+    """Fine-tune the configured model (`sft.model`: a path, hub id or GGUF file) on prompt -> response
+    demonstrations."""
+    source = model_source(cfg, runtime)
+    tokenizer = load_tokenizer(source.path, source.revision, runtime.trust_remote_code)
     cpu = torch.device("cpu")  # train_sft moves it to the runtime device
-    model = load_causal_lm(cfg.model, cpu, cfg.revision, **load_options(runtime, cpu, trainable=True))
+    model = load_causal_lm(source.path, cpu, source.revision, **load_options(runtime, cpu, trainable=True))
     positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     max_length = min(cfg.max_length, positions) if positions else cfg.max_length
     if cfg.gradient_checkpointing:
