@@ -179,21 +179,21 @@ def test_sft_measures_and_logs_its_truncation(tiny_checkpoints, tok, tmp_path):
 def test_ppo_prompt_truncation_share_and_warning(tok, caplog):
     from rlhf.ppo.distributed import DistContext
     from rlhf.ppo.trainer import truncated_prompts
+    from rlhf.rollout.batching import encode_prompts, keep_last
 
-    encoded = [[1] * 3, [2] * 10, [3] * 5, [4] * 6]
+    prompts = ["the plot", "the plot was superb and the music was dull.", "the film was great", "the cast was fine."]
+    encoded = encode_prompts(tok, prompts)  # no chat template: plain prompts
+    limit = sorted(map(len, encoded))[1]  # two of the four are longer
+    dist = DistContext(device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="rlhf.ppo.trainer"):
-        ids, stats = truncated_prompts(
-            encoded, 0, PPOConfig(max_prompt_tokens=5), DistContext(device=torch.device("cpu"))
-        )
-    assert ids == [[1] * 3, [2] * 5, [3] * 5, [4] * 5]  # left-truncated: the last tokens
+        ids, stats = truncated_prompts(tok, prompts, PPOConfig(max_prompt_tokens=limit), dist)
+    assert ids == [row[-limit:] for row in encoded]  # left-truncated: the last tokens
     # a BOS (here id 9) is kept in front and counts toward the limit
-    with_bos, _ = truncated_prompts(
-        [[9, *ids] for ids in encoded], 1, PPOConfig(max_prompt_tokens=5), DistContext(device=torch.device("cpu"))
-    )
-    assert with_bos == [[9, 1, 1, 1], [9, 2, 2, 2, 2], [9, 3, 3, 3, 3], [9, 4, 4, 4, 4]]
+    assert keep_last([9, 1, 1, 1], 1, 5) == [9, 1, 1, 1] and keep_last([9, *[2] * 10], 1, 5) == [9, 2, 2, 2, 2]
     assert stats == {"ppo/prompts_truncated_fraction": 0.5}
-    assert "50% of the PPO prompts are longer than ppo.max_prompt_tokens (5)" in caplog.text
+    assert f"50% of the PPO prompts are longer than ppo.max_prompt_tokens ({limit})" in caplog.text
+    assert "lose their start (cut on the left)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rlhf.ppo.trainer"):
-        truncated_prompts(encoded, 0, PPOConfig(max_prompt_tokens=10), DistContext(device=torch.device("cpu")))
+        truncated_prompts(tok, prompts, PPOConfig(max_prompt_tokens=max(map(len, encoded))), dist)
     assert not caplog.text

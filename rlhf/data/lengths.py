@@ -4,7 +4,8 @@ Lengths are measured in the validation pass (validate.py: prompt, chosen and rej
 special tokens, as the stages encode them; or counted in characters when there is no tokenizer) and summarised
 here over what was written:
 
-- ``ppo.max_prompt_tokens``: the PPO prompts (``prompts.parquet``) longer than it; PPO keeps their last tokens;
+- ``ppo.max_prompt_tokens``: the PPO prompts (``prompts.parquet``) longer than it; PPO keeps their last tokens (a
+  chat prompt its template's head and its last turns: ``rlhf.rollout.prompt_fit``);
 - ``reward.max_length``: the pairs (``train.parquet`` and ``eval.parquet``) whose prompt + longer response + EOS
   is longer; the reward stage drops or truncates them (``reward.truncation``);
 - ``sft.max_length`` (``sft.bootstrap.n_positions`` for the bootstrapped model): the demonstrations
@@ -101,7 +102,7 @@ def length_report(
             limits.prompt_tokens,
             ppo_prompts,
             tokens,
-            "PPO keeps their last tokens",
+            "PPO keeps their last tokens (a chat prompt: its template's head and its last turns)",
         ),
         "reward.max_length": _over(
             "preference pairs",

@@ -21,8 +21,9 @@ from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
 from rlhf.ops import kl_per_token
-from rlhf.rollout.batching import encode_prompts, pad_left
-from rlhf.rollout.generation import GenerationSettings
+from rlhf.rollout.batching import pad_left
+from rlhf.rollout.generation import GenerationSettings, response_texts
+from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.reward_function import reward_function
 from rlhf.rollout.scoring import ScoringModels, generate_and_score
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
@@ -64,15 +65,13 @@ def generate_and_score_prompts(
     rows = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
         batch_prompts = prompts[start : start + batch_size]
-        ids = encode_prompts(tokenizer, batch_prompts, max_prompt_tokens)
+        ids = fit_prompts(tokenizer, batch_prompts, max_prompt_tokens).ids  # as PPO fits its prompts
         query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
         scored = generate_and_score(models, query, query_mask, batch_prompts, settings, generator, dtype)
         resp = scored.resp
         mask = resp.mask.float()
         kl = kl_per_token(scored.logprobs, scored.ref_logprobs, "k1") * mask  # (b, r)
-        texts = tokenizer.batch_decode(
-            resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
-        )
+        texts = response_texts(tokenizer, resp)  # special tokens inside a response visible
         for i, prompt in enumerate(batch_prompts):
             rows.append(
                 {

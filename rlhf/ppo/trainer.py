@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
@@ -26,8 +27,8 @@ from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_model
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
-from rlhf.rollout.batching import bos_prefix, encode_prompts, keep_last
-from rlhf.rollout.generation import GenerationSettings
+from rlhf.rollout.generation import GenerationSettings, response_texts
+from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log
 
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
@@ -100,9 +101,7 @@ def train_ppo(
     place_models(models, dist, sharded)
     state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
     settings = generation_settings(cfg, models)
-    prompt_ids, pending = truncated_prompts(
-        encode_prompts(models.tokenizer, prompts), len(bos_prefix(models.tokenizer)), cfg, dist
-    )
+    prompt_ids, pending = truncated_prompts(models.tokenizer, prompts, cfg, dist)
     dtype = compute_dtype(runtime.dtype, device)
     if cfg.generation.backend == "vllm":  # started after the resume state: it samples from the resumed policy
         from rlhf.rollout.vllm_backend import start_vllm_sampler
@@ -227,20 +226,25 @@ def record_rollouts(
 
 
 def truncated_prompts(
-    encoded: list[list[int]], n_bos: int, cfg: PPOConfig, dist: DistContext
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], cfg: PPOConfig, dist: DistContext
 ) -> tuple[list[list[int]], dict[str, float]]:
-    """The prompts' token ids (each starting with `n_bos` BOS ids) left-truncated to `cfg.max_prompt_tokens` with
-    the BOS kept, and the share that was cut (a warning above PROMPT_TRUNCATION_WARN)."""
-    cut = sum(len(ids) > cfg.max_prompt_tokens for ids in encoded) / max(len(encoded), 1)
+    """The prompts' token ids fitted into `cfg.max_prompt_tokens` (`rlhf.rollout.prompt_fit.fit_prompts`: a chat
+    prompt keeps its template's head and drops its oldest turns, a plain one keeps its last tokens, a BOS kept in
+    front), and the share that was cut (a warning above PROMPT_TRUNCATION_WARN)."""
+    fit = fit_prompts(tokenizer, prompts, cfg.max_prompt_tokens)
+    cut = fit.truncated / max(len(prompts), 1)
     if cut > PROMPT_TRUNCATION_WARN and dist.is_main:
+        how = "lose their start (cut on the left)"
+        if fit.head_kept:
+            how = "lose their oldest turns (the chat template's head and the last turns kept)"
         logger.warning(
-            "%.0f%% of the PPO prompts are longer than ppo.max_prompt_tokens (%d) and lose their start (cut on the "
-            "left); raise ppo.max_prompt_tokens to keep them whole",
+            "%.0f%% of the PPO prompts are longer than ppo.max_prompt_tokens (%d) and %s; raise "
+            "ppo.max_prompt_tokens to keep them whole",
             100 * cut,
             cfg.max_prompt_tokens,
+            how,
         )
-    kept = [keep_last(ids, n_bos, cfg.max_prompt_tokens) for ids in encoded]
-    return kept, {"ppo/prompts_truncated_fraction": cut}
+    return fit.ids, {"ppo/prompts_truncated_fraction": cut}
 
 
 def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistContext) -> None:
@@ -321,10 +325,8 @@ def rollout_records(
     models: PPOModels, update: int, prompts: list[str], rollout: Rollout, gold_fn: GoldFn | None
 ) -> pd.DataFrame:
     """Per-sample records of one update (the Parquet artifact of the rollouts)."""
-    tokenizer, resp = models.tokenizer, rollout.scored.resp
-    responses = tokenizer.batch_decode(
-        resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
-    )
+    resp = rollout.scored.resp
+    responses = response_texts(models.tokenizer, resp)  # special tokens inside a response visible
     frame = pd.DataFrame(
         {
             "update": update + 1,

@@ -27,7 +27,7 @@ class TokenBatch(NamedTuple):
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     """Token ids of texts as they are, with no special tokens added."""
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 def bos_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -44,7 +44,8 @@ def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_tokens: int | None = None
 ) -> list[list[int]]:
     """Token ids of prompts, each starting with the tokenizer's BOS once when it adds one (a prompt rendered by a
-    chat template that wrote the BOS text already has it), left-truncated to `max_tokens` with the BOS kept."""
+    chat template that wrote the BOS text already has it), left-truncated to `max_tokens` with the BOS kept. (PPO
+    and evaluation fit their prompts with `rlhf.rollout.prompt_fit.fit_prompts`, which cuts a chat prompt by turns.)"""
     prefix = bos_prefix(tokenizer)
     rows = [prefix + _without(ids, prefix) for ids in encode_texts(tokenizer, prompts)]
     return rows if max_tokens is None else [keep_last(row, len(prefix), max_tokens) for row in rows]

@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.heads import position_ids_from_mask
 
@@ -109,6 +109,27 @@ def truncate_at_stop(tokens: Tensor, stop_token_ids: tuple[int, ...], pad_token_
     after_stop = (is_stop.long().cumsum(1) - is_stop.long()) > 0  # strictly after the first stop
     mask = (~after_stop).long()
     return Responses(tokens.masked_fill(after_stop, pad_token_id), mask, is_stop.any(1))
+
+
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids `decode(..., skip_special_tokens=True)` leaves out: the special tokens of the tokenizer's map and every
+    added token marked special (a chat template's `<|im_start|>` / `<|im_end|>`)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return set(tokenizer.all_special_ids) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def response_texts(tokenizer: PreTrainedTokenizerBase, resp: Responses) -> list[str]:
+    """The responses as the texts that are logged and read (rollout records, evaluation completions). Special tokens
+    inside a response stay visible: a leaked `<|im_start|>assistant` or a second turn shows in the text, where
+    ``skip_special_tokens=True`` would hide it. Left out: the padding, and the closing stop token when it is a
+    special token (EOS, end of turn), so a clean response reads as before. Shape: resp (b, r) -> b texts."""
+    special = special_token_ids(tokenizer)
+    rows = []
+    lengths, stopped = resp.mask.sum(1).tolist(), resp.contains_stop.tolist()
+    for ids, n, stop in zip(resp.tokens.tolist(), lengths, stopped, strict=True):
+        ids = ids[:n]  # (r,) -> the response up to and including its first stop token
+        rows.append(ids[:-1] if stop and ids and ids[-1] in special else ids)
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
 
 
 def _done_everywhere(done: bool, device: torch.device) -> bool:
