@@ -183,7 +183,6 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     rt, ppo, sft, rw, ev = config.runtime, config.ppo, config.sft, config.reward, config.eval
     frozen_b = dtype_bytes(rt.dtype, device_type)
     act_b = frozen_b  # autocast compute dtype
-    ckpt_ppo = ppo.gradient_checkpointing
     overhead = (CUDA_OVERHEAD if device_type == "cuda" else base_rss) if device_type else 0.0
     out: list[StageEstimate] = []
 
@@ -200,7 +199,24 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad
     tokens = 2 * rw.batch_size * rw.max_length
     stage("reward", _trained(shape.reward_params), _layer_activations(shape, tokens, act_b, rw.gradient_checkpointing))
-    # PPO
+    # the policy stage: DPO on the pairs, or PPO (and the critic-free estimators) on sampled responses
+    if config.algorithm == "dpo":
+        stage("dpo", *_dpo_memory(config, shape, act_b))
+    else:
+        stage("ppo", *_ppo_memory(config, shape, frozen_b, act_b))
+    # evaluation: SFT and PPO policies and the reward model, in the runtime dtype
+    eval_new = ev.max_new_tokens or ppo.max_new_tokens
+    eval_kv = 2.0 * shape.layers * ev.batch_size * (ppo.max_prompt_tokens + eval_new) * shape.kv_dim * act_b
+    eval_logits = _logits(shape, ev.batch_size * eval_new, act_b, False)  # log-probs of the response positions
+    stage("evaluate", (2 * shape.params + shape.reward_params) * frozen_b, max(eval_kv, eval_logits))
+    return out
+
+
+def _ppo_memory(config: PipelineConfig, shape: ModelShape, frozen_b: int, act_b: int) -> tuple[float, float]:
+    """(persistent, transient) bytes of the PPO stage: the policy, reference, reward and value models (no value model
+    for a critic-free estimator), then the largest of generation, scoring and one micro-batch's training."""
+    rt, ppo = config.runtime, config.ppo
+    ckpt_ppo = ppo.gradient_checkpointing
     world = max(1, rt.ppo_processes)
     rollout = ppo.batch_size // world
     seq = ppo.max_prompt_tokens + ppo.max_new_tokens
@@ -226,13 +242,16 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     if separate_value:
         training += _layer_activations(shape, train_tokens, act_b, ckpt_ppo)
     rollout_tensors = rollout * seq * (8 if critic else 6) * 4  # ids, masks, log-probs, (values,) rewards, ...
-    stage("ppo", persistent, max(generation, scoring, training) + rollout_tensors)
-    # evaluation: SFT and PPO policies and the reward model, in the runtime dtype
-    eval_new = ev.max_new_tokens or ppo.max_new_tokens
-    eval_kv = 2.0 * shape.layers * ev.batch_size * (ppo.max_prompt_tokens + eval_new) * shape.kv_dim * act_b
-    eval_logits = _logits(shape, ev.batch_size * eval_new, act_b, False)  # log-probs of the response positions
-    stage("evaluate", (2 * shape.params + shape.reward_params) * frozen_b, max(eval_kv, eval_logits))
-    return out
+    return persistent, max(generation, scoring, training) + rollout_tensors
+
+
+def _dpo_memory(config: PipelineConfig, shape: ModelShape, act_b: int) -> tuple[float, float]:
+    """(persistent, transient) bytes of the DPO stage: the trained policy alone (the reference's log-probs are
+    computed once, before the first step, by the policy itself), then a batch's chosen and rejected sequences."""
+    dpo = config.dpo
+    tokens = 2 * dpo.batch_size * dpo.max_length
+    activations = _layer_activations(shape, tokens, act_b, dpo.gradient_checkpointing)
+    return _trained(shape.params), activations + _logits(shape, tokens, act_b, True)
 
 
 def available_memory(device_type: str, device_index: int | None = None) -> float:

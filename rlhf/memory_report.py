@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  {est.stage:<9} {fmt_gib(est.total):>10}  (held {fmt_gib(est.persistent)}, peak phase "
             f"{fmt_gib(est.transient)})  {fits}"
         )
-    if config.ppo.critic_free:  # what the estimator saves: the value model, its gradients and optimizer states
+    # what a critic-free estimator saves: the value model, its gradients and optimizer states
+    if config.algorithm == "ppo" and config.ppo.critic_free:
         with_critic = config.model_copy(update={"ppo": config.ppo.model_copy(update={"advantage_estimator": "gae"})})
         gae = next(e for e in estimate(with_critic, shape, "cuda") if e.stage == "ppo")
         ppo = next(e for e in estimate(config, shape, "cuda") if e.stage == "ppo")

@@ -70,6 +70,19 @@ def test_a_critic_free_estimator_saves_the_value_model_and_its_optimizer():
     assert _ppo(rule, shape).persistent < grpo.persistent
 
 
+def test_a_dpo_run_is_estimated_as_one_trained_policy_and_its_pairs():
+    cfg = AutoConfig.for_model("llama", vocab_size=32000, max_position_embeddings=2048, **TINY["llama"])
+    shape = shape_of(cfg)
+    config = load_config("conf/default.yaml", ["algorithm=dpo", "dpo.batch_size=8", "dpo.max_length=256"])
+    stages = {e.stage: e for e in estimate(config, shape, "cuda")}
+    assert "ppo" not in stages and "dpo" in stages
+    # the policy, its gradients and AdamW moments; the reference's log-probs are computed once, no second model
+    assert stages["dpo"].persistent == pytest.approx(16 * shape.params)
+    longer = load_config("conf/default.yaml", ["algorithm=dpo", "dpo.batch_size=8", "dpo.max_length=512"])
+    assert next(e for e in estimate(longer, shape, "cuda") if e.stage == "dpo").transient > stages["dpo"].transient
+    assert stages["dpo"].persistent < _ppo(load_config("conf/default.yaml"), shape).persistent
+
+
 def test_fsdp_divides_the_ppo_weights_by_the_processes():
     shape = shape_of(AutoConfig.for_model("llama", vocab_size=32000, **TINY["llama"]))
     two = ["runtime.ppo_processes=2", "ppo.batch_size=64"]
