@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlhf.config import TrackingConfig
+from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import RunRecord, Tracker, experiment_names
 from rlhf.tracking.store import store_exists
 
@@ -158,11 +158,7 @@ def overoptimisation_plot(
     note += f" ({nonfinite} left out: NaN or inf)" if nonfinite else ""
     gold_ax.set_title(f"{title}\n{note}", fontsize=10)
     gold_ax.grid(alpha=0.3)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=130)
-    return path
+    return save_figure(fig, path, dpi=130)
 
 
 def sweep_run(tracker: Tracker, sweep: str) -> RunRecord:

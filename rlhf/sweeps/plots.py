@@ -26,11 +26,11 @@ def _finite(*values: float | None) -> bool:
     return all(v is not None and math.isfinite(v) for v in values)
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
+def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     return path
 
 
@@ -64,7 +64,7 @@ def reward_vs_kl(
     ax.grid(alpha=0.3)
     if not shown:
         ax.text(0.5, 0.5, "no finished runs", transform=ax.transAxes, ha="center", va="center")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def training_curves(
@@ -87,4 +87,4 @@ def training_curves(
     if any(curves.values()) and len(curves) <= 12:
         axes[0].legend(loc="best", fontsize=7)
     fig.suptitle(title)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from rlhf.sweeps.overoptimisation import collect_histories
+from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import Tracker
 
 # Two-sided 95% critical values of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96).
@@ -159,11 +159,7 @@ def frontier_plot(points: pd.DataFrame, arms: Sequence[str], path: str | Path, t
     ax.set_title(title or "Gold reward against KL to SFT: lines periodic evaluations, markers final", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=130)
-    return path
+    return save_figure(fig, path, dpi=130)
 
 
 @dataclass
