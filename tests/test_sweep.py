@@ -298,7 +298,7 @@ def test_cli_rejects_a_bad_space_before_running(tmp_path, capsys):
 
 
 @pytest.mark.xdist_group("sweep")
-def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path):
+def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path, capsys):
     """GRPO beside DPO, one seed, on the sweep tests' store: both arms take data, SFT and reward model from the
     cache; the study table and the frontier are logged on the sweep run and published as a Prefect table."""
     import pandas as pd
@@ -339,6 +339,13 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
     points = pd.read_csv(client.download_artifacts(run_id, "frontier_points.csv", str(tmp_path)))
     grpo = points[points["arm"] == "GRPO"]
     assert (grpo["kind"] == "periodic").sum() >= 2 and (points["kind"] == "final").sum() == 2
+    # make compare prints the newest study, its table and where its frontier plot was written
+    from rlhf.sweeps.compare import main as compare_main
+
+    assert compare_main(["--tracking-uri", uri, "--out", str(tmp_path / "compare"), "--last", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "== Study study: per arm, mean ± 95% interval" in printed and "| GRPO | 1/1 |" in printed
+    assert (tmp_path / "compare" / "frontier.png").is_file()
     # the policy stage ran with the arm's seed, not the global one
     for row in result["ranking"]:
         stage = "train_policy_dpo" if row["arm"] == "DPO" else "train_policy_ppo"

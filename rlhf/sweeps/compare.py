@@ -170,9 +170,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no pipeline runs match in experiment '{args.experiment}'", file=sys.stderr)
         return 2
     print(format_comparison(compare(tracker, runs, args.out, args.all_params)))
-    if args.sweep:
-        print(study_of(tracker, args.sweep, args.out))
+    # the named sweep's study, or the newest study of the experiment (make compare shows it without arguments)
+    study = study_of(tracker, args.sweep, args.out) if args.sweep else newest_study(tracker, args.out)
+    if study:
+        print(study)
     return 0
+
+
+def newest_study(tracker: Tracker, out: str) -> str:
+    """The study of the newest sweep run with arms (a study_table.md artifact), or ''."""
+    for run in tracker.search_runs("tags.run_type = 'sweep'"):
+        text = study_of(tracker, run.run_id, out)
+        if text:
+            return text
+    return ""
 
 
 def study_of(tracker: Tracker, sweep: str, out: str) -> str:
