@@ -162,7 +162,7 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
 
 def test_a_second_thread_gives_the_update_of_one_thread(stack, monkeypatch):
     """With two torch threads on the CPU, the optimisation runs the policy side and the value side of each
-    micro-batch at once in two threads, each op single-threaded (update.use_second_thread); the statistics and the
+    micro-batch at once in two threads, each op single-threaded (threads.use_second_thread); the statistics and the
     updated weights are those of the same update on one thread, one side after the other, bit for bit. Checked
     explicitly because `make test`'s pytest-xdist workers give torch one thread (tests/conftest.py): the other tests
     take the one-thread path there."""
@@ -599,7 +599,7 @@ def test_a_reward_function_on_top_of_the_reward_model_adds_its_weighted_score(st
 )
 def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, monkeypatch, estimator, aggregation):
     """Without a value model, two torch threads split each micro-batch into two halves run side by side
-    (update.split_policy_work), their losses weighted by their share of the aggregation: the same gradients, so the
+    (threads.split_policy_work), their losses weighted by their share of the aggregation: the same gradients, so the
     same statistics and weights as the one-thread update up to float rounding (not bit for bit: the sums run in
     another order), for each aggregation; the entropy bonus and the KL in the loss (grpo, dr_grpo) included."""
     cfg = _cfg(advantage_estimator=estimator, samples_per_prompt=4, entropy_coef=0.01)

@@ -36,6 +36,7 @@ from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import OptimStats
+from rlhf.ppo.threads import split_policy_work, use_second_thread
 from rlhf.rollout import scoring
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.scoring import ScoredResponses, policy_forward, value_forward
@@ -369,55 +370,6 @@ MICRO_KEYS = (
 # the statistics whose NaN or inf stops (or skips) an optimizer step
 _CHECKED = ("policy/loss", "value/loss", "policy/grad_norm", "value/grad_norm")
 _CHECKED_POLICY = ("policy/loss", "policy/grad_norm")  # without a value model
-
-
-def matmul_weights(model: torch.nn.Module) -> int:
-    """Entries of a model's matrix-multiply weights (linear and GPT-2 Conv1D layers, LM head included; not the
-    embeddings, which are looked up): what one token's forward and backward cost, up to a factor."""
-    return sum(
-        module.weight.numel()
-        for module in unwrap(model).modules()
-        if not isinstance(module, torch.nn.Embedding)
-        and getattr(module, "weight", None) is not None
-        and module.weight.dim() == 2
-    )
-
-
-# the policy's per-token work (its LM head included) may be at most this multiple of the value model's for the two
-# to share the cores as two single-threaded threads; past it the policy's thread would leave the other core idle
-_BALANCED_THREADS = 2.0
-
-
-def use_second_thread(device: torch.device, models: PPOModels, world_size: int = 1, scoring: bool = False) -> bool:
-    """Whether the policy's and the value model's work (scoring and optimisation) run in two CPU threads, each op
-    single-threaded (`rlhf.models.device.torch_threads`), rather than one after the other with every torch thread
-    on each op. Small models' matmuls do not keep several cores busy on their own, so two models side by side do
-    better; not where the policy's LM head makes its side much heavier than the value model's (a large vocabulary
-    on a small model: the value thread would wait idle), and not with several processes: they already share the
-    cores (docs/benchmark.md). Without a value model (a critic-free estimator) the optimisation phase has one side;
-    the scoring phase (`scoring`) then weighs the reward model against the policy instead."""
-    other = models.value if models.value is not None else (models.reward if scoring else None)
-    return (
-        other is not None
-        and device.type == "cpu"
-        and not models.shared_value_head
-        and torch.get_num_threads() > 1
-        and world_size == 1
-        and matmul_weights(models.policy) <= _BALANCED_THREADS * matmul_weights(other)
-    )
-
-
-def split_policy_work(device: torch.device, models: PPOModels, world_size: int = 1) -> bool:
-    """Whether a critic-free run's micro-batches run as two halves in two CPU threads (`_policy_halves`), each op
-    single-threaded: with no value model to run beside the policy, one small model's matmuls would leave a core idle
-    (docs/benchmark.md). Not with several processes (they share the cores) or a sharded policy."""
-    return (
-        models.value is None
-        and device.type == "cpu"
-        and torch.get_num_threads() > 1
-        and world_size == 1
-        and not sharding.is_sharded(unwrap(models.policy))
-    )
 
 
 class MinibatchResult(NamedTuple):

@@ -243,7 +243,7 @@ def generate_and_score(
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
     temperature, values (when there is a value model) and reward-model scores. `second_thread` (a CPU, models of
     about one size): the value and reward forwards run in a second thread beside the policy's and the reference's,
-    each op single-threaded (`rlhf.ppo.update.use_second_thread`).
+    each op single-threaded (`rlhf.ppo.threads.use_second_thread`).
 
     `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
     dtype on CUDA (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
