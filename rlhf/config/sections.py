@@ -261,6 +261,13 @@ class DataConfig(Section):
         description="Warn (task log and manifest) when more than this share of the prompts or pairs is longer than "
         "a stage's length limit (ppo.max_prompt_tokens, reward.max_length, sft.max_length).",
     )
+    gold_reward: str | None = Field(
+        None,
+        description="A gold reward of the data set's task, 'module:callable' with the signature of reward.function "
+        "(prompts, responses) -> list[float] (e.g. rlhf.data.instructions:gold_reward, the real tier's constraint "
+        "checker): the evaluation and the PPO stage's periodic evaluation score responses with it (gold win rate, "
+        "mean gold). None: the data has no gold reward (the synthetic task has its own).",
+    )
     num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
     batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
     synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
@@ -291,6 +298,8 @@ class DataConfig(Section):
                 "data.prompts_path/prompts_name apply to 'local' and 'hub' sources: the synthetic task's gold reward "
                 "is defined on its own prompts"
             )
+        if self.source == "synthetic" and self.gold_reward:
+            raise ValueError("data.gold_reward applies to 'local' and 'hub' sources: the synthetic task has its own")
         if self.source == "hub" and not self.name:
             raise ValueError("data.name must name a hub data set (e.g. 'Anthropic/hh-rlhf') when data.source is 'hub'")
         unknown = sorted(set(self.columns) - set(DATA_COLUMN_ROLES))

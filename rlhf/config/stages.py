@@ -119,6 +119,13 @@ class RewardConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward: the reward model's activations at real lengths."
     )
+    frozen_layers: int = Field(
+        0,
+        ge=0,
+        description="Freeze the embeddings and the first N transformer blocks of the reward model: only the top "
+        "blocks and the scalar head train, which keeps no gradients, optimizer states or backward activations for "
+        "the frozen ones (a pretrained trunk's features on a CPU or a small GPU; conf/real.yaml). 0 trains all.",
+    )
 
     @model_validator(mode="after")
     def _function_given(self) -> RewardConfig:

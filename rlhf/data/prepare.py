@@ -86,6 +86,10 @@ def check_source(cfg: DataConfig, scan_limit: int = scan.PREFLIGHT_SCAN_BYTES) -
         if sample:  # the format and its columns, from the first rows: the same decision the full read makes
             plan = plan_columns(list(sample), sample, cfg.format, cfg.columns, str(cfg.path))
         _scan_pairs(cfg, plan, scan_limit)
+    if cfg.gold_reward:  # a gold function that does not import stops the run now, not after training
+        from rlhf.rollout.reward_function import load_reward_function
+
+        load_reward_function(cfg.gold_reward, "data.gold_reward")
     if cfg.source != "synthetic":
         sources.check_local_path("data.prompts_path", cfg.prompts_path)
         if _scannable(cfg.prompts_path, scan_limit):
@@ -340,7 +344,11 @@ def prepare_preferences(cfg: DataConfig, out_dir: str | Path, limits: LengthLimi
             gold = synthetic.GOLD_REWARD_NAME
             fields["dropped"] = dict.fromkeys(validate.REASONS, 0)  # generated valid: nothing to drop
         else:
-            fields, gold = _prepare_pairs(cfg, tmp, scratch, limits), None
+            fields, gold = _prepare_pairs(cfg, tmp, scratch, limits), cfg.gold_reward
+            if gold:  # its source file's digest: a changed checker is a changed data set
+                from rlhf.rollout.reward_function import function_digest
+
+                fields["gold_reward_digest"] = function_digest(gold)
         manifest = write_manifest(tmp, gold_reward=gold, **fields)
     return PreparedData(str(out_dir), manifest["digest"], manifest)
 
@@ -362,7 +370,15 @@ def drop_report(manifest: dict) -> list[dict[str, Any]]:
 
 
 def gold_scorer(manifest: dict):
-    """The gold reward function named in a manifest, or None when the data set has none."""
-    if manifest.get("gold_reward") == synthetic.GOLD_REWARD_NAME:
+    """The gold score of one (prompt, response) of the data set whose manifest is given: the synthetic task's, or
+    the data.gold_reward function's (called one pair at a time, its checks on the returned values applied); None
+    when the data set has no gold reward."""
+    name = manifest.get("gold_reward")
+    if name == synthetic.GOLD_REWARD_NAME:
         return synthetic.gold_score
-    return None
+    if not name:
+        return None
+    from rlhf.rollout.reward_function import load_reward_function
+
+    function = load_reward_function(name, "data.gold_reward")
+    return lambda prompt, response: function([prompt], [response])[0]

@@ -50,6 +50,35 @@ def is_gradient_checkpointing(model: PreTrainedModel) -> bool:
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
+def freeze_lower_layers(model: nn.Module, n: int) -> int:
+    """Freeze the input embeddings and the first `n` transformer blocks of `model` (no gradients, so no optimizer
+    state and no activations kept for backward below the first trained block); returns the trainable parameter
+    count. Position embeddings and blocks are found as FSDP finds them (`transformer_blocks`); tied output
+    embeddings stay frozen with the input ones. A ConfigError when the model has no more than `n` blocks."""
+    from rlhf.errors import ConfigError
+    from rlhf.models.sharding import transformer_blocks
+
+    if n <= 0:
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    blocks = transformer_blocks(model)
+    if n >= len(blocks):
+        raise ConfigError(
+            f"reward.frozen_layers ({n}) must be less than the model's {len(blocks)} transformer blocks: the top "
+            "blocks and the head are what trains"
+        )
+    trunk = getattr(unwrap(model), "base_model", model)
+    for embedding in (trunk.get_input_embeddings(), *_position_embeddings(trunk)):
+        embedding.requires_grad_(False)
+    for block in blocks[:n]:
+        block.requires_grad_(False)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _position_embeddings(model: nn.Module) -> list[nn.Module]:
+    """Learned position embeddings (GPT-2's wpe, OPT's embed_positions): below every block like the token ones."""
+    return [m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in ("wpe", "embed_positions")]
+
+
 def disable_dropout(model: nn.Module) -> None:
     """PPO needs ratio == 1 before the first step: no dropout anywhere, in train mode too.
 

@@ -7,11 +7,13 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -300,7 +302,7 @@ class Tracker:
         from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
         source = self.source_of(run_id)
-        with _FLUENT_LOCK, _use_tracking_uri(self.uri), mlflow.start_run(run_id=run_id):
+        with _FLUENT_LOCK, _use_tracking_uri(self.uri), mlflow.start_run(run_id=run_id), _hub_card_warnings_off():
             info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements, tags=source)
         self.client.update_run(run_id, status="RUNNING")  # leaving start_run ended it; the stage ends it
         return info.model_uri
@@ -405,3 +407,16 @@ def experiment_names(uri: str) -> list[str]:
     from mlflow.tracking import MlflowClient
 
     return [e.name for e in MlflowClient(tracking_uri=resolve_tracking_uri(uri)).search_experiments()]
+
+
+@contextlib.contextmanager
+def _hub_card_warnings_off() -> Iterator[None]:
+    """MLflow's transformers flavour looks a logged model up on the hub for its model card and licence and warns on
+    every run when a local checkpoint has neither; those two warnings say nothing about the run: quiet while logging."""
+    logger = logging.getLogger("mlflow.transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -23,7 +23,12 @@ from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.heads import sequence_scores
 from rlhf.models.loading import load_options, load_reward_model, load_tokenizer
-from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
+from rlhf.models.training import (
+    adamw,
+    disable_gradient_checkpointing,
+    enable_gradient_checkpointing,
+    freeze_lower_layers,
+)
 from rlhf.ops import pairwise_reward_loss
 from rlhf.rollout.batching import encode_prompt_response, pair_lengths
 from rlhf.tracking.metrics_writer import LogFn
@@ -231,14 +236,16 @@ def train_reward_model(
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train()
+    trainable = freeze_lower_layers(model, cfg.frozen_layers)
     total = total_steps(cfg, len(train))
     warmup = int(cfg.warmup_ratio * total)
-    optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)  # linear warm-up, then linear decay to 0
     dtype = compute_dtype(runtime.dtype, device)
     state_dir = Path(out_dir) / "state"
     best = BestCheckpoint(state_dir, device)
-    pending = dict(length_stats)  # logged once, with the first step of this run
+    pending = {**length_stats, f"{TRAIN_PREFIX}/trainable_parameters": float(trainable)}  # logged with step 1
     start = time.perf_counter()
 
     def step_fn(batch_rows: list[int]) -> StepOutput:
