@@ -35,6 +35,10 @@ GIB = 2**30
 CUDA_OVERHEAD = 1.0 * GIB  # CUDA context, cuBLAS workspaces
 ALLOCATOR_SLACK = 0.10  # fragmentation of the caching allocator
 FIT_SHARE = 0.95  # an estimate above this share of the budget does not fit
+# On a CPU the stage's process holds the interpreter, torch, transformers and the pipeline's modules before any
+# model loads: 455 MiB resident measured on Linux (torch 2.13 CPU, transformers 5.2); the estimate takes the larger
+# of this and the process's own resident set when it is made.
+CPU_PROCESS_BASE = 0.5 * GIB
 
 
 @dataclass(frozen=True)
@@ -161,9 +165,19 @@ class StageEstimate(NamedTuple):
         return self.persistent + self.transient + self.overhead
 
 
-def _layer_activations(shape: ModelShape, tokens: float, act_bytes: int, checkpointing: bool) -> float:
-    """Bytes stored for backward by the decoder layers for `tokens` tokens (sdpa: no attention matrix)."""
-    per_token_layer = (8 * shape.hidden + 2 * shape.kv_dim + 3 * shape.intermediate) * act_bytes
+def _layer_activations(
+    shape: ModelShape, tokens: float, act_bytes: int, checkpointing: bool, cpu: bool = False
+) -> float:
+    """Bytes stored for backward by the decoder layers for `tokens` tokens (sdpa: no attention matrix).
+
+    `cpu`: every tensor autograd keeps in a float32 CPU layer, counted on Llama's: the input, the normalised and
+    the weighted input of both norms, RoPE's query, attention's output and its re-laid-out copy (9 hidden-wide),
+    key and value (2 kv-wide), and the MLP's gate, its activation, up and their product (4 intermediate-wide); the
+    GPU count (Korthikanti et al. 2022) stays as it was."""
+    if cpu:
+        per_token_layer = (9 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate) * act_bytes
+    else:
+        per_token_layer = (8 * shape.hidden + 2 * shape.kv_dim + 3 * shape.intermediate) * act_bytes
     if checkpointing:  # only each layer's input is kept, plus one layer recomputed at a time
         return tokens * (shape.layers * shape.hidden * act_bytes + per_token_layer)
     return tokens * shape.layers * per_token_layer
@@ -183,7 +197,8 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     rt, ppo, sft, rw, ev = config.runtime, config.ppo, config.sft, config.reward, config.eval
     frozen_b = dtype_bytes(rt.dtype, device_type)
     act_b = frozen_b  # autocast compute dtype
-    overhead = (CUDA_OVERHEAD if device_type == "cuda" else base_rss) if device_type else 0.0
+    cpu = device_type == "cpu"
+    overhead = (CUDA_OVERHEAD if device_type == "cuda" else max(base_rss, CPU_PROCESS_BASE)) if device_type else 0.0
     out: list[StageEstimate] = []
 
     def stage(name: str, persistent: float, transient: float) -> None:
@@ -194,16 +209,19 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     if sft.model is None or sft.finetune:
         length = sft.bootstrap.n_positions if sft.model is None else min(sft.max_length, shape.positions or 1 << 30)
         tokens = sft.batch_size * length
-        act = _layer_activations(shape, tokens, act_b, sft.gradient_checkpointing) + _logits(shape, tokens, act_b, True)
-        stage("sft", _trained(shape.params), act)
-    # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad
+        act = _layer_activations(shape, tokens, act_b, sft.gradient_checkpointing, cpu)
+        stage("sft", _trained(shape.params), act + _logits(shape, tokens, act_b, True))
+    # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad; on a CPU the copy of
+    # the best held-out checkpoint's float32 weights too (`BestCheckpoint`, kept beside the trained weights)
     tokens = 2 * rw.batch_size * rw.max_length
-    stage("reward", _trained(shape.reward_params), _layer_activations(shape, tokens, act_b, rw.gradient_checkpointing))
+    best_copy = 4.0 * shape.reward_params if cpu else 0.0
+    reward_act = _layer_activations(shape, tokens, act_b, rw.gradient_checkpointing, cpu)
+    stage("reward", _trained(shape.reward_params) + best_copy, reward_act)
     # the policy stage: DPO on the pairs, or PPO (and the critic-free estimators) on sampled responses
     if config.algorithm == "dpo":
-        stage("dpo", *_dpo_memory(config, shape, act_b))
+        stage("dpo", *_dpo_memory(config, shape, act_b, cpu))
     else:
-        stage("ppo", *_ppo_memory(config, shape, frozen_b, act_b))
+        stage("ppo", *_ppo_memory(config, shape, frozen_b, act_b, cpu))
     # evaluation: SFT and PPO policies and the reward model, in the runtime dtype
     eval_new = ev.max_new_tokens or ppo.max_new_tokens
     eval_kv = 2.0 * shape.layers * ev.batch_size * (ppo.max_prompt_tokens + eval_new) * shape.kv_dim * act_b
@@ -212,7 +230,9 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     return out
 
 
-def _ppo_memory(config: PipelineConfig, shape: ModelShape, frozen_b: int, act_b: int) -> tuple[float, float]:
+def _ppo_memory(
+    config: PipelineConfig, shape: ModelShape, frozen_b: int, act_b: int, cpu: bool = False
+) -> tuple[float, float]:
     """(persistent, transient) bytes of the PPO stage: the policy, reference, reward and value models (no value model
     for a critic-free estimator), then the largest of generation, scoring and one micro-batch's training."""
     rt, ppo = config.runtime, config.ppo
@@ -237,21 +257,40 @@ def _ppo_memory(config: PipelineConfig, shape: ModelShape, frozen_b: int, act_b:
     fwd = ppo.forward_batch_size or rollout
     scoring = fwd * seq * shape.hidden * act_b * 4 + _logits(shape, fwd * ppo.max_new_tokens, act_b, False)
     train_tokens = micro * seq
-    training = _layer_activations(shape, train_tokens, act_b, ckpt_ppo)
+    training = _layer_activations(shape, train_tokens, act_b, ckpt_ppo, cpu)
     training += _logits(shape, micro * ppo.max_new_tokens, act_b, True)
     if separate_value:
-        training += _layer_activations(shape, train_tokens, act_b, ckpt_ppo)
+        training += _layer_activations(shape, train_tokens, act_b, ckpt_ppo, cpu)
     rollout_tensors = rollout * seq * (8 if critic else 6) * 4  # ids, masks, log-probs, (values,) rewards, ...
     return persistent, max(generation, scoring, training) + rollout_tensors
 
 
-def _dpo_memory(config: PipelineConfig, shape: ModelShape, act_b: int) -> tuple[float, float]:
+def _dpo_memory(config: PipelineConfig, shape: ModelShape, act_b: int, cpu: bool = False) -> tuple[float, float]:
     """(persistent, transient) bytes of the DPO stage: the trained policy alone (the reference's log-probs are
     computed once, before the first step, by the policy itself), then a batch's chosen and rejected sequences."""
     dpo = config.dpo
     tokens = 2 * dpo.batch_size * dpo.max_length
-    activations = _layer_activations(shape, tokens, act_b, dpo.gradient_checkpointing)
+    activations = _layer_activations(shape, tokens, act_b, dpo.gradient_checkpointing, cpu)
     return _trained(shape.params), activations + _logits(shape, tokens, act_b, True)
+
+
+def config_device_type(config: PipelineConfig) -> str:
+    """'cuda' or 'cpu': where `runtime.device` puts the models ('auto': CUDA where this machine has it; MPS, with
+    memory shared with the CPU, is estimated as a CPU). Nothing is initialised on the device."""
+    device = config.runtime.device
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def machine_ram() -> tuple[float, float]:
+    """This machine's available and total RAM in bytes."""
+    import psutil
+
+    memory = psutil.virtual_memory()
+    return float(memory.available), float(memory.total)
 
 
 def available_memory(device_type: str, device_index: int | None = None) -> float:

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from rlhf.memory import GIB, check_fits, estimate, model_positions, read_model_config, shape_of
+from rlhf.memory import CPU_PROCESS_BASE, GIB, check_fits, estimate, model_positions, read_model_config, shape_of
 
 TINY = {
     "llama": dict(
@@ -128,3 +128,94 @@ def test_preflight_refuses_a_budget_too_small_before_anything_loads():
         preflight(load_config("conf/smoke.yaml", ["runtime.memory_budget_gb=0.01"]))
     assert preflight(load_config("conf/smoke.yaml", ["runtime.memory_check=off", "runtime.memory_budget_gb=0.01"]))
     torch.manual_seed(0)
+
+
+def test_the_cpu_activation_count_matches_what_autograd_keeps_in_a_float32_llama():
+    """The CPU estimate's activation term against the bytes autograd actually saves in a float32 forward of a small
+    Llama (with the pipeline's CPU kernels), counted by storage: within a few percent, where the GPU count (which
+    leaves out the norms' float32 intermediates and the MLP's activation) is 25% short."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.memory import _layer_activations
+    from rlhf.models.cpu_kernels import use_cpu_kernels
+
+    cfg = AutoConfig.for_model(
+        "llama", vocab_size=300, max_position_embeddings=256, hidden_size=64, intermediate_size=192,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation="sdpa")
+    use_cpu_kernels(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(1, 300, (4, 96))
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0  # left padding, as the pipeline's batches have
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=ids, attention_mask=mask)
+    shape = shape_of(cfg)
+    cpu = _layer_activations(shape, ids.numel(), 4, False, cpu=True)
+    gpu = _layer_activations(shape, ids.numel(), 4, False, cpu=False)
+    assert 0.85 * sum(saved.values()) <= cpu <= 1.15 * sum(saved.values())
+    assert gpu < 0.8 * sum(saved.values())
+
+
+SMOL = dict(  # SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, tied embeddings)
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+)  # fmt: skip
+SMALL_RUN = ["runtime.device=cpu", "reward.batch_size=4", "reward.max_length=160", "ppo.batch_size=8"]
+SMALL_RUN += ["ppo.num_mini_batches=2", "ppo.max_prompt_tokens=96", "ppo.max_new_tokens=32", "ppo.total_episodes=16"]
+
+
+def test_the_cpu_estimate_holds_the_process_the_best_checkpoint_and_float32_models():
+    shape = shape_of(AutoConfig.for_model("llama", **SMOL))
+    config = load_config("conf/default.yaml", ["sft.model=x", "sft.finetune=false", *SMALL_RUN])
+    cpu = {e.stage: e for e in estimate(config, shape, "cpu")}
+    gpu = {e.stage: e for e in estimate(config, shape, "cuda")}
+    p, r = shape.params, shape.reward_params
+    # the process's own resident memory (torch, transformers, the pipeline) before any model loads
+    assert all(e.overhead == pytest.approx(CPU_PROCESS_BASE) for e in cpu.values())
+    assert cpu["reward"].overhead == pytest.approx(estimate(config, shape, "cpu", 0.1 * GIB)[0].overhead)
+    assert estimate(config, shape, "cpu", 3 * GIB)[0].overhead == 3 * GIB  # a process already larger: its size
+    # reward: trained in float32 (16 bytes a parameter) plus the best held-out checkpoint's float32 copy
+    assert cpu["reward"].persistent == pytest.approx(16 * r + 4 * r)
+    assert gpu["reward"].persistent == pytest.approx(16 * r)  # the GPU estimate as it was
+    # PPO on a CPU: every model in float32 (policy and value trained, reference and reward model frozen)
+    assert cpu["ppo"].persistent == pytest.approx(16 * p + 4 * p + 4 * r + 16 * r)
+    assert cpu["evaluate"].persistent == pytest.approx((2 * p + r) * 4)
+    # measured on this architecture (SmolLM2-135M-Instruct dequantised, one stage a process, 2-core CPU): peak RSS
+    # reward 5034 MiB, PPO gae 6676 MiB (docs/models.md); the estimate within 15% of each
+    assert cpu["reward"].total / 2**20 == pytest.approx(5034, rel=0.15)
+    assert cpu["ppo"].total / 2**20 == pytest.approx(6676, rel=0.15)
+
+
+def test_rlhf_memory_answers_for_the_configs_own_device(capsys, tmp_path, monkeypatch):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMOL}))
+    from rlhf.memory_report import main
+
+    def report(*args):
+        assert main(["--config", "conf/default.yaml", "--model-config", str(tmp_path), *args]) == 0
+        return capsys.readouterr().out
+
+    cpu = report("runtime.device=cpu")
+    assert "on CPU" in cpu and "RAM" in cpu and "available" in cpu and "24 GiB" not in cpu
+    assert "GiB RAM: fits" in report("runtime.device=cpu", "--ram-gb", "64")
+    assert "does not fit" in report("runtime.device=cpu", "--ram-gb", "1")
+    gpu = report("runtime.device=cuda")
+    assert "on GPU" in gpu and "24 GiB: fits" in gpu and "80 GiB: fits" in gpu and "RAM" not in gpu
+    assert "40 GiB" in report("runtime.device=cpu", "--gpu-gb", "40")  # planning a GPU run from a CPU config
+    # auto: CUDA where this machine has it, else the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "on CPU" in report("runtime.device=auto")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "on GPU" in report("runtime.device=auto")
