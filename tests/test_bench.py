@@ -30,6 +30,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmark.md"
 DOCUMENTED = {
     "cpu": ("gpt2", 4, 4, 128, 1000, 64, 16, 32, 16, "cpu", 2),
     "cpu-long": ("gpt2", 4, 4, 128, 32000, 32, 64, 128, 8, "cpu", 2),
+    "cpu-llama": ("llama", 4, 9, 576, 49152, 32, 64, 64, 8, "cpu", 2),
     "gpt2-124m": ("gpt2", 12, 12, 768, 50257, 64, 16, 64, 16, "cuda", 2),
     "llama-1b": ("llama", 22, 32, 2048, 32000, 64, 128, 256, 16, "cuda", 2),
 }
@@ -49,6 +50,8 @@ def test_shapes_match_the_docs():
     config = model_config(llama)
     assert (config.num_key_value_heads, config.intermediate_size, config.num_hidden_layers) == (4, 5632, 22)
     assert [c.__name__ for c in model_classes(llama)] == ["LlamaForCausalLM", "LlamaForSequenceClassification"]
+    smol = model_config(SHAPES["cpu-llama"])  # SmolLM2-135M's layers
+    assert (smol.num_key_value_heads, smol.intermediate_size, smol.head_dim) == (3, 1536, 64)
     assert [c.__name__ for c in model_classes(SHAPES["cpu"])] == ["GPT2LMHeadModel", "GPT2ForSequenceClassification"]
 
 
