@@ -24,7 +24,7 @@ import copy
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -213,10 +213,17 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
         stage("sft", _trained(shape.params), act + _logits(shape, tokens, act_b, True))
     # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad; on a CPU the copy of
     # the best held-out checkpoint's float32 weights too (`BestCheckpoint`, kept beside the trained weights)
+    # (reward.frozen_layers: the embeddings and the lowest blocks keep float32 weights only, no gradients, optimizer
+    # states, best copy or activations)
     tokens = 2 * rw.batch_size * rw.max_length
-    best_copy = 4.0 * shape.reward_params if cpu else 0.0
-    reward_act = _layer_activations(shape, tokens, act_b, rw.gradient_checkpointing, cpu)
-    stage("reward", _trained(shape.reward_params) + best_copy, reward_act)
+    frozen_layers = min(rw.frozen_layers, shape.layers)
+    embeddings = shape.vocab * shape.hidden if frozen_layers else 0
+    frozen = embeddings + (shape.reward_params - embeddings) * frozen_layers / shape.layers
+    trainable = shape.reward_params - frozen
+    best_copy = 4.0 * trainable if cpu else 0.0
+    trained_layers = replace(shape, layers=shape.layers - frozen_layers)
+    reward_act = _layer_activations(trained_layers, tokens, act_b, rw.gradient_checkpointing, cpu)
+    stage("reward", _trained(trainable) + 4.0 * frozen + best_copy, reward_act)
     # the policy stage: DPO on the pairs, or PPO (and the critic-free estimators) on sampled responses
     if config.algorithm == "dpo":
         stage("dpo", *_dpo_memory(config, shape, act_b, cpu))

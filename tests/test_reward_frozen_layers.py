@@ -62,3 +62,21 @@ def test_a_reward_model_trained_with_frozen_layers_keeps_them_as_initialised(smo
     )
     assert not any(name.startswith(("model.embed_tokens", "model.layers.0.")) for name in changed)
     assert logged["reward/train/trainable_parameters"] < sum(v.numel() for v in before.values())
+
+
+def test_the_memory_estimate_counts_frozen_layers_as_weights_only():
+    from rlhf.config import load_config
+    from rlhf.memory import ModelShape, estimate
+
+    # 1000 reward-model parameters over 4 blocks, embeddings 10 x 2 = 20; 2 blocks frozen: 20 + 980 * 2 / 4 = 510
+    # frozen, 490 trained (16 bytes each: weights, gradients, AdamW's two moments; on a CPU 4 more for the best
+    # copy), the frozen ones 4 bytes each
+    shape = ModelShape(2000, 1000, layers=4, hidden=2, intermediate=4, kv_dim=2, vocab=10, positions=64,
+                       linear_in_out=24)  # fmt: skip
+    config = load_config(None, ["runtime.device=cpu", "runtime.dtype=float32"])
+    frozen = load_config(None, ["runtime.device=cpu", "runtime.dtype=float32", "reward.frozen_layers=2"])
+    (full,) = [e for e in estimate(config, shape, "cpu") if e.stage == "reward"]
+    (part,) = [e for e in estimate(frozen, shape, "cpu") if e.stage == "reward"]
+    assert full.persistent == 16 * 1000 + 4 * 1000
+    assert part.persistent == 16 * 490 + 4 * 510 + 4 * 490
+    assert part.transient == full.transient / 2  # activations of the 2 trained blocks only

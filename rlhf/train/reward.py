@@ -187,7 +187,9 @@ class BestCheckpoint:
         """Keep `model`'s weights when `accuracy` beats the best so far (the earliest of equal ones stays)."""
         if accuracy > self.accuracy:
             self.accuracy, self.step = accuracy, step
-            self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            # frozen parameters (reward.frozen_layers) never change: the copy is of what trains (and the buffers)
+            frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+            self.weights = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in frozen}
 
     def resume(self, saved: dict[str, Any]) -> None:
         """The best checkpoint of the resume state in `folder` (`saved`: its fields)."""
