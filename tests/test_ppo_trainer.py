@@ -104,14 +104,19 @@ def _rollout(stack, cfg: PPOConfig, dtype: torch.dtype = torch.float32):
 
 @pytest.mark.parametrize(
     ("temperature", "dtype"), [(1.0, torch.float32), (0.7, torch.float32), (0.7, torch.bfloat16)]
-)  # bfloat16: CPU autocast, a bf16 reference and reward model, the bf16 fused LM head
+)  # bfloat16: CPU autocast, the reference's matmul weights and the reward model in bf16, the bf16 fused LM head
 def test_first_minibatch_ratio_is_exactly_one(stack, temperature, dtype):
     # forward_batch_size 5 != minibatch 8: the no-grad pass is chunked differently from the optimisation pass
     cfg = _cfg(temperature=temperature, forward_batch_size=5)
     m, state, r = _rollout(stack, cfg, dtype)
     if dtype == torch.bfloat16:
-        assert next(m.reference.parameters()).dtype == torch.bfloat16
+        reference = dict(m.reference.named_parameters())
+        assert reference["transformer.h.0.attn.c_attn.weight"].dtype == torch.bfloat16  # autocast's matmul dtype
+        assert reference["transformer.wte.weight"].dtype == torch.float32  # looked up, and tied to the LM head
+        assert next(m.reward.parameters()).dtype == torch.bfloat16
         assert next(m.policy.parameters()).dtype == torch.float32  # master weights
+    # the reference computes what the policy computes: the KL at identical weights is exactly 0
+    assert torch.equal(r.scored.logprobs, r.scored.ref_logprobs)
     result = ppo_update.optimize(m, state, r, cfg, dtype=dtype)
     first = result.minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)

@@ -44,14 +44,21 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def autocast_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `autocast(device, dtype)` multiplies in: `dtype` where it turns autocast on, else float32."""
+    if (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)) or (
+        device.type == "cpu" and dtype == torch.bfloat16
+    ):
+        return dtype
+    return torch.float32
+
+
 def autocast(device: torch.device, dtype: torch.dtype) -> AbstractContextManager:
     """Autocast in `dtype`: bfloat16 or float16 on CUDA devices, bfloat16 on a CPU (matmuls in bfloat16 with float32
     accumulation, fast on CPUs with AVX-512 BF16 or AMX); a no-op for float32 and elsewhere."""
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        return torch.autocast("cuda", dtype=dtype)
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        return torch.autocast("cpu", dtype=dtype)
-    return nullcontext()
+    if autocast_dtype(device, dtype) == torch.float32:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def configure_cpu(threads: int | None) -> None:

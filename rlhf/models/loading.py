@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -18,11 +19,12 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
 from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.models.device import compute_dtype
+from rlhf.models.device import autocast_dtype, compute_dtype
 
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
 hf_logging.disable_progress_bar()
@@ -44,7 +46,8 @@ def load_options(runtime: RuntimeConfig, device: torch.device, trainable: bool) 
     """Keyword arguments of `load_causal_lm` / `load_reward_model` under `runtime`.
 
     A trained model gets float32 master weights (a bf16 checkpoint too) and computes under `autocast`; a frozen
-    one (reference, reward model, evaluation) is loaded in the runtime dtype.
+    one (reward model, evaluation) is loaded in the runtime dtype. PPO's reference is the exception
+    (`load_reference_lm`): it must compute what the policy computes.
     """
     return {
         "trust_remote_code": runtime.trust_remote_code,
@@ -282,6 +285,73 @@ def load_causal_lm(
     kwargs = _load_kwargs(revision, trust_remote_code)
     model = _from_pretrained(AutoModelForCausalLM, name, attn_implementation, dtype=dtype, **kwargs)
     return model.to(device)
+
+
+# -- The frozen reference of a trained model ----------------------------------------------------------------------
+
+# The layers whose parameters autocast hands to its matrix multiplies (linear, addmm) in the compute dtype, weight and
+# bias alike: held in that dtype, they give the values autocast would have cast them to (round to nearest even).
+_AUTOCAST_MATMULS = (nn.Linear, Conv1D)
+
+
+def autocast_lowered_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters of `model` that a reference copy may hold in the autocast dtype without changing what it
+    computes under autocast (`match_autocast`), by name: the weights and biases of its linear (and GPT-2 Conv1D)
+    layers, except a parameter another kind of module also uses (tied input embeddings are looked up, not
+    multiplied) and the LM head's bias (the fused CPU LM head adds it in float32, `rlhf.ops.linear_logprobs`).
+    Everything else (embeddings, norms, rotary buffers) stays float32: the trained model computes those in float32
+    under autocast, and a bf16 copy would round the residual stream. Works on a meta-device model (no data read)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_bias = getattr(head, "bias", None)
+    elsewhere = {
+        id(param)
+        for module in model.modules()
+        if not isinstance(module, _AUTOCAST_MATMULS)
+        for param in module.parameters(recurse=False)
+    }
+    lowered: dict[str, nn.Parameter] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, _AUTOCAST_MATMULS):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in elsewhere or param is head_bias or not param.is_floating_point():
+                continue
+            lowered[f"{prefix}.{name}" if prefix else name] = param
+    return lowered
+
+
+def match_autocast(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Make a frozen float32 copy of a trained model compute under autocast in `dtype` exactly what the trained
+    model (float32 master weights under the same autocast) computes at the same weights, in less memory: the
+    parameters autocast casts anyway (`autocast_lowered_parameters`) are stored in `dtype`, the rest stay float32.
+    A no-op for float32. Returns `model`."""
+    if dtype == torch.float32:
+        return model
+    for param in autocast_lowered_parameters(model).values():
+        param.data = param.data.to(dtype)
+    return model
+
+
+def reference_param_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the parameters of the reference `load_reference_lm` makes of `model` (a meta-device model will do)
+    for autocast in `dtype` (`autocast_dtype` of the run's device and dtype): the autocast-lowered ones in `dtype`,
+    the others in float32."""
+    lowered = {id(p) for p in autocast_lowered_parameters(model).values()} if dtype != torch.float32 else set()
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() * (size if id(p) in lowered else 4) for p in model.parameters())
+
+
+def load_reference_lm(name: str, runtime: RuntimeConfig, device: torch.device) -> PreTrainedModel:
+    """The frozen reference of a policy trained from `name` (PPO with full fine-tuning): it computes under the
+    run's autocast exactly what the policy computes at the same weights, so that the KL to it is 0 and the ratio 1
+    at the start, in every runtime dtype. The policy holds float32 master weights under autocast (`load_options`), so
+    its residual stream, norms and embeddings are float32; a reference loaded in bf16 would round them (a first-update
+    KL of 0.07 measured on a GPU). Loaded in float32, then `match_autocast`: matmul weights in the dtype autocast
+    multiplies in (`autocast_dtype`); all float32 where the run computes without autocast (float32, float16 on a
+    CPU), as the policy does."""
+    kwargs = _load_kwargs(None, runtime.trust_remote_code)
+    model = _from_pretrained(AutoModelForCausalLM, name, runtime.attn_implementation, dtype=torch.float32, **kwargs)
+    return match_autocast(model, autocast_dtype(device, compute_dtype(runtime.dtype, device))).to(device)
 
 
 def token_ids(value: int | list[int] | None) -> list[int]:

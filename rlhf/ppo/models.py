@@ -14,7 +14,14 @@ from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.heads import PolicyValueHead
-from rlhf.models.loading import MODEL_BUILD_LOCK, load_causal_lm, load_options, load_reward_model, load_tokenizer
+from rlhf.models.loading import (
+    MODEL_BUILD_LOCK,
+    load_causal_lm,
+    load_options,
+    load_reference_lm,
+    load_reward_model,
+    load_tokenizer,
+)
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
 from rlhf.models.training import (
     apply_lora,
@@ -95,7 +102,10 @@ def load_models(
     A critic-free estimator (`cfg.critic_free`) loads no value model at all; `reward_path` None (reward.source:
     function) no reward model: the reward function of `reward_cfg` scores alone, and gae's value model starts from
     `value_path` (the SFT checkpoint, with a new scalar head). Trained models (policy, value) get float32 weights,
-    frozen ones the runtime dtype (`load_options`).
+    the frozen reward model the runtime dtype (`load_options`); the reference computes under the run's autocast
+    exactly what the policy computes at the same weights (`load_reference_lm`: float32 but for the matmul weights),
+    so the first update's KL is 0 and its ratio 1 in every runtime dtype; with LoRA it is the policy itself with
+    its adapters disabled.
     """
     trained, frozen = (load_options(runtime, device, trainable) for trainable in (True, False))
     trust_remote_code = runtime.trust_remote_code
@@ -107,7 +117,7 @@ def load_models(
     stops = stop_token_ids(tokenizer, cfg.stop_tokens, policy.config, policy.generation_config)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
-    reference = None if cfg.lora.enabled else load_causal_lm(policy_path, device, **frozen)
+    reference = None if cfg.lora.enabled else load_reference_lm(policy_path, runtime, device)
     if cfg.lora.enabled:
         policy = apply_lora(policy, cfg.lora)
     value: nn.Module | None = None
