@@ -54,6 +54,7 @@ class ModelShape:
     vocab: int
     positions: int | None
     linear_in_out: int  # sum of in + out features of the trunk's linear layers (LoRA params per unit of rank)
+    lowered_params: int = 0  # causal-LM parameters the PPO reference holds in the compute dtype (the rest float32)
 
 
 def _get(cfg: Any, *names: str) -> Any:
@@ -87,7 +88,7 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
     reward_cfg.num_labels = 1
     if getattr(reward_cfg, "pad_token_id", None) is None or isinstance(reward_cfg.pad_token_id, list):
         reward_cfg.pad_token_id = 0
-    from rlhf.models.loading import MODEL_BUILD_LOCK
+    from rlhf.models.loading import MODEL_BUILD_LOCK, autocast_lowered_parameters
 
     with MODEL_BUILD_LOCK, torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(cfg)
@@ -108,6 +109,7 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
         vocab=int(text.vocab_size),
         positions=model_positions(cfg),
         linear_in_out=in_out,
+        lowered_params=sum(p.numel() for p in autocast_lowered_parameters(lm).values()),
     )
 
 
@@ -251,7 +253,10 @@ def _ppo_memory(
     lora = ppo.lora.enabled
     trainable = ppo.lora.r * shape.linear_in_out if lora else shape.params
     policy = 4.0 * shape.params + 12.0 * trainable if lora else _trained(shape.params)
-    reference = 0.0 if lora else shape.params * frozen_b
+    # the reference of a full fine-tune (`load_reference_lm`): its matmul weights in the compute dtype, the rest
+    # (embeddings, norms) float32 like the policy's, so that it computes what the policy computes (KL 0 at the start)
+    lowered = shape.lowered_params if frozen_b < 4 else 0
+    reference = 0.0 if lora else lowered * frozen_b + (shape.params - lowered) * 4.0
     critic = not ppo.critic_free  # a critic-free estimator loads no value model
     separate_value = critic and ppo.value_model == "separate"
     value = _trained(shape.reward_params) if separate_value else (_trained(shape.hidden + 1) if critic else 0.0)
