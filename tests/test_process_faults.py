@@ -149,18 +149,16 @@ def uninterrupted(two_runs_at_once) -> dict:
 
 @pytest.mark.slow
 def test_repeated_sigkills_at_random_moments(tmp_path, uninterrupted):
-    """Killed 3 times at seeded random moments (0-2 s after the flow reaches a point: the reward model's and PPO's
-    saved states, and the evaluation), saving every step: no rerun trips over a partial checkpoint. (The critic-free
-    kill test below kills PPO once more; the reward stage's start is the first point's neighbourhood.)"""
+    """Killed twice at seeded random moments (0-2 s after the flow reaches the reward model's, then PPO's saved
+    state), saving every step: no rerun trips over a partial checkpoint. (The critic-free kill test kills PPO once
+    more; a kill near the end of a run races the run's own finish, which this test cannot tell apart.)"""
     rng = random.Random(0)
-    out = tmp_path / "out"
     # each attempt gets past a point of the flow (load-independent), then is killed at a random moment after it
     points = (
         lambda: saved_state(tmp_path, "train_reward_model"),
         lambda: saved_state(tmp_path, "train_policy_ppo"),
-        lambda: (out / "evaluate_policies").is_dir(),
     )
-    finished_first = 0  # an attempt may finish the pipeline before its kill comes (the last point is close to the end)
+    finished_first = 0  # an attempt that finishes the pipeline before its kill comes (none expected, counted anyway)
     for attempt, reached in enumerate(points):
         proc, log = start(tmp_path, name=f"killed{attempt}")
         deadline = time.monotonic() + 240
