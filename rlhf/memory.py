@@ -88,7 +88,8 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
     reward_cfg.num_labels = 1
     if getattr(reward_cfg, "pad_token_id", None) is None or isinstance(reward_cfg.pad_token_id, list):
         reward_cfg.pad_token_id = 0
-    from rlhf.models.loading import MODEL_BUILD_LOCK, autocast_lowered_parameters
+    from rlhf.models.loading import MODEL_BUILD_LOCK
+    from rlhf.models.reference import autocast_lowered_parameters
 
     with MODEL_BUILD_LOCK, torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(cfg)
@@ -255,8 +256,9 @@ def _ppo_memory(
     policy = 4.0 * shape.params + 12.0 * trainable if lora else _trained(shape.params)
     # the reference of a full fine-tune (`load_reference_lm`): its matmul weights in the compute dtype, the rest
     # (embeddings, norms) float32 like the policy's, so that it computes what the policy computes (KL 0 at the start)
-    lowered = shape.lowered_params if frozen_b < 4 else 0
-    reference = 0.0 if lora else lowered * frozen_b + (shape.params - lowered) * 4.0
+    from rlhf.models.reference import reference_bytes
+
+    reference = 0.0 if lora else float(reference_bytes(shape.params, shape.lowered_params, int(frozen_b)))
     critic = not ppo.critic_free  # a critic-free estimator loads no value model
     separate_value = critic and ppo.value_model == "separate"
     value = _trained(shape.reward_params) if separate_value else (_trained(shape.hidden + 1) if critic else 0.0)

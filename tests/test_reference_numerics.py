@@ -13,13 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
-from rlhf.models.loading import (
-    autocast_lowered_parameters,
-    load_causal_lm,
-    load_reference_lm,
-    match_autocast,
-    reference_param_bytes,
-)
+from rlhf.models.loading import load_causal_lm
+from rlhf.models.reference import autocast_lowered_parameters, load_reference_lm, match_autocast, reference_bytes
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
 from rlhf.ppo.prompts import prompt_batch
@@ -170,16 +165,17 @@ def test_lowered_parameters_leave_tied_embeddings_and_head_biases_in_float32(tmp
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_reference_bytes_from_a_meta_model_are_those_loaded(checkpoints, tied):
-    """`reference_param_bytes` on a meta-device model (what a memory estimate has) is the loaded reference's size."""
+    """`reference_bytes` of a meta-device model's counts (what a memory estimate has) is the loaded reference's size."""
     path = checkpoints["tied" if tied else "untied"]
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     loaded = load_reference_lm(path, BF16, CPU)
     actual = sum(p.numel() * p.element_size() for p in loaded.parameters())
-    assert reference_param_bytes(meta, torch.bfloat16) == actual
     n = sum(p.numel() for p in meta.parameters())
+    lowered = sum(p.numel() for p in autocast_lowered_parameters(meta).values())
+    assert reference_bytes(n, lowered, 2) == actual
     assert 2 * n < actual < 4 * n  # between an all-bf16 and an all-float32 copy
-    assert reference_param_bytes(meta, torch.float32) == 4 * n
+    assert reference_bytes(n, lowered, 4) == 4 * n
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -19,12 +18,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
 from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.models.device import autocast_dtype, compute_dtype
+from rlhf.models.device import compute_dtype
 
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
 hf_logging.disable_progress_bar()
@@ -35,7 +33,7 @@ hf_logging.disable_progress_bar()
 MODEL_BUILD_LOCK = threading.RLock()
 
 
-def _load_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
+def hub_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision:
         kwargs["revision"] = revision
@@ -56,7 +54,7 @@ def load_options(runtime: RuntimeConfig, device: torch.device, trainable: bool) 
     }
 
 
-def _from_pretrained(auto_class: Any, name: str, attn_implementation: str | None, **kwargs: Any) -> PreTrainedModel:
+def from_pretrained_with(auto_class: Any, name: str, attn_implementation: str | None, **kwargs: Any) -> PreTrainedModel:
     """`auto_class.from_pretrained` with an attention kernel; 'sdpa' falls back to the model's default (eager) for
     architectures without an sdpa implementation (Gemma-2: its attention logits are soft-capped)."""
     with MODEL_BUILD_LOCK:
@@ -80,7 +78,7 @@ def load_tokenizer(
     if ref is not None:
         tok = tokenizer_from_gguf(gguf_path("tokenizer", ref, revision))
     else:
-        tok = AutoTokenizer.from_pretrained(name, **_load_kwargs(revision, trust_remote_code))
+        tok = AutoTokenizer.from_pretrained(name, **hub_kwargs(revision, trust_remote_code))
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ConfigError(no_pad_sentence(name))
@@ -251,7 +249,7 @@ def _check_tokenizer(
     key: str, path: Path, config: dict[str, Any], revision: str | None, trust_remote_code: bool
 ) -> None:
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), **_load_kwargs(revision, trust_remote_code))
+        tok = AutoTokenizer.from_pretrained(str(path), **hub_kwargs(revision, trust_remote_code))
     except Exception as err:  # noqa: BLE001 (whatever the tokenizer library says, one sentence)
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
@@ -282,76 +280,9 @@ def load_causal_lm(
     attn_implementation: str | None = "sdpa",
 ) -> PreTrainedModel:
     """A causal LM with weights in `dtype` (whatever dtype the checkpoint was saved in)."""
-    kwargs = _load_kwargs(revision, trust_remote_code)
-    model = _from_pretrained(AutoModelForCausalLM, name, attn_implementation, dtype=dtype, **kwargs)
+    kwargs = hub_kwargs(revision, trust_remote_code)
+    model = from_pretrained_with(AutoModelForCausalLM, name, attn_implementation, dtype=dtype, **kwargs)
     return model.to(device)
-
-
-# -- The frozen reference of a trained model ----------------------------------------------------------------------
-
-# The layers whose parameters autocast hands to its matrix multiplies (linear, addmm) in the compute dtype, weight and
-# bias alike: held in that dtype, they give the values autocast would have cast them to (round to nearest even).
-_AUTOCAST_MATMULS = (nn.Linear, Conv1D)
-
-
-def autocast_lowered_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters of `model` that a reference copy may hold in the autocast dtype without changing what it
-    computes under autocast (`match_autocast`), by name: the weights and biases of its linear (and GPT-2 Conv1D)
-    layers, except a parameter another kind of module also uses (tied input embeddings are looked up, not
-    multiplied) and the LM head's bias (the fused CPU LM head adds it in float32, `rlhf.ops.linear_logprobs`).
-    Everything else (embeddings, norms, rotary buffers) stays float32: the trained model computes those in float32
-    under autocast, and a bf16 copy would round the residual stream. Works on a meta-device model (no data read)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_bias = getattr(head, "bias", None)
-    elsewhere = {
-        id(param)
-        for module in model.modules()
-        if not isinstance(module, _AUTOCAST_MATMULS)
-        for param in module.parameters(recurse=False)
-    }
-    lowered: dict[str, nn.Parameter] = {}
-    for prefix, module in model.named_modules():
-        if not isinstance(module, _AUTOCAST_MATMULS):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in elsewhere or param is head_bias or not param.is_floating_point():
-                continue
-            lowered[f"{prefix}.{name}" if prefix else name] = param
-    return lowered
-
-
-def match_autocast(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Make a frozen float32 copy of a trained model compute under autocast in `dtype` exactly what the trained
-    model (float32 master weights under the same autocast) computes at the same weights, in less memory: the
-    parameters autocast casts anyway (`autocast_lowered_parameters`) are stored in `dtype`, the rest stay float32.
-    A no-op for float32. Returns `model`."""
-    if dtype == torch.float32:
-        return model
-    for param in autocast_lowered_parameters(model).values():
-        param.data = param.data.to(dtype)
-    return model
-
-
-def reference_param_bytes(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the parameters of the reference `load_reference_lm` makes of `model` (a meta-device model will do)
-    for autocast in `dtype` (`autocast_dtype` of the run's device and dtype): the autocast-lowered ones in `dtype`,
-    the others in float32."""
-    lowered = {id(p) for p in autocast_lowered_parameters(model).values()} if dtype != torch.float32 else set()
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(p.numel() * (size if id(p) in lowered else 4) for p in model.parameters())
-
-
-def load_reference_lm(name: str, runtime: RuntimeConfig, device: torch.device) -> PreTrainedModel:
-    """The frozen reference of a policy trained from `name` (PPO with full fine-tuning): it computes under the
-    run's autocast exactly what the policy computes at the same weights, so that the KL to it is 0 and the ratio 1
-    at the start, in every runtime dtype. The policy holds float32 master weights under autocast (`load_options`), so
-    its residual stream, norms and embeddings are float32; a reference loaded in bf16 would round them (a first-update
-    KL of 0.07 measured on a GPU). Loaded in float32, then `match_autocast`: matmul weights in the dtype autocast
-    multiplies in (`autocast_dtype`); all float32 where the run computes without autocast (float32, float16 on a
-    CPU), as the policy does."""
-    kwargs = _load_kwargs(None, runtime.trust_remote_code)
-    model = _from_pretrained(AutoModelForCausalLM, name, runtime.attn_implementation, dtype=torch.float32, **kwargs)
-    return match_autocast(model, autocast_dtype(device, compute_dtype(runtime.dtype, device))).to(device)
 
 
 def token_ids(value: int | list[int] | None) -> list[int]:
@@ -388,11 +319,11 @@ def load_reward_model(
 ) -> PreTrainedModel:
     """A sequence classifier with one output: a fresh scalar head when `name` is a causal LM checkpoint or a
     classifier with another number of labels, the trained one when it is a reward model."""
-    kwargs = _load_kwargs(revision, trust_remote_code)
+    kwargs = hub_kwargs(revision, trust_remote_code)
     config = AutoConfig.from_pretrained(name, **kwargs)
     labels = config.num_labels
     as_scalar_head(config, name, kwargs)
-    model = _from_pretrained(
+    model = from_pretrained_with(
         AutoModelForSequenceClassification,
         name,
         attn_implementation,

@@ -18,10 +18,10 @@ from rlhf.models.loading import (
     MODEL_BUILD_LOCK,
     load_causal_lm,
     load_options,
-    load_reference_lm,
     load_reward_model,
     load_tokenizer,
 )
+from rlhf.models.reference import load_reference_lm
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
 from rlhf.models.training import (
     apply_lora,
