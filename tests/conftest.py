@@ -10,17 +10,63 @@ builds the fixture once; `pytest_collection_modifyitems` below hands the slow on
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+
+
+def _prefect_database_template() -> Path:
+    """A folder holding a migrated Prefect database with the block types registered (`prepare_prefect_database`),
+    built once per machine and Prefect version and shared by every pytest-xdist worker (a file lock): a new database
+    costs 20 to 30 s of migrations, paid by every pipeline process, temporary server and test harness on a fresh
+    Prefect home; a copy costs milliseconds (`seed_prefect_home`)."""
+    folder = Path(tempfile.gettempdir()) / f"rlhf-tests-prefect-database-{version('prefect')}"
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "database.ready").is_file():
+            building = Path(f"{folder}.building")
+            shutil.rmtree(building, ignore_errors=True)
+            code = "from flows.prefect_home import prepare_prefect_database; prepare_prefect_database()"
+            env = {
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL")
+            }
+            env = {k: v for k, v in env.items() if k != "PREFECT_SERVER_DATABASE_CONNECTION_URL"}
+            env["PREFECT_HOME"] = str(building)
+            subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            building.rename(folder)
+    return folder
+
+
+PREFECT_DATABASE = _prefect_database_template()
+
+
+def seed_prefect_home(home: str | Path) -> str:
+    """`home` as a Prefect home whose database is already migrated (a copy of the template): what a pipeline
+    process started with PREFECT_HOME=home then finds, as on a machine that ran the pipeline before."""
+    home = Path(home)
+    home.mkdir(parents=True, exist_ok=True)
+    for name in ("prefect.db", "database.ready"):
+        shutil.copyfile(PREFECT_DATABASE / name, home / name)
+    return str(home)
+
 
 # Before prefect is imported anywhere: a private home (results, DB) and no network. mkdtemp: one per process, so
 # each pytest-xdist worker (and nothing else on the machine) has its own.
-_HOME = tempfile.mkdtemp(prefix="rlhf-tests-prefect-")
+_HOME = seed_prefect_home(tempfile.mkdtemp(prefix="rlhf-tests-prefect-"))
 os.environ["PREFECT_HOME"] = _HOME
-os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-os.environ["DO_NOT_TRACK"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -41,8 +87,6 @@ import torch  # noqa: E402
 from rlhf.data import synthetic  # noqa: E402
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer  # noqa: E402
 from rlhf.models.loading import load_reward_model  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, which names the groups
@@ -167,11 +211,20 @@ def torchrun_run(launch_inputs, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def harness():
-    """A Prefect test harness (a temporary server and database), shared by the tests of a module."""
-    from prefect.testing.utilities import prefect_test_harness
+    """A Prefect test harness (a temporary server and database), shared by the tests of a module; its database starts
+    as a copy of the migrated template instead of being migrated anew."""
+    import prefect.testing.utilities as utilities
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    def seeded_mkdtemp() -> str:  # the harness's database folder, its database a copy of the template
+        folder = tempfile.mkdtemp()
+        shutil.copyfile(PREFECT_DATABASE / "prefect.db", Path(folder) / "prefect-test.db")
+        return folder
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utilities, "mkdtemp", seeded_mkdtemp)
+        with utilities.prefect_test_harness(server_startup_timeout=120):
+            patch.undo()
+            yield
 
 
 def free_port() -> int:

@@ -666,9 +666,16 @@ def _argv(case: Case, folder: Path, assets: Assets) -> list[str]:
 
 def _env(case: Case, root: Path, folder: Path, cold: bool) -> dict[str, str]:
     """A cold case gets a Prefect home of its own; the warm ones share the warm command's (read at its import)."""
+    from conftest import seed_prefect_home  # here: the fork server imports this module, and conftest sets a home
+
     env = {key: value.format(port=_free_port()) for key, value in case.env.items()}
     home = folder / "prefect" if cold else root / "prefect"
-    return {"PREFECT_HOME": str(home), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+    return {
+        "PREFECT_HOME": seed_prefect_home(home) if cold else str(home),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
 
 
 def run_cases(cases: list[tuple[Case, bool]], root: Path, assets: Assets) -> dict[tuple[str, bool], Outcome]:
@@ -688,8 +695,15 @@ def run_cases(cases: list[tuple[Case, bool]], root: Path, assets: Assets) -> dic
             "serial": case.flow,
         }
         (cold if is_cold else requests).append((case, request, folder))
+    from conftest import seed_prefect_home
+
     requests.sort(key=lambda item: not item[0].flow)  # the long ones (a flow each) first
-    base_env = {**os.environ, "PREFECT_HOME": str(root / "prefect"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    base_env = {
+        **os.environ,
+        "PREFECT_HOME": seed_prefect_home(root / "prefect"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     server = subprocess.Popen(
         [
             sys.executable,

@@ -97,10 +97,10 @@ def test_ui_stops_every_process_it_started_on_sigterm(tmp_path):
     import httpx
     import psutil
 
-    from tests.conftest import free_port
+    from tests.conftest import free_port, seed_prefect_home
 
     prefect_port, mlflow_port = free_port(), free_port()
-    env = {**ENV, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    env = {**ENV, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
     env.pop("PREFECT_API_URL", None)
     cmd = [
         sys.executable,

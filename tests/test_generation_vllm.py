@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, seed_prefect_home
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -381,7 +381,7 @@ def test_vllm_refusals_on_a_gpu_machine_name_the_key():
 
 @NO_CUDA
 def test_the_terminal_shows_one_sentence_and_exit_code_2(tmp_path):
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect")}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", "ppo.generation.backend=vllm"]
     args += [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"runtime.output_dir={tmp_path}/out"]
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

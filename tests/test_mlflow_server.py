@@ -19,7 +19,7 @@ import pytest
 
 from rlhf.config import load_config
 from rlhf.tracking.client import Tracker
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, seed_prefect_home
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
 
@@ -141,7 +141,7 @@ def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path):
     port, store = free_port(), tmp_path / "server"
     store.mkdir()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
     env |= {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", f"tracking.uri={url}"]
     args += [f"runtime.output_dir={tmp_path}/out", "ppo.save_every=1", "tracking.experiment=server-goes-away"]

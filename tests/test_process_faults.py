@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, seed_prefect_home
 from mlflow.tracking import MlflowClient
 
 STAGES = (
@@ -32,11 +32,14 @@ RESULT_METRICS = ("eval/win_rate_gold", "eval/win_rate_rm", "eval/kl", "eval/ppo
 
 
 def start(
-    root: Path, prefect_home: Path | None = None, name: str = "run", extra: tuple[str, ...] = ()
+    root: Path, name: str = "run", extra: tuple[str, ...] = (), new_database: bool = False
 ) -> tuple[subprocess.Popen, Path]:
     """`python -m flows.pipeline --config conf/smoke.yaml` on the store and output folder under `root`, saving every
     step, in a session of its own (its process group holds its temporary Prefect server too); output to a file."""
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home or root / "prefect"), "PYTHONUNBUFFERED": "1"}
+    home = root / "prefect"
+    if not new_database and not home.exists():
+        seed_prefect_home(home)  # a migrated database, as on a machine that ran the pipeline before
+    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml"]
     args += [f"tracking.uri=sqlite:///{root}/mlflow.db", f"tracking.artifact_location={root}/artifacts"]
     args += [f"runtime.output_dir={root}/out"]
@@ -135,7 +138,8 @@ def two_runs_at_once(tmp_path_factory) -> tuple[Path, list[str]]:
     folder, their outputs). Neither is interrupted, so their figures are also the reference the killed and rerun
     pipelines are compared with (one run serves both, instead of another uninterrupted run)."""
     root = tmp_path_factory.mktemp("two-at-once")
-    first, second = start(root, name="first"), start(root, name="second")
+    first = start(root, name="first", new_database=True)  # both find no database: they migrate one, not two
+    second = start(root, name="second", new_database=True)
     return root, [finish(*first), finish(*second)]
 
 
@@ -280,7 +284,11 @@ def make_gpu_limit(prefect_home: Path) -> None:
         "with get_client(sync_client=True) as client:\n"
         "    client.create_concurrency_limit(tag='gpu', concurrency_limit=1)\n"
     )
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": seed_prefect_home(prefect_home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    }
     subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, capture_output=True, timeout=180)
 
 

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from rlhf.config import load_config
 from rlhf.sweeps.space import parse_space
-from tests.conftest import REPO, drain_prefect_services, stage_name, subflow_runs, task_runs
+from tests.conftest import REPO, drain_prefect_services, seed_prefect_home, stage_name, subflow_runs, task_runs
 
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 
@@ -112,7 +112,7 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
     args = [sys.executable, "-m", "flows.sweep", "--config", "conf/smoke.yaml", "--space", str(tmp_path / "space.yaml")]
     args += [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art"]
     args += [f"runtime.output_dir={tmp_path}/out", "sft.steps=120", "ppo.eval_every=1", "ppo.eval_prompts=16"]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
 
     def run(name: str):
         log = tmp_path / f"{name}.log"

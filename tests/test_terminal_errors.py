@@ -9,13 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, seed_prefect_home
 
 from rlhf.errors import CheckpointWriteError, DataError, NonFiniteError
 
 
 def run_pipeline(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml"]
     args += [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"runtime.output_dir={tmp_path}/out", *overrides]
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

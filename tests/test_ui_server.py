@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from flows.form import PipelineRun, SweepRun, form_parameters, sweep_form_parameters
 from rlhf.config import PipelineConfig, load_config
 from rlhf.sweeps.space import load_space
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, seed_prefect_home
 
 # end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose
 # tests share one Prefect server
@@ -99,7 +99,7 @@ def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {
-        "PREFECT_HOME": str(tmp / "home"),
+        "PREFECT_HOME": seed_prefect_home(tmp / "home"),
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
