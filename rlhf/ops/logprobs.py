@@ -58,14 +58,27 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return _rowwise(lambda x: _entropy(x, temperature), logits)
 
 
-# logits per chunk of `linear_logprobs`: a few MiB, reused for every chunk of a call. Fresh multi-MiB buffers cost
-# page faults on every allocation (glibc maps allocations over 32 MiB anew each time): on a CPU, a 64 MiB chunk
-# allocated per chunk made the LM head twice as slow as the same matmul into a reused buffer.
-_CHUNK_BYTES = 16 << 20
+# float32 logits per chunk of `linear_logprobs` at most: the rows split into chunks of equal size under it. Large
+# chunks keep the LM head's matmuls efficient (on a 2-core CPU, (85 x 576) @ (576 x 49152) ran at 73 GFLOP/s, 512
+# rows at 100 or more); on a CPU the chunk buffers are per-thread and reused across calls, since fresh multi-MiB
+# buffers cost page faults on every allocation (glibc maps allocations over 32 MiB anew each time: a 64 MiB chunk
+# allocated per call made the LM head twice as slow as the same matmul into a reused buffer).
+_CHUNK_BYTES = 128 << 20
 
 
 def _chunk_rows(n: int, vocab: int, chunk_tokens: int | None) -> int:
-    return max(1, min(n, chunk_tokens or _CHUNK_BYTES // (4 * vocab)))
+    if chunk_tokens:
+        return max(1, min(n, chunk_tokens))
+    chunks = -(-4 * n * vocab // _CHUNK_BYTES)  # ceil
+    return max(1, -(-n // max(1, chunks)))
+
+
+def _chunk_buffer(name: str, device: torch.device, rows: int, v: int) -> Tensor:
+    """A (rows, v) float32 buffer for one call's chunks: this thread's reused one on a CPU, a fresh one elsewhere
+    (the CUDA caching allocator reuses freed blocks itself, and a kept one would hold GPU memory between calls)."""
+    if device.type == "cpu":
+        return _workspace(name, device, rows, v)
+    return torch.empty(rows, v, device=device, dtype=torch.float32)
 
 
 def _logits_into(out: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -141,8 +154,8 @@ class _LinearLogprobs(torch.autograd.Function):
         logprobs, lse, sums = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
         entropy = torch.empty(n if with_entropy else 0, **f32)
         kept, ctx.token = _kept_exps(hidden.device, n, v) if keep else (None, None)
-        chunk = torch.empty(rows, v, **f32) if with_entropy or not keep else None
-        scratch = torch.empty(rows, v, **f32) if with_entropy and not keep else None
+        chunk = _chunk_buffer("chunk", hidden.device, rows, v) if with_entropy or not keep else None
+        scratch = _chunk_buffer("scratch", hidden.device, rows, v) if with_entropy and not keep else None
         h, w = hidden.to(compute_dtype), weight.to(compute_dtype)  # no copies in float32
         for i in range(0, n, rows):
             sl, m = slice(i, min(i + rows, n)), min(rows, n - i)
@@ -167,26 +180,24 @@ class _LinearLogprobs(torch.autograd.Function):
             g_entropy = None
         f32 = {"device": hidden.device, "dtype": torch.float32}
         grad_h = torch.empty(hidden.shape, **f32) if want_h else None
-        grad_w = torch.zeros(weight.shape, **f32) if want_w else None
         grad_b = torch.zeros_like(bias) if want_b and bias is not None else None
         # bfloat16 matmuls: each chunk's d loss / d z rounded into a (n, v) buffer, the weight gradient in one matmul
         low = _workspace("low", hidden.device, n, v, hidden.dtype) if hidden.dtype != torch.float32 else None
-        heads = _HeadGrads(hidden, weight, temperature, grad_h, grad_w, grad_b, low)
+        heads = _HeadGrads(hidden, weight, temperature, grad_h, want_w, grad_b, low)
         if g_logprobs is None and g_entropy is None:
             return heads.result(ctx.dtypes, zero=True)
         if ctx.kept is not None and g_entropy is None and _owns_kept_exps(ctx.token):
             _workspaces.owner = None  # consumed: a second backward (retain_graph) recomputes
-            for i in range(0, n, rows):
-                sl = slice(i, min(i + rows, n))
-                # d logp_y / dz = onehot(y) - p, p = exp(z - max) / sum
-                grad = ctx.kept[sl].mul_((g_logprobs[sl] / sums[sl]).neg_()[:, None])
-                grad.scatter_add_(-1, labels[sl, None], g_logprobs[sl, None])
-                heads.add(grad, sl)
+            # d logp_y / dz = onehot(y) - p, p = exp(z - max) / sum: in place over every row, then the head's
+            # gradients in one matmul each (row chunks' matmuls run slower than one over every row)
+            grad = ctx.kept.mul_((g_logprobs / sums).neg_()[:, None])
+            grad.scatter_add_(-1, labels[:, None], g_logprobs[:, None])
             ctx.kept = None
+            heads.add(grad, slice(0, n))
             return heads.result(ctx.dtypes)
         ctx.kept = None
-        chunk = torch.empty(rows, v, **f32)
-        scratch = torch.empty(rows, v, **f32) if g_entropy is not None else None
+        chunk = _chunk_buffer("chunk", hidden.device, rows, v)
+        scratch = _chunk_buffer("scratch", hidden.device, rows, v) if g_entropy is not None else None
         for i in range(0, n, rows):
             sl, m = slice(i, min(i + rows, n)), min(rows, n - i)
             h = hidden[sl]
@@ -208,12 +219,14 @@ class _LinearLogprobs(torch.autograd.Function):
 
 class _HeadGrads:
     """The LM head's input, weight and bias gradients, accumulated chunk by chunk from d loss / d (z / temperature):
-    in float32 matmuls, or with `low` (a (n, v) bfloat16 buffer) in bfloat16 ones, the weight's in one matmul over
-    every row at the end (float32 accumulation inside it, as autocast's backward)."""
+    in float32 matmuls (the weight's: the first chunk's matmul into a fresh buffer, the next ones added to it), or
+    with `low` (a (n, v) bfloat16 buffer) in bfloat16 ones, the weight's in one matmul over every row at the end
+    (float32 accumulation inside it, as autocast's backward)."""
 
-    def __init__(self, hidden, weight, temperature, grad_h, grad_w, grad_b, low) -> None:
+    def __init__(self, hidden, weight, temperature, grad_h, want_w, grad_b, low) -> None:
         self.hidden, self.weight, self.temperature, self.low = hidden, weight, temperature, low
-        self.grad_h, self.grad_w, self.grad_b = grad_h, grad_w, grad_b
+        self.grad_h, self.want_w, self.grad_b = grad_h, want_w, grad_b
+        self.grad_w: Tensor | None = None
 
     def add(self, grad: Tensor, sl: slice) -> None:
         if self.temperature != 1.0:
@@ -227,15 +240,19 @@ class _HeadGrads:
                 torch.mm(grad, self.weight, out=self.grad_h[sl])
             else:
                 self.grad_h[sl] = torch.mm(grad, self.weight)
-        if self.grad_w is not None and self.low is None:
-            self.grad_w.addmm_(grad.t(), self.hidden[sl])
+        if self.want_w and self.low is None:
+            if self.grad_w is None:
+                self.grad_w = torch.mm(grad.t(), self.hidden[sl])
+            else:
+                self.grad_w.addmm_(grad.t(), self.hidden[sl])
 
     def result(self, dtypes: tuple[torch.dtype, torch.dtype], zero: bool = False) -> tuple:
         grad_h, grad_w = self.grad_h, self.grad_w
-        if zero and grad_h is not None:
-            grad_h.zero_()
-        elif grad_w is not None and self.low is not None:
-            grad_w.copy_(torch.mm(self.low.t(), self.hidden))
+        if zero:
+            grad_h = grad_h.zero_() if grad_h is not None else None
+            grad_w = torch.zeros(self.weight.shape, device=self.weight.device) if self.want_w else None
+        elif self.want_w and self.low is not None:
+            grad_w = torch.mm(self.low.t(), self.hidden).float()
         grad_h = grad_h.to(dtypes[0]) if grad_h is not None else None
         grad_w = grad_w.to(dtypes[1]) if grad_w is not None else None
         return grad_h, grad_w, self.grad_b, *(None,) * 6
