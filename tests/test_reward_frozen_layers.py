@@ -80,3 +80,32 @@ def test_the_memory_estimate_counts_frozen_layers_as_weights_only():
     assert full.persistent == 16 * 1000 + 4 * 1000
     assert part.persistent == 16 * 490 + 4 * 510 + 4 * 490
     assert part.transient == full.transient / 2  # activations of the 2 trained blocks only
+
+
+def test_the_reported_accuracy_is_the_saved_models_on_the_held_out_pairs(smollm_like, tmp_path):
+    """The stage reports the kept (best) checkpoint's accuracy as measured when it was kept, without evaluating it
+    again: the saved model, evaluated afresh, has exactly that accuracy, the best of the periodic evaluations."""
+    rows = [
+        {"prompt": f"Say something {i}.", "chosen": " yes indeed" * (1 + i % 3), "rejected": " no", "margin": None}
+        for i in range(24)
+    ]
+    train, evals = tmp_path / "train.parquet", tmp_path / "eval.parquet"
+    pd.DataFrame(rows[:16]).to_parquet(train)
+    pd.DataFrame(rows[16:]).to_parquet(evals)
+    cfg = RewardConfig(batch_size=4, epochs=2, lr=3e-2, eval_every=1, max_length=32)
+    history: list[float] = []
+
+    def log(metrics, step):
+        if "reward/eval/accuracy" in metrics:
+            history.append(metrics["reward/eval/accuracy"])
+
+    result = reward_module.train_reward_model(
+        cfg, RuntimeConfig(device="cpu", progress=False), smollm_like, train, evals, tmp_path / "rm", 0, log
+    )  # fmt: skip
+    from rlhf.models.loading import load_tokenizer
+
+    saved = load_reward_model(result.path, torch.device("cpu"))
+    fresh = reward_module.evaluate_pairs(
+        saved, load_tokenizer(result.path), pd.read_parquet(evals), cfg, torch.device("cpu")
+    )["reward/eval/accuracy"]
+    assert len(history) > 1 and result.metrics["reward/eval_accuracy"] == max(history) == fresh

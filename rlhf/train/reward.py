@@ -289,9 +289,14 @@ def train_reward_model(
         model, optimizer, scheduler, rng, state_dir, device, settings, step_fn, log, after_step, best.resume, stop_after
     )
     best.load_into(model)
-    final = evaluate_pairs(model, tokenizer, evals, cfg, device)
+    # the kept checkpoint's accuracy was measured when it was kept, at these weights (a held-out evaluation is
+    # deterministic): evaluated again only where no checkpoint was kept (no step ran)
+    if best.weights is not None:
+        accuracy = best.accuracy
+    else:
+        accuracy = evaluate_pairs(model, tokenizer, evals, cfg, device)[f"{EVAL_PREFIX}/accuracy"]
     metrics = {
-        "reward/eval_accuracy": final[f"{EVAL_PREFIX}/accuracy"],
+        "reward/eval_accuracy": accuracy,
         "reward/best_step": float(best.step),
         "reward/seconds": time.perf_counter() - start,
         "memory/peak_mb": peak_memory_mb(device),
@@ -304,7 +309,5 @@ def train_reward_model(
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        manifest = write_manifest(
-            tmp, stage="reward", best_step=best.step, eval_accuracy=final[f"{EVAL_PREFIX}/accuracy"]
-        )
+        manifest = write_manifest(tmp, stage="reward", best_step=best.step, eval_accuracy=accuracy)
     return RewardResult(str(out_dir), manifest["digest"], metrics)
