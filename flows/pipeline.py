@@ -3,13 +3,13 @@
 `algorithm: ppo` runs the RL stage with ppo.advantage_estimator (PPO's GAE or a critic-free estimator),
 `algorithm: dpo` the DPO stage instead of init and PPO; `reward.source: function` skips the reward-model stage.
 
-Run it with ``make run`` or ``python -m flows.pipeline --config conf/default.yaml key.sub=value ...``. Its MLflow run
-is flows/pipeline_run.py, the summary it prints flows/summary.py, the stages tasks/stage_table.py.
+Run it with ``make run``, ``rlhf run`` or ``python -m flows.pipeline --config conf/default.yaml key.sub=value ...``
+(the command: flows/pipeline_command.py). Its MLflow run is flows/pipeline_run.py, the summary it prints
+flows/summary.py, the stages tasks/stage_table.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any, NamedTuple
@@ -19,14 +19,13 @@ from prefect.states import Completed
 
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
+from flows.pipeline_command import main
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.prefect_home import prepare_prefect_database
-from flows.summary import POLICY_LABEL, POLICY_SECONDS, PPO_EPISODES, SFT_STEPS, format_summary, policy_label
-from flows.terminal import exit_code_of, stop_on_signals
-from rlhf.config import PipelineConfig, RewardConfig, load_config
+from flows.summary import POLICY_LABEL, POLICY_SECONDS, PPO_EPISODES, SFT_STEPS, policy_label
+from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
-from rlhf.errors import TrialPruned, UserInputError
+from rlhf.errors import TrialPruned
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
@@ -222,25 +221,6 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     if tracking.registered_model:
         summary["registered_policy"] = register_policy(tracking, summary)
     return summary
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="conf/default.yaml", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. ppo.kl_coef=0.1")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-        preflight(config)  # before anything is loaded
-    except UserInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    prepare_prefect_database()
-    stop_on_signals(config.tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
-    code, summary = exit_code_of(lambda: rlhf_pipeline(config))
-    if summary is not None:
-        print(format_summary(summary))
-    return code
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rlhf.checkpoints import stage_lock
@@ -17,7 +18,8 @@ def prepare_prefect_database() -> None:
     the same migrations at once (SQLite: 'index ... already exists'), and on a new database insert the same block
     schemas at once ('UNIQUE constraint failed: block_schema.checksum', a traceback in both runs' output). Do both
     here first, one process at a time; the servers then find them done. Skipped where `READY_FILE` says this
-    Prefect version did it and the SQLite file is still there."""
+    Prefect version did it and the SQLite file is still there. Once the database is ready, this process's temporary
+    server is told not to check it again (`_skip_server_database_setup`)."""
     import asyncio
 
     import prefect
@@ -31,10 +33,18 @@ def prepare_prefect_database() -> None:
     database = Path(url.split(":///", 1)[1]) if url.startswith("sqlite") and ":///" in url else None
     ready, stamp = home / READY_FILE, f"prefect {prefect.__version__}\n"
     with stage_lock(home / "database"):
-        if database is not None and database.is_file() and ready.is_file() and ready.read_text() == stamp:
-            return
-        asyncio.run(_create_database())
-        ready.write_text(stamp)
+        if not (database is not None and database.is_file() and ready.is_file() and ready.read_text() == stamp):
+            asyncio.run(_create_database())
+            ready.write_text(stamp)
+    _skip_server_database_setup()
+
+
+def _skip_server_database_setup() -> None:
+    """The temporary server a flow starts inherits this process's environment: with the database migrated and the
+    block types registered, it need not load Prefect's ~150 migration scripts to find nothing to do, nor compare the
+    block types again (seconds of every pipeline's start). A value the user set is kept."""
+    os.environ.setdefault("PREFECT_API_DATABASE_MIGRATE_ON_START", "false")
+    os.environ.setdefault("PREFECT_API_BLOCKS_REGISTER_ON_START", "false")
 
 
 async def _create_database() -> None:

@@ -29,13 +29,13 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
+from flows.temporary_server import temporary_server_in_own_session
 from rlhf.errors import CheckpointWriteError, NonFiniteError, UserInputError
 
 T = TypeVar("T")
@@ -198,50 +198,7 @@ def stop_on_signals(*tracking: Any) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _on_signal)
     _note_prefect_sigterm()
-    _temporary_server_in_own_session()
-
-
-@functools.cache
-def _prctl() -> Callable[..., int] | None:
-    """Linux's prctl, looked up here, in the parent: a child of a process with threads must not load anything."""
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).prctl
-    except (OSError, AttributeError):  # pragma: no cover (not glibc)
-        return None
-
-
-def _die_with_parent() -> None:  # pragma: no cover (runs in the forked child)
-    """In a child before it runs its program: SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
-    prctl = _prctl()
-    if prctl is not None:
-        prctl(1, signal.SIGTERM)
-
-
-class _OwnSessionSubprocess:
-    """The `subprocess` module as Prefect's temporary server module sees it: a server started from the main thread
-    gets a session of its own and dies with this process."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-    @staticmethod
-    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
-        if threading.current_thread() is threading.main_thread() and _prctl() is not None:
-            kwargs.setdefault("start_new_session", True)
-            kwargs.setdefault("preexec_fn", _die_with_parent)
-        return subprocess.Popen(*args, **kwargs)
-
-
-@functools.cache
-def _temporary_server_in_own_session() -> None:
-    try:
-        from prefect.server.api import server
-    except ImportError:  # pragma: no cover (another Prefect layout: the server stays in the process group)
-        return
-    if isinstance(getattr(server, "subprocess", None), type(subprocess)):
-        server.subprocess = _OwnSessionSubprocess()
+    temporary_server_in_own_session()
 
 
 def _end_runs_killed(since: float) -> list[str]:

@@ -87,7 +87,7 @@ def sqlite_store() -> str:
 
 def cmd_run(argv: list[str]) -> int:
     checkout_root()
-    from flows.pipeline import main
+    from flows.pipeline_command import main
 
     return main(argv)
 

@@ -64,12 +64,26 @@ def preflight(config: PipelineConfig) -> list[StageEstimate]:
     """Everything that can be checked without loading a model or reading the data set: paths, the data's format
     and columns where cheap, lengths against the model's positions and memory against the device (only
     config.json is read). Returns the per-stage memory estimates."""
+    check_inputs(config)
+    return check_fit(config)
+
+
+def check_inputs(config: PipelineConfig) -> None:
+    """The half of `preflight` that checks what the user named: the tracking store, the device's name, the output
+    folder, the data source and the SFT checkpoint. Without sft.model it needs neither torch nor transformers (a
+    fraction of a second)."""
     check_tracking_uri(config.tracking.uri)  # first: a tracking server that is down fails before any work
     check_device(config.runtime.device)
     check_output_dir(config.runtime.output_dir)
     check_source(config.data)
     if config.sft.model is not None:
         check_sft_model(config)
+
+
+def check_fit(config: PipelineConfig) -> list[StageEstimate]:
+    """The half of `preflight` that checks that the run fits, importing torch and transformers (seconds): the
+    processes, the generation backend, lengths against the model's positions and memory against the device. Returns
+    the per-stage memory estimates."""
     check_ppo_processes(config)
     check_generation_backend(config)
     model_config = read_model_config(config)

@@ -56,11 +56,11 @@ def test_run_from_outside_the_checkout_finds_the_flows(tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {str(REPO)!r}); import rlhf.cli; sys.path.remove({str(REPO)!r}); "
         "code = rlhf.cli.main(['run', '--config', 'missing.yaml']); "
-        "print(sys.modules['flows.pipeline'].__file__); sys.exit(code)"
+        "print(sys.modules['flows.pipeline_command'].__file__); sys.exit(code)"
     )
     proc = rlhf(cwd=tmp_path, exe=[sys.executable, "-c", code])
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "missing.yaml" in proc.stderr, proc.stderr
-    assert proc.stdout.strip() == str(REPO / "flows" / "pipeline.py")
+    assert proc.stdout.strip() == str(REPO / "flows" / "pipeline_command.py")
 
 
 def test_console_script():

@@ -91,7 +91,7 @@ def test_every_field_is_documented():
 
 
 def test_cli_reports_bad_config_before_loading_anything(tmp_path, capsys):
-    from flows.pipeline import main
+    from flows.pipeline_command import main
 
     path = tmp_path / "c.yaml"
     path.write_text("ppo:\n  lr: -1\n")

@@ -154,7 +154,7 @@ def test_bad_gguf_files_are_one_sentence_naming_the_file(source, tmp_path, monke
 
 
 def test_a_bad_gguf_file_stops_the_command_with_exit_code_2(tmp_path, capsys):
-    from flows.pipeline import main
+    from flows.pipeline_command import main
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(b"GGUF\x03\x00\x00\x00")

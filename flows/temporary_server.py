@@ -1,0 +1,152 @@
+"""The temporary Prefect server of a command run without one (PREFECT_API_URL unset).
+
+Prefect starts it in a subprocess when the flow first talks to its API: seven seconds or so of imports and start-up
+on a quiet 2-core machine, after the command's own ten seconds of importing torch, transformers, MLflow and the flow.
+`start_early` starts it before those imports, so that the two overlap; the first Prefect client that asks for the
+server then waits until it answers (`_ServerStart`) instead of starting one. The server runs in a session of its own
+and dies with the command (`temporary_server_in_own_session`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """Linux's prctl, looked up here, in the parent: a child of a process with threads must not load anything."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):  # pragma: no cover (not glibc)
+        return None
+
+
+def _die_with_parent() -> None:  # pragma: no cover (runs in the forked child)
+    """In a child before it runs its program: SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)
+
+
+class _OwnSessionSubprocess:
+    """The `subprocess` module as Prefect's temporary server module sees it: a server started from the main thread
+    gets a session of its own and dies with this process."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
+        if threading.current_thread() is threading.main_thread() and _prctl() is not None:
+            kwargs.setdefault("start_new_session", True)
+            kwargs.setdefault("preexec_fn", _die_with_parent)
+        return subprocess.Popen(*args, **kwargs)
+
+
+@functools.cache
+def temporary_server_in_own_session() -> None:
+    """Prefect's temporary server, started from the main thread, runs in a session of its own (a terminal's Ctrl-C
+    does not stop it while the run still records its end in it) and gets SIGTERM when this process dies."""
+    try:
+        from prefect.server.api import server
+    except ImportError:  # pragma: no cover (another Prefect layout: the server stays in the process group)
+        return
+    if isinstance(getattr(server, "subprocess", None), type(subprocess)):
+        server.subprocess = _OwnSessionSubprocess()
+
+
+class _ServerStart:
+    """Stands in for the server object's `start` until the early-started server answers: the first caller waits for
+    its health check as Prefect's own `start` does (the same time limit; a new port where the first was taken), then
+    the server is Prefect's as if Prefect had started it. Where it does not come up, it is stopped and Prefect's own
+    `start` runs, with its own error."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.lock = threading.Lock()
+
+    def __call__(self, timeout: int | None = None) -> None:
+        with self.lock:
+            server = self.server
+            if server.__dict__.get("start") is self:
+                del server.start  # from here on Prefect's own method
+                if not _wait_until_healthy(server, timeout):
+                    server.server_process.kill()
+                    server.server_process.wait()
+                    server.server_process, server.running = None, False
+            server.start(timeout)
+
+
+def _wait_until_healthy(server: Any, timeout: int | None) -> bool:
+    import httpx
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    deadline = time.monotonic() + (timeout or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    with httpx.Client() as client:
+        while time.monotonic() < deadline:
+            if server.server_process.poll() == 3:  # the port was taken in the meantime (Prefect's own rule)
+                server.port = server.find_available_port()
+                server.server_process = server._run_uvicorn_command()
+                continue
+            if server.server_process.poll() is not None:
+                return False
+            try:
+                if client.get(f"{server.api_url}/health").status_code == 200:
+                    server.running = True
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    return False
+
+
+def start_early() -> bool:
+    """Start this process's temporary Prefect server now, in the background, where the command will need one (no
+    PREFECT_API_URL) and Prefect's layout is the known one; whether it did. Call it from the main thread, after the
+    database is prepared (`flows.prefect_home.prepare_prefect_database`) and before the slow imports."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return False
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+    except ImportError:  # pragma: no cover (another Prefect layout: Prefect starts it when the flow begins)
+        return False
+    server = SubprocessASGIServer()
+    layout = ("port", "running", "server_process", "api_url", "find_available_port", "stop")
+    if server.running or server.server_process is not None or not all(hasattr(server, a) for a in layout):
+        return False
+    if not hasattr(server, "_run_uvicorn_command"):  # Prefect's own way of starting it, reused
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    temporary_server_in_own_session()
+    if server.port is None:
+        server.port = server.find_available_port()
+    server.server_process = server._run_uvicorn_command()
+    atexit.register(server.stop)
+    server.start = _ServerStart(server)
+    return True
+
+
+def stop_early() -> None:
+    """Stop a server `start_early` started that no Prefect client has used yet (the command ends before its flow:
+    a bad input), without a word: the command's one line is its error."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    if not isinstance(server.__dict__.get("start"), _ServerStart) or server.server_process is None:
+        return
+    del server.start
+    server.server_process.kill()
+    server.server_process.wait()
+    server.server_process = None
