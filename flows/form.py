@@ -27,7 +27,8 @@ from prefect import flow
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from flows.pipeline import rlhf_pipeline
-from flows.sweep import check_variants, rlhf_sweep
+from flows.sweep import rlhf_sweep
+from flows.sweep_command import check_variants
 from rlhf.config import PipelineConfig, apply_overrides, load_config
 from rlhf.config.base import read_yaml
 from rlhf.config.pipeline import parse_override

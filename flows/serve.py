@@ -44,7 +44,8 @@ from prefect.settings import PREFECT_API_URL
 from flows.crashed_runs import HEARTBEAT_S, ensure_zombie_automation
 from flows.form import form_parameters, rlhf_run, rlhf_sweep_run, sweep_form_parameters
 from flows.pipeline import rlhf_pipeline
-from flows.sweep import check_variants, rlhf_sweep
+from flows.sweep import rlhf_sweep
+from flows.sweep_command import check_variants
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
 from rlhf.models.device import device_names

@@ -3,6 +3,8 @@
     python -m flows.sweep --config conf/default.yaml --space conf/sweeps/kl_coef.yaml [key.sub=value ...]
     make sweep SWEEP=conf/sweeps/kl_coef.yaml
 
+(the command: flows/sweep_command.py)
+
 The stages the variants share (data, SFT, reward model) are built once, before the fan-out, as children of the
 sweep's MLflow run; the variants then find them in the cache (stages are cached on their content, and a stage being
 built is locked, so concurrent variants never build the same one twice). Variants run as subflows of the sweep,
@@ -21,7 +23,6 @@ sweep run too); the other variants still run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -35,21 +36,18 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
-from flows.crashed_runs import crash_dead_runs
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
-from flows.prefect_home import prepare_prefect_database
-from flows.terminal import exit_code_of, stop_on_signals
+from flows.sweep_command import main
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
-from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
-from rlhf.errors import UserInputError
+from rlhf.config import PipelineConfig, TrackingConfig, flatten
 from rlhf.models.device import device_names
 from rlhf.preflight import preflight
-from rlhf.sweeps.optuna_search import OptunaSearch, check_points, default_storage, study_plots
+from rlhf.sweeps.optuna_search import OptunaSearch, default_storage, study_plots
 from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
 from rlhf.sweeps.ranking import GOLD_METRIC, RM_METRIC
-from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, load_space, rank_key, ranking
+from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, rank_key, ranking
 from rlhf.sweeps.study import STUDY_METRICS
 from rlhf.sweeps.study import report as study_report
 from rlhf.tracking.client import RUN_TYPE_TAG, source_tags
@@ -279,12 +277,6 @@ def start_variants(
         running[future] = (planned, config, slot)
 
 
-def check_variants(base: PipelineConfig, space: SweepSpace) -> list[PipelineConfig]:
-    """Every variant's config (grid, random) or every choice's (Optuna: each parameter at each of its values or
-    bounds), validated: a ConfigError naming the variant before anything runs."""
-    return check_points(base, space) if space.method == "optuna" else VariantList(base, space).configs
-
-
 def variant_search(base: PipelineConfig, space: SweepSpace) -> VariantList | OptunaSearch:
     """Grid and random sweeps: their variants, fixed in advance. Optuna: a study whose pruner reads PPO's periodic
     evaluations (the gold reward where the data has one, else the reward-model score)."""
@@ -356,37 +348,6 @@ def format_ranking(result: dict[str, Any]) -> str:
             "compare the variants: python -m rlhf.sweeps.compare --sweep " + result["sweep_run_id"],
         ]
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="conf/default.yaml", help="base YAML config of every variant")
-    parser.add_argument("--space", required=True, help="sweep space YAML, e.g. conf/sweeps/kl_coef.yaml")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of the base config")
-    args = parser.parse_args(argv)
-    try:
-        base = load_config(args.config, args.overrides)
-        space = load_space(args.space)
-        configs = check_variants(base, space)
-        for config in configs:  # before anything is loaded
-            preflight(config)
-    except UserInputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if space.method == "optuna":
-        settings = space.optuna
-        print(f"sweep {space.name}: {space.trials} Optuna trials ({settings.sampler}, pruner {settings.pruner})")
-    else:
-        print(f"sweep {space.name}: {len(configs)} variants ({space.method})")
-        for variant in expand(space):
-            print(f"  {variant.index:02d}  {variant.label}")
-    prepare_prefect_database()
-    stop_on_signals(base.tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
-    crash_dead_runs("python -m flows.sweep")  # runs of killed processes become Crashed (flows/crashed_runs.py)
-    code, result = exit_code_of(lambda: rlhf_sweep(base, space))
-    if result is not None:
-        print(format_ranking(result))
-    return code
 
 
 if __name__ == "__main__":

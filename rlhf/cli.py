@@ -94,7 +94,7 @@ def cmd_run(argv: list[str]) -> int:
 
 def cmd_sweep(argv: list[str]) -> int:
     checkout_root()
-    from flows.sweep import main
+    from flows.sweep_command import main
 
     return main(argv)
 

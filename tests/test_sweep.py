@@ -289,7 +289,7 @@ def test_a_failed_variant_is_ranked_last_with_its_error_and_the_others_complete(
 
 
 def test_cli_rejects_a_bad_space_before_running(tmp_path, capsys):
-    from flows.sweep import main
+    from flows.sweep_command import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nparameters:\n  ppo.kl_cof: [0.1]\n")
