@@ -31,6 +31,7 @@ from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: import
     process_alive,
     process_tags,
     resolve_tracking_uri,
+    start_from_empty_store,
     store_lock,
 )
 
@@ -117,6 +118,7 @@ class Tracker:
         self._logged: dict[str, set[tuple[str, int]]] = {}
         self._batched: dict[str, list[BatchedLog]] = {}  # the batched metric loggers of each run (end_run flushes)
         with store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
+            start_from_empty_store(self.uri, lambda uri: MlflowClient(tracking_uri=uri).search_experiments())
             self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
