@@ -174,6 +174,9 @@ def cmd_ui(argv: list[str]) -> int:
     prefect_home = Path(os.environ["PREFECT_HOME"])
     prefect_home.mkdir(parents=True, exist_ok=True)
     Path("mlruns").mkdir(exist_ok=True)
+    from rlhf.tracking.client import prepare_store
+
+    prepare_store(sqlite_store())  # a copy of the empty store where there is none yet (no migrations in the UI)
     prefect_cmd = [str(bindir / "prefect"), "server", "start", "--host", args.host, "--port", str(args.prefect_port)]
     mlflow_cmd = [
         str(bindir / "mlflow"),

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from rlhf.config import load_config
-from rlhf.tracking.client import Tracker
+from rlhf.tracking.client import Tracker, prepare_store
 from tests.conftest import REPO, free_port, seed_prefect_home
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
@@ -30,6 +30,7 @@ TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.
 def start_server(tmp: Path, port: int) -> subprocess.Popen:
     """`mlflow server` on `port` over the store in `tmp`, in its own process group; returns once it answers."""
     url = f"http://127.0.0.1:{port}"
+    prepare_store(f"sqlite:///{tmp}/db.sqlite")  # as `rlhf ui` does: the server finds a migrated store
     cmd = [
         str(BIN / "mlflow"),
         "server",

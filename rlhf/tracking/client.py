@@ -107,6 +107,20 @@ def default_source() -> str:
     return "rlhf"
 
 
+def _start_from_empty_store(uri: str) -> bool:
+    from mlflow.tracking import MlflowClient
+
+    return start_from_empty_store(uri, lambda new: MlflowClient(tracking_uri=new).search_experiments())
+
+
+def prepare_store(uri: str) -> None:
+    """A ``sqlite:///`` store that does not exist yet, made from the empty store (`start_from_empty_store`), before
+    an MLflow server or UI of another process opens it; other stores are left alone."""
+    uri = resolve_tracking_uri(uri)
+    with store_lock(uri):
+        _start_from_empty_store(uri)
+
+
 class Tracker:
     """Runs, params, metrics and artifacts of one MLflow experiment."""
 
@@ -118,7 +132,7 @@ class Tracker:
         self._logged: dict[str, set[tuple[str, int]]] = {}
         self._batched: dict[str, list[BatchedLog]] = {}  # the batched metric loggers of each run (end_run flushes)
         with store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
-            start_from_empty_store(self.uri, lambda uri: MlflowClient(tracking_uri=uri).search_experiments())
+            _start_from_empty_store(self.uri)
             self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
