@@ -16,9 +16,26 @@ import sys
 from flows.prefect_home import prepare_prefect_database
 from flows.temporary_server import start_early, stop_early
 from flows.terminal import exit_code_of, stop_on_signals
-from rlhf.config import load_config
+from rlhf.config import PipelineConfig, TrackingConfig, load_config
 from rlhf.errors import UserInputError
 from rlhf.preflight import check_fit, check_inputs
+
+
+def prepare_flow(configs: list[PipelineConfig], tracking: TrackingConfig) -> int | None:
+    """After the configs and their inputs are checked (`check_inputs`): the Prefect database, Ctrl-C and SIGTERM
+    handling, the temporary server started, then `check_fit` of each config while torch and transformers import.
+    Returns 2 (the error printed, the server stopped) where one does not fit, else None."""
+    prepare_prefect_database()
+    stop_on_signals(tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
+    start_early()  # while the checks below and the flow's modules import torch and transformers
+    try:
+        for config in configs:
+            check_fit(config)  # lengths, memory: before any model is loaded
+    except UserInputError as err:
+        stop_early()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,15 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    prepare_prefect_database()
-    stop_on_signals(config.tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
-    start_early()  # while the checks below and the flow's modules import torch and transformers
-    try:
-        check_fit(config)  # lengths, memory: before any model is loaded
-    except UserInputError as err:
-        stop_early()
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    refused = prepare_flow([config], config.tracking)
+    if refused is not None:
+        return refused
 
     def run() -> dict | None:
         from flows.pipeline import rlhf_pipeline  # the flow's stages, torch, transformers, MLflow: seconds

@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flows.prefect_home import prepare_prefect_database
-from flows.temporary_server import start_early, stop_early
-from flows.terminal import exit_code_of, stop_on_signals
+from flows.pipeline_command import prepare_flow
+from flows.terminal import exit_code_of
 from rlhf.config import PipelineConfig, load_config
 from rlhf.errors import UserInputError
-from rlhf.preflight import check_fit, check_inputs
+from rlhf.preflight import check_inputs
 from rlhf.sweeps.optuna_search import check_points
 from rlhf.sweeps.space import SweepSpace, VariantList, expand, load_space
 
@@ -45,16 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    prepare_prefect_database()
-    stop_on_signals(base.tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
-    start_early()  # while the checks below and the flow's modules import torch and transformers
-    try:
-        for config in configs:  # lengths, memory: before anything is loaded
-            check_fit(config)
-    except UserInputError as err:
-        stop_early()
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    refused = prepare_flow(configs, base.tracking)
+    if refused is not None:
+        return refused
     if space.method == "optuna":
         settings = space.optuna
         print(f"sweep {space.name}: {space.trials} Optuna trials ({settings.sampler}, pruner {settings.pruner})")
