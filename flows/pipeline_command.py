@@ -15,7 +15,7 @@ import sys
 
 from flows.prefect_home import prepare_prefect_database
 from flows.temporary_server import start_early, stop_early
-from flows.terminal import exit_code_of, stop_on_signals
+from flows.terminal import Interrupted, exit_code_of, stop_on_signals, stopped_before_the_flow
 from rlhf.config import PipelineConfig, TrackingConfig, load_config
 from rlhf.errors import UserInputError
 from rlhf.preflight import check_fit, check_inputs
@@ -24,7 +24,8 @@ from rlhf.preflight import check_fit, check_inputs
 def prepare_flow(configs: list[PipelineConfig], tracking: TrackingConfig) -> int | None:
     """After the configs and their inputs are checked (`check_inputs`): the Prefect database, Ctrl-C and SIGTERM
     handling, the temporary server started, then `check_fit` of each config while torch and transformers import.
-    Returns 2 (the error printed, the server stopped) where one does not fit, else None."""
+    Returns 2 (the error printed, the server stopped) where one does not fit, 130 or 143 where Ctrl-C or SIGTERM
+    came meanwhile, else None."""
     prepare_prefect_database()
     stop_on_signals(tracking)  # Ctrl-C and SIGTERM: state kept, runs KILLED, no server left
     start_early()  # while the checks below and the flow's modules import torch and transformers
@@ -35,6 +36,9 @@ def prepare_flow(configs: list[PipelineConfig], tracking: TrackingConfig) -> int
         stop_early()
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Interrupted as stop:  # Ctrl-C or SIGTERM while torch and transformers import
+        stop_early()
+        return stopped_before_the_flow(stop.signum)
     return None
 
 

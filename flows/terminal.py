@@ -237,6 +237,14 @@ def _stopped(signum: int) -> int:
     return 128 + signum
 
 
+def stopped_before_the_flow(signum: int) -> int:
+    """After Ctrl-C or SIGTERM during the checks before the flow (nothing trained, no MLflow run started): one
+    sentence, 128 + the signal's number."""
+    name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"stopped by {name} before the run started: nothing was trained or logged", file=sys.stderr)
+    return 128 + signum
+
+
 def prefect_api_problem(timeout: float = 5.0) -> str | None:
     """The sentence for a Prefect server that PREFECT_API_URL (the environment or the Prefect profile) names and that
     does not answer: without it the flow would retry its first call for minutes, then end in a traceback."""

@@ -351,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckoutError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handling is in place (flows/terminal.py): no traceback
+        print(f"rlhf {name}: stopped by Ctrl-C (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import seed_prefect_home
 
 from rlhf import cli
 
@@ -158,3 +159,30 @@ def test_ui_stops_every_process_it_started_on_sigterm(tmp_path):
     assert took < 60, f"{took:.0f} s to stop"
     _, alive = psutil.wait_procs(list(seen.values()), timeout=5)
     assert [(p.pid, p.cmdline()[:4]) for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_checks_import_torch_is_one_sentence(tmp_path):
+    """Ctrl-C to the terminal's process group once the early temporary Prefect server is up, i.e. while the checks
+    before the flow import torch and transformers: exit code 130, one sentence and no traceback, the server gone and
+    nothing trained."""
+    import psutil
+
+    args = [sys.executable, "-m", "rlhf.cli", "run", "--config", "conf/smoke.yaml"]
+    args += [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"runtime.output_dir={tmp_path}/out"]
+    env = {**ENV, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect")}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    children: list = []
+    deadline = time.monotonic() + 120
+    while not children and proc.poll() is None and time.monotonic() < deadline:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        time.sleep(0.05)
+    assert children, "the temporary Prefect server starts before the checks that import torch"
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "stopped by Ctrl-C (SIGINT)" in err, err
+    psutil.wait_procs(children, timeout=10)
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+    assert not (tmp_path / "out" / "supervised_finetune").exists()

@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from rlhf.config.base import Section, format_validation_error, read_yaml
+from rlhf.config.base import Section, format_validation_error, read_yaml, safe_load
 from rlhf.config.sections import DataConfig, RuntimeConfig, TrackingConfig
 from rlhf.config.stages import DPOConfig, EvalConfig, PPOConfig, RewardConfig, SFTConfig
 from rlhf.errors import ConfigError
@@ -71,7 +70,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise ConfigError(f"override '{text}' has an empty key")
-    return parts, yaml.safe_load(raw) if raw.strip() else None
+    return parts, safe_load(raw) if raw.strip() else None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -318,7 +318,13 @@ class Tracker:
         from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
         source = self.source_of(run_id)
-        with _FLUENT_LOCK, _use_tracking_uri(self.uri), mlflow.start_run(run_id=run_id), _hub_card_warnings_off():
+        with (
+            _FLUENT_LOCK,
+            _use_tracking_uri(self.uri),
+            mlflow.start_run(run_id=run_id),
+            _hub_card_warnings_off(),
+            _no_requirement_check(),
+        ):
             info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements, tags=source)
         self.client.update_run(run_id, status="RUNNING")  # leaving start_run ended it; the stage ends it
         return info.model_uri
@@ -436,3 +442,22 @@ def _hub_card_warnings_off() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _no_requirement_check() -> Iterator[None]:
+    """MLflow checks a logged model's pip requirements against the installed packages by mapping every installed
+    distribution to its modules (about 2 s on the first call in a process, i.e. once per pipeline run). The
+    requirements `log_transformers_model` gives are the running versions of transformers and torch: the check cannot
+    fail, so it is skipped while logging (the caller holds _FLUENT_LOCK)."""
+    from mlflow.utils import environment
+
+    check = getattr(environment, "warn_dependency_requirement_mismatches", None)
+    if check is None:  # another MLflow: its own check runs
+        yield
+        return
+    environment.warn_dependency_requirement_mismatches = lambda requirements: None
+    try:
+        yield
+    finally:
+        environment.warn_dependency_requirement_mismatches = check
