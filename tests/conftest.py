@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -225,6 +226,52 @@ def harness():
         with utilities.prefect_test_harness(server_startup_timeout=120):
             patch.undo()
             yield
+
+
+@pytest.fixture(scope="session")
+def shared_prefect_api(tmp_path_factory):
+    """The API URL of a `prefect server` this worker starts once (its own seeded home), for the tests whose pipeline
+    processes meet Prefect only in passing (what they check is the terminal, MLflow or the training state): with
+    PREFECT_API_URL set to it, such a process skips starting a temporary server of its own (about 7 s of CPU each).
+    The temporary server's own behaviour is tested where it matters (tests/test_process_faults.py,
+    tests/test_temporary_server.py, tests/test_cli.py, tests/test_bad_inputs.py)."""
+    import time
+
+    import httpx
+
+    tmp = tmp_path_factory.mktemp("shared-prefect")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {"PREFECT_HOME": seed_prefect_home(tmp / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    with open(tmp / "server.log", "wb") as log:
+        proc = subprocess.Popen(
+            [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp / "server.log").read_text()
+            assert time.monotonic() < deadline, "the shared Prefect server did not start"
+            try:
+                if httpx.get(f"{api}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield api
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def free_port() -> int:

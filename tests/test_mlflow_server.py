@@ -133,7 +133,7 @@ def test_smoke_pipeline_logs_to_a_tracking_server(mlflow_server, harness, tmp_pa
     assert list((server_tmp / "artifacts" / "remote-smoke").rglob("model.safetensors"))
 
 
-def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path):
+def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path, shared_prefect_api):
     """The tracking server dies while PPO trains: the run fails with PPO's saved state kept; once the server is back,
     the same command resumes PPO from that state in the same MLflow run, every update logged once.
 
@@ -144,6 +144,7 @@ def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path):
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
     env |= {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    env["PREFECT_API_URL"] = shared_prefect_api  # Prefect in passing: no temporary server for each attempt
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", f"tracking.uri={url}"]
     args += [f"runtime.output_dir={tmp_path}/out", "ppo.save_every=1", "tracking.experiment=server-goes-away"]
     args += ["tracking.log_checkpoints=false", f"tracking.artifact_location={tmp_path}/artifacts"]

@@ -78,16 +78,18 @@ def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_work
         ran_on = {name for name, _, log in workers for v in variants if str(v.id) in log.read_text(errors="replace")}
         assert ran_on == {"w1", "w2"}, "each worker ran one variant"
         client = MlflowClient(uri)
-        for row in table:
+        for row in table:  # each variant's pipeline run, finished, names the worker's flow run it ran in
             run = client.get_run(row["mlflow_run_id"])
             assert run.data.tags["sweep_run_id"] == state.result()["sweep_run_id"]
+            assert run.info.status == "FINISHED"
+            assert run.data.tags["prefect.flow_run_id"] in {str(v.id) for v in variants}
     finally:
         for _, proc, _ in workers:
             stop(proc)
         server.close()
 
 
-def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_region(tmp_path):
+def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_region(tmp_path, shared_prefect_api):
     """`rlhf sweep` of an Optuna space, SIGKILLed once its first trial is complete; started again, it keeps that
     trial (not re-run), asks the killed trial's point again, and the median pruner stops the trial in the
     deliberately bad region (sampling temperature 3: word salad) at its first periodic evaluation."""
@@ -113,6 +115,7 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
     args += [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art"]
     args += [f"runtime.output_dir={tmp_path}/out", "sft.steps=120", "ppo.eval_every=1", "ppo.eval_prompts=16"]
     env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    env["PREFECT_API_URL"] = shared_prefect_api  # Prefect in passing: no temporary server for each attempt
 
     def run(name: str):
         log = tmp_path / f"{name}.log"

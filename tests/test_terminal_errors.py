@@ -14,8 +14,12 @@ from conftest import REPO, seed_prefect_home
 from rlhf.errors import CheckpointWriteError, DataError, NonFiniteError
 
 
-def run_pipeline(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+def run_pipeline(tmp_path, *overrides: str, prefect_api: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m flows.pipeline` on conf/smoke.yaml; against the worker's shared Prefect server when given one (a
+    run that gets to its flow), else with its own temporary server."""
     env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml"]
     args += [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"runtime.output_dir={tmp_path}/out", *overrides]
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -53,12 +57,12 @@ def test_a_file_without_preference_pairs_is_refused_from_its_first_rows(tmp_path
 
 
 @pytest.mark.slow
-def test_bad_data_found_inside_the_flow_is_one_sentence(tmp_path):
+def test_bad_data_found_inside_the_flow_is_one_sentence(tmp_path, shared_prefect_api):
     # HH layout, but every pair's two answers are the same: only the full validation inside the task sees it
     path = tmp_path / "pairs.jsonl"
     text = "\n\nHuman: Review of The Silent River:\n\nAssistant: the plot was superb."
     path.write_text("\n".join(json.dumps({"chosen": text, "rejected": text}) for _ in range(40)) + "\n")
-    proc = run_pipeline(tmp_path, "data.source=local", f"data.path={path}")
+    proc = run_pipeline(tmp_path, "data.source=local", f"data.path={path}", prefect_api=shared_prefect_api)
     assert "Beginning flow run" in proc.stdout + proc.stderr
     assert_one_sentence(proc, str(path))
 
@@ -164,7 +168,7 @@ def test_a_non_finite_loss_mid_run_is_one_sentence_and_every_record_is_complete(
 
     from mlflow.tracking import MlflowClient
 
-    proc = run_pipeline(tmp_path, "reward.lr=1e30", "reward.warmup_ratio=0")
+    proc = run_pipeline(tmp_path, "reward.lr=1e30", "reward.warmup_ratio=0")  # its Prefect database: read below
     output = proc.stdout + proc.stderr
     assert proc.returncode == 3, output
     assert "Traceback" not in output, output

@@ -1,6 +1,6 @@
 """The Prefect UI path: a real `prefect server`, the deployments of flows/serve.py and of prefect.yaml, and
-pipeline runs triggered through the API, executed by the serve process and by a process-pool worker, watched to
-completion.
+pipeline runs triggered through the API, executed by the serve process, watched to completion (process-pool workers
+running them: tests/test_sweep_parallel.py).
 
 Starts subprocesses on free loopback ports (always killed afterwards). About a minute on two cores;
 deselect with ``pytest -k "not server"``.
@@ -276,7 +276,10 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     assert link in by_key["rlhf-mlflow-run"]["data"]
 
 
-def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(prefect_server):
+def test_prefect_yaml_deploys_every_deployment_to_its_process_pool(prefect_server):
+    """`prefect deploy --all` from the checkout: every deployment of prefect.yaml on the `rlhf-local` process pool,
+    with its entrypoint and schedule. (Process workers running the pipeline deployment's flow runs:
+    tests/test_sweep_parallel.py, whose variants are flow runs of this deployment picked up by two workers.)"""
     api, env, tmp = prefect_server
     pool = request("POST", f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"})
     assert pool.status_code == 201, pool.text
@@ -293,26 +296,16 @@ def test_prefect_yaml_deploys_to_a_process_pool_whose_worker_runs_the_pipeline(p
     assert nightly["work_pool_name"] == "rlhf-local"
     assert [(s["schedule"]["cron"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", True)]
     for name, entrypoint in (("rlhf-sweep-run/quick-form", "rlhf_sweep_run"), ("rlhf-run/quick-form", "rlhf_run")):
-        assert request("GET", f"{api}/deployments/name/{name}").json()["entrypoint"] == f"flows/form.py:{entrypoint}"
+        deployment = request("GET", f"{api}/deployments/name/{name}").json()
+        assert deployment["entrypoint"] == f"flows/form.py:{entrypoint}"
+        assert deployment["work_pool_name"] == "rlhf-local"
     pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/full-config").json()
     assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
-
-    # a process worker picks the run up and executes it in the checkout (the deployment's working folder)
-    uri, config, flow_run_id = trigger_tiny_run(api, pipeline["id"], tmp / "worker")
-    log = tmp / "worker.log"
-    worker = start([str(BIN / "prefect"), "worker", "start", "--pool", "rlhf-local", "--limit", "1"], env, log)
-    try:
-        state = wait_until(lambda: _flow_run_state(api, flow_run_id), 300, "the worker's flow run", worker, log)
-        assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
-    finally:
-        stop(worker)
-    flow_run = request("GET", f"{api}/flow_runs/{flow_run_id}").json()
-    assert flow_run["work_pool_name"] == "rlhf-local"
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(config.tracking.experiment)
-    (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "stage" not in r.data.tags]
-    assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
-    assert parent.info.status == "FINISHED"
+    assert pipeline["work_pool_name"] == "rlhf-local"
+    # the pipeline's parameters are conf/default.yaml's (test_prefect_yaml_parameters_match_the_conf_files)
+    assert PipelineConfig.model_validate(pipeline["parameters"]["config"]) == load_config(
+        REPO / "conf" / "default.yaml"
+    )
 
 
 def test_prefect_yaml_parameters_match_the_conf_files():
