@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -114,19 +115,21 @@ def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path
         stop(proc)
 
 
-def trigger_tiny_run(api: str, deployment_id: str, folder: Path) -> tuple[str, PipelineConfig, str]:
+def trigger_tiny_run(
+    api: str, deployment_id: str, folder: Path, later: bool = False
+) -> tuple[str, PipelineConfig, str]:
     """Create a flow run of a pipeline deployment with a tiny config writing under `folder` (as the UI's form
-    would); returns (MLflow URI, config, flow-run id)."""
+    would); `later`: scheduled a day ahead, so that no runner starts it. Returns (MLflow URI, config, flow-run id)."""
     uri = f"sqlite:///{folder}/mlflow.db"
     config = load_config(
         REPO / "conf" / "smoke.yaml",
         [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={folder}/art", f"runtime.output_dir={folder}/out"],
     )
-    created = request(
-        "POST",
-        f"{api}/deployments/{deployment_id}/create_flow_run",
-        json={"parameters": {"config": config.model_dump(mode="json")}},
-    )
+    body: dict = {"parameters": {"config": config.model_dump(mode="json")}}
+    if later:
+        when = (datetime.now(timezone.utc) + timedelta(days=1)).isoformat()
+        body["state"] = {"type": "SCHEDULED", "state_details": {"scheduled_time": when}}
+    created = request("POST", f"{api}/deployments/{deployment_id}/create_flow_run", json=body)
     assert created.status_code == 201, created.text
     return uri, config, created.json()["id"]
 
@@ -209,8 +212,12 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
             run_schema["config_file"]["enum"]
         )
 
-        # trigger a run as the UI's "Run" button does, with a tiny config writing to temp folders
-        uri, config, flow_run_id = trigger_tiny_run(api, deployment["id"], tmp / "served")
+        # a run as the UI's "Run" button creates it, with a tiny config writing to temp folders: accepted with its
+        # typed config, scheduled a day ahead (the same deployment's runs are executed by process workers in
+        # tests/test_sweep_parallel.py; the serve process executes the short form's run below)
+        _, config, later_id = trigger_tiny_run(api, deployment["id"], tmp / "served", later=True)
+        later = request("GET", f"{api}/flow_runs/{later_id}").json()
+        assert PipelineConfig.model_validate(later["parameters"]["config"]) == config
         # ... and one from the short form: a shipped config and two overrides (plus the temp folders)
         folder = tmp / "form"
         form_uri = f"sqlite:///{folder}/mlflow.db"
@@ -238,8 +245,6 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         form_runs = request("POST", f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [form["id"]]}}})
         assert [r["id"] for r in form_runs.json()] == [form_run_id]
 
-        state = wait_until(lambda: _flow_run_state(api, flow_run_id), 300, "the flow run", serve, log)
-        assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
         state = wait_until(lambda: _flow_run_state(api, form_run_id), 300, "the form's flow run", serve, log)
         assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
     finally:
@@ -254,8 +259,9 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     assert form_parent.data.params["ppo.kl_coef"] == "0.1" and form_parent.data.params["seed"] == "1"
     assert form_parent.data.tags["prefect.flow_run_id"] == form_run_id
 
+    assert request("GET", f"{api}/flow_runs/{later_id}").json()["state"]["type"] == "SCHEDULED"
     artifacts = request(
-        "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+        "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [form_run_id]}}}
     ).json()
     progress = {a["description"].split(":")[0]: a for a in artifacts if a["type"] == "progress"}
     assert set(progress) == {"RLHF pipeline", "sft", "reward", "ppo"}  # the stages, and each trainer's steps
@@ -267,11 +273,8 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     table = json.loads(by_key["rlhf-evaluation"]["data"])
     assert {"eval/kl", "reward/eval_accuracy"} <= {row["metric"] for row in table}
 
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(config.tracking.experiment)
-    (parent,) = [r for r in client.search_runs([experiment.experiment_id]) if "stage" not in r.data.tags]
-    assert parent.data.tags["prefect.flow_run_id"] == flow_run_id
-    link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}"
+    experiment = form_client.get_experiment_by_name(config.tracking.experiment)
+    link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{form_parent.info.run_id}"
     link += "?workflowType=machine_learning"
     assert link in by_key["rlhf-mlflow-run"]["data"]
 
