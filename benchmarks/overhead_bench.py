@@ -4,7 +4,8 @@
     make bench-overhead ARGS="--config conf/smoke.yaml --rounds 1"     # a quick run
 
 Each run is a fresh Python process with an empty output folder, MLflow store and PREFECT_HOME of its own (a temp
-folder), and the two variants alternate (A, B, A, B, ...):
+folder; ``--prefect-home-from DIR`` starts that home from DIR's migrated database instead of migrating a new one),
+and the two variants alternate (A, B, A, B, ...):
 
 - A, ``prefect``: what ``make run`` does (flows/pipeline.py ``main``): load the config, preflight, create the Prefect
   database, then the ``rlhf_pipeline`` flow with its six cached tasks, each stage an MLflow child run logging
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -304,10 +306,15 @@ def load1() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0]) if Path("/proc/loadavg").is_file() else float("nan")
 
 
-def run_child(variant: str, config: str, folder: Path, quiet: bool) -> dict:
+def run_child(variant: str, config: str, folder: Path, quiet: bool, prefect_home_from: str | None = None) -> dict:
     """One variant in a fresh process (its own PREFECT_HOME, output folder and MLflow store); its wall time from
-    spawn to exit is `process`."""
+    spawn to exit is `process`. `prefect_home_from`: a Prefect home whose migrated database (prefect.db and its
+    database.ready mark) the run's home starts from, as on a machine that ran the pipeline before."""
     folder.mkdir(parents=True)
+    if prefect_home_from:
+        (folder / "prefect").mkdir()
+        for name in ("prefect.db", "database.ready"):
+            shutil.copyfile(Path(prefect_home_from) / name, folder / "prefect" / name)
     result_file = folder / "result.json"
     env = {**os.environ, **ENV, "PREFECT_HOME": str(folder / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("PREFECT_API_URL", None)  # an ephemeral server of its own, as `make run` without a server
@@ -336,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of A then B (each a fresh process)")
     parser.add_argument("--variants", default="prefect,library", help="which to run, in this order, each round")
     parser.add_argument("--json", help="also write every run's times and figures to this file")
+    parser.add_argument(
+        "--prefect-home-from",
+        metavar="DIR",
+        help="start each run's Prefect home from this one's migrated database (default: an empty home, migrated)",
+    )
     parser.add_argument("--verbose", action="store_true", help="show the runs' output (default: logged, hidden)")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="report on runs saved with --json; runs nothing")
     parser.add_argument("--variant", choices=("prefect", "library"), help=argparse.SUPPRESS)
@@ -357,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="overhead-bench-") as tmp:
         for round_ in range(args.rounds):
             for variant in args.variants.split(","):
-                result = run_child(variant, config, Path(tmp) / f"{variant}-{round_}", quiet=not args.verbose)
+                folder = Path(tmp) / f"{variant}-{round_}"
+                result = run_child(variant, config, folder, not args.verbose, args.prefect_home_from)
                 runs[variant].append(result)
                 if args.json:  # after every run: an interrupted bench keeps what it measured
                     Path(args.json).write_text(json.dumps(runs, indent=1))

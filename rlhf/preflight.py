@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,9 @@ def check_device(device: str) -> None:
 
 
 def check_output_dir(output_dir: str) -> None:
-    """`runtime.output_dir` is a folder this process can create and write in (nothing is created here)."""
+    """`runtime.output_dir` is a folder this process can create and write in (nothing is left behind here): its
+    nearest existing folder is writable by this user, and a file can be made there (root passes every permission
+    check, but not on a pseudo or read-only file system such as /proc)."""
     path = Path(output_dir).expanduser().absolute()
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is None:
@@ -130,6 +133,14 @@ def check_output_dir(output_dir: str) -> None:
             f"runtime.output_dir: {output_dir} cannot be written ({existing} is not writable by this user); name a "
             "folder you can write in"
         )
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # deleted at once (never linked, where the system can)
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"runtime.output_dir: {output_dir} cannot be written (no file can be made in {existing}: "
+            f"{err.strerror or err}); name a folder you can write in"
+        ) from None
 
 
 def device_type(config: PipelineConfig) -> str:

@@ -595,6 +595,12 @@ CASES: list[Case] = [
     ),
     Case(
         "environment",
+        "output-dir-on-proc",  # writable by root's permissions, yet no file can be made there
+        lambda f, a: ["runtime.output_dir=/proc/rlhf-out"],
+        ("runtime.output_dir: /proc/rlhf-out cannot be written",),
+    ),
+    Case(
+        "environment",
         "hub-offline",
         lambda f, a: ["sft.model=EleutherAI/pythia-14m"],
         ("sft.model: 'EleutherAI/pythia-14m' is not a local folder", "HF_HUB_OFFLINE=1"),

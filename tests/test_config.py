@@ -254,7 +254,11 @@ def test_preflight_refuses_an_output_folder_that_cannot_be(tmp_path):
         check_output_dir(str(tmp_path / "file"))
     with pytest.raises(ConfigError, match=r"runtime.output_dir: .*file/out would be inside .*file, which is a file"):
         check_output_dir(str(tmp_path / "file" / "out"))
+    # root passes every permission check, but no file can be made on /proc
+    with pytest.raises(ConfigError, match=r"runtime.output_dir: /proc/rlhf-out cannot be written \(no file can be"):
+        check_output_dir("/proc/rlhf-out")
     assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe file is gone
 
 
 def test_invalid_yaml_is_one_line_with_its_position(tmp_path):
