@@ -7,13 +7,11 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pandas as pd
 
 from rlhf.tracking.default_view import VIEW_TAG, default_view_json
 from rlhf.tracking.metrics_writer import BatchedLog, LogFn, StepRecord
+from rlhf.tracking.model_logging import hub_card_warnings_off, no_requirement_check
 from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: imported from here by the flows)
     HOST_TAG,
     PID_TAG,
@@ -322,8 +321,8 @@ class Tracker:
             _FLUENT_LOCK,
             _use_tracking_uri(self.uri),
             mlflow.start_run(run_id=run_id),
-            _hub_card_warnings_off(),
-            _no_requirement_check(),
+            hub_card_warnings_off(),
+            no_requirement_check(),
         ):
             info = mlflow.transformers.log_model(pipeline, name=name, pip_requirements=requirements, tags=source)
         self.client.update_run(run_id, status="RUNNING")  # leaving start_run ended it; the stage ends it
@@ -429,35 +428,3 @@ def experiment_names(uri: str) -> list[str]:
     from mlflow.tracking import MlflowClient
 
     return [e.name for e in MlflowClient(tracking_uri=resolve_tracking_uri(uri)).search_experiments()]
-
-
-@contextlib.contextmanager
-def _hub_card_warnings_off() -> Iterator[None]:
-    """MLflow's transformers flavour looks a logged model up on the hub for its model card and licence and warns on
-    every run when a local checkpoint has neither; those two warnings say nothing about the run: quiet while logging."""
-    logger = logging.getLogger("mlflow.transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-@contextlib.contextmanager
-def _no_requirement_check() -> Iterator[None]:
-    """MLflow checks a logged model's pip requirements against the installed packages by mapping every installed
-    distribution to its modules (about 2 s on the first call in a process, i.e. once per pipeline run). The
-    requirements `log_transformers_model` gives are the running versions of transformers and torch: the check cannot
-    fail, so it is skipped while logging (the caller holds _FLUENT_LOCK)."""
-    from mlflow.utils import environment
-
-    check = getattr(environment, "warn_dependency_requirement_mismatches", None)
-    if check is None:  # another MLflow: its own check runs
-        yield
-        return
-    environment.warn_dependency_requirement_mismatches = lambda requirements: None
-    try:
-        yield
-    finally:
-        environment.warn_dependency_requirement_mismatches = check
