@@ -34,7 +34,9 @@ from tasks.caching import run_stage, runtime_key
 from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.stage_table import stage_of, stages_of
 from tasks.stages import (
+    OVEROPTIMISATION_TAG,
     TRAIN_SECONDS,
+    combine_reward_ensemble,
     evaluate_policies,
     init_policy_models,
     prepare_preferences,
@@ -122,23 +124,42 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
         progress.done(stage_of(sft_model.stage).label)
     if config.reward.source == "function":  # a reward function scores: no reward model to train
         return Upstream(prepared, sft_model, None)
-    reward_model = run_stage(
-        train_reward_model,
-        reward_cfg=config.reward,
-        sft_model=sft_model,
-        prepared=prepared,
-        seed=config.seed,
-        **common,
+    # member k of an ensemble trains with its own seed; member 0 is the single reward model of the same config
+    members = [
+        run_stage(
+            train_reward_model,
+            reward_cfg=config.reward.member_config(),
+            sft_model=sft_model,
+            prepared=prepared,
+            seed=member_seed(config.seed, k),
+            **common,
+        )
+        for k in range(config.reward.ensemble_size)
+    ]
+    if progress:
+        progress.done(stage_of(members[0].stage).label)
+    if not config.reward.is_ensemble:
+        return Upstream(prepared, sft_model, members[0])
+    ensemble = run_stage(
+        combine_reward_ensemble, reward_cfg=config.reward.member_config(), members=members, prepared=prepared, **common
     )
     if progress:
-        progress.done(stage_of(reward_model.stage).label)
-    return Upstream(prepared, sft_model, reward_model)
+        progress.done(stage_of(ensemble.stage).label)
+    return Upstream(prepared, sft_model, ensemble)
+
+
+MEMBER_SEED_STRIDE = 7919  # member k's seed is the run's seed plus k times this (seed s's members are not s + 1's)
+
+
+def member_seed(seed: int, member: int) -> int:
+    """The seed of reward-ensemble member `member` (member 0: the run's seed, as a single reward model has)."""
+    return seed + MEMBER_SEED_STRIDE * member
 
 
 def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialRef | None = None) -> dict[str, Any]:
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
     common = {"runtime": config.runtime, "tracking": tracking}
-    stages = stages_of(config.algorithm, config.reward.source)
+    stages = stages_of(config.algorithm, config.reward.source, config.reward.is_ensemble)
     progress = StageProgress([stage.label for stage in stages])  # a progress artifact in the Prefect UI
     prepared, sft_model, reward_model = run_upstream(config, tracking, progress)
     # the reward function, where one scores: its name and source file are in the cache keys of the stages using it
@@ -188,6 +209,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     summary: dict[str, Any] = {
         **({"reward/eval_accuracy": reward_model.metrics["reward/eval_accuracy"]} if reward_model else {}),
         **evaluation.metrics,
+        **{k: v for k, v in policy.metrics.items() if k.startswith("overoptimisation/")},
         POLICY_LABEL: policy_label(config),
         "data": prepared.path,
         "data_digest": prepared.digest,
@@ -216,8 +238,12 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     }
     summary |= cache_tags(tracking, outputs)
     summary |= resume_links(tracking)  # the killed run whose stage this one continued
-    if evaluation.warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
-        summary[EVAL_WARNING_TAG] = "\n".join(evaluation.warnings)
+    alarm = getattr(policy, "alarm", "")  # the PPO stage's over-optimisation alarm, at a periodic evaluation
+    if alarm:
+        summary[OVEROPTIMISATION_TAG] = alarm
+    warnings = [f"PPO's periodic evaluation: {alarm}"] * bool(alarm) + evaluation.warnings
+    if warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
+        summary[EVAL_WARNING_TAG] = "\n".join(warnings)
     if tracking.registered_model:
         summary["registered_policy"] = register_policy(tracking, summary)
     return summary

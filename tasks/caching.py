@@ -97,6 +97,8 @@ def _key_part(stage: str, value: Any) -> Any:
         return runtime_key(stage, value)
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
+    if isinstance(value, list | tuple):  # a list of stage outputs (an ensemble's members): their digests
+        return [_key_part(stage, item) for item in value]
     return value
 
 

@@ -37,7 +37,10 @@ class SFTModel(StageOutput):
 
 
 class RewardModel(StageOutput):
-    """`train_reward_model`: the reward-model checkpoint (best held-out accuracy)."""
+    """`train_reward_model`: the reward-model checkpoint (best held-out accuracy); `combine_reward_ensemble`: the
+    ensemble's folder, with its `members`' checkpoints (empty for one reward model)."""
+
+    members: list[str] = []
 
 
 class PolicyInit(StageOutput):
@@ -57,6 +60,7 @@ class PPOPolicy(StageOutput):
 
     value_path: str
     updates: int
+    alarm: str = ""  # the over-optimisation alarm's sentence where it fired at a periodic evaluation
 
 
 class DPOPolicy(StageOutput):

@@ -22,6 +22,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("prepare_preferences", "data", "data"),
     Stage("supervised_finetune", "sft", "SFT"),
     Stage("train_reward_model", "reward", "reward model"),
+    Stage("combine_reward_ensemble", "ensemble", "reward ensemble"),
     Stage("init_policy_models", "init", "PPO init"),
     Stage("train_policy_ppo", "ppo", "PPO"),
     Stage("train_policy_dpo", "dpo", "DPO"),
@@ -31,12 +32,15 @@ STAGE_TASKS: tuple[str, ...] = tuple(stage.task for stage in STAGES)
 _BY_TASK = {stage.task: stage for stage in STAGES}
 
 
-def stages_of(algorithm: str = "ppo", reward_source: str = "model") -> tuple[Stage, ...]:
+def stages_of(algorithm: str = "ppo", reward_source: str = "model", ensemble: bool = False) -> tuple[Stage, ...]:
     """The stages a pipeline of `algorithm` ('ppo': init and the RL stage; 'dpo': the DPO stage) runs, without the
-    reward-model stage where a reward function scores (`reward_source` 'function')."""
+    reward-model stage where a reward function scores (`reward_source` 'function'), with the ensemble's stage where
+    `ensemble` (reward.ensemble_size > 1: its members are reward-model stages)."""
     skipped = {"train_policy_dpo"} if algorithm == "ppo" else {"init_policy_models", "train_policy_ppo"}
     if reward_source == "function":
         skipped.add("train_reward_model")
+    if not ensemble:
+        skipped.add("combine_reward_ensemble")
     return tuple(stage for stage in STAGES if stage.task not in skipped)
 
 

@@ -22,6 +22,7 @@ from rlhf.ppo.models import run_choices
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
 from rlhf.train import dpo as dpo_training
 from rlhf.train import reward as reward_training
+from rlhf.train import reward_ensemble
 from rlhf.train import sft as sft_training
 from tasks.caching import content_cache_key, current_stage_dir
 from tasks.faults import injected_failure, retry_unless_user_error
@@ -32,6 +33,8 @@ from tasks.tracking import TrackingContext, training_logger
 
 # the MLflow tag of a policy stage's run (and the pipeline's) that says which algorithm trained the policy
 ALGORITHM_TAG = "rlhf.algorithm"
+# the MLflow tag of a PPO stage's run (and the pipeline's) whose over-optimisation alarm fired: its sentence
+OVEROPTIMISATION_TAG = "rlhf.overoptimisation_alarm"
 TRAIN_SECONDS = "time/train_s"  # a policy stage's wall time (of the attempt that finished it), in its output's metrics
 
 STAGE = dict(
@@ -138,7 +141,7 @@ def train_reward_model(
     """Train a scalar-head reward model, initialised from the SFT checkpoint, on the preference pairs."""
     configure_cpu(runtime.threads)
     folder = current_stage_dir()
-    params = flatten(reward_cfg, "reward")
+    params = {**flatten(reward_cfg, "reward"), "seed": seed}
     with stage_run(tracking, "train_reward_model", folder, params, resume=True) as (tracker, run_id):
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
         steps = reward_training.total_steps(reward_cfg, prepared.manifest["rows"]["train"])
@@ -161,6 +164,35 @@ def train_reward_model(
     )
 
 
+@task(name="combine_reward_ensemble", tags=["gpu"], **STAGE)
+def combine_reward_ensemble(
+    reward_cfg: RewardConfig,
+    members: list[RewardModel],
+    prepared: PreparedData,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
+) -> RewardModel:
+    """Make one reward-model ensemble of the trained members: their held-out accuracies, agreement and
+    disagreement, each member's offset (reward.ensemble_size > 1)."""
+    configure_cpu(runtime.threads)
+    folder = current_stage_dir()
+    params = {"reward.ensemble_size": len(members), "reward.ensemble_objective": reward_cfg.ensemble_objective}
+    with stage_run(tracking, "combine_reward_ensemble", folder, params) as (tracker, run_id):
+        paths = [member.path for member in members]
+        tracker.log_params(run_id, {f"member_{k}": path for k, path in enumerate(paths)})
+        result = reward_ensemble.build_ensemble(
+            reward_cfg, runtime, paths, f"{prepared.path}/eval.parquet", folder, tracker.metric_logger(run_id)
+        )
+    return RewardModel(
+        stage="combine_reward_ensemble",
+        path=result.path,
+        digest=result.digest,
+        mlflow_run_id=run_id,
+        metrics=result.metrics,
+        members=paths,
+    )
+
+
 @task(name="init_policy_models", tags=["gpu"], **STAGE)
 def init_policy_models(
     sft_model: SFTModel,
@@ -175,10 +207,11 @@ def init_policy_models(
     (reward.source: function) `reward_model` is empty and gae's value model starts from the SFT model."""
     folder = current_stage_dir()
     reward_path = reward_model.path if reward_model is not None else ""
+    value_from = reward_model.members[0] if reward_model is not None and reward_model.members else reward_path
     init = {
         "policy_init": sft_model.path,
         "reference_init": sft_model.path,
-        "value_init": (reward_path or sft_model.path) if critic else "",
+        "value_init": (value_from or sft_model.path) if critic else "",
         "reward_model": reward_path,
     }
     with stage_run(tracking, "init_policy_models", folder, init) as (tracker, run_id):
@@ -251,6 +284,8 @@ def train_policy_ppo(
             on_eval=pruning_reporter(trial) if trial is not None else None,
             stop_after=stop_after,
         )
+        if result.alarm:  # the over-optimisation alarm fired at a periodic evaluation
+            tracker.set_tags(run_id, {OVEROPTIMISATION_TAG: result.alarm})
         if ppo_cfg.record_rollouts:
             tracker.log_artifacts(run_id, folder / "rollouts", "rollouts")
             # a sample of the rollouts every few updates, as an MLflow table (the run's artifacts, and Evaluation)
@@ -272,6 +307,7 @@ def train_policy_ppo(
         metrics={**result.metrics, TRAIN_SECONDS: time.perf_counter() - started},
         value_path=result.value_path,
         updates=result.updates,
+        alarm=result.alarm,
     )
 
 

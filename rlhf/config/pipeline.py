@@ -55,6 +55,11 @@ class PipelineConfig(Section):
                 self.data.tokenizer_revision = self.sft.revision
             if self.data.tokenizer_gguf_file is None:
                 self.data.tokenizer_gguf_file = self.sft.gguf_file
+        if self.reward.is_ensemble and self.runtime.sharding == "fsdp":
+            raise ValueError(
+                f"reward.ensemble_size {self.reward.ensemble_size} with runtime.sharding 'fsdp': an ensemble's members "
+                "are not sharded; use one reward model or runtime.sharding: none"
+            )
         if self.data.max_length_tokens is not None and self.data.tokenizer is None:
             raise ValueError(
                 "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"

@@ -126,6 +126,28 @@ class RewardConfig(Section):
         "blocks and the scalar head train, which keeps no gradients, optimizer states or backward activations for "
         "the frozen ones (a pretrained trunk's features on a CPU or a small GPU; conf/real.yaml). 0 trains all.",
     )
+    ensemble_size: int = Field(
+        1,
+        ge=1,
+        description="Reward models in the ensemble (K). Member i trains as the single model does, from the SFT "
+        "checkpoint with its own seed (its head and data order; member 0 is the single model of the same config, "
+        "shared with it in the cache), and the policy stage scores with all of them (`ensemble_objective`). "
+        "docs/overoptimisation.md.",
+    )
+    bootstrap: bool = Field(
+        False,
+        description="Train each ensemble member on a bootstrap resample of the training pairs (drawn with "
+        "replacement, with the member's seed) rather than on all of them: members that differ in their data too.",
+    )
+    ensemble_objective: Literal["mean", "uwo", "wco"] = Field(
+        "mean",
+        description="The score an ensemble gives the policy stage (Coste et al. 2023): 'mean' of the members, "
+        "'uwo' (the mean minus uncertainty_coef times the members' variance) or 'wco' (the members' minimum). "
+        "No effect with one model.",
+    )
+    uncertainty_coef: float = Field(
+        1.0, ge=0, description="'uwo': the weight of the members' variance subtracted from their mean."
+    )
 
     @model_validator(mode="after")
     def _function_given(self) -> RewardConfig:
@@ -135,9 +157,28 @@ class RewardConfig(Section):
             raise ValueError("reward.function_weight needs reward.function ('module:callable')")
         return self
 
+    @model_validator(mode="after")
+    def _ensemble_of_models(self) -> RewardConfig:
+        if self.source == "function" and self.ensemble_size > 1:
+            raise ValueError(
+                f"reward.ensemble_size {self.ensemble_size} needs reward models to train: reward.source is 'function' "
+                "(set reward.source: model, with reward.function_weight to add the function to the ensemble's score)"
+            )
+        return self
+
     @property
     def uses_function(self) -> bool:
         return self.function is not None and (self.source == "function" or self.function_weight != 0)
+
+    @property
+    def is_ensemble(self) -> bool:
+        return self.source == "model" and self.ensemble_size > 1
+
+    def member_config(self) -> RewardConfig:
+        """What one member's training reads: this section without the ensemble's own keys (at their defaults), so
+        member 0 of an ensemble is the single reward model of the same config (one cache entry)."""
+        ensemble_keys = ("ensemble_size", "ensemble_objective", "uncertainty_coef")
+        return self.model_copy(update={key: RewardConfig.model_fields[key].default for key in ensemble_keys})
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> RewardConfig:
@@ -291,6 +332,14 @@ class PPOConfig(Section):
         "reference) and ppo_eval/length_mean. 0: off.",
     )
     eval_prompts: int = Field(64, ge=1, description="Held-out prompts of the periodic evaluation (eval_every).")
+    on_overoptimisation: Literal["warn", "stop", "keep_best"] = Field(
+        "warn",
+        description="What the over-optimisation alarm (checked at every periodic evaluation; docs/overoptimisation.md) "
+        "does when it fires: 'warn' (a WARNING line, a run tag, an evaluation row; training goes on), 'stop' (the "
+        "stage ends, its final policy that of the last evaluation before the alarm) or 'keep_best' (training goes on "
+        "and the final policy is that of the evaluation with the best conservative score before the alarm). "
+        "'stop' and 'keep_best' need eval_every.",
+    )
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:
@@ -316,6 +365,15 @@ class PPOConfig(Section):
             raise ValueError(
                 f"ppo.advantage_estimator {self.advantage_estimator} compares the samples of a prompt: it needs "
                 f"ppo.samples_per_prompt of 2 or more (got {self.samples_per_prompt})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _alarm_needs_evaluations(self) -> PPOConfig:
+        if self.on_overoptimisation != "warn" and self.eval_every == 0:
+            raise ValueError(
+                f"ppo.on_overoptimisation '{self.on_overoptimisation}' acts on the periodic evaluations, and "
+                "ppo.eval_every is 0: set ppo.eval_every (e.g. 10) or ppo.on_overoptimisation: warn"
             )
         return self
 

@@ -12,13 +12,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.eval import length_control
+from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
 from rlhf.models.device import compute_dtype, resolve_device
-from rlhf.models.loading import load_causal_lm, load_options, load_reward_model, load_tokenizer
+from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
+from rlhf.models.reward_ensemble import ensemble_objective, load_reward
 from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
 from rlhf.ops import kl_per_token
 from rlhf.rollout.batching import pad_left
@@ -72,9 +75,11 @@ def generate_and_score_prompts(
         mask = resp.mask.float()
         kl = kl_per_token(scored.logprobs, scored.ref_logprobs, "k1") * mask  # (b, r)
         texts = response_texts(tokenizer, resp)  # special tokens inside a response visible
+        members = member_columns(scored.member_scores)
         for i, prompt in enumerate(batch_prompts):
             rows.append(
                 {
+                    **{name: float(column[i]) for name, column in members.items()},
                     "prompt": prompt,
                     "response": texts[i],
                     "score": float(scored.scores[i]),
@@ -84,6 +89,18 @@ def generate_and_score_prompts(
                 }
             )
     return pd.DataFrame(rows)
+
+
+def member_columns(member_scores: Tensor | None) -> dict[str, Tensor]:
+    """An ensemble's per-response columns: its members' mean, std (population) and minimum. Shape: (K, b) -> (b,)
+    each; none without an ensemble."""
+    if member_scores is None:
+        return {}
+    return {
+        "members_mean": member_scores.mean(0),
+        "members_std": member_scores.std(0, unbiased=False),
+        "members_min": member_scores.min(0).values,
+    }
 
 
 def evaluate_policies(
@@ -110,7 +127,8 @@ def evaluate_policies(
     )
     frozen = load_options(runtime, device, trainable=False)
     reference = load_causal_lm(sft_path, device, **frozen).eval()
-    reward = None if reward_path is None else load_reward_model(reward_path, device, **frozen).eval()
+    objective = ensemble_objective(reward_cfg)
+    reward = None if reward_path is None else load_reward(reward_path, device, *objective, **frozen)
     reward_fn, reward_fn_weight = reward_function(reward_cfg)
     settings = GenerationSettings(
         cfg.max_new_tokens or ppo_cfg.max_new_tokens,
@@ -141,11 +159,35 @@ def evaluate_policies(
             models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress
         )
     table, summary, warnings = summarize(prompts, frames["sft"], frames["ppo"], gold_fn, cfg.length_tolerance)
+    signs, alarm = overoptimisation_signs(frames["sft"], frames["ppo"], getattr(reward, "in_distribution_std", 0.0))
+    summary |= signs
+    warnings += alarm
     log(summary, 0)
     with atomic_dir(out_dir) as tmp:
         table.to_parquet(tmp / "completions.parquet", index=False)
         manifest = write_manifest(tmp, stage="evaluate", summary=summary, warnings=warnings)
     return EvalResult(str(out_dir), manifest["digest"], summary, warnings)
+
+
+def overoptimisation_signs(
+    sft: pd.DataFrame, ppo: pd.DataFrame, in_distribution_std: float
+) -> tuple[dict[str, float], list[str]]:
+    """The signs of a gamed reward model that need no gold reward (`rlhf.eval.overoptimisation`): each policy's
+    diversity and, with an ensemble, its members' view, as eval/<policy>_<stat>; and the alarm's rule applied to the
+    trained policy against the SFT policy (eval/overoptimisation_flag, and its warning)."""
+    alarm = OveroptimisationAlarm(in_distribution_std)
+    summary: dict[str, float] = {}
+    for name, frame in (("sft", sft), ("ppo", ppo)):
+        stats = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std)}
+        summary |= {f"eval/{name}_{key}": value for key, value in stats.items()}
+        fired = alarm.check(int(name == "ppo"), stats)
+    summary["eval/overoptimisation_flag"] = float(fired is not None)
+    if fired is None:
+        return summary, []
+    return summary, [
+        f"the trained policy's responses show signs of a gamed reward model against the SFT policy's "
+        f"({'; '.join(fired.reasons)}): its score may rise while its quality falls (docs/overoptimisation.md)"
+    ]
 
 
 def summarize(

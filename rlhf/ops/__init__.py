@@ -30,7 +30,14 @@ from rlhf.ops.losses import (
     policy_loss,
     value_loss,
 )
-from rlhf.ops.rewards import ShapedScores, TokenRewards, per_token_rewards, shape_scores
+from rlhf.ops.rewards import (
+    ENSEMBLE_OBJECTIVES,
+    ShapedScores,
+    TokenRewards,
+    ensemble_scores,
+    per_token_rewards,
+    shape_scores,
+)
 from rlhf.ops.stats import (
     explained_variance,
     masked_mean,
@@ -44,6 +51,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CRITIC_FREE",
     "DPO_LOSS_TYPES",
+    "ENSEMBLE_OBJECTIVES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "AdaptiveKLController",
@@ -59,6 +67,7 @@ __all__ = [
     "aggregate_loss",
     "broadcast_to_tokens",
     "dpo_loss",
+    "ensemble_scores",
     "entropy_from_logits",
     "explained_variance",
     "gae",

@@ -100,3 +100,26 @@ def per_token_rewards(
     rows = torch.arange(m.shape[0], device=m.device)
     rewards[rows, last] += scores.to(rewards.dtype) * has_token
     return TokenRewards(rewards=rewards, non_score_rewards=non_score_rewards, kl=kl)
+
+
+ENSEMBLE_OBJECTIVES: tuple[str, ...] = ("mean", "uwo", "wco")
+
+
+def ensemble_scores(member_scores: Tensor, objective: str = "mean", uncertainty_coef: float = 0.0) -> Tensor:
+    """One score per response from the scores of K reward models (Coste et al. 2023, "Reward Model Ensembles Help
+    Mitigate Overoptimization", section 3).
+
+    'mean': the members' mean. 'uwo' (uncertainty-weighted optimisation): the mean minus ``uncertainty_coef`` times
+    the members' variance (the population variance, divided by K, as in the paper's eq. 3). 'wco' (worst-case
+    optimisation): the members' minimum. With K = 1 every objective is that member's score.
+
+    Shape: member_scores (K, b) -> (b,).
+    """
+    if objective not in ENSEMBLE_OBJECTIVES:
+        raise ValueError(f"unknown ensemble objective {objective!r}: use one of {', '.join(ENSEMBLE_OBJECTIVES)}")
+    if objective == "wco":
+        return member_scores.min(dim=0).values
+    mean = member_scores.mean(dim=0)
+    if objective == "uwo":
+        return mean - uncertainty_coef * member_scores.var(dim=0, unbiased=False)
+    return mean

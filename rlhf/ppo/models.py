@@ -22,6 +22,7 @@ from rlhf.models.loading import (
     load_tokenizer,
 )
 from rlhf.models.reference import load_reference_lm
+from rlhf.models.reward_ensemble import RewardEnsemble, ensemble_objective, load_reward, member_paths, reward_members
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
 from rlhf.models.training import (
     apply_lora,
@@ -42,7 +43,7 @@ class PPOModels:
     policy: PreTrainedModel  # a peft model when LoRA is on
     reference: PreTrainedModel | None  # None with LoRA: the policy with adapters disabled
     value: nn.Module | None  # None with a critic-free estimator (ppo.advantage_estimator other than gae)
-    reward: PreTrainedModel | None  # None with reward.source: function
+    reward: PreTrainedModel | RewardEnsemble | None  # None with reward.source: function
     tokenizer: PreTrainedTokenizerBase
     reward_tokenizer: PreTrainedTokenizerBase
     stop_token_ids: tuple[int, ...]
@@ -127,19 +128,22 @@ def load_models(
         with MODEL_BUILD_LOCK:
             value = PolicyValueHead(unwrap(policy))
     else:
-        value_path = value_path or policy_path
+        value_path = member_paths(value_path or policy_path)[0]  # an ensemble's value model: member 0's
         value = load_reward_model(value_path, device, **trained)
         if not same_vocabulary(tokenizer, load_tokenizer(value_path, trust_remote_code=trust_remote_code)):
             raise ConfigError(f"the value model {value_path} must share the policy's tokenizer (it scores every token)")
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(value)
-    reward = None if reward_path is None else load_reward_model(reward_path, device, **frozen)
+    reward = (
+        None if reward_path is None else load_reward(reward_path, device, *ensemble_objective(reward_cfg), **frozen)
+    )
     reward_fn, reward_fn_weight = reward_function(reward_cfg)
     for frozen_model in (reference, reward):
         if frozen_model is not None:
             frozen_model.requires_grad_(False)
             frozen_model.eval()
-    for model in (policy, value, reward, reference):
+    scorers = reward_members(reward) if reward is not None else []
+    for model in (policy, value, *scorers, reference):
         if model is not None:
             disable_dropout(model)
             use_cpu_kernels(model)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from rlhf.config import PPOConfig
 from rlhf.errors import TrialPruned
 from rlhf.eval.evaluate import generate_and_score_prompts
+from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
@@ -67,10 +70,105 @@ def evaluate_now(
         "ppo_eval/sqrt_kl": sqrt_kl(kl),
         "ppo_eval/length_mean": float(frame["length"].mean()),
     }
+    in_distribution_std = getattr(models.reward, "in_distribution_std", 0.0)
+    signs = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std)}
+    metrics |= {f"{EVAL_PREFIX}{key}": value for key, value in signs.items()}
     if gold_fn is not None:
         gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]
         metrics["ppo_eval/gold"] = float(sum(gold) / len(gold))
     return metrics
+
+
+EVAL_PREFIX = "ppo_eval/"
+ALARM_KEY = "ppo_eval/overoptimisation_alarm"  # 1 at the evaluation where the alarm fired, else 0
+
+
+def alarm_stats(metrics: dict[str, float]) -> dict[str, float]:
+    """The alarm's inputs among an evaluation's ppo_eval/* metrics, without the prefix."""
+    return {key.removeprefix(EVAL_PREFIX): value for key, value in metrics.items() if key.startswith(EVAL_PREFIX)}
+
+
+@dataclass
+class EvalGuard:
+    """The over-optimisation alarm at the periodic evaluations, and what ppo.on_overoptimisation keeps: with 'stop'
+    and 'keep_best' a copy (on the CPU) of the trained policy parameters at the last evaluation the alarm passed,
+    and with 'keep_best' the one with the best conservative score (the ensemble's minimum, the score without one)."""
+
+    mode: str  # ppo.on_overoptimisation
+    alarm: OveroptimisationAlarm
+    last_quiet: dict[str, torch.Tensor] | None = None  # the policy at the last evaluation the alarm passed
+    best: dict[str, torch.Tensor] | None = None
+    best_score: float = float("-inf")
+    best_step: int = -1
+    last_quiet_step: int = -1
+
+    def observe(self, step: int, metrics: dict[str, float], policy: torch.nn.Module) -> bool:
+        """Check the evaluation after `step` updates; whether training stops here ('stop' and the alarm fired)."""
+        stats = alarm_stats(metrics)
+        fired = self.alarm.check(step, stats)
+        metrics[ALARM_KEY] = float(fired is not None)
+        if fired is not None:
+            print(f"WARNING: {fired.sentence()}", flush=True)
+            return self.mode == "stop"
+        if self.mode == "warn" or self.alarm.fired is not None:
+            return False
+        self.last_quiet, self.last_quiet_step = trained_parameters(policy), step
+        score = stats.get("ensemble_min", stats["score"])
+        if self.mode == "keep_best" and score > self.best_score:
+            self.best, self.best_score, self.best_step = self.last_quiet, score, step
+        return False
+
+    @property
+    def in_distribution_std(self) -> float:
+        return self.alarm.in_distribution_std
+
+    def kept(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The step and parameters the final policy takes instead of the last ones (None: the last ones)."""
+        if self.mode == "stop" and self.alarm.fired is not None and self.last_quiet is not None:
+            return self.last_quiet_step, self.last_quiet
+        if self.mode == "keep_best" and self.best is not None:
+            return self.best_step, self.best
+        return None
+
+    def result_metrics(self) -> dict[str, float]:
+        """overoptimisation/*: the update the alarm fired after (-1: it did not) and the update of the kept policy."""
+        kept = self.kept()
+        return {
+            "overoptimisation/alarm_step": float(self.alarm.fired.step if self.alarm.fired else -1),
+            "overoptimisation/kept_step": float(kept[0] if kept else -1),
+        }
+
+
+def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of `model`'s trainable parameters (with LoRA: the adapters)."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
+def restore_parameters(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put `trained_parameters`' copy back into `model`."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in saved.items():
+            params[name].copy_(value)
+
+
+GUARD_FILE = "overoptimisation.pt"  # the guard's state, in the trainer's resume-state folder
+
+
+def save_guard(folder: Path, guard: EvalGuard) -> None:
+    """Keep the guard (the alarm's baseline and state, the kept policy parameters) beside the resume state."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(guard, folder / GUARD_FILE)
+
+
+def load_guard(folder: Path, mode: str, in_distribution_std: float) -> EvalGuard:
+    """The guard a resumed run saved in `folder`, or a new one (`mode`: ppo.on_overoptimisation)."""
+    file = folder / GUARD_FILE
+    if file.is_file():
+        guard = torch.load(file, weights_only=False)  # our own file, written by save_guard
+        guard.mode = mode
+        return guard
+    return EvalGuard(mode, OveroptimisationAlarm(in_distribution_std))
 
 
 def periodic_eval(
@@ -85,20 +183,28 @@ def periodic_eval(
     log: LogFn,
     gold_fn: GoldFn | None,
     on_eval: EvalCallback | None,
-) -> None:
-    """Evaluate after `step` updates: rank 0 generates, logs the metrics at `step` and calls `on_eval`; the other
-    ranks wait. An exception from `on_eval` propagates; with several processes the other ranks then raise
-    `TrialPruned`, so that none is left waiting at the next collective."""
+    guard: EvalGuard | None = None,
+) -> bool:
+    """Evaluate after `step` updates: rank 0 generates, checks the over-optimisation alarm (`guard`), logs the
+    metrics at `step` and calls `on_eval`; the other ranks wait. Returns whether training stops here (the alarm
+    with ppo.on_overoptimisation 'stop'), on every rank. An exception from `on_eval` propagates; with several
+    processes the other ranks then raise `TrialPruned`, so that none is left waiting at the next collective."""
     error: Exception | None = None
+    stop = False
     if dist.is_main:
         metrics = evaluate_now(models, prompts, cfg, settings, seed, dtype, dist.device, gold_fn)
+        if guard is not None:
+            stop = guard.observe(step, metrics, models.policy)
         log(metrics, step)
         if on_eval is not None:
             try:
                 on_eval(step, metrics)
             except Exception as err:  # noqa: BLE001 (re-raised below, after telling the other ranks)
                 error = err
-    if dist.world_size > 1 and distributed.broadcast_object(error is not None) and not dist.is_main:
-        raise TrialPruned(f"rank 0's on_eval stopped training after {step} updates")
+    if dist.world_size > 1:
+        error_seen, stop = distributed.broadcast_object((error is not None, stop))
+        if error_seen and not dist.is_main:
+            raise TrialPruned(f"rank 0's on_eval stopped training after {step} updates")
     if error is not None:
         raise error
+    return stop

@@ -90,3 +90,19 @@ def rollout_stats(
     stats.update(_pcts("dist/response_len", response_len))
     stats.update(_pcts("dist/advantages", advantages, m))
     return stats
+
+
+@torch.no_grad()
+def ensemble_rollout_stats(member_scores: Tensor | None, in_distribution_std: float) -> dict[str, float]:
+    """A reward-model ensemble's view of one rollout batch: its members' mean, std and minimum (means over the
+    responses), and the std over the members' std on held-out chosen responses (`disagreement_ratio`). Shape:
+    member_scores (K, b); empty without an ensemble (None)."""
+    if member_scores is None:
+        return {}
+    std = member_scores.std(0, unbiased=False).mean().item()
+    return {
+        "ensemble/mean": member_scores.mean().item(),
+        "ensemble/std": std,
+        "ensemble/min": member_scores.min(0).values.mean().item(),
+        "ensemble/disagreement_ratio": std / in_distribution_std if in_distribution_std > 0 else float("nan"),
+    }

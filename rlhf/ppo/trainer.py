@@ -21,11 +21,19 @@ from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
-from rlhf.ppo.periodic_eval import EvalCallback, is_eval_step, periodic_eval
+from rlhf.ppo.periodic_eval import (
+    EvalCallback,
+    EvalGuard,
+    is_eval_step,
+    load_guard,
+    periodic_eval,
+    restore_parameters,
+    save_guard,
+)
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
-from rlhf.ppo.stats import rollout_stats
+from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
 from rlhf.rollout.generation import GenerationSettings, response_texts
 from rlhf.rollout.prompt_fit import fit_prompts
@@ -43,6 +51,7 @@ class PPOResult:
     updates: int
     metrics: dict[str, float] = field(default_factory=dict)
     param_digest: str = ""  # several processes, when asked: this rank's digest of the final parameters
+    alarm: str = ""  # the over-optimisation alarm's sentence where it fired (rlhf.eval.overoptimisation)
 
 
 def generation_settings(cfg: PPOConfig, models: PPOModels) -> GenerationSettings:
@@ -114,12 +123,17 @@ def train_ppo(
     show = runtime.progress and dist.is_main
     bar = tqdm(range(state.step, total), desc="ppo", disable=not show, initial=state.step, total=total)
 
-    def evaluate_if_due(step: int) -> None:
-        if eval_prompts and is_eval_step(step, cfg):
-            periodic_eval(step, models, eval_prompts, cfg, settings, seed, dtype, dist, log, gold_fn, on_eval)
+    # the over-optimisation alarm at the periodic evaluations, and what ppo.on_overoptimisation keeps
+    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, getattr(models.reward, "in_distribution_std", 0.0))
+
+    def evaluate_if_due(step: int) -> bool:
+        """Whether training stops after this evaluation (the alarm, with ppo.on_overoptimisation 'stop')."""
+        if not (eval_prompts and is_eval_step(step, cfg)):
+            return False
+        return periodic_eval(step, models, eval_prompts, cfg, settings, seed, dtype, dist, log, gold_fn, on_eval, guard)
 
     if state.step == 0:
-        evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations
+        evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
     for update in bar:
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
@@ -148,7 +162,7 @@ def train_ppo(
             rollout.scored.timings["time/weight_sync"] = models.sampler.sync_weights()
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
-        stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value)
+        stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value, guard.in_distribution_std)
         stats.update(record_rollouts(out_dir, update, models, prompts, rollout, cfg, gold_fn, dist))
         stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device, dist.world_size))
         stats = distributed.reduce_stats(stats)
@@ -158,15 +172,20 @@ def train_ppo(
             log({**stats, **pending}, state.step)
             pending = {}  # the prompts' truncation share: logged once, with the first logged update
         bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
-        evaluate_if_due(state.step)
+        if evaluate_if_due(state.step):
+            break  # ppo.on_overoptimisation 'stop': the final policy is the last one the alarm passed
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
             flush_log(log)  # every update up to a saved state is in the store
-            checkpoint_state(out_dir / "state", models, state, dist)
+            checkpoint_state(out_dir / "state", models, state, dist, guard)
         if stop_after is not None and state.step == stop_after and state.step < total:
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
     if models.sampler is not None:
         models.sampler.close()
-    return save_result(out_dir / "final", models, state, stats, dist, sharded, param_digest)
+    keep_guarded_policy(guard, models, cfg, dist)
+    result = save_result(out_dir / "final", models, state, stats, dist, sharded, param_digest)
+    result.metrics |= guard.result_metrics()
+    result.alarm = guard.alarm.fired.sentence() if guard.alarm.fired else ""
+    return result
 
 
 def place_models(models: PPOModels, dist: DistContext, sharded: bool) -> None:
@@ -258,9 +277,26 @@ def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistC
     records.to_parquet(out_dir / "rollouts" / f"update_{update + 1:05d}.parquet", index=False)
 
 
-def checkpoint_state(folder: Path, models: PPOModels, state: TrainerState, dist: DistContext) -> None:
+def keep_guarded_policy(guard: EvalGuard, models: PPOModels, cfg: PPOConfig, dist: DistContext) -> None:
+    """ppo.on_overoptimisation 'stop' or 'keep_best': the policy of the evaluation the guard kept becomes the final
+    one (rank 0, which saves it)."""
+    kept = guard.kept()
+    if kept is not None and dist.is_main:
+        restore_parameters(models.policy, kept[1])
+        print(f"ppo.on_overoptimisation '{cfg.on_overoptimisation}': the final policy is the one of update {kept[0]}")
+
+
+def checkpoint_state(
+    folder: Path, models: PPOModels, state: TrainerState, dist: DistContext, guard: EvalGuard | None = None
+) -> None:
     """Save the resume state: rank 0 writes it, with every rank's sampling generator state (sharded models: every
-    rank writes its shards)."""
+    rank writes its shards), then (rank 0) the over-optimisation guard's state beside it."""
+    write_resume_state(folder, models, state, dist)
+    if guard is not None and dist.is_main:
+        save_guard(folder, guard)
+
+
+def write_resume_state(folder: Path, models: PPOModels, state: TrainerState, dist: DistContext) -> None:
     if dist.world_size == 1:
         save_state(folder, models, state)
         return
@@ -274,7 +310,11 @@ def checkpoint_state(folder: Path, models: PPOModels, state: TrainerState, dist:
 
 
 def update_stats(
-    rollout: Rollout, optim_stats: dict[str, float], ratio_quantiles: list[float], kl_coef: float
+    rollout: Rollout,
+    optim_stats: dict[str, float],
+    ratio_quantiles: list[float],
+    kl_coef: float,
+    in_distribution_std: float = 0.0,
 ) -> dict[str, float]:
     scored = rollout.scored
     stats = rollout_stats(
@@ -293,6 +333,7 @@ def update_stats(
         kl_coef=kl_coef,
     )
     stats.update(rollout.group_stats)
+    stats.update(ensemble_rollout_stats(scored.member_scores, in_distribution_std))
     stats.update(optim_stats)
     stats.update(dict(zip(("dist/ratio_p05", "dist/ratio_p50", "dist/ratio_p95"), ratio_quantiles, strict=True)))
     return stats

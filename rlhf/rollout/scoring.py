@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.models import sharding
 from rlhf.models.device import autocast, torch_threads
 from rlhf.models.heads import backbone_hidden, lm_logits, sequence_scores, token_scores
+from rlhf.models.reward_ensemble import RewardEnsemble, reward_members
 from rlhf.models.training import unwrap
 from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
@@ -142,7 +143,8 @@ def reward_scores(
     forward_batch_size: int | None,
     device: torch.device,
 ) -> Tensor:
-    """Reward-model score at the last real token of each (prompt, response). Shape: (b,).
+    """Reward-model score at the last real token of each (prompt, response), of each member of an ensemble (raw:
+    without the members' offsets). Shape: (K, b), K = 1 without an ensemble.
 
     Same tokenizer: the policy's token ids are scored as they are. Different tokenizers: the response is decoded
     and the reward model re-tokenizes prompt and response text (a logged decision, see the PPO stage params).
@@ -157,10 +159,15 @@ def reward_scores(
         batch = encode_prompt_response(reward_tokenizer, prompts, texts, max_length=limit)
         query_responses, qr_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     size = forward_batch_size or len(query_responses)
-    return torch.cat(
+    return torch.stack(
         [
-            sharding.call(reward, sequence_scores, query_responses[i : i + size], qr_mask[i : i + size])
-            for i in range(0, len(query_responses), size)
+            torch.cat(
+                [
+                    sharding.call(member, sequence_scores, query_responses[i : i + size], qr_mask[i : i + size])
+                    for i in range(0, len(query_responses), size)
+                ]
+            )
+            for member in reward_members(reward)
         ]
     ).float()
 
@@ -177,7 +184,7 @@ class ScoringModels:
 
     policy: nn.Module
     reference: PreTrainedModel | None
-    reward: PreTrainedModel | None  # None: the reward function alone scores (reward.source: function)
+    reward: PreTrainedModel | RewardEnsemble | None  # None: the reward function alone scores (reward.source: function)
     tokenizer: PreTrainedTokenizerBase
     reward_tokenizer: PreTrainedTokenizerBase
     same_tokenizer: bool
@@ -198,8 +205,9 @@ class ScoredResponses:
     logprobs: Tensor  # (b, r) policy log-probs at the sampling temperature
     ref_logprobs: Tensor  # (b, r)
     values: Tensor | None  # (b, r); None without a value model
-    scores: Tensor  # (b,) reward-model scores
+    scores: Tensor  # (b,) reward-model scores (an ensemble's: its objective's)
     timings: dict[str, float] = field(default_factory=dict)
+    member_scores: Tensor | None = None  # (K, b) an ensemble's members' scores less their offsets; None without one
 
 
 def _chunks(n: int, size: int | None) -> list[slice]:
@@ -299,9 +307,9 @@ def generate_and_score(
                         for s in chunks
                     ]
                 ).float()
-            scores = None
+            scores = members = None
             if models.reward is not None:
-                scores = reward_scores(
+                raw = reward_scores(
                     models.reward,
                     models.reward_tokenizer,
                     models.tokenizer,
@@ -313,12 +321,19 @@ def generate_and_score(
                     forward_batch_size,
                     device,
                 )
+                if isinstance(models.reward, RewardEnsemble):  # (K, b) -> (b,): the ensemble objective
+                    members = models.reward.centred(raw)
+                    scores = models.reward.combine(members)
+                else:
+                    scores = raw[0]
         if models.reward_fn is not None:
             scores = function_scores(models, prompt_texts, resp, scores, device)
-        return values, scores
+        return values, (scores, members)
 
     with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded
-        (logprobs, ref_logprobs), (values, scores) = run_sides(policy_side, value_side, second_thread)
+        (logprobs, ref_logprobs), (values, (scores, members)) = run_sides(policy_side, value_side, second_thread)
     sharding.reshard(policy, models.reference, models.value, models.reward)  # free what the no-grad calls gathered
     timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
-    return ScoredResponses(query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings)
+    return ScoredResponses(
+        query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings, members
+    )

@@ -233,6 +233,8 @@ def train_reward_model(
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
     train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
+    if cfg.bootstrap:  # an ensemble member's own resample of the pairs, with replacement (reward.bootstrap)
+        train = train.sample(n=len(train), replace=True, random_state=seed).reset_index(drop=True)
     model = load_reward_model(sft_path, device, **load_options(runtime, device, trainable=True))
     use_cpu_kernels(model)
     if cfg.gradient_checkpointing:
