@@ -195,3 +195,41 @@ def test_bad_data_fails_once_without_retries(harness, tmp_path):
     assert [r.info.status for r in parents] == ["FAILED"]
     pipeline = client.get_run(parents[0].data.tags["mlflow.parentRunId"])
     assert pipeline.info.status == "FAILED", "a failed pipeline does not stay RUNNING in MLflow"
+
+
+def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatch, uninterrupted_run):
+    """reward.ensemble_size 2 in the reference run's folder: member 0 is the reference run's reward model (cached),
+    member 1 trains with its own seed; its first attempt dies after 4 of 8 steps and the retry resumes from the state
+    saved at step 4. The ensemble's stage logs each member's accuracy and their disagreement, PPO scores with both
+    members and evaluates periodically with the alarm; a second run takes every stage from the cache."""
+    folder, _ = uninterrupted_run
+    ensemble = ["reward.ensemble_size=2", "reward.ensemble_objective=wco", "ppo.eval_every=2", "ppo.eval_prompts=8"]
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_reward_model:4")
+    state = rlhf_pipeline(_config(folder, *ensemble, "reward.save_every=2"), return_state=True)
+    summary = state.result()
+    runs = task_runs(state.state_details.flow_run_id)
+    members = sorted((t for t in runs if t.name.startswith("train_reward_model")), key=lambda t: t.run_count)
+    assert [(t.state.name, t.run_count) for t in members] == [("Completed", 2), ("Completed", 2)]
+    spec = json.loads((Path(summary["reward_checkpoint"]) / "ensemble.json").read_text())
+    assert len(spec["members"]) == 2 and len(set(spec["member_digests"])) == 2, "the members differ"
+    weights = [pd.read_json(Path(m) / "manifest.json", typ="series")["digest"] for m in spec["members"]]
+    assert weights[0] != weights[1]
+    assert spec["in_distribution_std"] > 0
+
+    client = MlflowClient(_config(folder).tracking.uri)
+    experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    (combined,) = client.search_runs([experiment], "tags.stage = 'combine_reward_ensemble'")
+    metrics = combined.data.metrics
+    assert {"reward_ensemble/member_0_accuracy", "reward_ensemble/member_1_accuracy"} <= set(metrics)
+    assert metrics["reward_ensemble/disagreement_chosen"] == pytest.approx(spec["in_distribution_std"])
+    ppo = client.search_runs([experiment], "tags.stage = 'train_policy_ppo'", order_by=["start_time DESC"])[0]
+    assert ppo.data.metrics["ensemble/std"] > 0
+    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "ppo_eval/disagreement_ratio")] == [0, 2, 4]
+    assert "overoptimisation/alarm_step" in summary
+    assert "eval/ppo_distinct_2" in summary and "eval/overoptimisation_flag" in summary
+
+    monkeypatch.delenv("RLHF_INJECT_FAILURE")
+    again = rlhf_pipeline(_config(folder, *ensemble, "reward.save_every=2"), return_state=True)
+    states = task_states(again.state_details.flow_run_id)
+    assert states["train_reward_model"] == "Cached" and states["combine_reward_ensemble"] == "Cached"
+    assert states["train_policy_ppo"] == "Cached"

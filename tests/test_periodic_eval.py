@@ -16,6 +16,9 @@ from rlhf.ppo.trainer import train_ppo
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
 EVAL_KEYS = {"ppo_eval/score", "ppo_eval/gold", "ppo_eval/kl", "ppo_eval/sqrt_kl", "ppo_eval/length_mean"}
+# the over-optimisation alarm's signs of one reward model, and the alarm (rlhf.eval.overoptimisation)
+EVAL_KEYS |= {"ppo_eval/distinct_2", "ppo_eval/identical_share", "ppo_eval/repetition"}
+EVAL_KEYS |= {"ppo_eval/overoptimisation_alarm"}
 PROMPTS = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
 HELD_OUT = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:12]
 

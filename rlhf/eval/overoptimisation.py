@@ -60,6 +60,8 @@ DISTINCT_DROP = 0.5  # distinct_2 below this fraction of the SFT policy's
 REPETITION_RISE = 0.15  # repetition above the SFT policy's by this much
 DISAGREEMENT_RATIO = 2.0  # the members disagree this many times more than on held-out data (and than at step 0)
 CONSERVATIVE_FALL = 0.5  # the ensemble's min below its best by this many in-distribution stds while its mean rose
+KL_DRIFT_FACTOR, KL_DRIFT_NATS = 1.5, 1.0  # the KL grew past 1.5 times an earlier evaluation's plus 1 nat ...
+SCORE_GAIN_FRACTION = 0.05  # ... while the score gained under 5% of what it had gained over the SFT policy by then
 
 
 @dataclass
@@ -85,6 +87,7 @@ class OveroptimisationAlarm:
     mean_at_best_min: float = float("nan")
     fired: Alarm | None = None
     history: list[tuple[int, list[str]]] = field(default_factory=list)
+    points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, score, kl) of each evaluation
 
     def reasons(self, stats: dict[str, float]) -> list[str]:
         """The conditions `stats` (an evaluation's `response_stats` and `ensemble_stats`) meet against the baseline."""
@@ -101,7 +104,28 @@ class OveroptimisationAlarm:
             fall = (self.best_min - stats["ensemble_min"]) / self.in_distribution_std
             if fall > CONSERVATIVE_FALL and stats["ensemble_mean"] >= self.mean_at_best_min:
                 found.append(f"the ensemble's worst score fell {fall:.1f} held-out stds while its mean rose")
+        drift = self.kl_drift(stats)
+        if drift is not None:
+            found.append(drift)
         return found
+
+    def kl_drift(self, stats: dict[str, float]) -> str | None:
+        """The policy moves on without reward: the KL to the reference grew past KL_DRIFT_FACTOR times an earlier
+        evaluation's (plus KL_DRIFT_NATS) while the score gained under SCORE_GAIN_FRACTION of the gain it had made
+        over the SFT policy by that evaluation. None where it does not (or where the evaluation has no KL)."""
+        if "kl" not in stats or not self.points:
+            return None
+        base = self.points[0][1]
+        for step, score, kl in self.points[1:]:
+            gained = score - base
+            if gained <= 0 or stats["kl"] < KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS:
+                continue
+            if stats["score"] - score < SCORE_GAIN_FRACTION * gained:
+                return (
+                    f"the KL to the reference grew from {kl:.1f} (update {step}) to {stats['kl']:.1f} while the "
+                    f"score moved {stats['score'] - score:+.3f}"
+                )
+        return None
 
     def check(self, step: int, stats: dict[str, float]) -> Alarm | None:
         """Take the evaluation after `step` updates; the alarm when it fires at this one (None otherwise)."""
@@ -111,7 +135,46 @@ class OveroptimisationAlarm:
         if "ensemble_min" in stats and stats["ensemble_min"] > self.best_min:
             self.best_min, self.mean_at_best_min = stats["ensemble_min"], stats["ensemble_mean"]
         self.history.append((step, found))
+        if "kl" in stats:
+            self.points.append((step, stats["score"], stats["kl"]))
         if found and self.fired is None:
             self.fired = Alarm(step, found)
             return self.fired
         return None
+
+
+GOLD_FALL = 0.2  # a run over-optimises when its gold ends this far or further below its peak (the issue's measure)
+
+
+def replay(history: pd.DataFrame) -> dict[str, float]:
+    """The alarm's rule replayed over one run's periodic evaluations, against its gold reward: `history` has a
+    `step` column and the ppo_eval/* metrics (`rlhf.ppo.periodic_eval`, with ppo_eval/gold). Returns the gold peak
+    and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
+    never), the update the alarm fires at (-1: never) and the gold there."""
+    history = history.sort_values("step").reset_index(drop=True)
+    stats = [
+        {key.removeprefix("ppo_eval/"): value for key, value in row.items() if isinstance(key, str)}
+        for row in history.to_dict("records")
+    ]
+    in_distribution_std = 0.0
+    if "ensemble_std" in stats[0] and stats[0].get("disagreement_ratio", 0) > 0:
+        in_distribution_std = stats[0]["ensemble_std"] / stats[0]["disagreement_ratio"]
+    alarm = OveroptimisationAlarm(in_distribution_std)
+    for row in stats:
+        alarm.check(int(row["step"]), {k: v for k, v in row.items() if v == v})  # NaN: a metric not logged there
+    gold = history["ppo_eval/gold"]
+    peak = int(gold.idxmax())
+    fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)
+    fired = alarm.fired
+    return {
+        "gold_start": float(gold.iloc[0]),
+        "gold_peak": float(gold.iloc[peak]),
+        "peak_step": int(history["step"][peak]),
+        "gold_final": float(gold.iloc[-1]),
+        "falls": bool(gold.iloc[-1] <= gold.max() - GOLD_FALL),
+        "fall_step": int(history["step"][fell_at]) if fell_at is not None else -1,
+        "last_step": int(history["step"].iloc[-1]),
+        "alarm_step": fired.step if fired else -1,
+        "gold_at_alarm": float(gold[history["step"] == fired.step].iloc[0]) if fired else float("nan"),
+        "reasons": "; ".join(fired.reasons) if fired else "",
+    }

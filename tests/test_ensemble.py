@@ -1,0 +1,191 @@
+"""Reward-model ensembles and the over-optimisation alarm: the objectives and the held-out statistics by
+hand-computed numbers, the diversity signs, the alarm's rule on planted histories, and what ppo.on_overoptimisation
+keeps, on a tiny real stack."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig, load_config
+from rlhf.data import synthetic
+from rlhf.errors import ConfigError
+from rlhf.eval import overoptimisation
+from rlhf.eval.overoptimisation import OveroptimisationAlarm, response_stats
+from rlhf.models.loading import load_tokenizer
+from rlhf.models.reward_ensemble import EnsembleSpec, RewardEnsemble, load_reward, member_paths
+from rlhf.ops import ensemble_scores
+from rlhf.ppo.periodic_eval import EvalGuard
+from rlhf.ppo.trainer import train_ppo
+from rlhf.train.reward_ensemble import ensemble_pair_stats
+
+# two members, three responses
+MEMBERS = torch.tensor([[1.0, 0.0, 2.0], [3.0, 0.0, -2.0]])
+
+
+def test_mean_uwo_and_wco_by_hand():
+    # mean: (1+3)/2 = 2, (0+0)/2 = 0, (2-2)/2 = 0
+    assert ensemble_scores(MEMBERS, "mean").tolist() == [2.0, 0.0, 0.0]
+    # population variance: ((1-2)^2 + (3-2)^2)/2 = 1; 0; ((2-0)^2 + (-2-0)^2)/2 = 4; uwo = mean - 0.5 * var
+    assert ensemble_scores(MEMBERS, "uwo", 0.5).tolist() == [1.5, 0.0, -2.0]
+    # wco: the smaller member score
+    assert ensemble_scores(MEMBERS, "wco").tolist() == [1.0, 0.0, -2.0]
+    one = MEMBERS[:1]  # one member: every objective is its score
+    for objective in ("mean", "uwo", "wco"):
+        assert ensemble_scores(one, objective, 3.0).tolist() == [1.0, 0.0, 2.0]
+    with pytest.raises(ValueError, match="unknown ensemble objective 'median'"):
+        ensemble_scores(MEMBERS, "median")
+
+
+def test_held_out_statistics_by_hand():
+    chosen = torch.tensor([[2.0, 1.0], [4.0, 2.0]])  # (K=2, n=2 pairs)
+    rejected = torch.tensor([[0.0, 2.0], [2.0, 0.0]])
+    stats, offsets, in_dist = ensemble_pair_stats(chosen, rejected, RewardConfig(ensemble_objective="wco"))
+    # member means over its 4 scores: 1.25 and 2.0; less their average 1.625: -0.375 and +0.375
+    assert offsets.tolist() == pytest.approx([-0.375, 0.375])
+    # member 0 prefers chosen on pair 0 only; member 1 on both
+    assert stats["reward_ensemble/member_0_accuracy"] == 0.5
+    assert stats["reward_ensemble/member_1_accuracy"] == 1.0
+    # centred chosen: [[2.375, 1.375], [3.625, 1.625]]; std over members of each pair: 0.625, 0.125 -> mean 0.375
+    assert in_dist == pytest.approx(0.375)
+    # centred rejected: [[0.375, 2.375], [1.625, -0.375]]; wco chosen [2.375, 1.375] vs rejected [0.375, -0.375]
+    assert stats["reward_ensemble/accuracy_wco"] == 1.0
+    assert stats["reward_ensemble/accuracy"] == 1.0
+    assert stats["reward_ensemble/agreement"] == 0.5  # pair 1: the members disagree
+
+
+def test_response_stats_by_hand():
+    stats = response_stats(["a b c", "a b c", "x y x y"])
+    # bigrams: (a b)(b c) twice, (x y)(y x)(x y): 7 in all, 4 distinct
+    assert stats["distinct_2"] == pytest.approx(4 / 7)
+    assert stats["identical_share"] == pytest.approx(2 / 3)
+    # the third response repeats one of its 3 bigrams
+    assert stats["repetition"] == pytest.approx((0 + 0 + 1 / 3) / 3)
+
+
+def _signs(distinct=0.6, repetition=0.0, ratio=None, mean=None, minimum=None) -> dict[str, float]:
+    stats = {"distinct_2": distinct, "identical_share": 0.0, "repetition": repetition, "score": 0.0}
+    if ratio is not None:
+        stats |= {"disagreement_ratio": ratio, "ensemble_mean": mean, "ensemble_min": minimum, "ensemble_std": 0.1}
+    return stats
+
+
+def test_the_alarm_fires_on_a_planted_collapse_and_stays_quiet_on_a_healthy_run():
+    healthy = [_signs(0.6), _signs(0.5), _signs(0.45), _signs(0.4)]
+    alarm = OveroptimisationAlarm()
+    assert [alarm.check(step, s) for step, s in enumerate(healthy)] == [None] * 4
+    collapsing = [_signs(0.6), _signs(0.5), _signs(0.2), _signs(0.1)]
+    alarm = OveroptimisationAlarm()
+    fired = [alarm.check(10 * step, s) for step, s in enumerate(collapsing)]
+    assert fired[:2] == [None, None] and fired[2].step == 20 and fired[3] is None  # it fires once
+    assert "distinct bigrams 0.20, SFT 0.60" in fired[2].reasons[0]
+    assert alarm.fired.step == 20
+    repeating = OveroptimisationAlarm()
+    repeating.check(0, _signs(repetition=0.05))
+    assert repeating.check(5, _signs(repetition=0.25)).reasons == ["repeated bigrams 0.25, SFT 0.05"]
+
+
+def test_the_ensemble_conditions():
+    alarm = OveroptimisationAlarm(in_distribution_std=0.2)
+    assert alarm.check(0, _signs(ratio=1.2, mean=0.0, minimum=-0.2)) is None
+    assert alarm.check(10, _signs(ratio=1.5, mean=0.5, minimum=0.3)) is None
+    # the mean rose (0.5 -> 0.9) while the min fell 0.3 -> 0.1: 1 in-distribution std, over CONSERVATIVE_FALL
+    fired = alarm.check(20, _signs(ratio=1.5, mean=0.9, minimum=0.1))
+    assert fired.reasons == ["the ensemble's worst score fell 1.0 held-out stds while its mean rose"]
+    disagreeing = OveroptimisationAlarm(in_distribution_std=0.2)
+    disagreeing.check(0, _signs(ratio=1.0, mean=0.0, minimum=-0.2))
+    limit = overoptimisation.DISAGREEMENT_RATIO
+    assert disagreeing.check(10, _signs(ratio=limit - 0.1, mean=0.2, minimum=0.0)) is None
+    assert "disagree" in disagreeing.check(20, _signs(ratio=limit + 0.5, mean=0.3, minimum=0.1)).reasons[0]
+
+
+class _Policy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2))
+
+
+def test_stop_and_keep_best_keep_the_right_parameters():
+    scores = {0: 0.0, 10: 0.8, 20: 0.5, 30: 0.9}  # the alarm fires at step 30 (distinct bigrams collapse)
+    for mode, kept_step in (("stop", 20), ("keep_best", 10), ("warn", None)):
+        policy, guard = _Policy(), EvalGuard(mode, OveroptimisationAlarm())
+        stopped = []
+        for step, score in scores.items():
+            policy.w.data.fill_(step)  # the policy "at" step
+            metrics = {f"ppo_eval/{k}": v for k, v in _signs(0.1 if step == 30 else 0.6).items()}
+            metrics["ppo_eval/score"] = score
+            stopped.append(guard.observe(step, metrics, policy))
+            assert metrics["ppo_eval/overoptimisation_alarm"] == float(step == 30)
+        assert stopped == [False, False, False, mode == "stop"]
+        kept = guard.kept()
+        if kept_step is None:
+            assert kept is None
+        else:
+            assert kept[0] == kept_step and kept[1]["w"].tolist() == [kept_step, kept_step]
+        assert guard.result_metrics()["overoptimisation/alarm_step"] == 30.0
+
+
+def test_bad_ensemble_settings_are_one_sentence():
+    cases = {
+        "reward.ensemble_size=0": "reward.ensemble_size",
+        "reward.ensemble_objective=median": "reward.ensemble_objective",
+        "ppo.on_overoptimisation=stop": "ppo.on_overoptimisation 'stop' acts on the periodic evaluations",
+        "ppo.on_overoptimisation=keep_best": "ppo.eval_every is 0",
+    }
+    for override, expected in cases.items():
+        with pytest.raises(ConfigError, match=expected):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match="reward.ensemble_size 3 needs reward models to train"):
+        load_config(None, ["reward.source=function", "reward.function=rlhf.data.synthetic:gold_reward",
+                           "reward.ensemble_size=3"])  # fmt: skip
+    assert load_config(None, ["reward.ensemble_size=2"]).reward.member_config() == RewardConfig()
+
+
+@pytest.fixture(scope="module")
+def two_member_ensemble(tiny_checkpoints, tmp_path_factory):
+    """The tiny reward model and a copy with another head, as an ensemble's folder."""
+    root = tmp_path_factory.mktemp("ensemble")
+    other = load_reward(tiny_checkpoints["reward"], torch.device("cpu"))
+    torch.manual_seed(1)
+    torch.nn.init.normal_(other.score.weight, std=0.5)
+    other.save_pretrained(root / "member1")
+    folder = root / "ensemble"
+    folder.mkdir()
+    EnsembleSpec([tiny_checkpoints["reward"], str(root / "member1")], [0.1, -0.1], 0.05, ["a", "b"]).write(folder)
+    load_tokenizer(tiny_checkpoints["reward"]).save_pretrained(folder)
+    return str(folder)
+
+
+def test_an_ensemble_loads_as_its_members(tiny_checkpoints, two_member_ensemble):
+    ensemble = load_reward(two_member_ensemble, torch.device("cpu"), "wco")
+    assert isinstance(ensemble, RewardEnsemble) and len(ensemble.members) == 2
+    assert member_paths(two_member_ensemble)[0] == tiny_checkpoints["reward"]
+    assert member_paths(tiny_checkpoints["reward"]) == [tiny_checkpoints["reward"]]
+    raw = torch.tensor([[1.0, 2.0], [0.0, 3.0]])
+    assert torch.allclose(ensemble.centred(raw), torch.tensor([[0.9, 1.9], [0.1, 3.1]]))
+    assert ensemble.combine(ensemble.centred(raw)).tolist() == pytest.approx([0.1, 1.9])
+
+
+def test_ppo_with_an_ensemble_logs_the_members_view(tiny_checkpoints, two_member_ensemble, tmp_path):
+    prompts = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
+    held_out = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:8]
+    calls: list[tuple[int, dict[str, float]]] = []
+    cfg = PPOConfig(total_episodes=32, batch_size=16, num_mini_batches=2, num_ppo_epochs=1, max_new_tokens=8,
+                    record_rollouts=False, eval_every=1, advantage_estimator="rloo", samples_per_prompt=2)  # fmt: skip
+    result = train_ppo(
+        cfg, RuntimeConfig(device="cpu", progress=False), tiny_checkpoints["policy"], two_member_ensemble, prompts,
+        tmp_path / "run", 0, lambda m, s: calls.append((s, dict(m))), eval_prompts=held_out,
+        reward_cfg=RewardConfig(ensemble_size=2, ensemble_objective="uwo"),
+    )  # fmt: skip
+    updates = [m for _, m in calls if "objective/scores" in m]
+    assert len(updates) == 2
+    for m in updates:
+        assert m["ensemble/std"] > 0 and m["ensemble/min"] <= m["ensemble/mean"]
+        assert m["ensemble/disagreement_ratio"] == pytest.approx(m["ensemble/std"] / 0.05)
+        # uwo's score is at most the members' mean (variance subtracted)
+        assert m["objective/scores"] <= m["ensemble/mean"] + 1e-6
+    evals = [m for _, m in calls if "ppo_eval/disagreement_ratio" in m]
+    assert len(evals) == 3 and all(math.isfinite(m["ppo_eval/distinct_2"]) for m in evals)
+    assert result.metrics["overoptimisation/alarm_step"] in (-1.0, 1.0, 2.0)
