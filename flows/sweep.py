@@ -170,7 +170,8 @@ def log_study(tracker, sweep_run_id: str, sweep_name: str, rows: list[dict[str, 
         key=f"sweep-{sweep_name}-study",
         description=f"Study '{sweep_name}': per arm, the mean over its finished runs and the 95% t-interval "
         "half-width (_ci) of the gold win rate over SFT, its length-controlled version, mean gold reward and KL to "
-        "SFT; the policy stage's wall time; the largest peak memory; runs that raised a reward-hacking flag.",
+        "SFT; the policy stage's wall time; the largest peak memory; runs that raised a reward-hacking flag; runs "
+        "whose over-optimisation alarm fired.",
     )
     get_run_logger().info("study %s:\n%s", sweep_name, study.markdown)
 

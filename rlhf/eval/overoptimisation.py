@@ -150,7 +150,8 @@ def replay(history: pd.DataFrame) -> dict[str, float]:
     """The alarm's rule replayed over one run's periodic evaluations, against its gold reward: `history` has a
     `step` column and the ppo_eval/* metrics (`rlhf.ppo.periodic_eval`, with ppo_eval/gold). Returns the gold peak
     and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
-    never), the update the alarm fires at (-1: never) and the gold there."""
+    never), the update the alarm fires at (-1: never), the gold there and the gold of the policy 'stop' keeps (the
+    evaluation before the alarm; the final one where it never fires)."""
     history = history.sort_values("step").reset_index(drop=True)
     stats = [
         {key.removeprefix("ppo_eval/"): value for key, value in row.items() if isinstance(key, str)}
@@ -176,5 +177,7 @@ def replay(history: pd.DataFrame) -> dict[str, float]:
         "last_step": int(history["step"].iloc[-1]),
         "alarm_step": fired.step if fired else -1,
         "gold_at_alarm": float(gold[history["step"] == fired.step].iloc[0]) if fired else float("nan"),
+        # what ppo.on_overoptimisation 'stop' would have kept: the policy of the evaluation before the alarm
+        "gold_if_stopped": float(gold[history["step"] < fired.step].iloc[-1]) if fired else float(gold.iloc[-1]),
         "reasons": "; ".join(fired.reasons) if fired else "",
     }

@@ -42,6 +42,8 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
         f"runs whose gold falls {GOLD_FALL} or more below its peak: {len(falls)}, alarmed: {len(caught)}",
         f"healthy runs: {len(healthy)}, alarmed: {int((healthy['alarm_step'] >= 0).sum())}",
         f"lead time (updates from the alarm to the gold's fall): {leads}",
+        f"mean gold, final policy {table['gold_final'].mean():.3f}; the policy 'stop' keeps "
+        f"{table['gold_if_stopped'].mean():.3f}",
     ]
 
 

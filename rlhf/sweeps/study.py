@@ -40,7 +40,16 @@ MEASURES = (
     ("peak_mb", ("memory/ppo_peak_mb", "memory/dpo_peak_mb"), "max"),  # the policy stage's measured peak
 )
 HACKING_FLAGS = ("eval/hacking_flag_length", "eval/hacking_flag_empty")
-STUDY_METRICS = tuple(metric for _, metrics, _ in MEASURES for metric in metrics) + HACKING_FLAGS
+# the over-optimisation alarm: at PPO's periodic evaluations (the update it fired after; -1: never) or on the
+# evaluation stage's final policy against SFT (1: fired)
+ALARM_METRICS = ("overoptimisation/alarm_step", "eval/overoptimisation_flag")
+STUDY_METRICS = tuple(metric for _, metrics, _ in MEASURES for metric in metrics) + HACKING_FLAGS + ALARM_METRICS
+
+
+def alarmed(run: Mapping[str, Any]) -> bool:
+    """Whether the over-optimisation alarm fired in `run` (its summary metrics)."""
+    step, flag = (run.get(metric) for metric in ALARM_METRICS)
+    return (_finite(step) and step >= 0) or (_finite(flag) and flag > 0)
 
 
 def _finite(value: Any) -> bool:
@@ -70,7 +79,7 @@ def interval95(values: Sequence[float]) -> tuple[float, float]:
 def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.DataFrame:
     """One row per arm (in `arms` order): runs finished out of started, then for each measure the mean over the
     finished runs and the 95% half-width (`<measure>_ci`; peak memory: the largest), and how many runs raised a
-    reward-hacking flag (length or empty responses). `rows` are the sweep's ranking rows: `arm`, `status` and the
+    reward-hacking flag (length or empty responses) and the over-optimisation alarm. `rows` are the sweep's ranking rows: `arm`, `status` and the
     summary metrics of `STUDY_METRICS`."""
     out = []
     for arm in arms:
@@ -86,6 +95,7 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
                 row[column], row[f"{column}_ci"] = interval95(values)
         flagged = sum(any(_finite(run.get(f)) and run[f] > 0 for f in HACKING_FLAGS) for run in done)
         row["hacking_flagged"] = f"{flagged}/{len(done)}"
+        row["overoptimisation_alarm"] = f"{sum(alarmed(run) for run in done)}/{len(done)}"
         out.append(row)
     return pd.DataFrame(out)
 
@@ -101,16 +111,16 @@ def format_study(table: pd.DataFrame) -> str:
 
     head = (
         "| arm | runs | gold win rate over SFT | length-controlled | mean gold reward | KL to SFT | "
-        "policy stage (s) | peak memory (MB) | hacking flag |"
+        "policy stage (s) | peak memory (MB) | hacking flag | over-optimisation alarm |"
     )
-    lines = [head, "|" + " --- |" * 9]
+    lines = [head, "|" + " --- |" * 10]
     for _, row in table.iterrows():
         peak = row.get("peak_mb", math.nan)
         lines.append(
             f"| {row['arm']} | {row['runs']} | {cell(row, 'win_rate_gold', '.1%')} | "
             f"{cell(row, 'win_rate_gold_lc', '.1%')} | {cell(row, 'gold', '.3f')} | {cell(row, 'kl', '.2f')} | "
             f"{cell(row, 'train_s', '.0f')} | {'n/a' if not math.isfinite(peak) else f'{peak:.0f}'} | "
-            f"{row['hacking_flagged']} |"
+            f"{row['hacking_flagged']} | {row['overoptimisation_alarm']} |"
         )
     return "\n".join(lines)
 
