@@ -79,8 +79,8 @@ def interval95(values: Sequence[float]) -> tuple[float, float]:
 def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.DataFrame:
     """One row per arm (in `arms` order): runs finished out of started, then for each measure the mean over the
     finished runs and the 95% half-width (`<measure>_ci`; peak memory: the largest), and how many runs raised a
-    reward-hacking flag (length or empty responses) and the over-optimisation alarm. `rows` are the sweep's ranking rows: `arm`, `status` and the
-    summary metrics of `STUDY_METRICS`."""
+    reward-hacking flag (length or empty responses) and the over-optimisation alarm. `rows` are the sweep's ranking
+    rows: `arm`, `status` and the summary metrics of `STUDY_METRICS`."""
     out = []
     for arm in arms:
         mine = [r for r in rows if r.get("arm") == arm]
