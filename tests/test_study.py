@@ -29,9 +29,11 @@ def test_interval95_by_hand():
 def test_study_table_one_row_per_arm_in_order_with_failures_counted():
     rows = [
         {"arm": "PPO", "status": "completed", "eval/win_rate_gold": 0.9, "eval/kl": 4.0, "memory/ppo_peak_mb": 900.0,
-         "eval/hacking_flag_length": 0.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 100.0},
+         "eval/hacking_flag_length": 0.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 100.0,
+         "overoptimisation/alarm_step": 40.0, "eval/overoptimisation_flag": 0.0},
         {"arm": "PPO", "status": "completed", "eval/win_rate_gold": 0.8, "eval/kl": 6.0, "memory/ppo_peak_mb": 950.0,
-         "eval/hacking_flag_length": 1.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 120.0},
+         "eval/hacking_flag_length": 1.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 120.0,
+         "overoptimisation/alarm_step": -1.0, "eval/overoptimisation_flag": 0.0},
         {"arm": "DPO", "status": "completed", "eval/win_rate_gold": 0.7, "eval/kl": 1.0, "memory/dpo_peak_mb": 500.0},
         {"arm": "DPO", "status": "failed"},
     ]  # fmt: skip
@@ -44,9 +46,11 @@ def test_study_table_one_row_per_arm_in_order_with_failures_counted():
     assert ppo["kl"] == pytest.approx(5.0) and ppo["train_s"] == pytest.approx(110.0)
     assert ppo["peak_mb"] == 950.0 and dpo["peak_mb"] == 500.0  # the largest peak, from each stage's own metric
     assert ppo["hacking_flagged"] == "1/2" and dpo["hacking_flagged"] == "0/1"
+    assert ppo["overoptimisation_alarm"] == "1/2" and dpo["overoptimisation_alarm"] == "0/1"  # at update 40
     assert math.isnan(dpo["win_rate_gold_ci"]) and math.isnan(grpo["gold"])
     text = format_study(table)
     assert "| PPO | 2/2 | 85.0% ± 63.5% |" in text and "| GRPO | 0/0 | n/a |" in text
+    assert text.splitlines()[0].endswith("| hacking flag | over-optimisation alarm |")
 
 
 def test_frontier_points_periodic_and_final_per_arm():
