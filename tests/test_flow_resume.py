@@ -225,7 +225,7 @@ def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatc
     ppo = client.search_runs([experiment], "tags.stage = 'train_policy_ppo'", order_by=["start_time DESC"])[0]
     assert ppo.data.metrics["ensemble/std"] > 0
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "ppo_eval/disagreement_ratio")] == [0, 2, 4]
-    assert "overoptimisation/alarm_step" in summary
+    assert summary["overoptimisation/alarm_step"] == -1.0, "a healthy smoke run: the alarm stays quiet"
     assert "eval/ppo_distinct_2" in summary and "eval/overoptimisation_flag" in summary
 
     monkeypatch.delenv("RLHF_INJECT_FAILURE")
@@ -233,3 +233,48 @@ def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatc
     states = task_states(again.state_details.flow_run_id)
     assert states["train_reward_model"] == "Cached" and states["combine_reward_ensemble"] == "Cached"
     assert states["train_policy_ppo"] == "Cached"
+
+
+@pytest.mark.parametrize("mode", ["warn", "stop", "keep_best"])
+def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterrupted_run):
+    """A reward that pays for repeated words (tests/planted_rewards.py), no KL penalty and a high learning rate:
+    the policy learns to repeat itself, the alarm fires at a periodic evaluation, the summary warns, the runs are
+    tagged, and ppo.on_overoptimisation keeps the policy: 'warn' the last one (which the evaluation stage's own
+    check flags too), 'stop' the one of the evaluation before the alarm (and trains no further), 'keep_best' the
+    best-scored one before it."""
+    folder, _ = uninterrupted_run
+    planted = [
+        "reward.source=function",
+        "reward.function=tests.planted_rewards:repeated_words",
+        "ppo.advantage_estimator=rloo",
+        "ppo.samples_per_prompt=4",
+        "ppo.kl_coef=0",
+        "ppo.lr=1e-2",
+        "ppo.total_episodes=192",
+        "ppo.eval_every=2",
+        "ppo.eval_prompts=16",
+        f"ppo.on_overoptimisation={mode}",
+    ]
+    summary = rlhf_pipeline(_config(folder, *planted), return_state=True).result()
+    alarm, kept = summary["overoptimisation/alarm_step"], summary["overoptimisation/kept_step"]
+    assert 0 < alarm < 12, "the alarm fires before the last update"
+    assert "repeated bigrams" in summary["rlhf.overoptimisation_alarm"]
+    assert (
+        f"PPO's periodic evaluation: the policy looks like it games its reward from update {alarm:.0f}"
+        in (summary["eval.warning"])
+    )
+    client = MlflowClient(_config(folder).tracking.uri)
+    pipeline = client.get_run(summary["mlflow_run_id"])
+    assert "rlhf.overoptimisation_alarm" in pipeline.data.tags
+    ppo_run = client.get_run(summary["stage.train_policy_ppo.run_id"])
+    assert "rlhf.overoptimisation_alarm" in ppo_run.data.tags
+    updates = [m.step for m in client.get_metric_history(ppo_run.info.run_id, "objective/kl")]
+    if mode == "warn":
+        assert kept == -1 and max(updates) == 12
+        assert summary["eval/overoptimisation_flag"] == 1.0, "the evaluation stage's check of the final policy agrees"
+    elif mode == "stop":
+        assert kept == alarm - 2 and max(updates) == alarm, "stopped at the alarm, the evaluation before it kept"
+    else:
+        assert 0 <= kept < alarm and max(updates) == 12, "trained on, an evaluation before the alarm kept"
+        scores = {m.step: m.value for m in client.get_metric_history(ppo_run.info.run_id, "ppo_eval/score")}
+        assert scores[kept] == max(v for s, v in scores.items() if s < alarm)
