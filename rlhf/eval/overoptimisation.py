@@ -71,7 +71,7 @@ class Alarm:
 
     def sentence(self) -> str:
         return (
-            f"the policy looks like it games its reward from update {self.step} on ({'; '.join(self.reasons)}): the policy's "
+            f"the policy looks like it games its reward from update {self.step} on ({'; '.join(self.reasons)}): its "
             "scores may be rising while its quality falls (docs/overoptimisation.md)"
         )
 
