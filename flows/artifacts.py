@@ -22,6 +22,7 @@ from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.tracking.default_view import EXPERIMENT_QUERY
 from tasks.progress import ProgressBar
 from tasks.stage_table import STAGE_TASKS
+from tasks.stages import OVEROPTIMISATION_TAG
 from tasks.tracking import TrackingContext, tracker_for
 
 DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
@@ -126,6 +127,8 @@ def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig |
     )
     warning = summary.get(EVAL_WARNING_TAG)
     rows = [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
+    alarm = summary.get(OVEROPTIMISATION_TAG)  # the over-optimisation alarm of PPO's periodic evaluations
+    rows += [{"metric": OVEROPTIMISATION_TAG, "value": alarm}] if alarm else []
     rows += [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
     rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
     try:

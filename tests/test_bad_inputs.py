@@ -277,6 +277,26 @@ CASES: list[Case] = [
     Case("config", "lr-zero", lambda f, a: ["ppo.lr=0"], ("ppo.lr", "greater than 0")),
     Case("config", "batches-divide", lambda f, a: ["ppo.num_mini_batches=3"], ("ppo.num_mini_batches (3)",)),
     Case("config", "unknown-key", lambda f, a: ["ppo.learning_rate=1e-5"], ("unknown key 'ppo.learning_rate'",)),
+    Case("config", "ensemble-size-zero", lambda f, a: ["reward.ensemble_size=0"], ("reward.ensemble_size",)),
+    Case(
+        "config",
+        "ensemble-of-a-function",
+        lambda f, a: [
+            "reward.source=function",
+            "reward.function=rlhf.data.synthetic:gold_reward",
+            "reward.ensemble_size=2",
+        ],
+        ("reward.ensemble_size 2 needs reward models to train",),
+    ),
+    Case(
+        "config", "ensemble-objective", lambda f, a: ["reward.ensemble_objective=median"], ("'mean', 'uwo' or 'wco'",)
+    ),
+    Case(
+        "config",
+        "stop-without-evaluations",
+        lambda f, a: ["ppo.on_overoptimisation=keep_best", "ppo.eval_every=0"],
+        ("ppo.on_overoptimisation 'keep_best' acts on the periodic evaluations",),
+    ),
     Case("config", "wrong-type", lambda f, a: ["ppo.batch_size=sixteen"], ("ppo.batch_size", "sixteen")),
     Case("config", "device-name", lambda f, a: ["runtime.device=gpu"], ("runtime.device 'gpu'", "'cuda'")),
     Case("config", "dtype-name", lambda f, a: ["runtime.dtype=fp16"], ("runtime.dtype", "fp16")),

@@ -255,7 +255,8 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
         "ppo.eval_prompts=16",
         f"ppo.on_overoptimisation={mode}",
     ]
-    summary = rlhf_pipeline(_config(folder, *planted), return_state=True).result()
+    state = rlhf_pipeline(_config(folder, *planted), return_state=True)
+    summary = state.result()
     alarm, kept = summary["overoptimisation/alarm_step"], summary["overoptimisation/kept_step"]
     assert 0 < alarm < 12, "the alarm fires before the last update"
     assert "repeated bigrams" in summary["rlhf.overoptimisation_alarm"]
@@ -266,6 +267,8 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     client = MlflowClient(_config(folder).tracking.uri)
     pipeline = client.get_run(summary["mlflow_run_id"])
     assert "rlhf.overoptimisation_alarm" in pipeline.data.tags
+    (table,) = [a for a in flow_run_artifacts(state.state_details.flow_run_id) if a.key == "rlhf-evaluation"]
+    assert "rlhf.overoptimisation_alarm" in json.dumps(table.data), "a row of the Prefect evaluation table"
     ppo_run = client.get_run(summary["stage.train_policy_ppo.run_id"])
     assert "rlhf.overoptimisation_alarm" in ppo_run.data.tags
     updates = [m.step for m in client.get_metric_history(ppo_run.info.run_id, "objective/kl")]
