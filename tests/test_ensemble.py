@@ -84,7 +84,8 @@ def test_the_alarm_fires_on_a_planted_collapse_and_stays_quiet_on_a_healthy_run(
     assert alarm.fired.step == 20
     repeating = OveroptimisationAlarm()
     repeating.check(0, _signs(repetition=0.05))
-    assert repeating.check(5, _signs(repetition=0.25)).reasons == ["repeated bigrams 0.25, SFT 0.05"]
+    # repeated bigrams are logged, not a condition: longer healthy reviews repeat `the ... was` (docs)
+    assert repeating.check(5, _signs(repetition=0.25)) is None
 
 
 def test_the_ensemble_conditions():

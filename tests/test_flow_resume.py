@@ -259,7 +259,7 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     summary = state.result()
     alarm, kept = summary["overoptimisation/alarm_step"], summary["overoptimisation/kept_step"]
     assert 0 < alarm < 12, "the alarm fires before the last update"
-    assert "repeated bigrams" in summary["rlhf.overoptimisation_alarm"]
+    assert "distinct bigrams" in summary["rlhf.overoptimisation_alarm"]
     assert (
         f"PPO's periodic evaluation: the policy looks like it games its reward from update {alarm:.0f}"
         in (summary["eval.warning"])

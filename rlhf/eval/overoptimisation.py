@@ -56,8 +56,7 @@ def ensemble_stats(frame: pd.DataFrame, in_distribution_std: float) -> dict[str,
 
 
 # The alarm's thresholds (docs/overoptimisation.md: how they were set, and the runs they were checked on).
-DISTINCT_DROP = 0.5  # distinct_2 below this fraction of the SFT policy's
-REPETITION_RISE = 0.15  # repetition above the SFT policy's by this much
+DISTINCT_DROP = 0.35  # distinct_2 below this fraction of the SFT policy's
 DISAGREEMENT_RATIO = 2.0  # the members disagree this many times more than on held-out data (and than at step 0)
 CONSERVATIVE_FALL = 0.5  # the ensemble's min below its best by this many in-distribution stds while its mean rose
 KL_DRIFT_FACTOR, KL_DRIFT_NATS = 1.5, 1.0  # the KL grew past 1.5 times an earlier evaluation's plus 1 nat ...
@@ -95,8 +94,6 @@ class OveroptimisationAlarm:
         found = []
         if stats["distinct_2"] < DISTINCT_DROP * base["distinct_2"]:
             found.append(f"distinct bigrams {stats['distinct_2']:.2f}, SFT {base['distinct_2']:.2f}")
-        if stats["repetition"] > base["repetition"] + REPETITION_RISE:
-            found.append(f"repeated bigrams {stats['repetition']:.2f}, SFT {base['repetition']:.2f}")
         ratio = stats.get("disagreement_ratio")
         if ratio is not None and ratio > DISAGREEMENT_RATIO * max(1.0, base.get("disagreement_ratio", 1.0)):
             found.append(f"reward models disagree {ratio:.1f}x as much as on held-out data")
