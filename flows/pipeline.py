@@ -141,7 +141,7 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
     if not config.reward.is_ensemble:
         return Upstream(prepared, sft_model, members[0])
     ensemble = run_stage(
-        combine_reward_ensemble, reward_cfg=config.reward.member_config(), members=members, prepared=prepared, **common
+        combine_reward_ensemble, reward_cfg=config.reward, members=members, prepared=prepared, **common
     )
     if progress:
         progress.done(stage_of(ensemble.stage).label)

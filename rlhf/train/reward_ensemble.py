@@ -15,7 +15,7 @@ from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.loading import load_options, load_tokenizer
 from rlhf.models.reward_ensemble import EnsembleSpec, load_reward
-from rlhf.ops import ensemble_scores
+from rlhf.ops import ENSEMBLE_OBJECTIVES, ensemble_scores
 from rlhf.tracking.metrics_writer import LogFn
 from rlhf.train.reward import RewardResult, score_pairs
 
@@ -46,8 +46,8 @@ def member_pair_scores(
 
 
 def ensemble_pair_stats(chosen: Tensor, rejected: Tensor, cfg: RewardConfig) -> tuple[dict[str, float], Tensor, float]:
-    """The held-out statistics of K members' scores of n pairs (K, n): each member's accuracy, the ensemble's (its
-    objective's, and the mean's), the share of pairs on which every member agrees with the others, and the
+    """The held-out statistics of K members' scores of n pairs (K, n): each member's accuracy, the ensemble's under
+    each objective (and `accuracy`: under `cfg`'s), the share of pairs on which every member agrees with the others, and the
     members' disagreement (their std, mean over pairs) on the chosen and rejected responses, after each member's
     offset (its mean score on the held-out responses less the members' average of those) is taken off. Returns
     the statistics, the offsets (K,) and the disagreement on the chosen responses."""
@@ -57,7 +57,7 @@ def ensemble_pair_stats(chosen: Tensor, rejected: Tensor, cfg: RewardConfig) -> 
     prefers = chosen > rejected  # (K, n)
     in_distribution_std = chosen.std(0, unbiased=False).mean().item()
     stats = {f"{ENSEMBLE_PREFIX}/member_{k}_accuracy": prefers[k].float().mean().item() for k in range(len(chosen))}
-    for objective in ("mean", cfg.ensemble_objective):
+    for objective in ENSEMBLE_OBJECTIVES:
         c = ensemble_scores(chosen, objective, cfg.uncertainty_coef)
         r = ensemble_scores(rejected, objective, cfg.uncertainty_coef)
         stats[f"{ENSEMBLE_PREFIX}/accuracy_{objective}"] = (c > r).float().mean().item()
