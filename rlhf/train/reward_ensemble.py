@@ -47,9 +47,10 @@ def member_pair_scores(
 
 def ensemble_pair_stats(chosen: Tensor, rejected: Tensor, cfg: RewardConfig) -> tuple[dict[str, float], Tensor, float]:
     """The held-out statistics of K members' scores of n pairs (K, n): each member's accuracy, the ensemble's under
-    each objective (and `accuracy`: under `cfg`'s), the share of pairs on which every member agrees with the others, and the
-    members' disagreement (their std, mean over pairs) on the chosen and rejected responses, after each member's
-    offset (its mean score on the held-out responses less the members' average of those) is taken off. Returns
+    each objective (and `accuracy`: under `cfg`'s), the share of pairs on which every member agrees with the
+    others, and the members' disagreement (their std, mean over pairs) on the chosen and rejected responses, after
+    each member's offset (its mean score on the held-out responses less the members' average of those) is taken
+    off. Returns
     the statistics, the offsets (K,) and the disagreement on the chosen responses."""
     offsets = torch.cat([chosen, rejected], 1).mean(1)  # (K,)
     offsets = offsets - offsets.mean()
