@@ -27,6 +27,7 @@ from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned
 from rlhf.eval.length_control import EVAL_WARNING_TAG
+from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
 from rlhf.sweeps.optuna_search import TrialRef
@@ -209,7 +210,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     summary: dict[str, Any] = {
         **({"reward/eval_accuracy": reward_model.metrics["reward/eval_accuracy"]} if reward_model else {}),
         **evaluation.metrics,
-        **{k: v for k, v in policy.metrics.items() if k.startswith("overoptimisation/")},
+        **{k: v for k, v in policy.metrics.items() if k in (ALARM_STEP_KEY, KEPT_STEP_KEY)},
         POLICY_LABEL: policy_label(config),
         "data": prepared.path,
         "data_digest": prepared.digest,

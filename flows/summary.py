@@ -9,6 +9,7 @@ from flows.artifacts import mlflow_experiment_url
 from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
+from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from tasks.stage_runs import RESUMED_FROM_TAG
 from tasks.stage_table import STAGES
 
@@ -131,6 +132,11 @@ def format_summary(summary: dict[str, Any]) -> str:
                     f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
                 )
             )
+    if ALARM_STEP_KEY in summary:  # the gold-free over-optimisation alarm of PPO's periodic evaluations
+        step, kept = int(summary[ALARM_STEP_KEY]), int(summary.get(KEPT_STEP_KEY, -1))
+        said = "quiet at every periodic evaluation" if step < 0 else f"fired after update {step} (WARNING below)"
+        said += f"; the final policy is update {kept}'s" if kept >= 0 else ""
+        lines.append(_row("over-optimisation alarm (no gold)", said))
     warnings = hacking_warnings(summary)
     if warnings:
         lines += ["", *(f"WARNING: {w}" for w in warnings), ""]

@@ -11,6 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import rlhf_pipeline
+from flows.summary import format_summary
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task_states
@@ -226,6 +227,7 @@ def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatc
     assert ppo.data.metrics["ensemble/std"] > 0
     assert [m.step for m in client.get_metric_history(ppo.info.run_id, "ppo_eval/disagreement_ratio")] == [0, 2, 4]
     assert summary["overoptimisation/alarm_step"] == -1.0, "a healthy smoke run: the alarm stays quiet"
+    assert "over-optimisation alarm (no gold):      quiet at every periodic evaluation" in format_summary(summary)
     assert "eval/ppo_distinct_2" in summary and "eval/overoptimisation_flag" in summary
 
     monkeypatch.delenv("RLHF_INJECT_FAILURE")
@@ -272,6 +274,9 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     ppo_run = client.get_run(summary["stage.train_policy_ppo.run_id"])
     assert "rlhf.overoptimisation_alarm" in ppo_run.data.tags
     updates = [m.step for m in client.get_metric_history(ppo_run.info.run_id, "objective/kl")]
+    printed = format_summary(summary)
+    assert f"fired after update {alarm:.0f} (WARNING below)" in printed
+    assert (f"the final policy is update {kept:.0f}'s" in printed) == (mode != "warn")
     if mode == "warn":
         assert kept == -1 and max(updates) == 12
         assert summary["eval/overoptimisation_flag"] == 1.0, "the evaluation stage's check of the final policy agrees"

@@ -55,6 +55,10 @@ def ensemble_stats(frame: pd.DataFrame, in_distribution_std: float) -> dict[str,
     }
 
 
+# What a PPO stage reports of its alarm (its metrics and the pipeline's summary): the update the alarm fired after
+# (-1: it did not) and the update whose policy ppo.on_overoptimisation kept (-1: the last)
+ALARM_STEP_KEY, KEPT_STEP_KEY = "overoptimisation/alarm_step", "overoptimisation/kept_step"
+
 # The alarm's thresholds (docs/overoptimisation.md: how they were set, and the runs they were checked on).
 DISTINCT_DROP = 0.35  # distinct_2 below this fraction of the SFT policy's
 DISAGREEMENT_RATIO = 2.0  # the members disagree this many times more than on held-out data (and than at step 0)

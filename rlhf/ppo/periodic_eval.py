@@ -20,7 +20,13 @@ import torch
 from rlhf.config import PPOConfig
 from rlhf.errors import TrialPruned
 from rlhf.eval.evaluate import generate_and_score_prompts
-from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
+from rlhf.eval.overoptimisation import (
+    ALARM_STEP_KEY,
+    KEPT_STEP_KEY,
+    OveroptimisationAlarm,
+    ensemble_stats,
+    response_stats,
+)
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
@@ -134,8 +140,8 @@ class EvalGuard:
         """overoptimisation/*: the update the alarm fired after (-1: it did not) and the update of the kept policy."""
         kept = self.kept()
         return {
-            "overoptimisation/alarm_step": float(self.alarm.fired.step if self.alarm.fired else -1),
-            "overoptimisation/kept_step": float(kept[0] if kept else -1),
+            ALARM_STEP_KEY: float(self.alarm.fired.step if self.alarm.fired else -1),
+            KEPT_STEP_KEY: float(kept[0] if kept else -1),
         }
 
 

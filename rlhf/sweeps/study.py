@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from rlhf.eval.overoptimisation import ALARM_STEP_KEY
 from rlhf.sweeps.overoptimisation import collect_histories
 from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import Tracker
@@ -42,7 +43,7 @@ MEASURES = (
 HACKING_FLAGS = ("eval/hacking_flag_length", "eval/hacking_flag_empty")
 # the over-optimisation alarm: at PPO's periodic evaluations (the update it fired after; -1: never) or on the
 # evaluation stage's final policy against SFT (1: fired)
-ALARM_METRICS = ("overoptimisation/alarm_step", "eval/overoptimisation_flag")
+ALARM_METRICS = (ALARM_STEP_KEY, "eval/overoptimisation_flag")
 STUDY_METRICS = tuple(metric for _, metrics, _ in MEASURES for metric in metrics) + HACKING_FLAGS + ALARM_METRICS
 
 
