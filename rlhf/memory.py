@@ -236,7 +236,8 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     eval_new = ev.max_new_tokens or ppo.max_new_tokens
     eval_kv = 2.0 * shape.layers * ev.batch_size * (ppo.max_prompt_tokens + eval_new) * shape.kv_dim * act_b
     eval_logits = _logits(shape, ev.batch_size * eval_new, act_b, False)  # log-probs of the response positions
-    stage("evaluate", (2 * shape.params + shape.reward_params) * frozen_b, max(eval_kv, eval_logits))
+    scorers = shape.reward_params * rw.ensemble_size  # an ensemble's members are all loaded (reward.ensemble_size)
+    stage("evaluate", (2 * shape.params + scorers) * frozen_b, max(eval_kv, eval_logits))
     return out
 
 
@@ -262,7 +263,9 @@ def _ppo_memory(
     critic = not ppo.critic_free  # a critic-free estimator loads no value model
     separate_value = critic and ppo.value_model == "separate"
     value = _trained(shape.reward_params) if separate_value else (_trained(shape.hidden + 1) if critic else 0.0)
-    reward_model = shape.reward_params * frozen_b if config.reward.source == "model" else 0.0
+    reward_model = (
+        shape.reward_params * config.reward.ensemble_size * frozen_b if config.reward.source == "model" else 0.0
+    )
     persistent = policy + reference + reward_model + value
     if getattr(rt, "sharding", "none") == "fsdp":  # each process holds 1/W of the weights and optimizer states
         persistent /= world  # (a block's gathered weights are transient and small beside the activations)

@@ -215,3 +215,17 @@ def test_replay_judges_a_logged_history_against_gold():
     # at 30: KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
     assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
     assert "grew from 5.0 (update 20) to 9.0" in row["reasons"]
+
+
+def test_the_memory_estimate_counts_every_member():
+    from transformers import AutoConfig
+
+    from rlhf.memory import estimate, shape_of
+
+    shape = shape_of(AutoConfig.for_model("gpt2", vocab_size=300, n_positions=128, n_layer=2, n_embd=64, n_head=2))
+    one, four = (
+        {e.stage: e.total for e in estimate(load_config(None, [f"reward.ensemble_size={k}"]), shape, "cuda")}
+        for k in (1, 4)
+    )
+    assert four["ppo"] > one["ppo"] and four["evaluate"] > one["evaluate"]
+    assert four["reward"] == one["reward"], "the members train one at a time"
