@@ -18,17 +18,9 @@ from rlhf.config.pipeline import (
     parse_override,
     section_digest,
 )
+from rlhf.config.ppo import LoraConfig, PPOConfig, PPOGenerationConfig
 from rlhf.config.sections import DATA_COLUMN_ROLES, DataConfig, RuntimeConfig, SyntheticTaskConfig, TrackingConfig
-from rlhf.config.stages import (
-    BootstrapModelConfig,
-    DPOConfig,
-    EvalConfig,
-    LoraConfig,
-    PPOConfig,
-    PPOGenerationConfig,
-    RewardConfig,
-    SFTConfig,
-)
+from rlhf.config.stages import BootstrapModelConfig, DPOConfig, EvalConfig, RewardConfig, SFTConfig
 from rlhf.errors import ConfigError
 
 __all__ = [

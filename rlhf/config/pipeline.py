@@ -10,8 +10,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rlhf.config.base import Section, format_validation_error, read_yaml, safe_load
+from rlhf.config.ppo import PPOConfig
 from rlhf.config.sections import DataConfig, RuntimeConfig, TrackingConfig
-from rlhf.config.stages import DPOConfig, EvalConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config.stages import DPOConfig, EvalConfig, RewardConfig, SFTConfig
 from rlhf.errors import ConfigError
 
 

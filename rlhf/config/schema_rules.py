@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.config.stages import GROUP_ESTIMATORS, PPOConfig
+from rlhf.config.ppo import GROUP_ESTIMATORS, PPOConfig
 
 MAX_MINI_BATCHES = 128  # the form's bound on ppo.num_mini_batches: the schema enumerates the values up to it
 # typed fields of the form (ppo.<key>): the batch fields, then the estimator and its group size

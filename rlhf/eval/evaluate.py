@@ -21,7 +21,7 @@ from rlhf.eval import length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
-from rlhf.models.reward_ensemble import ensemble_objective, load_reward
+from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward
 from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
 from rlhf.ops import kl_per_token
 from rlhf.rollout.batching import pad_left
@@ -159,7 +159,7 @@ def evaluate_policies(
             models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress
         )
     table, summary, warnings = summarize(prompts, frames["sft"], frames["ppo"], gold_fn, cfg.length_tolerance)
-    signs, alarm = overoptimisation_signs(frames["sft"], frames["ppo"], getattr(reward, "in_distribution_std", 0.0))
+    signs, alarm = overoptimisation_signs(frames["sft"], frames["ppo"], in_distribution_std(reward))
     summary |= signs
     warnings += alarm
     log(summary, 0)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from rlhf.config import RewardConfig
 from rlhf.models.loading import load_reward_model
 from rlhf.ops import ensemble_scores
 
@@ -92,7 +93,13 @@ def load_reward(
     return model.eval()
 
 
-def ensemble_objective(reward_cfg: Any) -> tuple[str, float]:
+def in_distribution_std(reward: nn.Module | None) -> float:
+    """An ensemble's members' disagreement on held-out chosen responses (`EnsembleSpec`); 0 for one reward model or
+    none (a reward function)."""
+    return reward.in_distribution_std if isinstance(reward, RewardEnsemble) else 0.0
+
+
+def ensemble_objective(reward_cfg: RewardConfig | None) -> tuple[str, float]:
     """The ensemble objective and its uncertainty coefficient of a reward config section (None: the mean)."""
     if reward_cfg is None:
         return "mean", 0.0

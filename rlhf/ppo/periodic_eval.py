@@ -27,6 +27,7 @@ from rlhf.eval.overoptimisation import (
     ensemble_stats,
     response_stats,
 )
+from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
@@ -76,8 +77,7 @@ def evaluate_now(
         "ppo_eval/sqrt_kl": sqrt_kl(kl),
         "ppo_eval/length_mean": float(frame["length"].mean()),
     }
-    in_distribution_std = getattr(models.reward, "in_distribution_std", 0.0)
-    signs = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std)}
+    signs = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std(models.reward))}
     metrics |= {f"{EVAL_PREFIX}{key}": value for key, value in signs.items()}
     if gold_fn is not None:
         gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]

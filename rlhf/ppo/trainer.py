@@ -18,6 +18,7 @@ from rlhf.errors import TrainingInterrupted
 from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
+from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
@@ -124,7 +125,7 @@ def train_ppo(
     bar = tqdm(range(state.step, total), desc="ppo", disable=not show, initial=state.step, total=total)
 
     # the over-optimisation alarm at the periodic evaluations, and what ppo.on_overoptimisation keeps
-    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, getattr(models.reward, "in_distribution_std", 0.0))
+    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, in_distribution_std(models.reward))
 
     def evaluate_if_due(step: int) -> bool:
         """Whether training stops after this evaluation (the alarm, with ppo.on_overoptimisation 'stop')."""

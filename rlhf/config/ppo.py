@@ -1,0 +1,230 @@
+"""The config section of the online RL stage (PPO and the critic-free estimators): `ppo:`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlhf.config.base import Section
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(False, description="Train LoRA adapters on the policy (needs the 'lora' extra: peft).")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: int = Field(32, ge=1, description="LoRA scaling alpha.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (keep 0 for exact PPO ratios).")
+    target_modules: list[str] | None = Field(None, description="Modules to adapt; None lets peft pick per model.")
+
+
+class PPOGenerationConfig(Section):
+    backend: Literal["builtin", "vllm"] = Field(
+        "builtin",
+        description="What samples the rollouts: 'builtin' (the KV-cached sampler of rlhf/rollout/generation.py, any "
+        "device) or 'vllm' (a vLLM engine on the policy's CUDA GPU, the 'vllm' extra; the policy's weights are pushed "
+        "into it after every update; ppo.max_new_tokens, temperature, top_k, top_p and the stop tokens apply "
+        "unchanged; log-probs still come from the training model). docs/models.md.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="vllm: share of the GPU's memory the vLLM engine takes (its weights and KV cache) beside the "
+        "training models on the same GPU.",
+    )
+    sleep: bool = Field(
+        False,
+        description="vllm: release the engine's weights and KV cache while the PPO epochs run and take them back for "
+        "the next rollout (vLLM's sleep mode): less memory during optimisation, some time per update.",
+    )
+    seed_requests: bool = Field(
+        True,
+        description="vllm: seed every prompt's request from the run's sampling generator (reproducible from the run "
+        "seed and a resumed state, up to vLLM's kernels); false leaves sampling to the engine's own seeded generator, "
+        "faster at large batches.",
+    )
+
+
+# the estimators whose baseline is the other samples of the same prompt
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+class PPOConfig(Section):
+    total_episodes: int = Field(8192, ge=1, description="Prompt/response pairs sampled over the whole run.")
+    batch_size: int = Field(64, ge=1, description="Rollout batch: episodes per PPO update.")
+    num_mini_batches: int = Field(4, ge=1, description="Minibatches per PPO epoch; must divide batch_size.")
+    num_ppo_epochs: int = Field(4, ge=1, description="Optimisation epochs over each rollout batch.")
+    lr: float = Field(3e-4, gt=0, description="Policy learning rate (AdamW).")
+    value_lr: float = Field(3e-4, gt=0, description="Value-model learning rate (AdamW).")
+    kl_coef: float = Field(0.05, ge=0, description="Initial KL penalty coefficient.")
+    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "gae",
+        description="'gae': PPO with a learned value model (GAE). Critic-free, no value model loaded: 'grpo' (each "
+        "score minus its group's mean, over the group's std), 'dr_grpo' (minus the group mean, no std, the loss "
+        "summed over tokens over max_new_tokens), 'rloo' (minus the mean of the other samples of the prompt), "
+        "'reinforce_pp' (per-token KL penalty, return to go, whitened over the global batch), "
+        "'reinforce_pp_baseline' (the same after subtracting the group mean). docs/algorithm.md.",
+    )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        description="Responses sampled per prompt (the group size G): a batch of ppo.batch_size episodes holds "
+        "batch_size / G prompts; grpo, dr_grpo, rloo and reinforce_pp_baseline need G >= 2.",
+    )
+    kl_in: Literal["reward", "loss"] | None = Field(
+        None,
+        description="Where the KL to the reference goes: 'reward' (a per-token penalty kl_coef * KL in the reward) "
+        "or 'loss' (kl_coef * KL as a term of the policy loss). None: the estimator's paper: 'loss' for grpo and "
+        "dr_grpo, 'reward' for the others.",
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = Field(
+        None,
+        description="How per-token losses become one: 'token_mean' (over all tokens of the minibatch), "
+        "'seq_mean_token_mean' (per sequence, then over sequences), 'seq_mean_token_sum_norm' (each sequence's sum "
+        "over max_new_tokens, then over sequences). None: the estimator's paper: seq_mean_token_mean for grpo, "
+        "seq_mean_token_sum_norm for dr_grpo, token_mean for the others.",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None, description="Per-token KL estimator (Schulman's k1, k2, k3). None: k1 in the reward, k3 in the loss."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
+    cliprange_value: float = Field(0.2, gt=0, description="Value clip range.")
+    vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    whiten_rewards: bool = Field(False, description="Whiten per-token rewards before GAE.")
+    whiten_rewards_keep_mean: bool = Field(
+        True,
+        description="With whiten_rewards: divide the rewards by their std and keep their mean (TRL's "
+        "shift_mean=False); false also subtracts the mean.",
+    )
+    max_new_tokens: int = Field(24, ge=1, description="Maximum response tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (log-probs use the same one).")
+    top_k: int | None = Field(None, ge=1, description="Top-k sampling; None disables.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling; None disables.")
+    missing_eos_penalty: float | None = Field(
+        1.0, description="Subtracted from the score of a response without a stop token; None disables."
+    )
+    max_prompt_tokens: int = Field(64, ge=1, description="Prompts are left-truncated to this many tokens.")
+    stop_tokens: list[int | str] = Field(
+        default_factory=list, description="Extra stop tokens (ids or single-token strings); EOS always stops."
+    )
+    missing_eos_mode: Literal["subtract", "replace"] = Field(
+        "subtract", description="'subtract': score - missing_eos_penalty; 'replace': score = missing_eos_penalty."
+    )
+    min_response_length: int | None = Field(None, ge=1, description="Responses shorter than this are penalised.")
+    min_length_penalty: float | None = Field(
+        None, description="Penalty for short responses, in the mode of ppo.missing_eos_mode ('subtract' or 'replace')."
+    )
+    score_clip: float | None = Field(None, gt=0, description="Clip reward-model scores to [-c, c]; None disables.")
+    kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="Constant or adaptive KL coefficient.")
+    kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target sequence KL (Ziegler et al.).")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in episodes.")
+    whiten_advantages: bool = Field(True, description="Whiten advantages (masked mean 0, std 1) before the loss.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 disables).")
+    target_kl: float | None = Field(
+        None, gt=0, description="Stop the PPO epochs of an update early once approximate KL passes this."
+    )
+    lr_schedule: Literal["constant", "linear"] = Field("linear", description="Learning-rate schedule of both models.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per minibatch optimizer step.")
+    forward_batch_size: int | None = Field(
+        None, ge=1, description="Rows per no-grad forward pass (reference, reward, value); None: the whole batch."
+    )
+    value_model: Literal["separate", "policy_head"] = Field(
+        "separate",
+        description="'separate': a value model initialised from the reward model; 'policy_head': a scalar head on "
+        "the policy's trunk (one model, less memory).",
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    generation: PPOGenerationConfig = Field(default_factory=PPOGenerationConfig)
+    save_every: int = Field(10, ge=1, description="Save the full trainer state every N updates (resume point).")
+    record_rollouts: bool = Field(True, description="Write the per-sample rollout records of each update to Parquet.")
+    log_every: int = Field(1, ge=1, description="Log statistics every N updates.")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Periodic evaluation every N updates (also before the first and after the last): generate on "
+        "`eval_prompts` held-out prompts with the training sampling settings and a fixed seed, log ppo_eval/score "
+        "(reward model), ppo_eval/gold (where the data has a gold reward), ppo_eval/kl and ppo_eval/sqrt_kl (to the "
+        "reference) and ppo_eval/length_mean. 0: off.",
+    )
+    eval_prompts: int = Field(64, ge=1, description="Held-out prompts of the periodic evaluation (eval_every).")
+    on_overoptimisation: Literal["warn", "stop", "keep_best"] = Field(
+        "warn",
+        description="What the over-optimisation alarm (checked at every periodic evaluation; docs/overoptimisation.md) "
+        "does when it fires: 'warn' (a WARNING line, a run tag, an evaluation row; training goes on), 'stop' (the "
+        "stage ends, its final policy that of the last evaluation before the alarm) or 'keep_best' (training goes on "
+        "and the final policy is that of the evaluation with the best conservative score before the alarm). "
+        "'stop' and 'keep_best' need eval_every.",
+    )
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> PPOConfig:
+        if self.batch_size % self.num_mini_batches:
+            raise ValueError(
+                f"ppo.num_mini_batches ({self.num_mini_batches}) must divide ppo.batch_size ({self.batch_size})"
+            )
+        if self.mini_batch_size % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"ppo.gradient_accumulation_steps ({self.gradient_accumulation_steps}) must divide the minibatch size "
+                f"(ppo.batch_size / ppo.num_mini_batches = {self.mini_batch_size})"
+            )
+        if self.total_episodes < self.batch_size:
+            raise ValueError(
+                f"ppo.total_episodes ({self.total_episodes}) must be at least ppo.batch_size ({self.batch_size})"
+            )
+        if self.batch_size % self.samples_per_prompt:
+            raise ValueError(
+                f"ppo.samples_per_prompt ({self.samples_per_prompt}) must divide ppo.batch_size ({self.batch_size}): "
+                "a batch holds whole groups of samples of a prompt"
+            )
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.samples_per_prompt < 2:
+            raise ValueError(
+                f"ppo.advantage_estimator {self.advantage_estimator} compares the samples of a prompt: it needs "
+                f"ppo.samples_per_prompt of 2 or more (got {self.samples_per_prompt})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _alarm_needs_evaluations(self) -> PPOConfig:
+        if self.on_overoptimisation != "warn" and self.eval_every == 0:
+            raise ValueError(
+                f"ppo.on_overoptimisation '{self.on_overoptimisation}' acts on the periodic evaluations, and "
+                "ppo.eval_every is 0: set ppo.eval_every (e.g. 10) or ppo.on_overoptimisation: warn"
+            )
+        return self
+
+    @property
+    def critic_free(self) -> bool:
+        """No value model: the estimator's baseline comes from the samples themselves."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def kl_placement(self) -> str:
+        """'reward' or 'loss': `kl_in`, or the estimator's own."""
+        return self.kl_in or ("loss" if self.advantage_estimator in ("grpo", "dr_grpo") else "reward")
+
+    @property
+    def aggregation(self) -> str:
+        """`loss_aggregation`, or the estimator's own."""
+        default = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
+        return self.loss_aggregation or default.get(self.advantage_estimator, "token_mean")
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """`kl_estimator`, or k1 in the reward and k3 in the loss."""
+        return self.kl_estimator or ("k3" if self.kl_placement == "loss" else "k1")
+
+    @property
+    def prompts_per_batch(self) -> int:
+        return self.batch_size // self.samples_per_prompt
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.batch_size // self.num_mini_batches
+
+    @property
+    def num_updates(self) -> int:
+        return self.total_episodes // self.batch_size
