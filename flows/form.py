@@ -31,6 +31,7 @@ from flows.sweep import rlhf_sweep
 from flows.sweep_command import check_variants
 from rlhf.config import PipelineConfig, apply_overrides, load_config
 from rlhf.config.base import read_yaml
+from rlhf.config.estimators import CRITIC_FREE_ESTIMATORS, ESTIMATOR_NAMES, GROUP_ESTIMATORS
 from rlhf.config.pipeline import parse_override
 from rlhf.config.schema_rules import (
     FIELD_OVERRIDE,
@@ -43,7 +44,6 @@ from rlhf.config.schema_rules import (
     ppo_batch_clauses,
 )
 from rlhf.errors import ConfigError
-from rlhf.ops.advantages import ADVANTAGE_ESTIMATORS
 from rlhf.sweeps.space import SweepSpace, parse_space
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,16 +109,16 @@ class PipelineRun(BaseModel):
         ge=1,
         le=MAX_MINI_BATCHES,
     )
-    ppo_advantage_estimator: Literal[ADVANTAGE_ESTIMATORS] | None = Field(  # type: ignore[valid-type]
+    ppo_advantage_estimator: Literal[ESTIMATOR_NAMES] | None = Field(  # type: ignore[valid-type]
         None,
         title="ppo.advantage_estimator",
-        description="gae (PPO with a value model), or a critic-free estimator: grpo, dr_grpo, rloo, reinforce_pp, "
-        "reinforce_pp_baseline (docs/algorithm.md). Empty: the config file's value (gae in the shipped ones).",
+        description=f"gae (PPO with a value model), or a critic-free estimator: {', '.join(CRITIC_FREE_ESTIMATORS)} "
+        "(docs/algorithms.md). Empty: the config file's value (gae in the shipped ones).",
     )
     ppo_samples_per_prompt: int | None = _typed(
         "samples_per_prompt",
         f"Responses sampled per prompt (a group; at most {MAX_GROUP} here): it must divide ppo.batch_size, and "
-        "grpo, dr_grpo, rloo and reinforce_pp_baseline need 2 or more.",
+        f"{', '.join(GROUP_ESTIMATORS)} need 2 or more.",
         ge=1,
         le=MAX_GROUP,
     )

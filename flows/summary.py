@@ -24,19 +24,11 @@ PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
 POLICY_SECONDS = "time/policy_train_s"  # the policy stage's wall time (a float: a metric of the pipeline run)
 # The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
 POLICY_LABEL = "rlhf.policy_algorithm"
-LABELS = {
-    "gae": "PPO",
-    "grpo": "GRPO",
-    "dr_grpo": "Dr. GRPO",
-    "rloo": "RLOO",
-    "reinforce_pp": "REINFORCE++",
-    "reinforce_pp_baseline": "REINFORCE++ (baseline)",
-}
 
 
 def policy_label(config: PipelineConfig) -> str:
-    """'PPO', 'GRPO', ..., or 'DPO': what trained the policy."""
-    return "DPO" if config.algorithm == "dpo" else LABELS[config.ppo.advantage_estimator]
+    """'PPO', 'GRPO', 'GSPO', ..., or 'DPO': what trained the policy."""
+    return "DPO" if config.algorithm == "dpo" else config.ppo.label
 
 
 def _row(label: str, value: str) -> str:

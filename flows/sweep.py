@@ -168,10 +168,11 @@ def log_study(tracker, sweep_run_id: str, sweep_name: str, rows: list[dict[str, 
     publish_table(
         study.table.to_dict("records"),
         key=f"sweep-{sweep_name}-study",
-        description=f"Study '{sweep_name}': per arm, the mean over its finished runs and the 95% t-interval "
-        "half-width (_ci) of the gold win rate over SFT, its length-controlled version, mean gold reward and KL to "
-        "SFT; the policy stage's wall time; the largest peak memory; runs that raised a reward-hacking flag; runs "
-        "whose over-optimisation alarm fired.",
+        description=f"Study '{sweep_name}': per arm, the mean over its finished runs of the gold win rate over SFT "
+        "and its length-controlled version, with their 95% interval (_lo, _hi: a t-interval on the logit scale, "
+        "inside 0 to 1) and each run's value (_runs); the mean gold reward and KL to SFT with the half-width of "
+        "their 95% t-interval (_ci); the policy stage's wall time; the largest peak memory; runs that raised a "
+        "reward-hacking flag; runs whose over-optimisation alarm fired.",
     )
     get_run_logger().info("study %s:\n%s", sweep_name, study.markdown)
 
@@ -335,7 +336,7 @@ def format_ranking(result: dict[str, Any]) -> str:
         text = frame.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
     study = Path(result["ranking_csv"]).with_name("study_table.md")
     if study.exists():  # a sweep with arms: the per-arm table (rlhf.sweeps.study)
-        text += f"\n\n== Study: per arm, mean ± 95% interval over its runs\n{study.read_text().strip()}"
+        text += f"\n\n== Study: per arm, mean and 95% interval over its runs\n{study.read_text().strip()}"
         text += f"\nfrontier (gold against sqrt(KL), one colour per arm): {study.with_name('frontier.png')}"
     return "\n".join(
         [

@@ -286,3 +286,41 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
         assert 0 <= kept < alarm and max(updates) == 12, "trained on, an evaluation before the alarm kept"
         scores = {m.step: m.value for m in client.get_metric_history(ppo_run.info.run_id, "ppo_eval/score")}
         assert scores[kept] == max(v for s, v in scores.items() if s < alarm)
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [
+        ["ppo.advantage_estimator=dapo"],
+        ["ppo.advantage_estimator=grpo", "ppo.importance_sampling_level=sequence"],
+        ["ppo.advantage_estimator=rloo", "ppo.importance_sampling_level=sequence_sum"],
+    ],
+    ids=["dapo", "gspo", "rloo_sequence"],
+)
+def test_dapo_gspo_and_sequence_rloo_run_the_dag_resume_and_are_cached(objective, monkeypatch, uninterrupted_run):
+    """Each new objective in the reference run's folder (data, SFT and reward model from its cache): the first
+    attempt of the policy stage dies after 2 of 4 updates, the retry resumes the same MLflow run with no step missing
+    or twice, the summary names the objective, and a second run takes every stage from the cache."""
+    folder, _ = uninterrupted_run
+    overrides = [*objective, "ppo.samples_per_prompt=4", "ppo.save_every=1"]
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_policy_ppo:2")
+    state = rlhf_pipeline(_config(folder, *overrides), return_state=True)
+    summary = state.result()
+    (ppo_task,) = [t for t in task_runs(state.state_details.flow_run_id) if t.name.startswith("train_policy_ppo")]
+    assert (ppo_task.state.name, ppo_task.run_count) == ("Completed", 2)
+    client = MlflowClient(_config(folder).tracking.uri)
+    run = client.get_run(summary["stage.train_policy_ppo.run_id"])
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "policy/loss")) == [1, 2, 3, 4]
+    label = {"dapo": "DAPO", "sequence": "GSPO", "sequence_sum": "RLOO (sequence)"}
+    expected = label.get(objective[-1].rsplit("=", 1)[1])
+    assert summary["rlhf.policy_algorithm"] == expected
+    if "dapo" in objective[0]:
+        assert "dynamic_sampling/extra_rounds" in run.data.metrics
+    else:
+        assert "policy/seq_clipfrac" in run.data.metrics
+
+    monkeypatch.delenv("RLHF_INJECT_FAILURE")
+    again = rlhf_pipeline(_config(folder, *overrides), return_state=True)
+    assert task_states(again.state_details.flow_run_id)["train_policy_ppo"] == "Cached"
+    assert again.result()["eval/win_rate_gold"] == summary["eval/win_rate_gold"]

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlhf.config.estimators import CRITIC_FREE_ESTIMATORS, ESTIMATOR_NAMES, ESTIMATORS
 from rlhf.ops.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    CRITIC_FREE,
+    GROUP_ADVANTAGES,
     broadcast_to_tokens,
     gae,
     group_advantages,
@@ -25,8 +25,10 @@ SCORES = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 3.0, 5.0, 5.0, 5.0])
 
 
 def test_estimator_names() -> None:
-    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-    assert frozenset({"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}) == CRITIC_FREE
+    assert ESTIMATOR_NAMES == ("gae", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+    assert CRITIC_FREE_ESTIMATORS == ESTIMATOR_NAMES[1:]
+    # every critic-free estimator computes advantages that rlhf.ops knows
+    assert {ESTIMATORS[name].advantages for name in CRITIC_FREE_ESTIMATORS} == set(GROUP_ADVANTAGES)
     assert LOSS_AGGREGATIONS == ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
@@ -117,7 +119,7 @@ def test_grpo_matches_torch_std_on_random_groups() -> None:
 def test_zero_std_groups_give_zero_advantages_and_no_nan() -> None:
     # 0.1 is not exact in binary: the mean of four may be an ulp off 0.1, yet the advantages are exactly 0
     scores = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 0.7, 0.0, 1.0, 0.0, 1.0], requires_grad=True)
-    for estimator in sorted(CRITIC_FREE - {"reinforce_pp"}):
+    for estimator in sorted(set(GROUP_ADVANTAGES) - {"reinforce_pp"}):
         for eps in (1e-6, 0.0):
             out = group_advantages(scores, group_size=4, estimator=estimator, eps=eps)
             assert (out.advantages[:8] == 0).all(), estimator

@@ -548,6 +548,85 @@ def test_critic_free_estimators_load_train_and_save_no_value_model(stack, tmp_pa
     assert (tmp_path / estimator / "final" / "policy" / "config.json").is_file()
 
 
+# DAPO, GSPO and RLOO with the whole response's ratio: (config, what only it logs)
+NEW_OBJECTIVES = {
+    "dapo": (dict(advantage_estimator="dapo"), "dynamic_sampling/extra_rounds"),
+    "gspo": (dict(advantage_estimator="grpo", importance_sampling_level="sequence"), "policy/seq_clipfrac"),
+    "rloo_sequence": (
+        dict(advantage_estimator="rloo", importance_sampling_level="sequence_sum"),
+        "policy/seq_clipfrac",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", NEW_OBJECTIVES)
+def test_dapo_gspo_and_sequence_rloo_train(stack, tmp_path, name):
+    overrides, own_metric = NEW_OBJECTIVES[name]
+    cfg = _cfg(samples_per_prompt=4, **overrides)
+    logged: dict[int, dict[str, float]] = {}
+    _train(stack, cfg, tmp_path / name, lambda metrics, step: logged.__setitem__(step, metrics))
+    assert sorted(logged) == [1, 2, 3, 4]
+    for metrics in logged.values():
+        assert own_metric in metrics and all(math.isfinite(v) for v in metrics.values())
+    first = logged[1]
+    if name == "gspo":  # GSPO's ranges (3e-4, 4e-4): a sequence ratio that moves clips
+        assert (cfg.clip_low, cfg.clip_high) == (3e-4, 4e-4)
+        assert max(m["policy/seq_clipfrac"] for m in logged.values()) > 0
+    if name == "dapo":
+        assert (cfg.clip_low, cfg.clip_high, cfg.aggregation, cfg.overlong_tokens) == (0.2, 0.28, "token_mean", 2)
+        assert first["dynamic_sampling/generated_episodes"] >= cfg.batch_size
+
+
+def test_dynamic_sampling_replaces_groups_without_spread(stack, tmp_path):
+    # a coarse rule as the reward (1 for a full stop at the end, else 0): many groups score all the same
+    reward_cfg = RewardConfig(source="function", function="tests.planted_rewards:ends_a_sentence")
+    runs = {}
+    for rounds in (0, 3):
+        cfg = _cfg(advantage_estimator="dapo", samples_per_prompt=4, dynamic_sampling_rounds=rounds, overlong_buffer=0)
+        logged: dict[int, dict[str, float]] = {}
+        train_ppo(
+            cfg, RUNTIME, stack["sft"], None, stack["prompts"], tmp_path / str(rounds), 0,
+            lambda metrics, step, logged=logged: logged.__setitem__(step, metrics), reward_cfg=reward_cfg,
+        )  # fmt: skip
+        runs[rounds] = logged
+    plain, dynamic = runs[0], runs[3]
+    assert not any(k.startswith("dynamic_sampling/") for k in plain[1])
+    dropped = sum(m["dynamic_sampling/dropped_groups"] for m in dynamic.values())
+    assert dropped > 0, "the test needs groups without spread"
+    # the batch trained on has fewer groups without spread than the plain one's (filled ones only)
+    for step, metrics in dynamic.items():
+        filled = metrics["dynamic_sampling/filled_groups"]
+        assert metrics["group/zero_std_fraction"] == pytest.approx(filled / (cfg.batch_size // 4))
+        assert metrics["dynamic_sampling/extra_rounds"] <= 3
+        generated = metrics["dynamic_sampling/generated_episodes"]
+        assert generated == cfg.batch_size * (1 + metrics["dynamic_sampling/extra_rounds"]), step
+    assert sum(m["group/zero_std_fraction"] for m in dynamic.values()) < sum(
+        m["group/zero_std_fraction"] for m in plain.values()
+    )
+
+
+def test_a_run_with_dynamic_sampling_resumes_as_if_never_stopped(stack, tmp_path):
+    reward_cfg = RewardConfig(source="function", function="tests.planted_rewards:ends_a_sentence")
+    cfg = _cfg(advantage_estimator="dapo", samples_per_prompt=4, save_every=2, overlong_buffer=0)
+    full, resumed = {}, {}
+
+    def run(folder, logged, **kw):
+        train_ppo(
+            cfg, RUNTIME, stack["sft"], None, stack["prompts"], folder, 0,
+            lambda m, s: logged.__setitem__(s, m), reward_cfg=reward_cfg, **kw,
+        )  # fmt: skip
+
+    run(tmp_path / "full", full)
+    with pytest.raises(TrainingInterrupted):
+        run(tmp_path / "resumed", resumed, stop_after=2)
+    run(tmp_path / "resumed", resumed)
+    assert sorted(resumed) == sorted(full) == [1, 2, 3, 4]
+    for step in full:
+        for key, value in full[step].items():
+            if not key.startswith(NOT_DETERMINISTIC):
+                assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
 def test_a_critic_free_run_resumes_as_if_never_stopped(stack, tmp_path):
     cfg = _cfg(advantage_estimator="grpo", samples_per_prompt=4, save_every=2)
     full, resumed = {}, {}

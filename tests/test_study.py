@@ -11,7 +11,7 @@ import pytest
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from rlhf.sweeps.space import expand, load_space, parse_space, variant_configs
-from rlhf.sweeps.study import format_study, frontier_points, interval95, study_table
+from rlhf.sweeps.study import format_study, frontier_points, interval95, rate_interval95, study_table
 from tests.conftest import REPO
 
 
@@ -24,6 +24,21 @@ def test_interval95_by_hand():
     assert interval95([1.0, 3.0]) == pytest.approx((2.0, 12.706))
     mean, half = interval95([0.5, float("nan"), None])  # one finite value: no interval
     assert mean == 0.5 and math.isnan(half)
+
+
+def test_rate_interval95_by_hand_stays_inside_zero_and_one():
+    # logits of 0.9, 0.8, 0.95: ln 9, ln 4, ln 19 = 2.197225, 1.386294, 2.944439; mean 2.175986; squared
+    # deviations 0.000451 + 0.623613 + 0.590520 = 1.214584, sd sqrt(1.214584 / 2) = 0.779290, se 0.449923,
+    # t(2) 4.303 -> 2.175986 +- 1.936019 -> sigmoid(0.239967) = 0.559706 .. sigmoid(4.112005) = 0.983889
+    mean, low, high = rate_interval95([0.9, 0.8, 0.95])
+    assert (mean, low, high) == pytest.approx((0.883333, 0.559706, 0.983889), abs=1e-5)
+    # runs that split (GRPO's 96.4%, 7.7%, 1.8% on the embedded task): the t-interval on the rates was 35.3% +- 131.6%
+    mean, low, high = rate_interval95([0.964, 0.077, 0.018])
+    assert mean == pytest.approx(0.353) and 0.0 <= low < 0.01 and 0.99 < high <= 1.0
+    # every run at 100%: the edge is held at 99.9% on the logit scale, the interval widened to the mean
+    assert rate_interval95([1.0, 1.0, 1.0]) == pytest.approx((1.0, 0.999, 1.0))
+    mean, low, high = rate_interval95([0.5, None])  # one run: no interval
+    assert mean == 0.5 and math.isnan(low) and math.isnan(high)
 
 
 def test_study_table_one_row_per_arm_in_order_with_failures_counted():
@@ -41,15 +56,19 @@ def test_study_table_one_row_per_arm_in_order_with_failures_counted():
     assert list(table["arm"]) == ["PPO", "DPO", "GRPO"]
     ppo, dpo, grpo = (table.iloc[i] for i in range(3))
     assert ppo["runs"] == "2/2" and dpo["runs"] == "1/2" and grpo["runs"] == "0/0"
-    # 0.9 and 0.8: mean 0.85, sd 0.070711, se 0.05, t(1) 12.706 -> 0.6353
-    assert ppo["win_rate_gold"] == pytest.approx(0.85) and ppo["win_rate_gold_ci"] == pytest.approx(0.6353)
+    # 0.9 and 0.8: logits 2.197225 and 1.386294, mean 1.791759, sd 0.573413, se 0.405465, t(1) 12.706 -> +- 5.151843
+    # -> sigmoid(-3.360084) = 0.033569 .. sigmoid(6.943602) = 0.999036
+    assert ppo["win_rate_gold"] == pytest.approx(0.85)
+    assert (ppo["win_rate_gold_lo"], ppo["win_rate_gold_hi"]) == pytest.approx((0.033569, 0.999036), abs=1e-5)
+    assert ppo["win_rate_gold_runs"] == [0.9, 0.8]
     assert ppo["kl"] == pytest.approx(5.0) and ppo["train_s"] == pytest.approx(110.0)
     assert ppo["peak_mb"] == 950.0 and dpo["peak_mb"] == 500.0  # the largest peak, from each stage's own metric
     assert ppo["hacking_flagged"] == "1/2" and dpo["hacking_flagged"] == "0/1"
     assert ppo["overoptimisation_alarm"] == "1/2" and dpo["overoptimisation_alarm"] == "0/1"  # at update 40
-    assert math.isnan(dpo["win_rate_gold_ci"]) and math.isnan(grpo["gold"])
+    assert math.isnan(dpo["win_rate_gold_lo"]) and math.isnan(grpo["gold"])
     text = format_study(table)
-    assert "| PPO | 2/2 | 85.0% ± 63.5% |" in text and "| GRPO | 0/0 | n/a |" in text
+    assert "| PPO | 2/2 | 85.0% [3.4%, 99.9%] | 90.0, 80.0 |" in text and "| GRPO | 0/0 | n/a | n/a |" in text
+    assert "| DPO | 1/2 | 70.0% | 70.0 |" in text
     assert text.splitlines()[0].endswith("| hacking flag | over-optimisation alarm |")
 
 

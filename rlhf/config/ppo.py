@@ -7,6 +7,19 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from rlhf.config.base import Section
+from rlhf.config.estimators import (
+    ESTIMATOR_NAMES,
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
+    SCALED_ESTIMATORS,
+    Estimator,
+    estimator_descriptions,
+    objective_label,
+)
+
+# GSPO's clipping ranges (Zheng et al. 2025, section 5.1): a sequence ratio is a geometric mean and moves little
+GSPO_CLIPRANGE, GSPO_CLIPRANGE_HIGH = 3e-4, 4e-4
+PPO_CLIPRANGE = 0.2
 
 
 class LoraConfig(Section):
@@ -45,10 +58,6 @@ class PPOGenerationConfig(Section):
     )
 
 
-# the estimators whose baseline is the other samples of the same prompt
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-
-
 class PPOConfig(Section):
     total_episodes: int = Field(8192, ge=1, description="Prompt/response pairs sampled over the whole run.")
     batch_size: int = Field(64, ge=1, description="Rollout batch: episodes per PPO update.")
@@ -57,39 +66,82 @@ class PPOConfig(Section):
     lr: float = Field(3e-4, gt=0, description="Policy learning rate (AdamW).")
     value_lr: float = Field(3e-4, gt=0, description="Value-model learning rate (AdamW).")
     kl_coef: float = Field(0.05, ge=0, description="Initial KL penalty coefficient.")
-    advantage_estimator: Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    advantage_estimator: Literal[ESTIMATOR_NAMES] = Field(  # type: ignore[valid-type]
         "gae",
-        description="'gae': PPO with a learned value model (GAE). Critic-free, no value model loaded: 'grpo' (each "
-        "score minus its group's mean, over the group's std), 'dr_grpo' (minus the group mean, no std, the loss "
-        "summed over tokens over max_new_tokens), 'rloo' (minus the mean of the other samples of the prompt), "
-        "'reinforce_pp' (per-token KL penalty, return to go, whitened over the global batch), "
-        "'reinforce_pp_baseline' (the same after subtracting the group mean). docs/algorithm.md.",
+        description=estimator_descriptions() + ". All but 'gae' are critic-free (no value model loaded). "
+        "docs/algorithms.md.",
     )
     samples_per_prompt: int = Field(
         1,
         ge=1,
         description="Responses sampled per prompt (the group size G): a batch of ppo.batch_size episodes holds "
-        "batch_size / G prompts; grpo, dr_grpo, rloo and reinforce_pp_baseline need G >= 2.",
+        f"batch_size / G prompts; {', '.join(GROUP_ESTIMATORS)} need G >= 2.",
     )
     kl_in: Literal["reward", "loss"] | None = Field(
         None,
         description="Where the KL to the reference goes: 'reward' (a per-token penalty kl_coef * KL in the reward) "
-        "or 'loss' (kl_coef * KL as a term of the policy loss). None: the estimator's paper: 'loss' for grpo and "
-        "dr_grpo, 'reward' for the others.",
+        "or 'loss' (kl_coef * KL as a term of the policy loss). None: the estimator's paper: 'loss' for "
+        f"{', '.join(n for n, e in ESTIMATORS.items() if e.kl_in == 'loss')}, 'reward' for the others.",
     )
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] | None = Field(
         None,
         description="How per-token losses become one: 'token_mean' (over all tokens of the minibatch), "
         "'seq_mean_token_mean' (per sequence, then over sequences), 'seq_mean_token_sum_norm' (each sequence's sum "
         "over max_new_tokens, then over sequences). None: the estimator's paper: seq_mean_token_mean for grpo, "
-        "seq_mean_token_sum_norm for dr_grpo, token_mean for the others.",
+        "seq_mean_token_sum_norm for dr_grpo, token_mean for the others (dapo's token-level loss included). With a "
+        "sequence-level importance ratio the policy loss is the mean over responses and this applies to the KL term.",
     )
     kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
         None, description="Per-token KL estimator (Schulman's k1, k2, k3). None: k1 in the reward, k3 in the loss."
     )
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip range.")
+    cliprange: float | None = Field(
+        None,
+        gt=0,
+        description=f"Policy ratio clip range (eps_low: the ratio is clipped at 1 - cliprange). None: {PPO_CLIPRANGE}, "
+        f"or GSPO's {GSPO_CLIPRANGE} with importance_sampling_level 'sequence'.",
+    )
+    cliprange_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip range (eps_high: the ratio is clipped at 1 + cliprange_high; DAPO's clip-higher sets "
+        "it above cliprange so that unlikely tokens can grow). None: the estimator's paper (dapo 0.28), GSPO's "
+        f"{GSPO_CLIPRANGE_HIGH} with importance_sampling_level 'sequence', else equal to cliprange.",
+    )
+    importance_sampling_level: Literal["token", "sequence", "sequence_sum"] = Field(
+        "token",
+        description="The importance ratio of the policy loss: 'token' (one per token, PPO's; GRPO and OpenRLHF's "
+        "RLOO use it), 'sequence' (one per response, the geometric mean of its token ratios, clipped per response "
+        "and averaged over responses: GSPO, Zheng et al. 2025; TRL's importance_sampling_level 'sequence', veRL's "
+        "loss_mode gspo) or 'sequence_sum' (one per response, its whole likelihood ratio, exp of the summed token "
+        "log-ratios, clipped per response and averaged over responses: RLOO as Ahmadian et al. 2024 and TRL 0.19's "
+        "RLOOTrainer compute it). The sequence levels need a critic-free estimator.",
+    )
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None,
+        description=f"{', '.join(SCALED_ESTIMATORS)}: what each score minus its group's mean is divided by (TRL's "
+        "scale_rewards): the group's std ('group', GRPO's), the whole batch's std ('batch') or nothing ('none', "
+        "Dr. GRPO's). None: the estimator's own.",
+    )
+    dynamic_sampling_rounds: int | None = Field(
+        None,
+        ge=0,
+        description="DAPO's dynamic sampling: groups whose samples all get the same score (no learning signal) are "
+        "dropped and the batch is refilled with groups of new prompts, in up to this many extra generation rounds; "
+        "what is still missing after them is filled with dropped groups. Needs groups (samples_per_prompt >= 2, a "
+        "critic-free estimator). 0: off. None: the estimator's paper (dapo 3, others 0).",
+    )
+    overlong_buffer: int | None = Field(
+        None,
+        ge=0,
+        description="DAPO's soft overlong penalty: over the last this many tokens before max_new_tokens the score "
+        "falls linearly by up to overlong_penalty (L_cache of the paper's eq. 13). 0: off. None: the estimator's "
+        "paper (dapo: a fifth of max_new_tokens, others off).",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="The overlong penalty's size at max_new_tokens (veRL's penalty_factor)."
+    )
     cliprange_value: float = Field(0.2, gt=0, description="Value clip range.")
     vf_coef: float = Field(0.1, ge=0, description="Value-loss coefficient.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
@@ -188,6 +240,39 @@ class PPOConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _objective_fits_estimator(self) -> PPOConfig:
+        estimator = self.advantage_estimator
+        if self.importance_sampling_level != "token" and self.estimator.critic:
+            raise ValueError(
+                f"ppo.importance_sampling_level '{self.importance_sampling_level}' gives one ratio per response, and "
+                f"GAE's advantages differ from token to token: use a critic-free ppo.advantage_estimator (e.g. grpo) "
+                "or importance_sampling_level: token"
+            )
+        if self.dynamic_rounds and (self.estimator.critic or self.samples_per_prompt < 2):
+            raise ValueError(
+                f"ppo.dynamic_sampling_rounds ({self.dynamic_rounds}) drops groups of samples of one prompt that all "
+                f"score the same, and this run has no groups (advantage_estimator {estimator}, samples_per_prompt "
+                f"{self.samples_per_prompt}): use a critic-free estimator with samples_per_prompt of 2 or more, or "
+                "set ppo.dynamic_sampling_rounds: 0"
+            )
+        if self.clip_high < self.clip_low:
+            raise ValueError(
+                f"ppo.cliprange_high ({self.clip_high}) is below ppo.cliprange ({self.clip_low}): clip-higher widens "
+                "the upper bound only; raise cliprange_high or leave it unset (equal to cliprange)"
+            )
+        if self.scale_rewards is not None and estimator not in SCALED_ESTIMATORS:
+            raise ValueError(
+                f"ppo.scale_rewards divides the group-centred scores of {', '.join(SCALED_ESTIMATORS)}, not "
+                f"{estimator}'s: leave it unset or pick one of those estimators"
+            )
+        if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(
+                f"ppo.overlong_buffer ({self.overlong_buffer}) is longer than ppo.max_new_tokens "
+                f"({self.max_new_tokens}): the penalty covers the last tokens before max_new_tokens"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _alarm_needs_evaluations(self) -> PPOConfig:
         if self.on_overoptimisation != "warn" and self.eval_every == 0:
             raise ValueError(
@@ -197,25 +282,69 @@ class PPOConfig(Section):
         return self
 
     @property
+    def estimator(self) -> Estimator:
+        return ESTIMATORS[self.advantage_estimator]
+
+    @property
+    def label(self) -> str:
+        """What the summary and the study call this objective ('PPO', 'GRPO', 'GSPO', 'DAPO', 'RLOO (sequence)')."""
+        return objective_label(self.advantage_estimator, self.importance_sampling_level)
+
+    @property
     def critic_free(self) -> bool:
         """No value model: the estimator's baseline comes from the samples themselves."""
-        return self.advantage_estimator != "gae"
+        return not self.estimator.critic
 
     @property
     def kl_placement(self) -> str:
         """'reward' or 'loss': `kl_in`, or the estimator's own."""
-        return self.kl_in or ("loss" if self.advantage_estimator in ("grpo", "dr_grpo") else "reward")
+        return self.kl_in or self.estimator.kl_in
 
     @property
     def aggregation(self) -> str:
         """`loss_aggregation`, or the estimator's own."""
-        default = {"grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm"}
-        return self.loss_aggregation or default.get(self.advantage_estimator, "token_mean")
+        return self.loss_aggregation or self.estimator.loss_aggregation
 
     @property
     def kl_estimator_used(self) -> str:
         """`kl_estimator`, or k1 in the reward and k3 in the loss."""
         return self.kl_estimator or ("k3" if self.kl_placement == "loss" else "k1")
+
+    @property
+    def clip_low(self) -> float:
+        """`cliprange`, or PPO's 0.2 (GSPO's 3e-4 at the sequence level)."""
+        if self.cliprange is not None:
+            return self.cliprange
+        return GSPO_CLIPRANGE if self.importance_sampling_level == "sequence" else PPO_CLIPRANGE
+
+    @property
+    def clip_high(self) -> float:
+        """`cliprange_high`, or the estimator's, or GSPO's at the sequence level, or `clip_low`."""
+        if self.cliprange_high is not None:
+            return self.cliprange_high
+        if self.importance_sampling_level == "sequence" and self.cliprange is None:
+            return GSPO_CLIPRANGE_HIGH
+        return self.estimator.cliprange_high or self.clip_low
+
+    @property
+    def reward_scale(self) -> str | None:
+        """`scale_rewards`, or the estimator's own (None where the estimator has no group-centred scores)."""
+        return self.scale_rewards or self.estimator.scale_rewards
+
+    @property
+    def dynamic_rounds(self) -> int:
+        """Extra generation rounds of dynamic sampling (0: off)."""
+        if self.dynamic_sampling_rounds is not None:
+            return self.dynamic_sampling_rounds
+        return self.estimator.dynamic_sampling_rounds
+
+    @property
+    def overlong_tokens(self) -> int:
+        """The overlong penalty's buffer in tokens (0: off)."""
+        if self.overlong_buffer is not None:
+            return self.overlong_buffer
+        share = self.estimator.overlong_buffer_share
+        return 0 if share is None else max(1, round(share * self.max_new_tokens))
 
     @property
     def prompts_per_batch(self) -> int:

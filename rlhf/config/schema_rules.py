@@ -24,7 +24,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf.config.ppo import GROUP_ESTIMATORS, PPOConfig
+from rlhf.config.estimators import GROUP_ESTIMATORS
+from rlhf.config.ppo import PPOConfig
 
 MAX_MINI_BATCHES = 128  # the form's bound on ppo.num_mini_batches: the schema enumerates the values up to it
 # typed fields of the form (ppo.<key>): the batch fields, then the estimator and its group size
@@ -116,7 +117,7 @@ def ppo_batch_clauses(configs: Mapping[str, PPOConfig], default: str) -> list[di
 
 def group_clauses(configs: Mapping[str, PPOConfig], default: str) -> list[dict[str, Any]]:
     """``allOf`` clauses of the estimator's group rules: ppo.samples_per_prompt divides ppo.batch_size (typed, or the
-    chosen config file's), and a group estimator (grpo, dr_grpo, rloo, reinforce_pp_baseline) has 2 or more
+    chosen config file's), and a group estimator (`GROUP_ESTIMATORS`) has 2 or more
     samples a prompt (typed, or the config file's)."""
     estimator, group, batch = (field_name(k) for k in ("advantage_estimator", "samples_per_prompt", "batch_size"))
     grouped = {"properties": {estimator: {"enum": list(GROUP_ESTIMATORS)}}, "required": [estimator]}

@@ -1,8 +1,8 @@
 """Pure tensor functions of RLHF: masked stats, KL, reward shaping, GAE, critic-free advantages, losses, log-probs."""
 
 from rlhf.ops.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    CRITIC_FREE,
+    GROUP_ADVANTAGES,
+    REWARD_SCALES,
     GAEOutput,
     GroupAdvantages,
     broadcast_to_tokens,
@@ -20,11 +20,13 @@ from rlhf.ops.kl import (
 )
 from rlhf.ops.logprobs import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.ops.losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGGREGATIONS,
     PairwiseLossOutput,
     PolicyLossOutput,
     ValueLossOutput,
     aggregate_loss,
+    importance_log_ratios,
     kl_loss,
     pairwise_reward_loss,
     policy_loss,
@@ -35,6 +37,7 @@ from rlhf.ops.rewards import (
     ShapedScores,
     TokenRewards,
     ensemble_scores,
+    overlong_penalty,
     per_token_rewards,
     shape_scores,
 )
@@ -48,8 +51,9 @@ from rlhf.ops.stats import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "CRITIC_FREE",
+    "GROUP_ADVANTAGES",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "REWARD_SCALES",
     "DPO_LOSS_TYPES",
     "ENSEMBLE_OBJECTIVES",
     "KL_ESTIMATORS",
@@ -65,9 +69,11 @@ __all__ = [
     "TokenRewards",
     "ValueLossOutput",
     "aggregate_loss",
+    "importance_log_ratios",
     "broadcast_to_tokens",
     "dpo_loss",
     "ensemble_scores",
+    "overlong_penalty",
     "entropy_from_logits",
     "explained_variance",
     "gae",

@@ -12,8 +12,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-CRITIC_FREE: frozenset[str] = frozenset(ADVANTAGE_ESTIMATORS) - {"gae"}
+# the advantages `group_advantages` computes (the estimators of the config that use them: rlhf.config.estimators)
+GROUP_ADVANTAGES: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# what a group-centred score is divided by (TRL's GRPOConfig.scale_rewards): its group's std, the batch's, or nothing
+REWARD_SCALES: tuple[str, ...] = ("group", "batch", "none")
 
 
 class GAEOutput(NamedTuple):
@@ -58,7 +60,14 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return GAEOutput(advantages=advantages, returns=returns)
 
 
-def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float = 1e-6) -> GroupAdvantages:
+def group_advantages(
+    scores: Tensor,
+    group_size: int,
+    estimator: str,
+    eps: float = 1e-6,
+    scale: str | None = None,
+    batch_std: Tensor | None = None,
+) -> GroupAdvantages:
     """Sequence advantages of the critic-free estimators from the scores of groups of samples of one prompt.
 
     Rows ``[g * G, (g + 1) * G)`` of ``scores`` are the ``G = group_size`` samples of prompt ``g`` (contiguous
@@ -66,6 +75,9 @@ def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float
 
     - ``grpo``: ``(s - mean) / (std + eps)`` (GRPO, Shao et al. 2024; TRL);
     - ``dr_grpo``: ``s - mean``, no division by the std (Dr. GRPO, Liu et al. 2025);
+    - ``grpo`` and ``dr_grpo`` with ``scale`` (TRL's ``scale_rewards``): ``s - mean`` divided by ``std + eps`` of the
+      group (``group``, grpo's own), of the whole batch (``batch``: ``batch_std``, default the unbiased std of
+      ``scores``; pass the global batch's with several processes) or by nothing (``none``, dr_grpo's own);
     - ``rloo``: ``s_i`` minus the mean of the other ``G - 1`` scores, ``G / (G - 1) * (s - mean)`` (Ahmadian et al.
       2024); needs ``G >= 2``;
     - ``reinforce_pp_baseline``: ``s - mean``; it goes on into the token rewards, ``reinforce_returns`` and the
@@ -78,10 +90,15 @@ def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float
     Shape: scores (b,) with b = n_groups * group_size; advantages (b,), group_mean and group_std (n_groups,),
     zero_std_fraction ().
     """
-    if estimator not in CRITIC_FREE:
+    if estimator not in GROUP_ADVANTAGES:
         hint = " gae needs a critic: call gae()." if estimator == "gae" else ""
-        allowed = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e in CRITIC_FREE)
+        allowed = ", ".join(GROUP_ADVANTAGES)
         raise ValueError(f"Unknown critic-free advantage estimator {estimator!r}; allowed values are {allowed}.{hint}")
+    scale = scale or {"grpo": "group", "dr_grpo": "none"}.get(estimator)
+    if scale is not None and (scale not in REWARD_SCALES or estimator not in ("grpo", "dr_grpo")):
+        raise ValueError(
+            f"scale {scale!r} applies to grpo and dr_grpo, one of {', '.join(REWARD_SCALES)}; got {estimator!r}."
+        )
     if scores.dim() != 1:
         raise ValueError(f"scores must have shape (b,), got {tuple(scores.shape)}.")
     if group_size < 1:
@@ -106,15 +123,19 @@ def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float
     spread = var > 0
     group_std = torch.where(spread, torch.sqrt(torch.where(spread, var, torch.ones_like(var))), torch.zeros_like(var))
 
-    if estimator == "grpo":
-        denom = group_std + eps
+    if scale in ("group", "batch"):
+        if scale == "group":
+            denom = group_std[:, None] + eps
+        else:
+            spread_all = scores.std() if batch_std is None else batch_std.to(scores.dtype)
+            denom = torch.nan_to_num(spread_all, nan=0.0).expand(1, 1) + eps
         # a group without spread has centred == 0: divide by 1 there, so eps = 0 gives 0 rather than NaN
-        advantages = centred / torch.where(denom > 0, denom, torch.ones_like(denom))[:, None]
+        advantages = centred / torch.where(denom > 0, denom, torch.ones_like(denom))
     elif estimator == "rloo":
         advantages = centred * (group_size / (group_size - 1))
     elif estimator == "reinforce_pp":
         advantages = grouped
-    else:  # dr_grpo, reinforce_pp_baseline
+    else:  # grpo and dr_grpo with scale 'none', reinforce_pp_baseline
         advantages = centred
     zero_std_fraction = all_equal.to(group_mean.dtype).mean()
     return GroupAdvantages(

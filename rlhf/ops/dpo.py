@@ -90,8 +90,11 @@ def sequence_logps(logits: Tensor, labels: Tensor, mask: Tensor, average: bool =
 
     Shifting is the caller's: ``logits[:, t]`` scores ``labels[:, t]`` (for a causal LM, logits of positions
     ``:-1`` and labels ``input_ids[:, 1:]``). Labels must be valid token ids everywhere (the pad id where padded).
+    The logits of padded positions are set to 0 before the log-softmax, so whatever they hold (inf, NaN) reaches
+    neither the value nor the gradient: the softmax's backward would multiply its NaN by a zero gradient.
 
     Shape: logits (b, t, v), labels and mask (b, t); output (b,).
     """
+    logits = torch.where(mask.bool()[..., None], logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
     token_logps = logprobs_from_logits(logits, labels)  # (b, t)
     return masked_mean(token_logps, mask, dim=-1) if average else masked_sum(token_logps, mask, dim=-1)

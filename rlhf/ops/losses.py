@@ -20,7 +20,8 @@ class PolicyLossOutput(NamedTuple):
     approx_kl: Tensor  # () 0.5 * mean(d^2)
     policy_kl: Tensor  # () mean(-d)
     ratio_mean: Tensor  # ()
-    ratio_var: Tensor  # () biased variance
+    ratio_var: Tensor  # () biased variance of the token ratios
+    seq_clipfrac: Tensor  # () mean over responses of the share of their tokens that clip
 
 
 class ValueLossOutput(NamedTuple):
@@ -72,6 +73,40 @@ def aggregate_loss(per_token: Tensor, mask: Tensor, mode: str, norm_length: int 
     return masked_mean(per_seq, has_tokens)
 
 
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence", "sequence_sum")
+# the largest sequence log-ratio exponentiated: a sequence_sum ratio sums up to max_new_tokens token log-ratios, and
+# exp(89) overflows float32; a ratio of e^20 is far past any clip range, so this changes no clipped term
+SEQUENCE_LOG_RATIO_MAX = 20.0
+
+
+def importance_log_ratios(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
+    """The log importance ratio each real token's loss term uses, from the token log-ratios ``d``.
+
+    - ``token``: ``d_t`` itself (PPO, Schulman et al. 2017);
+    - ``sequence``: every token of a response gets the mean of its ``d`` over its real tokens, the log of the
+      geometric mean of its token ratios (GSPO, Zheng et al. 2025: ``s_i = (pi(y_i|x) / pi_old(y_i|x))^(1/|y_i|)``);
+    - ``sequence_sum``: every token gets the sum of its response's ``d``, the log of the whole response's likelihood
+      ratio ``pi(y_i|x) / pi_old(y_i|x)`` (RLOO as Ahmadian et al. 2024 and TRL 0.19's ``RLOOTrainer`` compute it),
+      capped at ``SEQUENCE_LOG_RATIO_MAX``.
+
+    The gradient flows through every token of the response: ``d s_i = s_i * mean_t(d log pi(y_t))`` for
+    ``sequence``, as GSPO's eq. 10. Padded positions are 0 in the output.
+
+    Shape: log_ratio and mask (b, t); output (b, t).
+    """
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        per_seq = masked_mean(log_ratio, mask, dim=-1)
+    elif level == "sequence_sum":
+        per_seq = masked_sum(log_ratio, mask, dim=-1).clamp(max=SEQUENCE_LOG_RATIO_MAX)
+    else:
+        raise ValueError(
+            f"Unknown importance sampling level {level!r}; allowed values are {', '.join(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
+    return _zero_padding(per_seq[:, None].expand_as(log_ratio), mask.bool())
+
+
 def policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -79,31 +114,50 @@ def policy_loss(
     mask: Tensor,
     cliprange: float,
     *,
+    cliprange_high: float | None = None,
+    importance_sampling_level: str = "token",
     loss_aggregation: str = "token_mean",
     norm_length: int | None = None,
 ) -> PolicyLossOutput:
-    """PPO clipped surrogate loss ``mean(max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)))``.
+    """PPO's clipped surrogate ``max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))`` per real token.
 
-    ``d = logprobs - old_logprobs`` and ``ratio = exp(d)``. The loss is reduced by ``aggregate_loss`` with
-    ``loss_aggregation`` (and ``norm_length``); the default, ``token_mean``, is the mean over real tokens. The
-    statistics are detached token means over real tokens whatever the aggregation; the loss keeps its graph.
+    ``d = logprobs - old_logprobs``. ``eps_low = cliprange`` and ``eps_high = cliprange_high`` (None: the same as
+    ``cliprange``); DAPO's clip-higher (Yu et al. 2025) sets eps_high above eps_low. The ratio is
+    ``exp(importance_log_ratios(d, mask, importance_sampling_level))``: each token's own (``token``), or one per
+    response that every token of it shares (``sequence``: GSPO; ``sequence_sum``: RLOO), clipped per response.
+
+    At the token level the per-token terms are reduced by ``aggregate_loss`` with ``loss_aggregation`` (and
+    ``norm_length``). At a sequence level the loss is the mean over responses of their clipped terms (the papers'
+    ``1/G sum_i``): ``seq_mean_token_mean``, whatever ``loss_aggregation`` says. This follows GSPO's paper and
+    veRL's recommended ``seq-mean-token-mean``; TRL's ``importance_sampling_level="sequence"`` aggregates with its
+    ``loss_type`` and so weighs long responses more under its token-level default. Where the advantages vary along
+    a response (REINFORCE++), each token's term takes its own advantage times the shared ratio, as veRL's GSPO does.
+
+    The statistics are detached: ``clipfrac`` the share of real tokens where the clipped term is the larger one,
+    ``seq_clipfrac`` the mean over responses of that share in each (at a sequence level: the share of clipped
+    responses), ``approx_kl``, ``policy_kl``, ``ratio_mean`` and ``ratio_var`` those of the token ratios.
 
     Shape: logprobs, old_logprobs, advantages and mask (b, t); outputs ().
     """
     real = mask.bool()
     d = _zero_padding(logprobs - old_logprobs, real)
     advantages = _zero_padding(advantages.to(d.dtype), real)
-    ratio = torch.exp(d)
+    ratio = torch.exp(importance_log_ratios(d, mask, importance_sampling_level))
+    high = cliprange if cliprange_high is None else cliprange_high
     pg1 = -advantages * ratio
-    pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = aggregate_loss(torch.maximum(pg1, pg2), mask, loss_aggregation, norm_length)
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    aggregation = loss_aggregation if importance_sampling_level == "token" else "seq_mean_token_mean"
+    loss = aggregate_loss(torch.maximum(pg1, pg2), mask, aggregation, norm_length)
 
     with torch.no_grad():
-        clipfrac = masked_mean((pg2 > pg1).to(d.dtype), mask)
+        clipped = (pg2 > pg1).to(d.dtype)
+        clipfrac = masked_mean(clipped, mask)
+        seq_clipfrac = aggregate_loss(clipped, mask, "seq_mean_token_mean")
+        token_ratio = torch.exp(d)
         approx_kl = 0.5 * masked_mean(d**2, mask)
         policy_kl = masked_mean(-d, mask)
-        ratio_mean = masked_mean(ratio, mask)
-        ratio_var = masked_var(ratio, mask, unbiased=False)
+        ratio_mean = masked_mean(token_ratio, mask)
+        ratio_var = masked_var(token_ratio, mask, unbiased=False)
     return PolicyLossOutput(
         loss=loss,
         clipfrac=clipfrac,
@@ -111,6 +165,7 @@ def policy_loss(
         policy_kl=policy_kl,
         ratio_mean=ratio_mean,
         ratio_var=ratio_var,
+        seq_clipfrac=seq_clipfrac,
     )
 
 

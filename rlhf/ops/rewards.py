@@ -43,13 +43,17 @@ def shape_scores(
     min_length: int | None = None,
     min_length_penalty: float | None = None,
     min_length_mode: str = "subtract",
+    overlong_max_length: int | None = None,
+    overlong_buffer: int | None = None,
+    overlong_factor: float = 1.0,
 ) -> ShapedScores:
     """Shape reward-model scores before they become rewards.
 
     In order: clip to ``[-clip, clip]``; then for responses without a stop token, ``"subtract"`` gives
     ``score - missing_eos_penalty`` and ``"replace"`` sets the score to ``missing_eos_penalty`` as given (e.g.
     ``-1.0``); then likewise for responses with ``length < min_length`` (so with both in ``"replace"`` mode the
-    length penalty wins). A penalty of ``None`` changes nothing; the flags are returned either way.
+    length penalty wins); then DAPO's soft overlong penalty (``overlong_penalty``) is added when
+    ``overlong_buffer`` is given. A penalty of ``None`` changes nothing; the flags are returned either way.
 
     Shape: scores, response_lengths and contains_stop (b,); outputs (b,).
     """
@@ -68,7 +72,30 @@ def shape_scores(
     shaped = scores if clip is None else scores.clamp(-clip, clip)
     shaped = _apply_penalty(shaped, missing_eos, missing_eos_penalty, missing_eos_mode)
     shaped = _apply_penalty(shaped, too_short, min_length_penalty, min_length_mode)
+    if overlong_buffer is not None:
+        if overlong_max_length is None:
+            raise ValueError("the overlong penalty needs overlong_max_length (the generation's max_new_tokens)")
+        lengths = response_lengths.to(shaped.dtype)
+        shaped = shaped + overlong_penalty(lengths, overlong_max_length, overlong_buffer, overlong_factor)
     return ShapedScores(scores=shaped, missing_eos=missing_eos, too_short=too_short)
+
+
+def overlong_penalty(lengths: Tensor, max_length: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), times ``factor`` (veRL's ``penalty_factor``).
+
+    With ``L_max = max_length`` and ``L_cache = buffer``: 0 up to ``L_max - L_cache`` tokens, then falling linearly,
+    ``((L_max - L_cache) - |y|) / L_cache``, to -1 at ``L_max``, and -1 beyond (a response cut at max_new_tokens is
+    at most ``L_max`` long here, so -1 is the floor). Added to the score.
+
+    >>> overlong_penalty(torch.tensor([10.0, 20.0, 22.0, 24.0]), max_length=24, buffer=4)
+    tensor([ 0.0000,  0.0000, -0.5000, -1.0000])
+
+    Shape: lengths (b,) -> (b,).
+    """
+    if buffer < 1 or buffer > max_length:
+        raise ValueError(f"the overlong buffer must be 1 to max_length ({max_length}) tokens, got {buffer}")
+    over = (lengths.to(torch.get_default_dtype()) - (max_length - buffer)).clamp(min=0.0) / buffer
+    return -factor * over.clamp(max=1.0)
 
 
 def per_token_rewards(

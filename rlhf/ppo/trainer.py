@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.reward_ensemble import in_distribution_std
-from rlhf.ppo import distributed
+from rlhf.ppo import distributed, dynamic_sampling
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
 from rlhf.ppo.periodic_eval import (
@@ -113,12 +114,7 @@ def train_ppo(
     settings = generation_settings(cfg, models)
     prompt_ids, pending = truncated_prompts(models.tokenizer, prompts, cfg, dist)
     dtype = compute_dtype(runtime.dtype, device)
-    if cfg.generation.backend == "vllm":  # started after the resume state: it samples from the resumed policy
-        from rlhf.rollout.vllm_backend import start_vllm_sampler
-
-        models.sampler = start_vllm_sampler(
-            cfg, runtime, policy_path, models.policy, device, seed, dtype, dist.world_size
-        )
+    start_sampler(models, cfg, runtime, policy_path, seed, dtype, dist)  # after the resume state: the resumed policy
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -133,27 +129,14 @@ def train_ppo(
             return False
         return periodic_eval(step, models, eval_prompts, cfg, settings, seed, dtype, dist, log, gold_fn, on_eval, guard)
 
+    pad_id = models.tokenizer.pad_token_id
+    sample_rollout = rollout_sampler(models, state, prompt_ids, prompts, cfg, settings, seed, dtype, dist)
     if state.step == 0:
         evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
     for update in bar:
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
-        pad_id = models.tokenizer.pad_token_id
-        batch = prompt_batch(
-            prompt_ids, update, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
-        )
-        rollout = generate_and_score(
-            models,
-            batch.ids.to(device),
-            batch.mask.to(device),
-            batch.indices,
-            prompts,
-            cfg,
-            settings,
-            state.sample_generator,
-            dtype,
-            dist.world_size,
-        )
+        rollout, sampling_stats = sample_update(update, sample_rollout, cfg, pad_id, dist)
         # steps 4-6. rewards with the KL penalty, advantages (GAE or the critic-free estimator's; whitened with the
         # global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
@@ -164,6 +147,7 @@ def train_ppo(
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value, guard.in_distribution_std)
+        stats.update(sampling_stats)
         stats.update(record_rollouts(out_dir, update, models, prompts, rollout, cfg, gold_fn, dist))
         stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device, dist.world_size))
         stats = distributed.reduce_stats(stats)
@@ -187,6 +171,65 @@ def train_ppo(
     result.metrics |= guard.result_metrics()
     result.alarm = guard.alarm.fired.sentence() if guard.alarm.fired else ""
     return result
+
+
+def start_sampler(
+    models: PPOModels,
+    cfg: PPOConfig,
+    runtime: RuntimeConfig,
+    policy_path: str,
+    seed: int,
+    dtype: torch.dtype,
+    dist: DistContext,
+) -> None:
+    """ppo.generation.backend 'vllm': a vLLM engine samples the rollouts (`models.sampler`)."""
+    if cfg.generation.backend == "vllm":
+        from rlhf.rollout.vllm_backend import start_vllm_sampler
+
+        models.sampler = start_vllm_sampler(
+            cfg, runtime, policy_path, models.policy, dist.device, seed, dtype, dist.world_size
+        )
+
+
+def rollout_sampler(
+    models: PPOModels,
+    state: TrainerState,
+    prompt_ids: list[list[int]],
+    prompts: list[str],
+    cfg: PPOConfig,
+    settings: GenerationSettings,
+    seed: int,
+    dtype: torch.dtype,
+    dist: DistContext,
+) -> Callable[[int], Rollout]:
+    """A function that generates and scores the batch of prompts at a position of the run's prompt stream (this
+    rank's slice of it), with the run's sampling generator."""
+    pad_id = models.tokenizer.pad_token_id
+
+    def sample(position: int) -> Rollout:
+        batch = prompt_batch(
+            prompt_ids, position, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
+        )
+        ids, mask = batch.ids.to(dist.device), batch.mask.to(dist.device)
+        return generate_and_score(
+            models, ids, mask, batch.indices, prompts, cfg, settings, state.sample_generator, dtype, dist.world_size
+        )
+
+    return sample
+
+
+def sample_update(
+    update: int, sample: Callable[[int], Rollout], cfg: PPOConfig, pad_id: int, dist: DistContext
+) -> tuple[Rollout, dict[str, float]]:
+    """Steps 1-3 of an update: `sample(position)` generates and scores the prompts at that position of the prompt
+    stream. With dynamic sampling (ppo.dynamic_sampling_rounds), groups without spread are replaced by groups of new
+    prompts, from positions past the run's own (the k-th extra round of update u: num_updates + u * rounds + k - 1,
+    so a resumed run samples the same ones); its statistics come back with the batch."""
+    rollout = sample(update)
+    if not cfg.dynamic_rounds:
+        return rollout, {}
+    first_extra = cfg.num_updates + update * cfg.dynamic_rounds
+    return dynamic_sampling.refill(rollout, lambda k: sample(first_extra + k - 1), cfg, pad_id, dist)
 
 
 def place_models(models: PPOModels, dist: DistContext, sharded: bool) -> None:

@@ -18,6 +18,7 @@ from rlhf.models.training import unwrap
 from rlhf.nonfinite import skip_nonfinite
 from rlhf.ops import (
     PolicyLossOutput,
+    ShapedScores,
     ValueLossOutput,
     broadcast_to_tokens,
     gae,
@@ -90,6 +91,25 @@ def generate_and_score(
     return Rollout(indices, scored)
 
 
+def shaped_scores(scored: ScoredResponses, cfg: PPOConfig) -> ShapedScores:
+    """The reward model's scores shaped as the config says (`rlhf.ops.shape_scores`): clipped, penalised for a
+    missing stop token or a short response, and DAPO's overlong penalty (ppo.overlong_buffer)."""
+    return shape_scores(
+        scored.scores,
+        scored.resp.mask.sum(1),
+        scored.resp.contains_stop,
+        clip=cfg.score_clip,
+        missing_eos_penalty=cfg.missing_eos_penalty,
+        missing_eos_mode=cfg.missing_eos_mode,
+        min_length=cfg.min_response_length,
+        min_length_penalty=cfg.min_length_penalty,
+        min_length_mode=cfg.missing_eos_mode,
+        overlong_max_length=cfg.max_new_tokens,
+        overlong_buffer=cfg.overlong_tokens or None,
+        overlong_factor=cfg.overlong_penalty,
+    )
+
+
 def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: DistContext | None = None) -> Rollout:
     """Steps 4-6: shape scores, per-token rewards (KL penalty + score at the last token), advantages, whitening.
 
@@ -106,17 +126,7 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: D
         return masked_whiten(x, mask, restore_mean=restore_mean, moments=moments)
 
     scored = rollout.scored
-    shaped = shape_scores(
-        scored.scores,
-        scored.resp.mask.sum(1),
-        scored.resp.contains_stop,
-        clip=cfg.score_clip,
-        missing_eos_penalty=cfg.missing_eos_penalty,
-        missing_eos_mode=cfg.missing_eos_mode,
-        min_length=cfg.min_response_length,
-        min_length_penalty=cfg.min_length_penalty,
-        min_length_mode=cfg.missing_eos_mode,
-    )
+    shaped = shaped_scores(scored, cfg)
     reward_kl_coef = kl_coef if cfg.kl_placement == "reward" else 0.0  # KL in the loss: not in the reward
     token_rewards = per_token_rewards(
         shaped.scores, scored.logprobs, scored.ref_logprobs, mask, reward_kl_coef, cfg.kl_estimator_used
@@ -127,7 +137,13 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: D
         token_rewards.non_score_rewards,
     )
     if cfg.critic_free:
-        rollout.advantages, rollout.group_stats = critic_free_advantages(rollout, cfg, reward_kl_coef, whiten)
+        batch_std = None
+        if cfg.reward_scale == "batch":  # the global batch's std of the sequence rewards (TRL's scale_rewards)
+            sequence_rewards = rollout.shaped_scores + rollout.non_score_rewards.sum(1)
+            ones = torch.ones_like(sequence_rewards)
+            batch_std = masked_mean_var(sequence_rewards, ones)[1].sqrt()
+        advantages, rollout.group_stats = critic_free_advantages(rollout, cfg, reward_kl_coef, whiten, batch_std)
+        rollout.advantages = advantages
         rollout.loss_advantages = rollout.advantages
     else:
         rewards = token_rewards.rewards
@@ -141,21 +157,26 @@ def compute_advantages(rollout: Rollout, cfg: PPOConfig, kl_coef: float, dist: D
 
 
 def critic_free_advantages(
-    rollout: Rollout, cfg: PPOConfig, reward_kl_coef: float, whiten: Callable[[Tensor, bool], Tensor]
+    rollout: Rollout,
+    cfg: PPOConfig,
+    reward_kl_coef: float,
+    whiten: Callable[[Tensor, bool], Tensor],
+    batch_std: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The advantages of a critic-free estimator (docs/algorithm.md) and its group statistics.
 
     The rollout's rows hold whole groups of ppo.samples_per_prompt samples of one prompt, contiguous
     (`rlhf.ppo.prompts.prompt_batch`). grpo, dr_grpo and rloo give every token of a response its sequence's
     advantage: the shaped score (minus `reward_kl_coef` times the response's KL when the KL is in the reward) against
-    its group's baseline. reinforce_pp takes the return to go of the per-token rewards (KL penalty at every token,
-    score at the last), whitened over the global batch (`whiten`); reinforce_pp_baseline subtracts the group mean of
-    the scores first.
+    its group's baseline (grpo and dapo divided as ppo.scale_rewards says: by the group's std, by `batch_std`, the
+    global batch's, or not at all). reinforce_pp takes the return to go of the per-token rewards (KL penalty at
+    every token, score at the last), whitened over the global batch (`whiten`); reinforce_pp_baseline subtracts the
+    group mean of the scores first.
 
     Shape: rollout tensors (b, r); advantages (b, r), 0 at padding.
     """
     scored, mask, group = rollout.scored, rollout.mask, cfg.samples_per_prompt
-    estimator = cfg.advantage_estimator
+    estimator = cfg.estimator.advantages
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         scores = rollout.shaped_scores
         groups = group_advantages(scores, group, estimator)
@@ -166,7 +187,7 @@ def critic_free_advantages(
     else:
         # the sequence reward: the shaped score, less the KL penalty where the KL goes in the reward
         sequence_rewards = rollout.shaped_scores + rollout.non_score_rewards.sum(1)  # (b, r) -> (b,)
-        groups = group_advantages(sequence_rewards, group, estimator)
+        groups = group_advantages(sequence_rewards, group, estimator, scale=cfg.reward_scale, batch_std=batch_std)
         advantages = broadcast_to_tokens(groups.advantages, mask)
     if group == 1:  # reinforce_pp with one sample a prompt: no groups to describe
         return advantages, {}
@@ -228,13 +249,13 @@ def _policy_micro(
     cfg: PPOConfig,
     dtype: torch.dtype,
     kl_coef: float,
-    loss_weight: float = 1.0,
-    token_weight: float = 1.0,
+    weights: HalfWeights | None = None,
 ):
     """Policy forward, clipped loss (minus the entropy bonus, plus `kl_coef` times the KL to the reference with
-    ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says.
-    `loss_weight` (the clipped loss and the KL term) and `token_weight` (the entropy, a token mean) scale its part
-    of the gradient when the micro-batch is one of several halves (`_policy_halves`)."""
+    ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says (the
+    clipped loss over responses with a sequence-level ratio). `weights` scale its part of the gradient when the
+    micro-batch is one of several halves (`_policy_halves`)."""
+    w = weights or HalfWeights(1.0, 1.0, 1.0)
     with autocast(mb.mask.device, dtype):
         out = sharding.call(
             unwrap(models.policy),
@@ -247,22 +268,40 @@ def _policy_micro(
             entropy_grad=cfg.entropy_coef > 0,
         )
     aggregation = dict(loss_aggregation=cfg.aggregation, norm_length=cfg.max_new_tokens)
-    pl = policy_loss(out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.cliprange, **aggregation)
+    pl = policy_loss(
+        out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.clip_low, cliprange_high=cfg.clip_high,
+        importance_sampling_level=cfg.importance_sampling_level, **aggregation,
+    )  # fmt: skip
     entropy = masked_mean(out.entropy, mb.mask)
-    loss = loss_weight * pl.loss - token_weight * cfg.entropy_coef * entropy
+    loss = w.policy * pl.loss - w.tokens * cfg.entropy_coef * entropy
     kl = None
     if cfg.kl_placement == "loss":
         kl = kl_loss(out.logprobs, mb.ref_logprobs, mb.mask, cfg.kl_estimator_used, **aggregation)
-        loss = loss + loss_weight * kl_coef * kl
+        loss = loss + w.kl * kl_coef * kl
     (loss / cfg.gradient_accumulation_steps).backward()
     ratios = torch.exp(out.logprobs.detach() - mb.logprobs)[mb.mask.bool()]
     return pl, entropy, ratios, kl
 
 
-# the statistics that are token means (combined over halves by their tokens) and those of the aggregated losses
-# (combined by the halves' loss weights); policy/ratio_var and loss/total are recombined from these
+class HalfWeights(NamedTuple):
+    """A half's share of its micro-batch's aggregations: of the clipped loss's, of the KL term's and of its tokens."""
+
+    policy: float
+    kl: float
+    tokens: float
+
+
+# how each statistic of the two halves combines: by the halves' tokens (token means), by their sequences (means
+# over responses), or by their share of the aggregated loss it belongs to; policy/ratio_var and loss/total are
+# recombined from these
 _TOKEN_MEANS = ("policy/entropy", "policy/approxkl", "policy/policykl", "policy/clipfrac", "policy/ratio_mean")
-_LOSS_MEANS = ("policy/loss", "policy/kl_loss")
+_SEQUENCE_MEANS = ("policy/seq_clipfrac",)
+_LOSS_WEIGHTS = {"policy/loss": "policy", "policy/kl_loss": "kl"}
+
+
+def _shares(mode: str, tokens: list[float], sequences: list[float]) -> list[float]:
+    counts = tokens if mode == "token_mean" else sequences
+    return [c / sum(counts) if sum(counts) else 0.5 for c in counts]
 
 
 def _policy_halves(
@@ -275,21 +314,28 @@ def _policy_halves(
     micro-batch's; the statistics are recombined exactly. Returns (the micro-batch's statistics, its ratios)."""
     halves = [micro_batch(rollout, part) for part in rows.tensor_split(2)]
     tokens = [float(mb.mask.sum()) for mb in halves]
-    if cfg.aggregation == "token_mean":
-        counts = tokens
-    else:
-        counts = [float(mb.mask.bool().any(-1).sum()) for mb in halves]
-    loss_w = [c / sum(counts) if sum(counts) else 0.5 for c in counts]
-    token_w = [t / sum(tokens) if sum(tokens) else 0.5 for t in tokens]
-    sides = [
-        partial(_policy_micro, models, mb, cfg, dtype, kl_coef, lw, tw)
-        for mb, lw, tw in zip(halves, loss_w, token_w, strict=True)
+    sequences = [float(mb.mask.bool().any(-1).sum()) for mb in halves]
+    policy_mode = cfg.aggregation if cfg.importance_sampling_level == "token" else "seq_mean_token_mean"
+    weights = [
+        HalfWeights(*shares)
+        for shares in zip(
+            _shares(policy_mode, tokens, sequences),
+            _shares(cfg.aggregation, tokens, sequences),
+            _shares("token_mean", tokens, sequences),
+            strict=True,
+        )
     ]
+    sides = [partial(_policy_micro, models, mb, cfg, dtype, kl_coef, w) for mb, w in zip(halves, weights, strict=True)]
     outs = scoring.run_sides(sides[0], sides[1], True)
     parts = [MicroStats.of(pl, None, entropy, cfg, kl, kl_coef).metrics() for pl, entropy, _, kl in outs]
+    token_w = [w.tokens for w in weights]
+    sequence_w = _shares("seq_mean_token_mean", tokens, sequences)
     metrics = {key: sum(w * part[key] for w, part in zip(token_w, parts, strict=True)) for key in _TOKEN_MEANS}
-    for key in (k for k in _LOSS_MEANS if k in parts[0]):
-        metrics[key] = sum(w * part[key] for w, part in zip(loss_w, parts, strict=True))
+    for key in (k for k in _SEQUENCE_MEANS if k in parts[0]):
+        metrics[key] = sum(w * part[key] for w, part in zip(sequence_w, parts, strict=True))
+    for key, which in _LOSS_WEIGHTS.items():
+        if key in parts[0]:
+            metrics[key] = sum(getattr(w, which) * part[key] for w, part in zip(weights, parts, strict=True))
     # E[x^2] of each half is its variance plus its squared mean (population variances)
     second = sum(w * (p["policy/ratio_var"] + p["policy/ratio_mean"] ** 2) for w, p in zip(token_w, parts, strict=True))
     metrics["policy/ratio_var"] = second - metrics["policy/ratio_mean"] ** 2
@@ -325,6 +371,7 @@ class MicroStats(NamedTuple):
     value_clipfrac: Tensor | None
     value_error: Tensor | None
     kl_loss: Tensor | None
+    seq_clipfrac: Tensor | None  # with a sequence-level importance ratio: the share of clipped responses
 
     @classmethod
     def of(
@@ -346,6 +393,7 @@ class MicroStats(NamedTuple):
             pl.loss, None if vl is None else vl.loss, total, entropy, pl.approx_kl, pl.policy_kl, pl.clipfrac,
             pl.ratio_mean, pl.ratio_var, None if vl is None else vl.clipfrac, None if vl is None else vl.value_error,
             None if kl is None else kl.detach(),
+            None if cfg.importance_sampling_level == "token" else pl.seq_clipfrac,
         )  # fmt: skip
 
     def metrics(self) -> dict[str, Tensor]:
@@ -366,6 +414,7 @@ MICRO_KEYS = (
     "value/clipfrac",
     "value/error",
     "policy/kl_loss",
+    "policy/seq_clipfrac",
 )
 # the statistics whose NaN or inf stops (or skips) an optimizer step
 _CHECKED = ("policy/loss", "value/loss", "policy/grad_norm", "value/grad_norm")

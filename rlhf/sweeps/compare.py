@@ -199,7 +199,7 @@ def study_of(tracker: Tracker, sweep: str, out: str) -> str:
     if table is None:
         return ""
     figure = tracker.download_artifact(run.run_id, "frontier.png", out)
-    lines = ["", f"== Study {run.tags.get('sweep.name', run.name)}: per arm, mean ± 95% interval", table.read_text()]
+    lines = ["", f"== Study {run.tags.get('sweep.name', run.name)}: per arm, mean and 95% interval", table.read_text()]
     return "\n".join([*lines, f"wrote {figure}" if figure else ""])
 
 

@@ -1,7 +1,9 @@
 """A study: the arms of a sweep (e.g. PPO, GRPO, RLOO, REINFORCE++, DPO) compared over repeated points (seeds) on
 one SFT and reward model. `study_table` gives one row per arm, the mean over its finished runs with a 95% interval
-(Student's t), and `frontier_plot` draws gold reward against sqrt(KL to SFT), one colour per arm: the periodic
-evaluations of every online run (``ppo.eval_every``) as lines, every run's final evaluation as a large marker.
+(for win rates a Student-t interval on the logit scale, which stays inside 0% to 100%, and each run's value beside
+it; for the other measures Student's t), and `frontier_plot` draws gold reward against sqrt(KL to SFT), one
+colour per arm: the periodic evaluations of every online run (``ppo.eval_every``) as lines, every run's final
+evaluation as a large marker.
 
 No Prefect here, and MLflow only through `rlhf.tracking.client`: flows/sweep.py calls `report` and logs its files on
 the sweep's run (docs/algorithms.md).
@@ -31,10 +33,11 @@ T95 = (
     2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
 )  # fmt: skip
 
-# (column of the study table, the run's summary metrics (the first a run has), how the arm's runs combine)
+# (column of the study table, the run's summary metrics (the first a run has), how the arm's runs combine: 'rate' a
+# share in [0, 1] with its logit-scale interval, 'mean' with its t-interval, 'max' the largest)
 MEASURES = (
-    ("win_rate_gold", ("eval/win_rate_gold",), "mean"),
-    ("win_rate_gold_lc", ("eval/win_rate_gold_len_controlled",), "mean"),
+    ("win_rate_gold", ("eval/win_rate_gold",), "rate"),
+    ("win_rate_gold_lc", ("eval/win_rate_gold_len_controlled",), "rate"),
     ("gold", ("eval/ppo_gold",), "mean"),
     ("kl", ("eval/kl",), "mean"),
     ("train_s", ("time/policy_train_s",), "mean"),
@@ -77,11 +80,46 @@ def interval95(values: Sequence[float]) -> tuple[float, float]:
     return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
 
 
+# a rate of 0 or 1 has an infinite logit: rates are held this far inside [0, 1] on the logit scale (a tenth of a
+# percent: below the resolution of an evaluation on a few hundred prompts)
+RATE_EDGE = 1e-3
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, RATE_EDGE), 1.0 - RATE_EDGE)
+    return math.log(p / (1.0 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def rate_interval95(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of rates in [0, 1]: the mean of the finite `values`, and the 95% t-interval of their
+    logits mapped back, so the interval never leaves [0, 1] however far the runs disagree (rates held within
+    `RATE_EDGE` of the ends, the interval then widened to hold the mean); low and high are NaN below two values. A
+    t-interval on the rates themselves passes 0% or 100% when runs split (e.g. 96%, 8%, 2%: 35% +- 132%).
+
+    >>> [round(x, 3) for x in rate_interval95([0.9, 0.8, 0.95])]  # logits 2.197, 1.386, 2.944 -> 2.176 +- 1.936
+    [0.883, 0.56, 0.984]
+    """
+    x = [float(v) for v in values if _finite(v)]
+    if not x:
+        return math.nan, math.nan, math.nan
+    mean = float(np.mean(x))
+    centre, half = interval95([_logit(v) for v in x])
+    if not math.isfinite(half):
+        return mean, math.nan, math.nan
+    return mean, min(_sigmoid(centre - half), mean), max(_sigmoid(centre + half), mean)
+
+
 def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.DataFrame:
     """One row per arm (in `arms` order): runs finished out of started, then for each measure the mean over the
-    finished runs and the 95% half-width (`<measure>_ci`; peak memory: the largest), and how many runs raised a
-    reward-hacking flag (length or empty responses) and the over-optimisation alarm. `rows` are the sweep's ranking
-    rows: `arm`, `status` and the summary metrics of `STUDY_METRICS`."""
+    finished runs with its 95% interval: for rates `<measure>_lo` and `<measure>_hi` (`rate_interval95`) and
+    `<measure>_runs`, each run's value in the order of `rows`; for the others the t-interval's half-width
+    (`<measure>_ci`); peak memory the largest. Then how many runs raised a reward-hacking flag (length or empty
+    responses) and the over-optimisation alarm. `rows` are the sweep's ranking rows: `arm`, `status` and the summary
+    metrics of `STUDY_METRICS`."""
     out = []
     for arm in arms:
         mine = [r for r in rows if r.get("arm") == arm]
@@ -92,6 +130,9 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
             if how == "max":
                 finite = [v for v in values if math.isfinite(v)]
                 row[column] = max(finite) if finite else math.nan
+            elif how == "rate":
+                row[column], row[f"{column}_lo"], row[f"{column}_hi"] = rate_interval95(values)
+                row[f"{column}_runs"] = [v for v in values if math.isfinite(v)]
             else:
                 row[column], row[f"{column}_ci"] = interval95(values)
         flagged = sum(any(_finite(run.get(f)) and run[f] > 0 for f in HACKING_FLAGS) for run in done)
@@ -102,7 +143,8 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
 
 
 def format_study(table: pd.DataFrame) -> str:
-    """The study table as Markdown, the intervals as 'mean ± half-width' (docs/algorithms.md prints this)."""
+    """The study table as Markdown: rates as 'mean [low, high]' with each run's value in a column of its own, the
+    other intervals as 'mean ± half-width' (docs/algorithms.md prints this)."""
 
     def cell(row: pd.Series, column: str, fmt: str) -> str:
         mean, half = row.get(column, math.nan), row.get(f"{column}_ci", math.nan)
@@ -110,16 +152,26 @@ def format_study(table: pd.DataFrame) -> str:
             return "n/a"
         return format(mean, fmt) + ("" if half is None or not math.isfinite(half) else f" ± {format(half, fmt)}")
 
+    def rate(row: pd.Series, column: str) -> str:
+        mean, low, high = (row.get(f"{column}{end}", math.nan) for end in ("", "_lo", "_hi"))
+        if mean is None or not math.isfinite(mean):
+            return "n/a"
+        return f"{mean:.1%}" + ("" if not math.isfinite(low) else f" [{low:.1%}, {high:.1%}]")
+
+    def runs(row: pd.Series, column: str) -> str:
+        values = row.get(f"{column}_runs")
+        return ", ".join(f"{100 * v:.1f}" for v in values) if isinstance(values, list) and values else "n/a"
+
     head = (
-        "| arm | runs | gold win rate over SFT | length-controlled | mean gold reward | KL to SFT | "
-        "policy stage (s) | peak memory (MB) | hacking flag | over-optimisation alarm |"
+        "| arm | runs | gold win rate over SFT [95% interval] | each run (%) | length-controlled | mean gold reward | "
+        "KL to SFT | policy stage (s) | peak memory (MB) | hacking flag | over-optimisation alarm |"
     )
-    lines = [head, "|" + " --- |" * 10]
+    lines = [head, "|" + " --- |" * 11]
     for _, row in table.iterrows():
         peak = row.get("peak_mb", math.nan)
         lines.append(
-            f"| {row['arm']} | {row['runs']} | {cell(row, 'win_rate_gold', '.1%')} | "
-            f"{cell(row, 'win_rate_gold_lc', '.1%')} | {cell(row, 'gold', '.3f')} | {cell(row, 'kl', '.2f')} | "
+            f"| {row['arm']} | {row['runs']} | {rate(row, 'win_rate_gold')} | {runs(row, 'win_rate_gold')} | "
+            f"{rate(row, 'win_rate_gold_lc')} | {cell(row, 'gold', '.3f')} | {cell(row, 'kl', '.2f')} | "
             f"{cell(row, 'train_s', '.0f')} | {'n/a' if not math.isfinite(peak) else f'{peak:.0f}'} | "
             f"{row['hacking_flagged']} | {row['overoptimisation_alarm']} |"
         )
