@@ -254,6 +254,7 @@ def train_policy_ppo(
     folder = current_stage_dir()
     params = {
         **flatten(ppo_cfg, "ppo"),
+        **ppo_cfg.resolved(),  # what the unset settings resolve to for this estimator
         "seed": seed,
         "ppo_processes": processes,
         "reward_retokenizes": not ppo_init.same_tokenizer,

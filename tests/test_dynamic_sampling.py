@@ -109,3 +109,32 @@ def test_refill_drops_on_shaped_scores() -> None:
     cfg = _cfg(dynamic_sampling_rounds=0, missing_eos_penalty=-1.0, missing_eos_mode="replace")
     _, stats = refill(first, lambda k: first, cfg, PAD)
     assert stats["dynamic_sampling/dropped_groups"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (dict(advantage_estimator="gae"), ("PPO", 0.2, 0.2, "reward", "token_mean", "n/a", 0, 0)),
+        (dict(advantage_estimator="grpo"), ("GRPO", 0.2, 0.2, "loss", "seq_mean_token_mean", "group", 0, 0)),
+        (dict(advantage_estimator="dapo"), ("DAPO", 0.2, 0.28, "loss", "token_mean", "group", 3, 1)),
+        (
+            dict(advantage_estimator="grpo", importance_sampling_level="sequence"),
+            ("GSPO", 3e-4, 4e-4, "loss", "seq_mean_token_mean", "group", 0, 0),
+        ),
+        (
+            dict(advantage_estimator="rloo", importance_sampling_level="sequence_sum"),
+            ("RLOO (sequence)", 0.2, 0.2, "reward", "token_mean", "n/a", 0, 0),
+        ),
+        (
+            dict(advantage_estimator="dapo", cliprange=0.1, dynamic_sampling_rounds=0, scale_rewards="batch"),
+            ("DAPO", 0.1, 0.28, "loss", "token_mean", "batch", 0, 1),
+        ),
+    ],
+)
+def test_each_objective_resolves_its_papers_defaults(overrides, expected) -> None:
+    cfg = _cfg(**{"samples_per_prompt": 2, "overlong_buffer": None, **overrides})
+    got = cfg.resolved()
+    keys = ("objective", "cliprange_resolved", "cliprange_high_resolved", "kl_in_resolved")
+    keys += ("loss_aggregation_resolved", "scale_rewards_resolved", "dynamic_sampling_rounds_resolved")
+    keys += ("overlong_buffer_resolved",)  # dapo: a fifth of max_new_tokens 4, at least one token
+    assert tuple(got[k] for k in keys) == pytest.approx(expected)

@@ -344,7 +344,7 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
 
     assert compare_main(["--tracking-uri", uri, "--out", str(tmp_path / "compare"), "--last", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "== Study study: per arm, mean ± 95% interval" in printed and "| GRPO | 1/1 |" in printed
+    assert "== Study study: per arm, mean and 95% interval" in printed and "| GRPO | 1/1 |" in printed
     assert (tmp_path / "compare" / "frontier.png").is_file()
     # the policy stage ran with the arm's seed, not the global one
     for row in result["ranking"]:

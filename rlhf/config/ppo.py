@@ -346,6 +346,21 @@ class PPOConfig(Section):
         share = self.estimator.overlong_buffer_share
         return 0 if share is None else max(1, round(share * self.max_new_tokens))
 
+    def resolved(self) -> dict[str, str | int | float]:
+        """The settings an unset (None) field resolves to for this estimator, as run parameters (`<key>_resolved`),
+        with the objective's label: what a run compared in MLflow really used."""
+        return {
+            "objective": self.label,
+            "kl_in_resolved": self.kl_placement,
+            "kl_estimator_resolved": self.kl_estimator_used,
+            "loss_aggregation_resolved": self.aggregation,
+            "cliprange_resolved": self.clip_low,
+            "cliprange_high_resolved": self.clip_high,
+            "scale_rewards_resolved": self.reward_scale or "n/a",
+            "dynamic_sampling_rounds_resolved": self.dynamic_rounds,
+            "overlong_buffer_resolved": self.overlong_tokens,
+        }
+
     @property
     def prompts_per_batch(self) -> int:
         return self.batch_size // self.samples_per_prompt
