@@ -19,8 +19,9 @@ from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, torch_threads
 from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap
 from rlhf.ppo.models import PPOModels
+from rlhf.ppo.optimise import optimize
 from rlhf.ppo.state import TrainerState, fresh_state
-from rlhf.ppo.update import compute_advantages, generate_and_score, optimize
+from rlhf.ppo.update import compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings, sample_responses
 
 from .limit import count_flops, synchronize

@@ -17,6 +17,7 @@ from rlhf.errors import TrainingInterrupted as RMInterrupted
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
 from rlhf.models.loading import load_causal_lm
 from rlhf.ops import GAEOutput
+from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
 from rlhf.ppo.prompts import prompt_batch
@@ -117,7 +118,7 @@ def test_first_minibatch_ratio_is_exactly_one(stack, temperature, dtype):
         assert next(m.policy.parameters()).dtype == torch.float32  # master weights
     # the reference computes what the policy computes: the KL at identical weights is exactly 0
     assert torch.equal(r.scored.logprobs, r.scored.ref_logprobs)
-    result = ppo_update.optimize(m, state, r, cfg, dtype=dtype)
+    result = ppo_optimise.optimize(m, state, r, cfg, dtype=dtype)
     first = result.minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/clipfrac"] == 0.0
@@ -134,18 +135,18 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     m, state, r = _rollout(stack, cfg)
     lengths = r.scored.resp.mask.sum(1)
     assert lengths.min() < lengths.max() and bool((r.scored.qr_mask[:, 0] == 0).any())  # ragged: something to trim
-    trimmed = [ppo_update.micro_batch(r, torch.arange(i, i + 8)) for i in (0, 8)]
+    trimmed = [ppo_optimise.micro_batch(r, torch.arange(i, i + 8)) for i in (0, 8)]
     assert any(mb.query_responses.shape[1] < r.scored.query_responses.shape[1] for mb in trimmed)
     weights = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
     optim_states = copy.deepcopy((state.policy_opt.state_dict(), state.value_opt.state_dict()))
     shuffle = state.shuffle_generator.get_state()
-    ours = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+    ours = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
     after = {"policy": m.policy.state_dict(), "value": m.value.state_dict()}
     after = copy.deepcopy(after)
 
     def full_width(rollout, rows):
         scored = rollout.scored
-        return ppo_update.MicroBatch(
+        return ppo_optimise.MicroBatch(
             scored.query_responses[rows], scored.qr_mask[rows], scored.prompt_len, rollout.mask[rows],
             scored.logprobs[rows], rollout.loss_advantages[rows], scored.values[rows], rollout.returns[rows],
             scored.ref_logprobs[rows],
@@ -156,8 +157,8 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     state.policy_opt.load_state_dict(optim_states[0])
     state.value_opt.load_state_dict(optim_states[1])
     state.shuffle_generator.set_state(shuffle)
-    monkeypatch.setattr(ppo_update, "micro_batch", full_width)
-    reference = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+    monkeypatch.setattr(ppo_optimise, "micro_batch", full_width)
+    reference = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
     for a, b in zip(ours.minibatch_stats, reference.minibatch_stats, strict=True):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
     for name, tensors in (("policy", m.policy.state_dict()), ("value", m.value.state_dict())):
@@ -177,13 +178,13 @@ def test_a_second_thread_gives_the_update_of_one_thread(stack, monkeypatch):
     optim_states = copy.deepcopy((state.policy_opt.state_dict(), state.value_opt.state_dict()))
     shuffle = state.shuffle_generator.get_state()
     value_threads: list[str] = []
-    real = ppo_update._value_micro
+    real = ppo_optimise._value_micro
 
     def spy(*args, **kwargs):
         value_threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ppo_update, "_value_micro", spy)
+    monkeypatch.setattr(ppo_optimise, "_value_micro", spy)
     results = {}
     for threads in (1, 2):
         m.policy.load_state_dict(weights["policy"])
@@ -193,7 +194,7 @@ def test_a_second_thread_gives_the_update_of_one_thread(stack, monkeypatch):
         state.shuffle_generator.set_state(shuffle)
         value_threads.clear()
         torch.set_num_threads(threads)  # the autouse fixture of tests/conftest.py restores the worker's count
-        result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+        result = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
         assert torch.get_num_threads() == threads  # torch_threads gives the threads back
         updated = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
         results[threads] = (result, updated, set(value_threads))
@@ -694,13 +695,13 @@ def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, m
     optim_state = copy.deepcopy(state.policy_opt.state_dict())
     shuffle = state.shuffle_generator.get_state()
     threads_seen: list[str] = []
-    real = ppo_update._policy_micro
+    real = ppo_optimise._policy_micro
 
     def spy(*args, **kwargs):
         threads_seen.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ppo_update, "_policy_micro", spy)
+    monkeypatch.setattr(ppo_optimise, "_policy_micro", spy)
     results = {}
     for threads in (1, 2):
         m.policy.load_state_dict(weights)
@@ -708,7 +709,7 @@ def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, m
         state.shuffle_generator.set_state(shuffle)
         threads_seen.clear()
         torch.set_num_threads(threads)
-        result = ppo_update.optimize(m, state, r, cfg, dtype=torch.float32)
+        result = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
         results[threads] = (result, copy.deepcopy(m.policy.state_dict()), list(threads_seen))
     (one, one_weights, one_threads), (two, two_weights, two_threads) = results[1], results[2]
     assert set(one_threads) == {threading.current_thread().name}

@@ -25,6 +25,7 @@ from rlhf.data.prepare import prepare_preferences
 from rlhf.models.gguf import resolve_model
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.stop_tokens import stop_token_ids
+from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
 from rlhf.ppo.prompts import prompt_batch
@@ -191,7 +192,7 @@ def test_first_update_kl_is_zero_and_ratio_one(shallow, tmp_path, dtype, lora):
     mask = r.mask
     diff = (r.scored.logprobs - r.scored.ref_logprobs) * mask
     kl = float(diff.sum(1).mean())
-    step = ppo_update.minibatch_step(m, state, r, torch.arange(2), cfg, compute)
+    step = ppo_optimise.minibatch_step(m, state, r, torch.arange(2), cfg, compute)
     print(f"{dtype} lora={lora}: KL {kl:.3g}, max |diff| {float(diff.abs().max()):.3g}, ratios {step.ratios.tolist()}")
     assert mask.sum() >= 2
     assert abs(kl) < 1e-3 and float(diff.abs().max()) < 1e-3

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.reference import autocast_lowered_parameters, load_reference_lm, match_autocast, reference_bytes
+from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
 from rlhf.ppo.prompts import prompt_batch
@@ -79,7 +80,7 @@ def _first_update(path: str, cfg: PPOConfig, runtime: RuntimeConfig, tmp_path):
     )
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     rows = torch.arange(cfg.mini_batch_size)
-    step = ppo_update.minibatch_step(m, state, r, rows, cfg, dtype)
+    step = ppo_optimise.minibatch_step(m, state, r, rows, cfg, dtype)
     return m, r, step
 
 

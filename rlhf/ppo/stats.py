@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from rlhf.ops import explained_variance, masked_mean, masked_quantiles, masked_var
+from rlhf.config import PPOConfig
+from rlhf.ops import PolicyLossOutput, ValueLossOutput, explained_variance, masked_mean, masked_quantiles, masked_var
 
 
 class OptimStats:
@@ -106,3 +108,66 @@ def ensemble_rollout_stats(member_scores: Tensor | None, in_distribution_std: fl
         "ensemble/min": member_scores.min(0).values.mean().item(),
         "ensemble/disagreement_ratio": std / in_distribution_std if in_distribution_std > 0 else float("nan"),
     }
+
+
+class MicroStats(NamedTuple):
+    """One micro-batch's optimisation statistics; `metrics()` names them with their keys (`MICRO_KEYS`), leaving
+    out what the run does not have (value statistics without a value model, the KL loss with the KL in the reward)."""
+
+    policy_loss: Tensor
+    value_loss: Tensor | None
+    total_loss: Tensor  # policy + vf_coef * value - entropy_coef * entropy (+ kl_coef * KL with ppo.kl_in 'loss')
+    entropy: Tensor
+    approxkl: Tensor
+    policykl: Tensor
+    clipfrac: Tensor
+    ratio_mean: Tensor
+    ratio_var: Tensor
+    value_clipfrac: Tensor | None
+    value_error: Tensor | None
+    kl_loss: Tensor | None
+    seq_clipfrac: Tensor | None  # with a sequence-level importance ratio: the share of clipped responses
+
+    @classmethod
+    def of(
+        cls,
+        pl: PolicyLossOutput,
+        vl: ValueLossOutput | None,
+        entropy: Tensor,
+        cfg: PPOConfig,
+        kl: Tensor | None = None,
+        kl_coef: float = 0.0,
+    ) -> MicroStats:
+        if vl is None:
+            total = pl.loss - cfg.entropy_coef * entropy
+        else:
+            total = pl.loss + cfg.vf_coef * vl.loss - cfg.entropy_coef * entropy
+        if kl is not None:
+            total = total + kl_coef * kl
+        return cls(
+            pl.loss, None if vl is None else vl.loss, total, entropy, pl.approx_kl, pl.policy_kl, pl.clipfrac,
+            pl.ratio_mean, pl.ratio_var, None if vl is None else vl.clipfrac, None if vl is None else vl.value_error,
+            None if kl is None else kl.detach(),
+            None if cfg.importance_sampling_level == "token" else pl.seq_clipfrac,
+        )  # fmt: skip
+
+    def metrics(self) -> dict[str, Tensor]:
+        return {key: value for key, value in zip(MICRO_KEYS, self, strict=True) if value is not None}
+
+
+# the metric key of each field of MicroStats, in its order
+MICRO_KEYS = (
+    "policy/loss",
+    "value/loss",
+    "loss/total",
+    "policy/entropy",
+    "policy/approxkl",
+    "policy/policykl",
+    "policy/clipfrac",
+    "policy/ratio_mean",
+    "policy/ratio_var",
+    "value/clipfrac",
+    "value/error",
+    "policy/kl_loss",
+    "policy/seq_clipfrac",
+)

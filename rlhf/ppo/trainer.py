@@ -23,6 +23,7 @@ from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed, dynamic_sampling
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
+from rlhf.ppo.optimise import optimize
 from rlhf.ppo.periodic_eval import (
     EvalCallback,
     EvalGuard,
@@ -36,7 +37,7 @@ from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
-from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score, optimize
+from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings, response_texts
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log

@@ -220,7 +220,7 @@ _VALUE_THREAD: ThreadPoolExecutor | None = None
 
 def value_thread() -> ThreadPoolExecutor:
     """The one worker of the CPU's second thread: the value (and reward) model's side of the scoring phase here, and
-    of the optimisation phase (`rlhf.ppo.update`)."""
+    of the optimisation phase (`rlhf.ppo.optimise`)."""
     global _VALUE_THREAD
     if _VALUE_THREAD is None:
         _VALUE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
