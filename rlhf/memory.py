@@ -88,7 +88,7 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
     reward_cfg.num_labels = 1
     if getattr(reward_cfg, "pad_token_id", None) is None or isinstance(reward_cfg.pad_token_id, list):
         reward_cfg.pad_token_id = 0
-    from rlhf.models.loading import MODEL_BUILD_LOCK
+    from rlhf.models.device import MODEL_BUILD_LOCK
     from rlhf.models.reference import autocast_lowered_parameters
 
     with MODEL_BUILD_LOCK, torch.device("meta"):

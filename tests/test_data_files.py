@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 
 from rlhf.config import DataConfig, load_config
+from rlhf.data.files import file_kind
 from rlhf.data.prepare import check_source, prepare_preferences
-from rlhf.data.sources import file_kind, peek_columns, read_table
+from rlhf.data.sources import peek_columns, read_table
 from rlhf.errors import DataError
 
 POINTER = (

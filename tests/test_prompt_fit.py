@@ -13,7 +13,8 @@ import torch
 from rlhf.config import PPOConfig
 from rlhf.data.formats import ChatRenderer, Markers, transcript_messages
 from rlhf.ppo.distributed import DistContext
-from rlhf.ppo.trainer import rollout_records, truncated_prompts
+from rlhf.ppo.records import rollout_records
+from rlhf.ppo.trainer import truncated_prompts
 from rlhf.rollout.batching import encode_prompts, keep_last
 from rlhf.rollout.generation import Responses, response_texts
 from rlhf.rollout.prompt_fit import chat_layout, fit_prompts

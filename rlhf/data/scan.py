@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rlhf.data.files import file_kind, open_bytes
 from rlhf.errors import DataError
 
 PREFLIGHT_SCAN_BYTES = 64 << 20  # preflight reads local data files through up to this size on disk
@@ -95,7 +96,6 @@ def _decoded_lines(f, key: str, path: Path, encoding: str, compressed: bool) -> 
 def _lines(key: str, path: Path, compression: str | None, encoding: str) -> Iterator[tuple[int, str]]:
     """(line number, text) of every line of a text file, decoded in `encoding`; one DataError sentence for a byte
     that does not decode or a compressed stream that cannot be read to its end."""
-    from rlhf.data.sources import open_bytes
 
     compressed = compression is not None
     try:
@@ -154,7 +154,6 @@ def scan_file(
     """Read a local data file through (see the module's docstring); one DataError sentence naming `key`, the file and
     the line or byte for the first problem. Without `parse` only the encoding (and the stream) of a text file is
     checked and nothing is counted."""
-    from rlhf.data.sources import file_kind
 
     path = Path(path)
     kind = file_kind(path, key)

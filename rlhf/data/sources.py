@@ -11,36 +11,20 @@ with ``datasets.load_from_disk``. Any failure inside ``datasets`` becomes one :c
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import pandas as pd
 
 from rlhf.config import DataConfig
+from rlhf.data.files import file_kind, open_text, text_codec
+from rlhf.data.scan import scan_file
 from rlhf.errors import DataError, first_line
+from rlhf.lfs import is_lfs_pointer, lfs_pointers
 
 if TYPE_CHECKING:
     from datasets import Dataset
-
-# Extension -> packaged `datasets` builder.
-BUILDERS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-# Compression suffix of a text file (.jsonl.gz, .csv.bz2, ...) -> (name, the module that reads it): what
-# `datasets` decompresses (the standard library's gzip, bz2, lzma; zstd and lz4 when their packages are installed).
-COMPRESSIONS = {
-    ".gz": ("gzip", "gzip"),
-    ".gzip": ("gzip", "gzip"),
-    ".bz2": ("bz2", "bz2"),
-    ".xz": ("xz", "lzma"),
-    ".zst": ("zstd", "zstandard"),
-    ".zstd": ("zstd", "zstandard"),
-    ".lz4": ("lz4", "lz4"),
-}
-SUPPORTED = ".jsonl, .json, .parquet, .csv (the text ones also as .gz, .bz2, .xz, .zst) or a save_to_disk folder"
-LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"
-LFS_POINTER_MAX_BYTES = 1024  # the Git LFS spec: pointer files are smaller than this
 
 
 class Source(NamedTuple):
@@ -48,94 +32,6 @@ class Source(NamedTuple):
 
     rows: Dataset
     label: str
-
-
-class FileKind(NamedTuple):
-    """How a local data file is read: its data extension, the packaged builder and the compression (None: plain)."""
-
-    suffix: str  # ".jsonl" of "train.jsonl.gz"
-    builder: str
-    compression: str | None
-
-
-def file_kind(path: str | Path, key: str = "data.path") -> FileKind:
-    """The builder and compression of a data file from its name (``train.jsonl.gz`` -> json, gzip); one
-    DataError sentence for an extension we cannot read or a compression whose package is not installed."""
-    suffixes = Path(Path(path).name.lower()).suffixes
-    shown = "".join(suffixes[-2:] if suffixes and suffixes[-1] in COMPRESSIONS else suffixes[-1:]) or "(none)"
-    compression = None
-    if suffixes and suffixes[-1] in COMPRESSIONS:
-        compression, module = COMPRESSIONS[suffixes[-1]]
-        suffixes = suffixes[:-1]
-        if importlib.util.find_spec(module) is None:
-            raise DataError(
-                f"{key}: {path} is {compression}-compressed and reading it needs the '{module}' package "
-                f"(pip install {module}), or decompress it first"
-            )
-    builder = BUILDERS.get(suffixes[-1]) if suffixes else None
-    if builder is None or (compression and builder == "parquet"):
-        raise DataError(f"{key}: {path} has an unsupported extension '{shown}' (use {SUPPORTED})")
-    return FileKind(suffixes[-1], builder, compression)
-
-
-def open_bytes(path: str | Path, compression: str | None):
-    """A local file opened for reading bytes, decompressed on the fly."""
-    if compression is None:
-        return open(path, "rb")
-    if compression == "gzip":
-        import gzip
-
-        return gzip.open(path, "rb")
-    if compression == "bz2":
-        import bz2
-
-        return bz2.open(path, "rb")
-    if compression == "xz":
-        import lzma
-
-        return lzma.open(path, "rb")
-    if compression == "zstd":
-        import zstandard
-
-        return zstandard.open(path, "rb")
-    import lz4.frame
-
-    return lz4.frame.open(path, "rb")
-
-
-def text_codec(encoding: str = "utf-8") -> str:
-    """The codec that reads text of `encoding` as ``datasets`` does: UTF-8 with or without a byte-order mark."""
-    import codecs
-
-    return "utf-8-sig" if codecs.lookup(encoding).name == "utf-8" else encoding
-
-
-def open_text(path: str | Path, compression: str | None, encoding: str = "utf-8"):
-    """A local text file opened for reading, decompressed on the fly (a UTF-8 byte-order mark skipped)."""
-    import io
-
-    return io.TextIOWrapper(open_bytes(path, compression), encoding=text_codec(encoding), newline="")
-
-
-def is_lfs_pointer(path: Path) -> bool:
-    """A Git LFS pointer file (what a clone without git-lfs holds instead of the data): a small text file starting
-    ``version https://git-lfs.github.com/spec/v1``."""
-    try:
-        if not path.is_file() or path.stat().st_size >= LFS_POINTER_MAX_BYTES:
-            return False
-        with open(path, "rb") as f:
-            return f.read(len(LFS_POINTER)) == LFS_POINTER
-    except OSError:
-        return False
-
-
-def lfs_pointers(folder: Path) -> list[Path]:
-    """The Git LFS pointer files under a folder (hidden files and folders such as .git are skipped)."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [Path(root) / f for f in sorted(files) if not f.startswith(".") and is_lfs_pointer(Path(root) / f)]
-    return found
 
 
 def check_lfs(key: str, path: str | Path, data_dir: str | None = None) -> None:
@@ -290,8 +186,6 @@ def load_split(
         )
     except Exception as err:  # noqa: BLE001 (any library failure becomes one sentence)
         if data_files is not None and Path(data_files).is_file():
-            from rlhf.data.scan import scan_file
-
             scan_file(data_files, key or label, encoding or "utf-8")  # raises the sentence naming the line
         raise DataError(f"{label} could not be loaded: {innermost(err)}") from None
     return rows
@@ -351,8 +245,6 @@ def open_local(
         return Source(rows, label)
     builder = file_kind(local, key).builder  # datasets decompresses .gz, .bz2, ... from the name itself
     if builder != "parquet":
-        from rlhf.data.scan import scan_file
-
         scan_file(local, key, encoding, parse=False)
     rows = load_split(
         builder, "train", data_files=str(local), cache_dir=cache_dir, encoding=encoding, label=path, key=key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from rlhf.models.loading import MODEL_BUILD_LOCK
+from rlhf.models.device import MODEL_BUILD_LOCK
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -6,12 +6,18 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
 from rlhf.errors import ConfigError
+
+# Building a model is not thread-safe: transformers and peft patch module-level state while they do (weight init
+# switched off, parameters created on the meta device), so a model built in another thread at that moment gets
+# meta tensors. Concurrent sweep variants run in threads of one process: every model is built under this lock.
+MODEL_BUILD_LOCK = threading.RLock()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlhf.errors import ConfigError, first_line
+from rlhf.lfs import is_lfs_pointer
+from rlhf.models.device import MODEL_BUILD_LOCK
 
 GGUF_SUFFIX = ".gguf"
 CACHE_FOLDER = "gguf"  # under runtime.output_dir, beside the stages' folders
@@ -129,7 +131,6 @@ class GGUFHeader(NamedTuple):
 def read_header(key: str, path: Path) -> GGUFHeader:
     """The file's metadata and tensor names, read from its header (no tensor is read; remembered per path, size and
     modification time). A file that is not GGUF, is cut short or has no architecture: one ConfigError sentence."""
-    from rlhf.data.sources import is_lfs_pointer
 
     if is_lfs_pointer(path):
         raise ConfigError(f"{key}: {path} is a Git LFS pointer, not the GGUF file; run `git lfs pull` in its folder")
@@ -303,8 +304,6 @@ def _write_dense(key: str, path: Path, folder: Path) -> None:
     """Load the GGUF file with transformers, dequantised to float32, and save model and tokenizer to `folder`."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from rlhf.models.loading import MODEL_BUILD_LOCK
 
     kwargs: dict[str, Any] = {"gguf_file": path.name, "dtype": torch.float32}
     try:  # transformers 5 can keep some architectures' GGUF blocks packed; the pipeline trains dense weights

@@ -5,7 +5,6 @@ way."""
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,12 @@ from transformers.utils import logging as hf_logging
 
 from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.models.device import compute_dtype
+from rlhf.lfs import is_lfs_pointer
+from rlhf.models.device import MODEL_BUILD_LOCK, compute_dtype
+from rlhf.models.gguf import gguf_path, gguf_reference, tokenizer_from_gguf
 
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
 hf_logging.disable_progress_bar()
-
-# Building a model is not thread-safe: transformers and peft patch module-level state while they do (weight init
-# switched off, parameters created on the meta device), so a model built in another thread at that moment gets
-# meta tensors. Concurrent sweep variants run in threads of one process: every model is built under this lock.
-MODEL_BUILD_LOCK = threading.RLock()
 
 
 def hub_kwargs(revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
@@ -72,8 +68,6 @@ def load_tokenizer(
     """Load a tokenizer (a GGUF file's: `name` ending in .gguf, or `gguf_file` inside the folder or repository
     `name`); one without a pad token pads with its EOS token (masks, not ids, mark padding here). One with neither
     cannot pad a batch: a ConfigError sentence naming it."""
-    from rlhf.models.gguf import gguf_path, gguf_reference, tokenizer_from_gguf
-
     ref = gguf_reference(name, gguf_file)
     if ref is not None:
         tok = tokenizer_from_gguf(gguf_path("tokenizer", ref, revision))
@@ -124,7 +118,6 @@ def _lfs_sentence(key: str, file: Path) -> str:
 
 
 def _config_json(key: str, path: Path) -> dict[str, Any]:
-    from rlhf.data.sources import is_lfs_pointer
 
     file = path / "config.json"
     if is_lfs_pointer(file):
@@ -215,8 +208,6 @@ def _shards(key: str, index: Path) -> list[Path]:
 def _check_weight_file(key: str, file: Path) -> None:
     """A safetensors file's header parses and its tensors fit in the file; a torch file's zip directory is there."""
     import zipfile
-
-    from rlhf.data.sources import is_lfs_pointer
 
     if is_lfs_pointer(file):
         raise ConfigError(_lfs_sentence(key, file))

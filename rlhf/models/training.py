@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 
 from rlhf.config import LoraConfig
 from rlhf.errors import ConfigError
-from rlhf.models.loading import MODEL_BUILD_LOCK
+from rlhf.models.device import MODEL_BUILD_LOCK
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:

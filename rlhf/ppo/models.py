@@ -13,9 +13,9 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.models.cpu_kernels import use_cpu_kernels
+from rlhf.models.device import MODEL_BUILD_LOCK
 from rlhf.models.heads import PolicyValueHead
 from rlhf.models.loading import (
-    MODEL_BUILD_LOCK,
     load_causal_lm,
     load_options,
     load_reward_model,

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -34,11 +33,12 @@ from rlhf.ppo.periodic_eval import (
     save_guard,
 )
 from rlhf.ppo.prompts import prompt_batch
+from rlhf.ppo.records import record_rollouts
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
-from rlhf.rollout.generation import GenerationSettings, response_texts
+from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log
 
@@ -270,25 +270,6 @@ def save_result(
     return PPOResult(str(final / "policy"), value_file, digest, state.step, stats, params)
 
 
-def record_rollouts(
-    out_dir: Path,
-    update: int,
-    models: PPOModels,
-    prompts: list[str],
-    rollout: Rollout,
-    cfg: PPOConfig,
-    gold_fn: GoldFn | None,
-    dist: DistContext,
-) -> dict[str, float]:
-    """The update's rollout records to Parquet (ppo.record_rollouts) and, with a gold reward, its mean gold score."""
-    if not cfg.record_rollouts and gold_fn is None:
-        return {}
-    records = rollout_records(models, update, prompts, rollout, gold_fn)
-    if cfg.record_rollouts:
-        write_records(out_dir, update, records, dist)
-    return {"objective/gold_score": float(records["gold_score"].mean())} if gold_fn is not None else {}
-
-
 def truncated_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], cfg: PPOConfig, dist: DistContext
 ) -> tuple[list[list[int]], dict[str, float]]:
@@ -309,17 +290,6 @@ def truncated_prompts(
             how,
         )
     return fit.ids, {"ppo/prompts_truncated_fraction": cut}
-
-
-def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistContext) -> None:
-    """The rollout records of one update, gathered in rank order (the global batch's order) and written by rank 0."""
-    if dist.world_size > 1:
-        frames = distributed.all_gather_object(records)
-        if not dist.is_main:
-            return
-        records = pd.concat(frames, ignore_index=True)
-    (out_dir / "rollouts").mkdir(parents=True, exist_ok=True)
-    records.to_parquet(out_dir / "rollouts" / f"update_{update + 1:05d}.parquet", index=False)
 
 
 def keep_guarded_policy(guard: EvalGuard, models: PPOModels, cfg: PPOConfig, dist: DistContext) -> None:
@@ -405,27 +375,3 @@ def speed_stats(
         "speed/tokens_per_s": float(rollout.mask.sum()) * world_size / total,
         "memory/peak_mb": peak_memory_mb(device),
     }
-
-
-def rollout_records(
-    models: PPOModels, update: int, prompts: list[str], rollout: Rollout, gold_fn: GoldFn | None
-) -> pd.DataFrame:
-    """Per-sample records of one update (the Parquet artifact of the rollouts)."""
-    resp = rollout.scored.resp
-    responses = response_texts(models.tokenizer, resp)  # special tokens inside a response visible
-    frame = pd.DataFrame(
-        {
-            "update": update + 1,
-            "prompt": [prompts[i] for i in rollout.indices],
-            "response": responses,
-            "score": rollout.scored.scores.cpu().numpy(),
-            "shaped_score": rollout.shaped_scores.cpu().numpy(),
-            "kl": rollout.kl.sum(1).cpu().numpy(),
-            "non_score_reward": rollout.non_score_rewards.sum(1).cpu().numpy(),
-            "response_len": resp.mask.sum(1).cpu().numpy(),
-            "contains_stop": resp.contains_stop.cpu().numpy(),
-        }
-    )
-    if gold_fn is not None:
-        frame["gold_score"] = [gold_fn(p, x) for p, x in zip(frame["prompt"], frame["response"], strict=True)]
-    return frame
