@@ -116,9 +116,11 @@ def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[dict[str, An
     return rows
 
 
-def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig | TrackingContext) -> None:
+def publish_pipeline_results(
+    summary: dict[str, Any], tracking: TrackingConfig | TrackingContext, notes: list[str] | tuple[str, ...] = ()
+) -> None:
     """The link to the pipeline's MLflow run and a table of its evaluation summary, the stages (ran or cached) and
-    their MLflow runs."""
+    their MLflow runs; `notes` (the summary's notes and warnings) open the table's description."""
     link_mlflow_run(
         tracking,
         summary["mlflow_run_id"],
@@ -126,7 +128,8 @@ def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig |
         key="rlhf-mlflow-run",
     )
     warning = summary.get(EVAL_WARNING_TAG)
-    rows = [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
+    rows = [{"metric": "note", "value": note} for note in notes if note.startswith("NOTE: ")]
+    rows += [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
     alarm = summary.get(OVEROPTIMISATION_TAG)  # the over-optimisation alarm of PPO's periodic evaluations
     rows += [{"metric": OVEROPTIMISATION_TAG, "value": alarm}] if alarm else []
     rows += [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
@@ -140,8 +143,8 @@ def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig |
         "one, reward-model score, win rates at equal length, response lengths and empty answers, KL), where the "
         "outputs are, and each stage (ran, or cached: from an earlier run) with its MLflow run."
     )
-    if warning:
-        description = f"WARNING: {' '.join(warning.splitlines())} {description}"
+    if notes:
+        description = " ".join(notes) + " " + description
     try:
         create_table_artifact(rows, key="rlhf-evaluation", description=description)
     except Exception as err:

@@ -14,14 +14,14 @@ import json
 import sys
 from typing import Any, NamedTuple
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.states import Completed
 
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_command import main
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.summary import POLICY_LABEL, POLICY_SECONDS, PPO_EPISODES, SFT_STEPS, policy_label
+from flows.summary import POLICY_LABEL, POLICY_SECONDS, budget, policy_label, summary_notes
 from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
@@ -74,8 +74,13 @@ def rlhf_pipeline(
     # the memory each stage was estimated to need, beside what it measured (memory/<stage>_peak_mb)
     summary |= {f"memory/{estimate.stage}_estimate_mb": estimate.total / 2**20 for estimate in estimates}
 
-    close_pipeline_run(tracking, summary)
-    publish_pipeline_results(summary, config.tracking)  # MLflow link and evaluation table
+    # the notes and warnings the terminal prints, where a run started from the browser is looked at: the flow run's
+    # log, the MLflow run's description and the evaluation table's description
+    notes = summary_notes(summary)
+    for line in notes:
+        get_run_logger().warning(line)
+    close_pipeline_run(tracking, summary, description="\n\n".join(notes))
+    publish_pipeline_results(summary, config.tracking, notes)  # MLflow link and evaluation table
     return summary
 
 
@@ -222,10 +227,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         "mlflow_run_id": tracking.parent_run_id,
         "mlflow_experiment_id": tracker_for(tracking).experiment_id,
         "tracking_uri": tracking.uri,
-        # the run's budget, by which the printed summary tells a plumbing check from learning (flows/summary.py): a
-        # policy bootstrapped from scratch needs thousands of episodes; a pretrained one learns from hundreds
-        **({PPO_EPISODES: config.ppo.total_episodes} if config.algorithm == "ppo" and config.sft.model is None else {}),
-        **({SFT_STEPS: config.sft.steps} if config.sft.model is None else {}),
+        # the run's budget, by which the summary tells a plumbing check from learning (flows/summary.py)
+        **budget(config),
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
             f"memory/{name}_peak_mb": output.metrics["memory/peak_mb"]

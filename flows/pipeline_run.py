@@ -85,16 +85,23 @@ def register_policy(tracking: TrackingContext, summary: dict[str, Any]) -> str:
 
 @task(name="close_pipeline_run")
 def close_pipeline_run(
-    tracking: TrackingContext, summary: dict[str, Any], failed: bool = False, pruned: bool = False
+    tracking: TrackingContext,
+    summary: dict[str, Any],
+    failed: bool = False,
+    pruned: bool = False,
+    description: str = "",
 ) -> None:
     """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it (KILLED, with
-    the tag ``sweep.pruned``, when its sweep's pruner stopped it)."""
+    the tag ``sweep.pruned``, when its sweep's pruner stopped it); `description` (the summary's notes and warnings)
+    becomes the run's description in the MLflow UI."""
     tracker = tracker_for(tracking)
     if "data" in summary:
         log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
     tracker.log_metrics(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, 0)
     copy_ppo_curves(tracker, summary.get("stage.train_policy_ppo.run_id"), tracking.parent_run_id)  # for its charts
     tracker.set_tags(tracking.parent_run_id, {k: v for k, v in summary.items() if isinstance(v, str)})
+    if description:
+        tracker.set_description(tracking.parent_run_id, description)
     if pruned:
         tracker.set_tags(tracking.parent_run_id, {PRUNED_TAG: "true"})
     tracker.end_run(tracking.parent_run_id, failed=failed, killed=pruned)

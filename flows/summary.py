@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Iterable
 from typing import Any
 
 from flows.artifacts import mlflow_experiment_url
@@ -55,6 +56,32 @@ def hacking_warnings(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def budget(config: PipelineConfig) -> dict[str, int]:
+    """The run's budget as its summary records it (`plumbing_check` reads it): PPO episodes and SFT steps where the
+    policy is bootstrapped from scratch (a pretrained one learns from hundreds of episodes)."""
+    scratch = config.sft.model is None
+    return {
+        **({PPO_EPISODES: config.ppo.total_episodes} if config.algorithm == "ppo" and scratch else {}),
+        **({SFT_STEPS: config.sft.steps} if scratch else {}),
+    }
+
+
+def summary_notes(summary: dict[str, Any]) -> list[str]:
+    """The summary's notes and warnings, one line each ('NOTE: ...', 'WARNING: ...'): what the terminal prints above
+    and below the figures, and what a run started from the browser shows in its flow run's log, its evaluation
+    table's description and its MLflow run's description."""
+    note = plumbing_check(summary)
+    return [f"NOTE: {note}"] * bool(note) + [f"WARNING: {w}" for w in hacking_warnings(summary)]
+
+
+def sweep_note(configs: Iterable[PipelineConfig]) -> str:
+    """'NOTE: ...' when the variants of a sweep are plumbing checks (the first such variant's reason), else ''."""
+    for config in configs:
+        if note := plumbing_check(budget(config)):
+            return f"NOTE: every variant whose budget is this small is {note}"
+    return ""
+
+
 def plumbing_check(summary: dict[str, Any]) -> str | None:
     """Why this run checks the plumbing rather than learning (its budget under `PLUMBING_PPO_EPISODES` PPO episodes,
     or under `PLUMBING_SFT_STEPS` SFT steps from scratch), else None."""
@@ -90,8 +117,9 @@ def _origin_rows(summary: dict[str, Any]) -> list[str]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", "== RLHF pipeline summary"]
-    if note := plumbing_check(summary):
-        lines += [*textwrap.wrap(f"NOTE: {note}", 116, subsequent_indent="      "), ""]
+    notes = summary_notes(summary)
+    for note in (n for n in notes if n.startswith("NOTE: ")):
+        lines += [*textwrap.wrap(note, 116, subsequent_indent="      "), ""]
     label = summary.get(POLICY_LABEL, "PPO")
     if "reward/eval_accuracy" in summary:
         lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/eval_accuracy']:.3f}"))
@@ -129,9 +157,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         said = "quiet at every periodic evaluation" if step < 0 else f"fired after update {step} (WARNING below)"
         said += f"; the final policy is update {kept}'s" if kept >= 0 else ""
         lines.append(_row("over-optimisation alarm (no gold)", said))
-    warnings = hacking_warnings(summary)
+    warnings = [n for n in notes if n.startswith("WARNING: ")]
     if warnings:
-        lines += ["", *(f"WARNING: {w}" for w in warnings), ""]
+        lines += ["", *warnings, ""]
     lines += _origin_rows(summary)
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")

@@ -38,6 +38,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
+from flows.summary import sweep_note
 from flows.sweep_command import main
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
@@ -116,13 +117,17 @@ def close_sweep_run(
     figures: list[str] | None = None,
     arm_of: dict[str, str] | None = None,
     study_rows: list[dict[str, Any]] | None = None,
+    note: str = "",
 ) -> str:
     """Log the ranking table, the reward-versus-KL plot and any other `figures` on the sweep run, and end it. A
     study (a space with arms, `arm_of`: variant label -> arm; `study_rows`: every variant's row with the summary
-    metrics of the study) also gets its table and frontier plot, logged here and published as a Prefect table."""
+    metrics of the study) also gets its table and frontier plot, logged here and published as a Prefect table.
+    `note` (a plumbing check's 'NOTE: ...') opens the study's table and becomes the sweep run's description."""
     tracker = tracker_for(tracking)
+    if note:
+        tracker.set_description(sweep_run_id, note)
     if arm_of:
-        log_study(tracker, sweep_run_id, sweep_name, study_rows or [], arm_of, Path(folder))
+        log_study(tracker, sweep_run_id, sweep_name, study_rows or [], arm_of, Path(folder), note)
     for figure in figures or []:
         tracker.log_artifacts(sweep_run_id, figure)
     frame = pd.DataFrame(rows)
@@ -159,16 +164,21 @@ def close_sweep_run(
     return str(plot)
 
 
-def log_study(tracker, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], arm_of, folder: Path) -> None:
-    """The study table (MLflow table and files, a Prefect table artifact) and the frontier plot of a sweep's arms."""
-    study = study_report(tracker, sweep_run_id, rows, arm_of, folder, f"Study {sweep_name}: gold reward against KL")
+def log_study(
+    tracker, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], arm_of, folder: Path, note: str = ""
+) -> None:
+    """The study table (MLflow table and files, a Prefect table artifact) and the frontier plot of a sweep's arms;
+    `note` opens the table's Markdown and the artifact's description."""
+    title = f"Study {sweep_name}: gold reward against KL"
+    study = study_report(tracker, sweep_run_id, rows, arm_of, folder, title, note)
     for path in study.files:
         tracker.log_artifacts(sweep_run_id, path)
     tracker.log_table(sweep_run_id, study.table, "study_table.json")
     publish_table(
         study.table.to_dict("records"),
         key=f"sweep-{sweep_name}-study",
-        description=f"Study '{sweep_name}': per arm, the mean over its finished runs of the gold win rate over SFT "
+        description=(f"{note} " if note else "")
+        + f"Study '{sweep_name}': per arm, the mean over its finished runs of the gold win rate over SFT "
         "and its length-controlled version, with their 95% interval (_lo, _hi: a t-interval on the logit scale, "
         "inside 0 to 1) and each run's value (_runs); the mean gold reward and KL to SFT with the half-width of "
         "their 95% t-interval (_ci); the policy stage's wall time; the largest peak memory; runs that raised a "
@@ -185,6 +195,9 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
     search = variant_search(base, space)  # every variant (grid, random) or choice (optuna) is validated here
     for config in search.configs:
         preflight(config)
+    note = sweep_note(search.configs)  # a plumbing check says so in the log, the tables and the sweep's MLflow run
+    if note:
+        logger.warning(note)
     if isinstance(search, OptunaSearch) and search.killed:
         logger.warning("sweep %s: trials %s of a killed start are asked again", space.name, search.killed)
     resumed = search.sweep_run_id if isinstance(search, OptunaSearch) else None
@@ -233,11 +246,13 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         [str(f) for f in figures],
         arm_of,
         rows,
+        note,
     )
     publish_table(
         table.to_dict("records"),
         key=f"sweep-{space.name}",
-        description=f"Sweep '{space.name}': variants ranked by {rank_key(table)} (best first); KL is the mean "
+        description=(f"{note} " if note else "")
+        + f"Sweep '{space.name}': variants ranked by {rank_key(table)} (best first); KL is the mean "
         "KL(PPO || SFT) per response on held-out prompts.",
     )
     link_mlflow_run(

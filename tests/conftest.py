@@ -322,6 +322,16 @@ def subflow_runs(parent_flow_run_id) -> list:
     return _query(lambda c: c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=parent)))
 
 
+def flow_run_logs(flow_run_id) -> list[str]:
+    """The messages of a flow run's logs (its own and its task runs'), oldest first."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # the logs are sent in batches by a background worker
+    by_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    return [log.message for log in _query(lambda c: c.read_logs(log_filter=by_run))]
+
+
 def flow_run_artifacts(flow_run_id) -> list:
     """The artifacts of a flow run, newest first."""
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId

@@ -15,7 +15,7 @@ from rlhf.config import load_config
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
 from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.stage_table import STAGE_TASKS, STAGES, stages_of
-from tests.conftest import REPO, flow_run_artifacts, task_states
+from tests.conftest import REPO, flow_run_artifacts, flow_run_logs, task_states
 
 
 def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
@@ -37,6 +37,13 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert (summary[PPO_EPISODES], summary[SFT_STEPS]) == (cfg.ppo.total_episodes, cfg.sft.steps)
     assert format_summary(summary).splitlines()[2].startswith("NOTE: a plumbing check, not learning: 64 PPO episodes")
     assert plumbing_check(summary) and "NOTE" not in format_summary({**summary, PPO_EPISODES: 6400, SFT_STEPS: 400})
+    # ... and so does every place a run started from the browser is looked at: the flow run's log, the evaluation
+    # table's description (and a row), the MLflow run's description
+    note = "NOTE: a plumbing check, not learning: 64 PPO episodes"
+    flow_run = first.state_details.flow_run_id
+    assert any(message.startswith(note) for message in flow_run_logs(flow_run))
+    (table,) = [a for a in flow_run_artifacts(flow_run) if a.key == "rlhf-evaluation"]
+    assert table.description.startswith(note) and note in json.dumps(table.data)
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -49,6 +56,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     short |= {"init_policy_models": "init", "train_policy_ppo": "ppo", "evaluate_policies": "eval"}
     for stage, run in children.items():
         assert run.info.run_name == f"{parent[0].info.run_name}/{short[stage]}", stage
+    assert parent[0].data.tags["mlflow.note.content"].startswith(note)
     assert parent[0].data.tags["rlhf.cached"] == "false"
     assert parent[0].data.params["ppo.kl_coef"] == str(cfg.ppo.kl_coef)
     assert parent[0].data.tags["prefect.flow_run_id"] == str(first.state_details.flow_run_id)

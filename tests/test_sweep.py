@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -332,6 +333,13 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
     run_id = result["sweep_run_id"]
     files = {a.path for a in client.list_artifacts(run_id)}
     assert {"study_table.json", "study_table.csv", "study_table.md", "frontier.png", "frontier_points.csv"} <= files
+    # the variants' budget makes them plumbing checks: the study's table, its Prefect table and the sweep's MLflow
+    # run say so first
+    markdown = Path(client.download_artifacts(run_id, "study_table.md", str(tmp_path))).read_text()
+    assert markdown.startswith("NOTE: every variant whose budget is this small is a plumbing check, not learning")
+    assert client.get_run(run_id).data.tags["mlflow.note.content"].startswith("NOTE: every variant")
+    (study,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-study"]
+    assert study.description.startswith("NOTE: every variant")
     table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))
     frame = pd.read_csv(table)
     assert list(frame["arm"]) == ["GRPO", "DPO"] and list(frame["runs"]) == ["1/1", "1/1"]

@@ -239,14 +239,16 @@ def report(
     arm_of: Mapping[str, str],
     out_dir: str | Path,
     title: str = "",
+    note: str = "",
 ) -> StudyReport:
     """The study table and the frontier of a sweep with arms, written to `out_dir`. `rows` are the sweep's rows
-    (`arm`, `label`, `status`, summary metrics), `arm_of` maps each variant label to its arm (in the arms' order)."""
+    (`arm`, `label`, `status`, summary metrics), `arm_of` maps each variant label to its arm (in the arms' order);
+    `note` (e.g. that the runs check the plumbing, not learning) is a line above the Markdown table."""
     arms = list(dict.fromkeys(arm_of.values()))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = study_table(rows, arms)
-    markdown = format_study(table)
+    markdown = (f"{note}\n\n" if note else "") + format_study(table)
     table.to_csv(out / "study_table.csv", index=False)
     (out / "study_table.md").write_text(markdown + "\n")
     points = frontier_points(rows, collect_histories(tracker, sweep_run_id), arm_of)

@@ -35,6 +35,7 @@ from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: import
 )
 
 MAX_PARAM_LEN = 6000
+MAX_TAG_LEN = 5000  # a description longer than this is cut (MLflow caps tag values at 5000 to 8000 by version)
 _logger = logging.getLogger(__name__)
 # MLflow's source of a run (the run page's Source) and of a logged model (the Models tab's "Logged from")
 SOURCE_NAME_TAG, SOURCE_TYPE_TAG = "mlflow.source.name", "mlflow.source.type"
@@ -207,6 +208,10 @@ class Tracker:
         from mlflow.entities import RunTag
 
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def set_description(self, run_id: str, text: str) -> None:
+        """The run's description in the MLflow UI (the ``mlflow.note.content`` tag), Markdown."""
+        self.set_tags(run_id, {"mlflow.note.content": text[:MAX_TAG_LEN]})
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
