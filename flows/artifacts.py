@@ -7,7 +7,6 @@ runs). An artifact that cannot be written is a warning in the run's log, never a
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,34 +18,11 @@ from prefect.artifacts import (
 
 from rlhf.config import TrackingConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
-from rlhf.tracking.default_view import EXPERIMENT_QUERY
+from rlhf.tracking.default_view import mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
 from tasks.progress import ProgressBar
 from tasks.stage_table import STAGE_TASKS
 from tasks.stages import OVEROPTIMISATION_TAG
 from tasks.tracking import TrackingContext, tracker_for
-
-DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
-
-
-def mlflow_ui_url() -> str:
-    """Base URL of the MLflow UI the links point at: ``$MLFLOW_UI_URL``, else the local default port."""
-    return os.environ.get("MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL).rstrip("/")
-
-
-# MLflow 3's UI has two views of an experiment, GenAI (traces, evaluations) and model training (runs, charts,
-# models); this query parameter opens the model-training one.
-MLFLOW_VIEW = "workflowType=machine_learning"
-
-
-def mlflow_experiment_url(experiment_id: str, base: str | None = None) -> str:
-    """``http://127.0.0.1:5000/#/experiments/<exp>/runs?viewStateShareKey=rlhf-default&workflowType=machine_learning``:
-    the runs table in the project's saved view (its columns, the PPO charts first; rlhf/tracking/default_view.py)."""
-    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs?{EXPERIMENT_QUERY}"
-
-
-def mlflow_run_url(experiment_id: str, run_id: str, base: str | None = None) -> str:
-    """``http://127.0.0.1:5000/#/experiments/<exp>/runs/<run>?workflowType=machine_learning``: the run's page."""
-    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}?{MLFLOW_VIEW}"
 
 
 def artifact_key(text: str) -> str:
@@ -82,6 +58,25 @@ class StageProgress:
         text = f"{self.description}: {stage} done ({self.done_count}/{len(self.stages)})"
         text += f", next {following}" if following else ", finished"
         self.bar.set(100.0 * self.done_count / len(self.stages), text)
+
+
+COMPARED_RUNS = 5  # the evaluation table's compare link: this run and the experiment's 4 previous pipeline runs
+
+
+def link_mlflow_comparison(tracking: TrackingConfig | TrackingContext, run_ids: list[str], text: str, key: str) -> None:
+    """A link artifact to MLflow's comparison of `run_ids` in its model-training view (`mlflow_compare_url`)."""
+    try:
+        tracker = tracker_for(tracking)
+        create_link_artifact(
+            mlflow_compare_url(tracker.experiment_id, run_ids),
+            link_text=text,
+            key=key,
+            description=f"MLflow's comparison of {len(run_ids)} runs of experiment '{tracking.experiment}' in its "
+            "model-training view (MLflow's own Compare button opens the GenAI view instead). The link needs the MLflow "
+            "UI running: make ui starts it with the Prefect UI, make mlflow-ui alone.",
+        )
+    except Exception as err:
+        _warn("MLflow comparison link", err)
 
 
 def link_mlflow_run(tracking: TrackingConfig | TrackingContext, run_id: str, text: str, key: str | None = None) -> None:
@@ -135,7 +130,15 @@ def publish_pipeline_results(
     rows += [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
     rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
     try:
-        rows += stage_rows(summary, tracker_for(tracking).experiment_id)
+        tracker = tracker_for(tracking)
+        rows += stage_rows(summary, tracker.experiment_id)
+        # this run beside the experiment's previous pipeline runs, in MLflow's model-training view
+        recent = [summary["mlflow_run_id"]] + [
+            r.run_id for r in tracker.pipeline_runs(COMPARED_RUNS) if r.run_id != summary["mlflow_run_id"]
+        ]
+        recent = recent[:COMPARED_RUNS]
+        url = mlflow_compare_url(tracker.experiment_id, recent)
+        rows.append({"metric": f"compare with the last {len(recent) - 1} runs in MLflow", "value": url})
     except Exception as err:  # noqa: BLE001
         _warn("evaluation table's stage links", err)
     description = (

@@ -6,11 +6,11 @@ import textwrap
 from collections.abc import Iterable
 from typing import Any
 
-from flows.artifacts import mlflow_experiment_url
 from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
+from rlhf.tracking.default_view import mlflow_experiment_url
 from tasks.stage_runs import RESUMED_FROM_TAG
 from tasks.stage_table import STAGES
 

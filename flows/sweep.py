@@ -35,7 +35,7 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.artifacts import StageProgress, artifact_key, link_mlflow_run, publish_table
+from flows.artifacts import StageProgress, artifact_key, link_mlflow_comparison, link_mlflow_run, publish_table
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
@@ -248,6 +248,23 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         rows,
         note,
     )
+    publish_sweep_results(base, space, sweep_run_id, table, note)
+    if (table["status"] == "failed").all():
+        raise RuntimeError(f"every variant of sweep '{space.name}' failed; see the variants' flow runs")
+    return {
+        "sweep_run_id": sweep_run_id,
+        "ranking": table.to_dict("records"),
+        "ranking_csv": str(folder / "ranking.csv"),
+        "plot": plot,
+        "tracking_uri": tracker_for(base.tracking).uri,
+    }
+
+
+def publish_sweep_results(
+    base: PipelineConfig, space: SweepSpace, sweep_run_id: str, table: pd.DataFrame, note: str
+) -> None:
+    """The ranking as a Prefect table (`note` opening its description), a link to the sweep's MLflow run and one to
+    MLflow's comparison of its finished variants."""
     publish_table(
         table.to_dict("records"),
         key=f"sweep-{space.name}",
@@ -261,15 +278,14 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         f"MLflow run of sweep {space.name}",
         key=artifact_key(f"sweep-{space.name}-mlflow-run"),
     )
-    if (table["status"] == "failed").all():
-        raise RuntimeError(f"every variant of sweep '{space.name}' failed; see the variants' flow runs")
-    return {
-        "sweep_run_id": sweep_run_id,
-        "ranking": table.to_dict("records"),
-        "ranking_csv": str(folder / "ranking.csv"),
-        "plot": plot,
-        "tracking_uri": tracker_for(base.tracking).uri,
-    }
+    finished = [row["mlflow_run_id"] for row in table.to_dict("records") if row.get("mlflow_run_id")]
+    if finished:
+        link_mlflow_comparison(
+            base.tracking,
+            finished,
+            f"Compare the {len(finished)} variants of sweep {space.name} in MLflow",
+            key=artifact_key(f"sweep-{space.name}-mlflow-compare"),
+        )
 
 
 def start_variants(

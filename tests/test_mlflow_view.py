@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import base64
 import json
+import urllib.parse
 import zlib
 
-from flows.artifacts import mlflow_experiment_url
 from rlhf.tracking.client import Tracker
-from rlhf.tracking.default_view import VIEW_NAME, VIEW_TAG, copy_ppo_curves, default_view_json
+from rlhf.tracking.default_view import (
+    VIEW_NAME,
+    VIEW_TAG,
+    copy_ppo_curves,
+    default_view_json,
+    mlflow_compare_url,
+    mlflow_experiment_url,
+)
 
 
 def _state(tag_value: str) -> dict:
@@ -88,3 +95,11 @@ def test_a_runs_source_is_the_projects_entry_point(tmp_path, monkeypatch):
     assert tracker.get_run(child).data.tags[SOURCE_TYPE_TAG] == "LOCAL"
     assert tracker.get_run(alone).data.tags[SOURCE_NAME_TAG] == "rlhf"  # argv is [""] here
     assert tracker.source_of(child) == source_tags("flows/sweep.py")
+
+
+def test_the_compare_link_stays_in_the_model_training_view():
+    url = mlflow_compare_url("3", ["run-a", "run-b"], base="http://mlflow.example:5000")
+    query = urllib.parse.parse_qs(url.split("#/compare-runs?", 1)[1])
+    assert url.startswith("http://mlflow.example:5000/#/compare-runs?")
+    assert json.loads(query["runs"][0]) == ["run-a", "run-b"] and json.loads(query["experiments"][0]) == ["3"]
+    assert query["workflowType"] == ["machine_learning"]

@@ -44,6 +44,11 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert any(message.startswith(note) for message in flow_run_logs(flow_run))
     (table,) = [a for a in flow_run_artifacts(flow_run) if a.key == "rlhf-evaluation"]
     assert table.description.startswith(note) and note in json.dumps(table.data)
+    # and a link that compares the run with the experiment's previous ones and stays in MLflow's model-training view
+    (compare_row,) = [row for row in json.loads(table.data) if row["metric"].startswith("compare with the last")]
+    assert "#/compare-runs?runs=" in compare_row["value"] and compare_row["value"].endswith(
+        "workflowType=machine_learning"
+    )
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)

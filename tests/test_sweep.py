@@ -340,6 +340,8 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
     assert client.get_run(run_id).data.tags["mlflow.note.content"].startswith("NOTE: every variant")
     (study,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-study"]
     assert study.description.startswith("NOTE: every variant")
+    (compare,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-mlflow-compare"]
+    assert "#/compare-runs?runs=" in compare.data and "workflowType=machine_learning" in compare.data
     table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))
     frame = pd.read_csv(table)
     assert list(frame["arm"]) == ["GRPO", "DPO"] and list(frame["runs"]) == ["1/1", "1/1"]
@@ -352,6 +354,9 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
 
     assert compare_main(["--tracking-uri", uri, "--out", str(tmp_path / "compare"), "--last", "2"]) == 0
     printed = capsys.readouterr().out
+    assert (
+        "the same runs side by side in MLflow (make mlflow-ui): http" in printed and "workflowType=machine" in printed
+    )
     assert "== Study study: per arm, mean and 95% interval" in printed and "| GRPO | 1/1 |" in printed
     assert (tmp_path / "compare" / "frontier.png").is_file()
     # the policy stage ran with the arm's seed, not the global one

@@ -22,6 +22,7 @@ from rlhf.config import TrackingConfig
 from rlhf.sweeps.plots import Point, reward_vs_kl, training_curves
 from rlhf.sweeps.ranking import GOLD_METRIC, reward_metric
 from rlhf.tracking.client import RunRecord, Tracker, experiment_names
+from rlhf.tracking.default_view import mlflow_compare_url
 from rlhf.tracking.store import store_exists
 
 # Final metrics of a pipeline run (logged on the parent run by the flow), in display order.
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no pipeline runs match in experiment '{args.experiment}'", file=sys.stderr)
         return 2
     print(format_comparison(compare(tracker, runs, args.out, args.all_params)))
+    # MLflow's Compare button leaves the model-training view; this link stays in it
+    url = mlflow_compare_url(tracker.experiment_id, [r.run_id for r in runs])
+    print(f"the same runs side by side in MLflow (make mlflow-ui): {url}")
     # the named sweep's study, or the newest study of the experiment (make compare shows it without arguments)
     study = study_of(tracker, args.sweep, args.out) if args.sweep else newest_study(tracker, args.out)
     if study:

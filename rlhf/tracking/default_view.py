@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import zlib
+from urllib.parse import quote
 
 VIEW_KEY = "rlhf-default"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
@@ -120,3 +122,38 @@ def default_view_json() -> str:
     state = json.dumps(default_view(), separators=(",", ":")).encode()
     packed = "deflate;" + base64.b64encode(zlib.compress(state, 9)).decode()
     return json.dumps({"name": VIEW_NAME, "createdAt": 0, "updatedAt": 0, "state": packed}, separators=(",", ":"))
+
+
+# Links into the MLflow UI
+
+DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
+
+
+def mlflow_ui_url() -> str:
+    """Base URL of the MLflow UI the links point at: ``$MLFLOW_UI_URL``, else the local default port."""
+    return os.environ.get("MLFLOW_UI_URL", DEFAULT_MLFLOW_UI_URL).rstrip("/")
+
+
+# MLflow 3's UI has two views of an experiment, GenAI (traces, evaluations) and model training (runs, charts,
+# models); this query parameter opens the model-training one.
+MLFLOW_VIEW = "workflowType=machine_learning"
+
+
+def mlflow_experiment_url(experiment_id: str, base: str | None = None) -> str:
+    """``http://127.0.0.1:5000/#/experiments/<exp>/runs?viewStateShareKey=rlhf-default&workflowType=machine_learning``:
+    the runs table in the project's saved view (its columns, the PPO charts first; rlhf/tracking/default_view.py)."""
+    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs?{EXPERIMENT_QUERY}"
+
+
+def mlflow_run_url(experiment_id: str, run_id: str, base: str | None = None) -> str:
+    """``http://127.0.0.1:5000/#/experiments/<exp>/runs/<run>?workflowType=machine_learning``: the run's page."""
+    return f"{base or mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}?{MLFLOW_VIEW}"
+
+
+def mlflow_compare_url(experiment_id: str, run_ids: list[str], base: str | None = None) -> str:
+    """``http://127.0.0.1:5000/#/compare-runs?runs=[...]&experiments=[...]&workflowType=machine_learning``: MLflow's
+    comparison of `run_ids`, in the model-training view. The UI's own Compare button builds this URL without
+    `workflowType`, and its page then switches to the GenAI view (Traces, Sessions, Judges)."""
+    runs = quote(json.dumps(list(run_ids), separators=(",", ":")))
+    experiments = quote(json.dumps([experiment_id], separators=(",", ":")))
+    return f"{base or mlflow_ui_url()}/#/compare-runs?runs={runs}&experiments={experiments}&{MLFLOW_VIEW}"
