@@ -44,7 +44,7 @@ from rlhf.config.schema_rules import (
     ppo_batch_clauses,
 )
 from rlhf.errors import ConfigError
-from rlhf.sweeps.space import SweepSpace, parse_space
+from rlhf.sweeps.space import SweepSpace, expand, load_space, parse_space
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "conf"
@@ -196,6 +196,29 @@ SpaceFile = Literal[shipped_spaces()]  # type: ignore[valid-type]  # a drop-down
 DEFAULT_SPACE = "conf/sweeps/kl_coef.yaml"
 
 
+def space_size(space: SweepSpace) -> str:
+    """How many pipeline runs a space starts: '9 arms x 3 points = 27 runs', '8 random draws', '12 Optuna trials'."""
+    if space.method == "optuna":
+        return f"{space.trials} Optuna trials"
+    runs = len(expand(space))
+    if space.method == "random":
+        return f"{runs} random draws"
+    if space.arms:
+        return f"{len(space.arms)} arms x {runs // len(space.arms)} points = {runs} runs"
+    return f"{runs} runs"
+
+
+def space_choices() -> str:
+    """The shipped spaces with the number of runs each starts (the sweep form's description of its picker)."""
+    sizes = []
+    for path in shipped_spaces():
+        try:
+            sizes.append(f"{Path(path).name} ({space_size(load_space(REPO / path))})")
+        except Exception:  # noqa: BLE001 (a broken space is refused when picked, with its sentence)
+            sizes.append(Path(path).name)
+    return "; ".join(sizes)
+
+
 def space_with_overrides(path: str | Path, overrides: list[str]) -> SweepSpace:
     """A sweep space file with ``key=value`` overrides: a setting (``trials=4``, ``max_concurrency=2``,
     ``method=random``, ``optuna.pruner=none``) or a parameter's values or range (``parameters.ppo.kl_coef=[0.02, 0.2]``,
@@ -229,9 +252,8 @@ class SweepRun(BaseModel):
     )
     space_file: SpaceFile = Field(  # type: ignore[valid-type]
         DEFAULT_SPACE,
-        description="A search space shipped in conf/sweeps/: kl_coef.yaml a grid over ppo.kl_coef, ppo_random.yaml "
-        "random draws, ppo_optuna.yaml an Optuna study with pruning, overoptimisation.yaml the reward "
-        "over-optimisation curve (docs/orchestration.md).",
+        description="A search space shipped in conf/sweeps/, with the pipeline runs it starts: "
+        f"{space_choices()} (docs/orchestration.md; algorithms*.yaml are the studies of docs/algorithms.md).",
     )
     space_path: str = Field(
         "",

@@ -4,6 +4,7 @@ and those rules in the form's JSON schema, as Prefect's server checks them (rlhf
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import httpx
 import pytest
@@ -279,3 +280,13 @@ def test_a_bad_sweep_is_refused_by_the_forms_validation(run, message):
     with pytest.raises(ValidationError) as err:
         SweepRun.model_validate(run)
     assert message in str(err.value)
+
+
+def test_the_sweep_form_says_how_many_runs_each_space_starts():
+    from flows.form import SweepRun, shipped_spaces
+
+    description = SweepRun.model_json_schema()["properties"]["space_file"]["description"]
+    for path in shipped_spaces():  # every shipped space, with its size
+        assert Path(path).name + " (" in description, path
+    assert "algorithms.yaml (9 arms x 3 points = 27 runs)" in description
+    assert "ppo_optuna.yaml (12 Optuna trials)" in description and "kl_coef.yaml (3 runs)" in description
