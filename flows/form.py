@@ -1,6 +1,6 @@
 """The short run forms: the pipeline's and the sweep's, a config file chosen from ``conf/`` and ``key=value`` overrides.
 
-The deployment ``rlhf-run/quick-form`` (served by ``make ui``, declared in ``prefect.yaml``) takes one parameter,
+The deployment ``rlhf-run/run-pipeline`` (served by ``make ui``, declared in ``prefect.yaml``) takes one parameter,
 ``run`` (a ``PipelineRun``): a drop-down of the shipped YAML configs (or a path to another one), three typed fields
 (``ppo.total_episodes``, ``ppo.batch_size``, ``ppo.num_mini_batches``; empty: the config file's value) and a list of
 overrides such as ``ppo.kl_coef=0.1``. The PPO batch rules (num_mini_batches x gradient_accumulation_steps divides
@@ -10,12 +10,12 @@ and the UI shows the error on the field when the form is validated. The paramete
 resulting config in a pydantic model validator, so every other cross-field rule is checked whenever the parameters
 are validated: by the flow run before any task starts (it ends ``Failed`` with the one-sentence reason), and by
 ``PipelineRun.model_validate`` anywhere else. The whole typed config stays available as the
-``rlhf-pipeline/full-config`` deployment.
+``rlhf-pipeline/run-pipeline-every-setting`` deployment.
 
-The sweep's form, ``rlhf-sweep-run/quick-form`` (a ``SweepRun``), takes its base the same way (``base``, a
+The sweep's form, ``rlhf-sweep-run/run-sweep`` (a ``SweepRun``), takes its base the same way (``base``, a
 ``PipelineRun``), a drop-down of the spaces shipped in ``conf/sweeps/`` (or a path to another one) and overrides of
 the space (``trials=4``, ``parameters.ppo.kl_coef=[0.02, 0.2]``); every variant's config is validated with the form.
-The sweep with the whole typed base config and space is ``rlhf-sweep/full-config`` (flows/sweep.py).
+The sweep with the whole typed base config and space is ``rlhf-sweep/run-sweep-every-setting`` (flows/sweep.py).
 """
 
 from __future__ import annotations

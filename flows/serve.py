@@ -7,17 +7,17 @@
 Needs a Prefect server (``PREFECT_API_URL``, set by ``make ui``). Four deployments are created, each named for its
 form:
 
-* ``rlhf-run/quick-form``: the whole pipeline from a short form: a config chosen from ``conf/`` (``--config``
+* ``rlhf-run/run-pipeline``: the whole pipeline from a short form: a config chosen from ``conf/`` (``--config``
   preselected), the PPO batch sizes and a list of ``key=value`` overrides, validated as a whole (flows/form.py);
   with ``--pipeline-cron`` it runs on that schedule.
-* ``rlhf-pipeline/full-config``: the same pipeline, its form the full typed, documented ``PipelineConfig`` with the
-  values of ``--config`` as defaults (every field editable: the advanced option; also the deployment a sweep space's
-  ``deployment`` names to run its variants on workers).
-* ``rlhf-sweep-run/quick-form``: a sweep from a short form: its base config as ``rlhf-run/quick-form`` takes it, a
+* ``rlhf-pipeline/run-pipeline-every-setting``: the same pipeline, its form the full typed, documented
+  ``PipelineConfig`` with the values of ``--config`` as defaults (every field editable: the advanced option; also
+  the deployment a sweep space's ``deployment`` names to run its variants on workers).
+* ``rlhf-sweep-run/run-sweep``: a sweep from a short form: its base config as ``rlhf-run/run-pipeline`` takes it, a
   search space chosen from ``conf/sweeps/`` (``--sweep-space`` preselected) and ``key=value`` overrides of the space
   (flows/form.py); with ``--sweep-cron`` it runs on that schedule (e.g. nightly).
-* ``rlhf-sweep/full-config``: the same sweep, its form the full typed base config and search space (a row per
-  parameter, trials, concurrency, Optuna's settings) with the values of ``--config`` and ``--sweep-space``.
+* ``rlhf-sweep/run-sweep-every-setting``: the same sweep, its form the full typed base config and search space (a
+  row per parameter, trials, concurrency, Optuna's settings) with the values of ``--config`` and ``--sweep-space``.
 
 Flow runs execute in subprocesses of this process, in the current folder (relative paths in the config resolve
 here). Before serving, a tag concurrency limit is set on the tag ``gpu`` (the training and evaluation stages carry
@@ -52,8 +52,10 @@ from rlhf.models.device import device_names
 from rlhf.sweeps.space import load_space
 
 GPU_TAG = "gpu"
-# The deployments' names: each flow's short form, and its full typed config
-QUICK_FORM, FULL_CONFIG = "quick-form", "full-config"
+# The deployments' names say what each does: the pipeline and the sweep from a short form, and each with every field
+# of its typed config (the Deployments page lists them in this order)
+PIPELINE_FORM, PIPELINE_FULL = "run-pipeline", "run-pipeline-every-setting"
+SWEEP_FORM, SWEEP_FULL = "run-sweep", "run-sweep-every-setting"
 
 
 def pipeline_parameters(config_path: str | Path) -> dict[str, Any]:
@@ -74,42 +76,45 @@ def deployments(
     sweep_cron: str | None = None,
     pipeline_cron: str | None = None,
 ) -> list[RunnerDeployment]:
-    """The short-form and full-config deployments of the pipeline and of the sweep (entrypoints by module path, so
+    """The short-form and every-setting deployments of the pipeline and of the sweep (entrypoints by module path, so
     any working copy can run them)."""
     form = rlhf_run.to_deployment(
-        name=QUICK_FORM,
+        name=PIPELINE_FORM,
         parameters=form_parameters(config_path),
         cron=pipeline_cron,
         description=f"The RLHF pipeline: pick a config in conf/ ({config_path} preselected) and add key=value "
-        f"overrides (e.g. ppo.kl_coef=0.1). Every field of the typed config: rlhf-pipeline/{FULL_CONFIG}.",
+        f"overrides (e.g. ppo.kl_coef=0.1). The same pipeline with every field of the typed config in its form: "
+        f"rlhf-pipeline/{PIPELINE_FULL}.",
         tags=["rlhf"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     pipeline = rlhf_pipeline.to_deployment(
-        name=FULL_CONFIG,
+        name=PIPELINE_FULL,
         parameters=pipeline_parameters(config_path),
         description=f"The RLHF pipeline with {config_path} as defaults, every field of the typed config in the run "
-        f"form (advanced; rlhf-run/{QUICK_FORM} takes a config file and a few overrides).",
+        f"form (advanced: the same pipeline as rlhf-run/{PIPELINE_FORM}, which takes a config file and a few "
+        "overrides).",
         tags=["rlhf"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     sweep_form = rlhf_sweep_run.to_deployment(
-        name=QUICK_FORM,
+        name=SWEEP_FORM,
         parameters=sweep_form_parameters(config_path, space_path),
         cron=sweep_cron,
         description=f"A sweep: pick a base config in conf/ ({config_path} preselected) and a search space in "
         f"conf/sweeps/ ({Path(space_path).as_posix()} preselected), and add key=value overrides of either (e.g. "
         "trials=4 for the space); the variants run max_concurrency at a time and are ranked. Every field of the "
-        f"typed base config and space: rlhf-sweep/{FULL_CONFIG}.",
+        f"typed base config and space: rlhf-sweep/{SWEEP_FULL}.",
         tags=["rlhf", "sweep"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     sweep = rlhf_sweep.to_deployment(
-        name=FULL_CONFIG,
+        name=SWEEP_FULL,
         parameters=sweep_parameters(config_path, space_path),
         description=f"A sweep with {config_path} as its base and {Path(space_path).as_posix()} as its space, every "
         "field of both in the run form: the space's `parameters` (a row per parameter: values, or low/high), "
-        f"trials, concurrency, Optuna's settings (advanced; rlhf-sweep-run/{QUICK_FORM} picks them from conf/).",
+        f"trials, concurrency, Optuna's settings (advanced: the same sweep as rlhf-sweep-run/{SWEEP_FORM}, which "
+        "picks them from conf/).",
         tags=["rlhf", "sweep"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )

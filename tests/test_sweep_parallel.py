@@ -42,7 +42,7 @@ def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_work
         env = {**env, "PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
         pool = request("POST", f"{api}/work_pools/", json={"name": "rlhf-local", "type": "process"})
         assert pool.status_code == 201, pool.text
-        deploy = [str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "rlhf-pipeline/full-config"]
+        deploy = [str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "rlhf-pipeline/run-pipeline-every-setting"]
         done = subprocess.run(deploy, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         for name in ("w1", "w2"):
@@ -56,7 +56,7 @@ def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_work
         space = parse_space(
             {
                 "name": "pool",
-                "deployment": "rlhf-pipeline/full-config",
+                "deployment": "rlhf-pipeline/run-pipeline-every-setting",
                 "max_concurrency": 2,
                 "parameters": {"ppo.kl_coef": [0.02, 0.2]},
             }

@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ui_server")]
 BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 MLFLOW_UI_URL = "http://127.0.0.1:5999"
+# the every-setting deployments of the pipeline and the sweep (flow name / deployment name)
+PIPELINE_FULL, SWEEP_FULL = "rlhf-pipeline/run-pipeline-every-setting", "rlhf-sweep/run-sweep-every-setting"
 
 
 def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -147,10 +149,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     )
     try:
         deployment = wait_until(
-            lambda: (
-                (r := request("GET", f"{api}/deployments/name/rlhf-pipeline/full-config")).status_code == 200
-                and r.json()
-            ),
+            lambda: (r := request("GET", f"{api}/deployments/name/{PIPELINE_FULL}")).status_code == 200 and r.json(),
             120,
             "the pipeline deployment",
             serve,
@@ -162,7 +161,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         assert definitions["PPOConfig"]["properties"]["kl_coef"]["description"]
         sweep_form = wait_until(  # serve registers the deployments one after the other
             lambda: (
-                (r := request("GET", f"{api}/deployments/name/rlhf-sweep-run/quick-form")).status_code == 200
+                (r := request("GET", f"{api}/deployments/name/rlhf-sweep-run/run-sweep")).status_code == 200
                 and r.json()
             ),
             60,
@@ -178,11 +177,9 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         assert "conf/sweeps/ppo_optuna.yaml" in definitions["SweepRun"]["properties"]["space_file"]["enum"]
         assert "conf/smoke.yaml" in definitions["PipelineRun"]["properties"]["config_file"]["enum"]
         sweep = wait_until(
-            lambda: (
-                (r := request("GET", f"{api}/deployments/name/rlhf-sweep/full-config")).status_code == 200 and r.json()
-            ),
+            lambda: (r := request("GET", f"{api}/deployments/name/{SWEEP_FULL}")).status_code == 200 and r.json(),
             60,
-            "the full-config sweep deployment",
+            "the every-setting sweep deployment",
             serve,
             log,
         )
@@ -199,7 +196,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         # the short form: a drop-down of the shipped configs (this one preselected) and a list of overrides
         form = wait_until(
             lambda: (
-                (r := request("GET", f"{api}/deployments/name/rlhf-run/quick-form")).status_code == 200 and r.json()
+                (r := request("GET", f"{api}/deployments/name/rlhf-run/run-pipeline")).status_code == 200 and r.json()
             ),
             60,
             "the form deployment",
@@ -295,14 +292,14 @@ def test_prefect_yaml_deploys_every_deployment_to_its_process_pool(prefect_serve
         timeout=180,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    nightly = request("GET", f"{api}/deployments/name/rlhf-sweep-run/nightly").json()
+    nightly = request("GET", f"{api}/deployments/name/rlhf-sweep-run/sweep-nightly").json()
     assert nightly["work_pool_name"] == "rlhf-local"
     assert [(s["schedule"]["cron"], s["active"]) for s in nightly["schedules"]] == [("0 2 * * *", True)]
-    for name, entrypoint in (("rlhf-sweep-run/quick-form", "rlhf_sweep_run"), ("rlhf-run/quick-form", "rlhf_run")):
+    for name, entrypoint in (("rlhf-sweep-run/run-sweep", "rlhf_sweep_run"), ("rlhf-run/run-pipeline", "rlhf_run")):
         deployment = request("GET", f"{api}/deployments/name/{name}").json()
         assert deployment["entrypoint"] == f"flows/form.py:{entrypoint}"
         assert deployment["work_pool_name"] == "rlhf-local"
-    pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/full-config").json()
+    pipeline = request("GET", f"{api}/deployments/name/rlhf-pipeline/run-pipeline-every-setting").json()
     assert pipeline["entrypoint"] == "flows/pipeline.py:rlhf_pipeline"
     assert pipeline["work_pool_name"] == "rlhf-local"
     # the pipeline's parameters are conf/default.yaml's (test_prefect_yaml_parameters_match_the_conf_files)
@@ -317,15 +314,15 @@ def test_prefect_yaml_parameters_match_the_conf_files():
     flows |= {"flows/form.py:rlhf_sweep_run": "rlhf-sweep-run"}
     deployments = {f"{flows[d['entrypoint']]}/{d['name']}": d for d in spec["deployments"]}
     assert set(deployments) == {
-        "rlhf-run/quick-form",
-        "rlhf-pipeline/full-config",
-        "rlhf-sweep-run/quick-form",
-        "rlhf-sweep-run/nightly",
+        "rlhf-run/run-pipeline",
+        "rlhf-pipeline/run-pipeline-every-setting",
+        "rlhf-sweep-run/run-sweep",
+        "rlhf-sweep-run/sweep-nightly",
     }
     default = load_config(REPO / "conf" / "default.yaml")
-    assert PipelineConfig.model_validate(deployments["rlhf-pipeline/full-config"]["parameters"]["config"]) == default
-    assert PipelineRun.model_validate(deployments["rlhf-run/quick-form"]["parameters"]["run"]).config() == default
+    assert PipelineConfig.model_validate(deployments[PIPELINE_FULL]["parameters"]["config"]) == default
+    assert PipelineRun.model_validate(deployments["rlhf-run/run-pipeline"]["parameters"]["run"]).config() == default
     space = load_space(REPO / "conf" / "sweeps" / "kl_coef.yaml")
-    for name in ("rlhf-sweep-run/quick-form", "rlhf-sweep-run/nightly"):
+    for name in ("rlhf-sweep-run/run-sweep", "rlhf-sweep-run/sweep-nightly"):
         sweep = SweepRun.model_validate(deployments[name]["parameters"]["run"])
         assert (sweep.base.config(), sweep.space()) == (default, space), name

@@ -1,13 +1,13 @@
 """`make ui-check`: the Prefect and MLflow UIs checked in a real (headless) browser.
 
 Starts `make ui` (conf/smoke.yaml as the forms' default, free ports, its own Prefect home and MLflow store under
-outputs/ui-check/), opens the short run form of ``rlhf-run/quick-form`` in headless Chromium, starts a small run with
+outputs/ui-check/), opens the short run form of ``rlhf-run/run-pipeline`` in headless Chromium, starts a small run with
 the form's parameters, waits for it, and writes screenshots to outputs/ui-check/:
 
     01-prefect-form.png        the deployment's run form (config drop-down, PPO batch fields, overrides)
     01b-prefect-form-refused.png  the form after Submit with ppo.num_mini_batches 3 (smoke's batch_size is 16): the
                                schema's error on the field, and no flow run created (checked through the API)
-    01c-prefect-sweep-form.png the sweep's short form (``rlhf-sweep-run/quick-form``): the base as the run form takes
+    01c-prefect-sweep-form.png the sweep's short form (``rlhf-sweep-run/run-sweep``): the base as the run form takes
                                it, a drop-down of conf/sweeps/, overrides of the space; its page height is printed
     02-prefect-run.png         the finished flow run (task graph and states)
     03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         wait_for(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, 180, "the Prefect server")
         deployment = wait_for(
             lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-run/quick-form", timeout=10)).status_code == 200
+                (r := httpx.get(f"{api}/deployments/name/rlhf-run/run-pipeline", timeout=10)).status_code == 200
                 and r.json()
             ),
             180,
-            "the rlhf-run/quick-form deployment",
+            "the rlhf-run/run-pipeline deployment",
         )
         driver = browser()
         ui_url = f"http://127.0.0.1:{prefect_port}"
@@ -179,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         sweep_form = wait_for(  # serve registers the deployments one after the other
             lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-sweep-run/quick-form", timeout=10)).status_code == 200
+                (r := httpx.get(f"{api}/deployments/name/rlhf-sweep-run/run-sweep", timeout=10)).status_code == 200
                 and r.json()
             ),
             60,
-            "the rlhf-sweep-run/quick-form deployment",
+            "the rlhf-sweep-run/run-sweep deployment",
         )
         shoot(driver, f"{ui_url}/deployments/deployment/{sweep_form['id']}/run", out / "01c-prefect-sweep-form.png")
         height = driver.execute_script("return document.documentElement.scrollHeight")

@@ -162,9 +162,9 @@ class SweepSpace(BaseModel):
     )
     deployment: str | None = Field(
         None,
-        description="Run every variant as a flow run of this pipeline deployment, e.g. 'rlhf-pipeline/full-config' "
-        "(prefect.yaml; it takes the whole config), picked up by the workers of its work pool; default: in this "
-        "process.",
+        description="Run every variant as a flow run of this pipeline deployment, e.g. "
+        "'rlhf-pipeline/run-pipeline-every-setting' (prefect.yaml; it takes the whole config), picked up by the "
+        "workers of its work pool; default: in this process.",
     )
     optuna: OptunaSettings = Field(default_factory=OptunaSettings, description="Settings of method: optuna.")
 
