@@ -52,6 +52,9 @@ from rlhf.models.device import device_names
 from rlhf.sweeps.space import load_space
 
 GPU_TAG = "gpu"
+# how often the served process asks the server for runs submitted from the forms: Prefect's default, 10 s, was most of
+# the 10 to 16 s between Submit and a run starting (a query a second is nothing to a local server)
+POLL_S = 1.0
 # The deployments' names say what each does: the pipeline and the sweep from a short form, and each with every field
 # of its typed config (the Deployments page lists them in this order)
 PIPELINE_FORM, PIPELINE_FULL = "run-pipeline", "run-pipeline-every-setting"
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_zombie_automation()
     except Exception as err:  # noqa: BLE001 (a server without automations still serves)
         print(f"warning: no automation marks killed runs Crashed: {err}", file=sys.stderr)
-    serve(*served, limit=args.limit, heartbeat_seconds=HEARTBEAT_S)
+    serve(*served, limit=args.limit, heartbeat_seconds=HEARTBEAT_S, query_seconds=POLL_S)
     return 0
 
 
