@@ -16,6 +16,7 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
+from flows.summary import summary_notes
 from rlhf.config import TrackingConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.tracking.default_view import mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
@@ -111,11 +112,10 @@ def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[dict[str, An
     return rows
 
 
-def publish_pipeline_results(
-    summary: dict[str, Any], tracking: TrackingConfig | TrackingContext, notes: list[str] | tuple[str, ...] = ()
-) -> None:
+def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig | TrackingContext) -> None:
     """The link to the pipeline's MLflow run and a table of its evaluation summary, the stages (ran or cached) and
-    their MLflow runs; `notes` (the summary's notes and warnings) open the table's description."""
+    their MLflow runs; the summary's notes and warnings (`summary_notes`) open the table's description."""
+    notes = summary_notes(summary)
     link_mlflow_run(
         tracking,
         summary["mlflow_run_id"],

@@ -80,7 +80,7 @@ def rlhf_pipeline(
     for line in notes:
         get_run_logger().warning(line)
     close_pipeline_run(tracking, summary, description="\n\n".join(notes))
-    publish_pipeline_results(summary, config.tracking, notes)  # MLflow link and evaluation table
+    publish_pipeline_results(summary, config.tracking)  # MLflow link and evaluation table
     return summary
 
 
