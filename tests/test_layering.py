@@ -42,3 +42,51 @@ def test_no_two_library_files_import_each_other():
     assert "rlhf.data.scan" in graph["rlhf.data.sources"] and "rlhf.ppo.update" in graph["rlhf.ppo.optimise"]
     pairs = sorted({tuple(sorted((a, b))) for a, names in graph.items() for b in names if a in graph.get(b, set())})
     assert pairs == []
+
+
+TOY_ESTIMATOR = '''
+import importlib.util
+import sys
+from pathlib import Path
+
+# the estimator table with one more entry, as a developer adds one: nothing else in the code changes
+path = Path("rlhf/config/estimators.py")
+source = path.read_text().replace(
+    "    for e in (\\n",
+    "    for e in (\\n        Estimator('toy', 'Toy', 'RLOO advantages, another name', advantages='rloo'),\\n",
+    1,
+)
+spec = importlib.util.spec_from_loader("rlhf.config.estimators", loader=None)
+module = importlib.util.module_from_spec(spec)
+module.__file__ = str(path)
+sys.modules["rlhf.config.estimators"] = module
+exec(compile(source, str(path), "exec"), module.__dict__)
+
+from flows.form import PipelineRun
+from flows.summary import policy_label
+from rlhf.config import PipelineConfig, PPOConfig
+
+config = PipelineConfig(ppo=PPOConfig(advantage_estimator="toy", samples_per_prompt=2))
+assert config.ppo.critic_free and config.ppo.resolved()["objective"] == "Toy"
+assert policy_label(config) == "Toy"
+field = PipelineRun.model_json_schema()["properties"]["ppo_advantage_estimator"]
+assert "toy" in str(field), field
+try:
+    PPOConfig(advantage_estimator="toy")
+except ValueError as err:
+    assert "samples_per_prompt of 2 or more" in str(err)
+else:
+    raise AssertionError("a group estimator without groups was accepted")
+print("toy estimator ok")
+'''
+
+
+def test_an_estimator_is_one_entry_of_the_table():
+    """A toy estimator added as one entry of rlhf/config/estimators.py reaches the config (its validation and
+    resolved settings), the run form's schema and the summary's label (in a fresh process: the table is read at
+    import)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TOY_ESTIMATOR], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "toy estimator ok" in done.stdout, done.stdout + done.stderr
