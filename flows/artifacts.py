@@ -19,7 +19,7 @@ from prefect.artifacts import (
 from flows.summary import summary_notes
 from rlhf.config import TrackingConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
-from rlhf.tracking.default_view import mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
+from rlhf.tracking.default_view import COLUMN_METRICS, mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
 from tasks.progress import ProgressBar
 from tasks.stage_table import STAGE_TASKS
 from tasks.stages import OVEROPTIMISATION_TAG
@@ -127,7 +127,9 @@ def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig |
     rows += [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
     alarm = summary.get(OVEROPTIMISATION_TAG)  # the over-optimisation alarm of PPO's periodic evaluations
     rows += [{"metric": OVEROPTIMISATION_TAG, "value": alarm}] if alarm else []
-    rows += [{"metric": k, "value": _number(v)} for k, v in summary.items() if isinstance(v, float)]
+    figures = {k: v for k, v in summary.items() if isinstance(v, float)}
+    first = [k for k in COLUMN_METRICS if k in figures]  # the key figures (the MLflow view's columns) on top
+    rows += [{"metric": k, "value": _number(figures[k])} for k in first + [k for k in figures if k not in first]]
     rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
     try:
         tracker = tracker_for(tracking)

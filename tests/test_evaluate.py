@@ -187,6 +187,11 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
     flows.artifacts.publish_pipeline_results(summary, context)
     ((rows, kw),) = tables
     assert rows[0] == {"metric": EVAL_WARNING_TAG, "value": text}
+    from rlhf.tracking.default_view import COLUMN_METRICS
+
+    figures = [row["metric"] for row in rows if isinstance(row["value"], float)]
+    key = [k for k in COLUMN_METRICS if k in figures]
+    assert len(key) >= 3 and figures[: len(key)] == key, "the key figures first, in the MLflow view's order"
     assert {"metric": "eval/win_rate_rm_len_controlled", "value": 0.52} in rows
     assert {"metric": "eval/hacking_flag_length", "value": 1.0} in rows
     assert kw["description"].startswith("WARNING: PPO's gain over SFT is mostly explained by length")

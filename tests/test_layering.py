@@ -44,7 +44,7 @@ def test_no_two_library_files_import_each_other():
     assert pairs == []
 
 
-TOY_ESTIMATOR = '''
+TOY_ESTIMATOR = """
 import importlib.util
 import sys
 from pathlib import Path
@@ -78,7 +78,7 @@ except ValueError as err:
 else:
     raise AssertionError("a group estimator without groups was accepted")
 print("toy estimator ok")
-'''
+"""
 
 
 def test_an_estimator_is_one_entry_of_the_table():
