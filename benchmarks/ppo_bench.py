@@ -18,8 +18,10 @@ from rlhf.memory import peak_memory_mb
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, torch_threads
 from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap
+from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.optimise import optimize
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.state import TrainerState, fresh_state
 from rlhf.ppo.update import compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings, sample_responses
@@ -101,6 +103,10 @@ class Bench:
         self.settings = GenerationSettings(self.shape.response_len, temperature=1.0, stop_token_ids=(), pad_token_id=0)
         self.data = torch.Generator().manual_seed(self.seed)
 
+    def plan(self) -> ExecutionPlan:
+        """How the optimisation executes: one process on `device` in `dtype`, the run's CPU threading."""
+        return ExecutionPlan.for_models(self.models, self.dtype, DistContext(device=self.device))
+
     def query(self) -> tuple[Tensor, Tensor]:
         s, group = self.shape, self.cfg.samples_per_prompt
         prompts = torch.randint(1, s.vocab_size, (s.batch_size // group, s.prompt_len), generator=self.data)
@@ -117,7 +123,7 @@ class Bench:
             self.models, query, mask, indices, None, self.cfg, self.settings, generator, self.dtype
         )  # fmt: skip
         compute_advantages(rollout, self.cfg, self.state.kl_ctl.value)
-        result = optimize(self.models, self.state, rollout, self.cfg, self.dtype)
+        result = optimize(self.models, self.state, rollout, self.cfg, self.plan())
         synchronize(self.device)
         total = time.perf_counter() - t0
         timings = {**rollout.scored.timings, "time/optimize": result.stats["time/optimize"], "time/total": total}
@@ -138,7 +144,7 @@ class Bench:
                 self.state.sample_generator, self.dtype,
             )  # fmt: skip
             _, adv = count_flops(compute_advantages, rollout, self.cfg, self.state.kl_ctl.value)
-            _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, self.dtype)
+            _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, self.plan())
         return {"time/generate": gen, "time/score": gen_and_score - gen, "time/advantages": adv, "time/optimize": opt}
 
 

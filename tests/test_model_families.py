@@ -25,6 +25,7 @@ from rlhf.models.training import adamw, is_gradient_checkpointing, unwrap
 from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models, run_choices
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import PPOResult, generation_settings, train_ppo
@@ -270,7 +271,7 @@ def test_first_minibatch_ratio_is_exactly_one(stacks, data, family):
     )
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     assert torch.allclose(r.scored.logprobs, r.scored.ref_logprobs, atol=1e-5)
-    first = ppo_optimise.optimize(m, state, r, cfg, torch.float32).minibatch_stats[0]
+    first = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m)).minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/approxkl"] < 1e-10
     assert first["policy/clipfrac"] == 0.0

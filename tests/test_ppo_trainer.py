@@ -20,6 +20,7 @@ from rlhf.ops import GAEOutput
 from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import TrainingInterrupted, generation_settings, train_ppo
@@ -118,7 +119,7 @@ def test_first_minibatch_ratio_is_exactly_one(stack, temperature, dtype):
         assert next(m.policy.parameters()).dtype == torch.float32  # master weights
     # the reference computes what the policy computes: the KL at identical weights is exactly 0
     assert torch.equal(r.scored.logprobs, r.scored.ref_logprobs)
-    result = ppo_optimise.optimize(m, state, r, cfg, dtype=dtype)
+    result = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m, dtype))
     first = result.minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/clipfrac"] == 0.0
@@ -140,7 +141,7 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     weights = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
     optim_states = copy.deepcopy((state.policy_opt.state_dict(), state.value_opt.state_dict()))
     shuffle = state.shuffle_generator.get_state()
-    ours = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
+    ours = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m))
     after = {"policy": m.policy.state_dict(), "value": m.value.state_dict()}
     after = copy.deepcopy(after)
 
@@ -158,7 +159,7 @@ def test_padding_columns_left_out_of_the_optimisation_change_nothing(stack, monk
     state.value_opt.load_state_dict(optim_states[1])
     state.shuffle_generator.set_state(shuffle)
     monkeypatch.setattr(ppo_optimise, "micro_batch", full_width)
-    reference = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
+    reference = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m))
     for a, b in zip(ours.minibatch_stats, reference.minibatch_stats, strict=True):
         assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
     for name, tensors in (("policy", m.policy.state_dict()), ("value", m.value.state_dict())):
@@ -194,7 +195,7 @@ def test_a_second_thread_gives_the_update_of_one_thread(stack, monkeypatch):
         state.shuffle_generator.set_state(shuffle)
         value_threads.clear()
         torch.set_num_threads(threads)  # the autouse fixture of tests/conftest.py restores the worker's count
-        result = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
+        result = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m))
         assert torch.get_num_threads() == threads  # torch_threads gives the threads back
         updated = copy.deepcopy({"policy": m.policy.state_dict(), "value": m.value.state_dict()})
         results[threads] = (result, updated, set(value_threads))
@@ -709,7 +710,7 @@ def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, m
         state.shuffle_generator.set_state(shuffle)
         threads_seen.clear()
         torch.set_num_threads(threads)
-        result = ppo_optimise.optimize(m, state, r, cfg, dtype=torch.float32)
+        result = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m))
         results[threads] = (result, copy.deepcopy(m.policy.state_dict()), list(threads_seen))
     (one, one_weights, one_threads), (two, two_weights, two_threads) = results[1], results[2]
     assert set(one_threads) == {threading.current_thread().name}

@@ -28,6 +28,7 @@ from rlhf.models.stop_tokens import stop_token_ids
 from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import generation_settings
@@ -192,7 +193,7 @@ def test_first_update_kl_is_zero_and_ratio_one(shallow, tmp_path, dtype, lora):
     mask = r.mask
     diff = (r.scored.logprobs - r.scored.ref_logprobs) * mask
     kl = float(diff.sum(1).mean())
-    step = ppo_optimise.minibatch_step(m, state, r, torch.arange(2), cfg, compute)
+    step = ppo_optimise.minibatch_step(m, state, r, torch.arange(2), cfg, ExecutionPlan.for_models(m, compute))
     print(f"{dtype} lora={lora}: KL {kl:.3g}, max |diff| {float(diff.abs().max()):.3g}, ratios {step.ratios.tolist()}")
     assert mask.sum() >= 2
     assert abs(kl) < 1e-3 and float(diff.abs().max()) < 1e-3

@@ -18,6 +18,7 @@ from rlhf.models.reference import autocast_lowered_parameters, load_reference_lm
 from rlhf.ppo import optimise as ppo_optimise
 from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import generation_settings
@@ -80,7 +81,7 @@ def _first_update(path: str, cfg: PPOConfig, runtime: RuntimeConfig, tmp_path):
     )
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     rows = torch.arange(cfg.mini_batch_size)
-    step = ppo_optimise.minibatch_step(m, state, r, rows, cfg, dtype)
+    step = ppo_optimise.minibatch_step(m, state, r, rows, cfg, ExecutionPlan.for_models(m, dtype))
     return m, r, step
 
 

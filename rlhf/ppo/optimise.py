@@ -23,15 +23,14 @@ from rlhf.ops import (
     policy_loss,
 )
 from rlhf.ops import value_loss as value_loss_fn
-from rlhf.ppo.distributed import DistContext, all_reduce_mean, average_gradients
+from rlhf.ppo.distributed import all_reduce_mean, average_gradients
 from rlhf.ppo.models import PPOModels
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import MICRO_KEYS, MicroStats, OptimStats
-from rlhf.ppo.threads import split_policy_work, use_second_thread
 from rlhf.ppo.update import Rollout
 from rlhf.rollout import scoring
 from rlhf.rollout.scoring import policy_forward, value_forward
-from rlhf.tracking.metrics_writer import LogFn
 
 
 @dataclass
@@ -208,29 +207,25 @@ def minibatch_step(
     rollout: Rollout,
     rows: Tensor,
     cfg: PPOConfig,
-    dtype: torch.dtype,
-    world_size: int = 1,
-    second_thread: bool = False,
-    on_nonfinite: str = "stop",
-    log: LogFn | None = None,
-    split_policy: bool = False,
+    plan: ExecutionPlan,
 ) -> MinibatchResult:
     """One optimizer step of the policy and of the value model on the minibatch `rows` of `rollout`.
 
     The gradients of its micro-batches (ppo.gradient_accumulation_steps) accumulate, the policy's and the value
-    model's side by side in two threads with `second_thread` (their backward passes, gradient clipping and optimizer
-    steps touch disjoint tensors); with W > 1 processes they are averaged across ranks before clipping (FSDP
-    averages sharded models' gradients in backward). A non-finite loss or gradient norm stops the update
-    (`NonFiniteError`, after logging the statistics) or, with `on_nonfinite` 'skip_update', skips the optimizer
-    steps on every rank.
+    model's side by side in two threads with `plan.second_thread` (their backward passes, gradient clipping and
+    optimizer steps touch disjoint tensors), a critic-free micro-batch as two halves with `plan.split_policy`; with
+    W > 1 processes they are averaged across ranks before clipping (FSDP averages sharded models' gradients in
+    backward). A non-finite loss or gradient norm stops the update (`NonFiniteError`, after reporting the statistics
+    to `plan.log`) or, with `plan.on_nonfinite` 'skip_update', skips the optimizer steps on every rank.
     """
-    device = rollout.scored.query_responses.device
+    device, dtype, world_size = rollout.scored.query_responses.device, plan.dtype, plan.world_size
+    second_thread, on_nonfinite = plan.second_thread, plan.on_nonfinite
     micro_size = cfg.mini_batch_size // world_size // cfg.gradient_accumulation_steps
     critic = models.value is not None
     kl_coef = state.kl_ctl.value
     stats, ratios = OptimStats(), []
     for micro in rows.split(micro_size):
-        if split_policy and not critic and len(micro) > 1:  # two halves in two threads
+        if plan.split_policy and not critic and len(micro) > 1:  # two halves in two threads
             metrics, mb_ratios = _policy_halves(models, rollout, micro.to(device), cfg, dtype, kl_coef)
             ratios.append(mb_ratios)
             stats.add(metrics)
@@ -259,7 +254,8 @@ def minibatch_step(
     else:
         stats.add({"policy/grad_norm": sharding.clip_grad_norm(state.policy_params, cfg.max_grad_norm)})
     means = stats.means()
-    skip = skip_nonfinite(means, "PPO", state.step + 1, on_nonfinite, log, _CHECKED if critic else _CHECKED_POLICY)
+    checked = _CHECKED if critic else _CHECKED_POLICY
+    skip = skip_nonfinite(means, "PPO", state.step + 1, on_nonfinite, plan.log, checked)
     if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
         skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
     if not skip:
@@ -286,49 +282,41 @@ def optimize(
     state: TrainerState,
     rollout: Rollout,
     cfg: PPOConfig,
-    dtype: torch.dtype,
-    dist: DistContext | None = None,
-    on_nonfinite: str = "stop",
-    log: LogFn | None = None,
+    plan: ExecutionPlan,
 ) -> OptimResult:
-    """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop.
+    """Step 7: PPO epochs over shuffled minibatches (with gradient accumulation), optional early stop; how it
+    executes (processes, dtype, CPU threads, non-finite statistics) is `plan`'s.
 
     Policy and value losses have disjoint parameters, so their backward passes are independent: with a separate
-    value model on the CPU (`use_second_thread`), the value model's forward and backward run in a second thread
+    value model on the CPU (`plan.second_thread`), the value model's forward and backward run in a second thread
     beside the policy's (each op single-threaded), which keeps both cores busy where one model's small matmuls would
     not.
 
-    With `dist` over W > 1 processes, `rollout` is this rank's shard (ppo.batch_size / W episodes) and each minibatch
-    is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
+    With `plan.dist` over W > 1 processes, `rollout` is this rank's shard (ppo.batch_size / W episodes) and each
+    minibatch is ppo.mini_batch_size / W of them; the gradients are averaged across ranks before clipping, so every rank
     takes the same optimizer step: all-reduced here for replicated models, reduce-scattered into each rank's shard
     by FSDP in backward for sharded ones (runtime.sharding 'fsdp'; each rank then steps its own shards). The
     shuffle generator is the same on all ranks (a permutation of local rows).
 
     A NaN or infinite loss or gradient norm in a minibatch stops the update with NonFiniteError (after logging the
-    minibatch's statistics through `log`) or, with `on_nonfinite="skip_update"`, skips that minibatch's optimizer
-    steps and counts it in ``ppo/skipped_nonfinite``.
+    minibatch's statistics through `plan.log`) or, with `plan.on_nonfinite` 'skip_update', skips that minibatch's
+    optimizer steps and counts it in ``ppo/skipped_nonfinite``.
     """
     t0 = time.perf_counter()
-    device = rollout.scored.query_responses.device
-    world_size = dist.world_size if dist is not None else 1
+    device, world_size = rollout.scored.query_responses.device, plan.world_size
     n, mini_size = len(rollout.indices), cfg.mini_batch_size // world_size
-    second_thread = use_second_thread(device, models, world_size)
-    split_policy = split_policy_work(device, models, world_size)
     running, per_minibatch, ratios = OptimStats(), [], []
     stopped_early, skipped = 0.0, 0
     # step 1. train mode: dropout is disabled, it only switches on gradient checkpointing
     models.policy.train()
     if models.value is not None:
         models.value.train()
-    with torch_threads(1 if second_thread or split_policy else None):  # in two threads, each op single-threaded
+    with torch_threads(1 if plan.second_thread or plan.split_policy else None):  # two threads: each op single
         for _epoch in range(cfg.num_ppo_epochs):
             # step 2. a shuffled pass over the rollout: one optimizer step of each model per minibatch
             perm = torch.randperm(n, generator=state.shuffle_generator)
             for start in range(0, n, mini_size):
-                step = minibatch_step(
-                    models, state, rollout, perm[start : start + mini_size], cfg, dtype, world_size, second_thread,
-                    on_nonfinite, log, split_policy,
-                )  # fmt: skip
+                step = minibatch_step(models, state, rollout, perm[start : start + mini_size], cfg, plan)
                 per_minibatch.append(step.stats)
                 running.add(step.stats)
                 ratios.append(step.ratios)
@@ -354,7 +342,7 @@ def optimize(
     )
     if models.value is not None:
         stats["value/lr"] = state.value_sched.get_last_lr()[0]
-    if on_nonfinite == "skip_update":
+    if plan.on_nonfinite == "skip_update":
         stats["ppo/skipped_nonfinite"] = float(skipped)
     all_ratios = torch.cat(ratios).float()
     quantiles = masked_quantiles(all_ratios, torch.ones_like(all_ratios))

@@ -32,6 +32,7 @@ from rlhf.ppo.periodic_eval import (
     restore_parameters,
     save_guard,
 )
+from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.records import record_rollouts
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
@@ -132,6 +133,7 @@ def train_ppo(
 
     pad_id = models.tokenizer.pad_token_id
     sample_rollout = rollout_sampler(models, state, prompt_ids, prompts, cfg, settings, seed, dtype, dist)
+    plan = ExecutionPlan.for_models(models, dtype, dist, runtime.on_nonfinite, log)  # how step 7 executes
     if state.step == 0:
         evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
     for update in bar:
@@ -142,7 +144,7 @@ def train_ppo(
         # global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
-        optim = optimize(models, state, rollout, cfg, dtype, dist, runtime.on_nonfinite, log if dist.is_main else None)
+        optim = optimize(models, state, rollout, cfg, plan)
         if models.sampler is not None:  # the next rollout samples from the updated policy
             rollout.scored.timings["time/weight_sync"] = models.sampler.sync_weights()
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)

@@ -1,0 +1,58 @@
+"""How the policy stage's optimisation executes, decided once per run: one object in place of loose flags.
+
+`ExecutionPlan` holds the process group, the compute dtype, what a non-finite statistic does and where its report
+goes, and the two CPU-threading decisions that depend on the models (`rlhf.ppo.threads`). `rlhf.ppo.trainer` builds
+it once after loading the models; `rlhf.ppo.optimise` reads it instead of taking each flag as a parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.ppo.distributed import DistContext
+from rlhf.ppo.models import PPOModels
+from rlhf.ppo.threads import split_policy_work, use_second_thread
+from rlhf.tracking.metrics_writer import LogFn
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    dist: DistContext  # the processes of a data-parallel run (one by default) and this one's device
+    dtype: torch.dtype = torch.float32  # autocast dtype on CUDA (runtime.dtype's compute dtype); float32: off
+    on_nonfinite: str = "stop"  # runtime.on_nonfinite: 'stop' raises NonFiniteError, 'skip_update' skips the step
+    log: LogFn | None = None  # where a non-finite step's statistics are reported (rank 0 only)
+    second_thread: bool = False  # the value model's side beside the policy's in a second CPU thread
+    split_policy: bool = False  # a critic-free micro-batch as two halves in two CPU threads
+
+    @classmethod
+    def for_models(
+        cls,
+        models: PPOModels,
+        dtype: torch.dtype = torch.float32,
+        dist: DistContext | None = None,
+        on_nonfinite: str = "stop",
+        log: LogFn | None = None,
+    ) -> ExecutionPlan:
+        """The plan of a run of `models` (default: one process on the policy's device), with the threading that
+        `use_second_thread` and `split_policy_work` choose for them and the current torch thread count."""
+        if dist is None:
+            dist = DistContext(device=next(models.policy.parameters()).device)
+        device, world_size = dist.device, dist.world_size
+        return cls(
+            dist,
+            dtype,
+            on_nonfinite,
+            log if dist.is_main else None,
+            use_second_thread(device, models, world_size),
+            split_policy_work(device, models, world_size),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
