@@ -33,6 +33,7 @@ from rlhf.rollout.reward_function import function_digest
 from rlhf.sweeps.optuna_search import TrialRef
 from tasks.caching import run_stage, runtime_key
 from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.stage_runs import stopped_by_signal
 from tasks.stage_table import stage_of, stages_of
 from tasks.stages import (
     OVEROPTIMISATION_TAG,
@@ -68,8 +69,8 @@ def rlhf_pipeline(
     except TrialPruned as pruned:
         close_pipeline_run(tracking, {}, pruned=True)
         return Completed(name=PRUNED_STATE, message=str(pruned))
-    except BaseException:
-        close_pipeline_run(tracking, {}, failed=True)
+    except BaseException as err:  # Ctrl-C or SIGTERM (in a served run too): KILLED, as the CLI ends it
+        close_pipeline_run(tracking, {}, failed=True, killed=stopped_by_signal(err))
         raise
     # the memory each stage was estimated to need, beside what it measured (memory/<stage>_peak_mb)
     summary |= {f"memory/{estimate.stage}_estimate_mb": estimate.total / 2**20 for estimate in estimates}

@@ -90,10 +90,11 @@ def close_pipeline_run(
     failed: bool = False,
     pruned: bool = False,
     description: str = "",
+    killed: bool = False,
 ) -> None:
-    """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it (KILLED, with
-    the tag ``sweep.pruned``, when its sweep's pruner stopped it); `description` (the summary's notes and warnings)
-    becomes the run's description in the MLflow UI."""
+    """Log the pipeline summary and the prepared data (as dataset inputs) on the parent run and end it: KILLED when
+    `killed` (stopped by a signal) or `pruned` (its sweep's pruner stopped it; tagged ``sweep.pruned``). `description`
+    (the summary's notes and warnings) becomes the run's description in the MLflow UI."""
     tracker = tracker_for(tracking)
     if "data" in summary:
         log_data_inputs(tracker, tracking.parent_run_id, summary["data"], summary["data_digest"])
@@ -104,7 +105,7 @@ def close_pipeline_run(
         tracker.set_description(tracking.parent_run_id, description)
     if pruned:
         tracker.set_tags(tracking.parent_run_id, {PRUNED_TAG: "true"})
-    tracker.end_run(tracking.parent_run_id, failed=failed, killed=pruned)
+    tracker.end_run(tracking.parent_run_id, failed=failed, killed=pruned or killed)
 
 
 def cache_tags(tracking: TrackingContext, outputs: tuple[StageOutput, ...]) -> dict[str, str]:

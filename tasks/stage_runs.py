@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from prefect.exceptions import ExternalSignal
 
 from rlhf.tracking.client import Tracker
 from tasks.caching import code_version
@@ -26,6 +27,12 @@ def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
     charts comparing runs tell the stages of different pipeline runs apart; the stage name alone without a pipeline
     run name."""
     return f"{pipeline_run_name}/{stage_of(stage).short}" if pipeline_run_name else stage
+
+
+def stopped_by_signal(err: BaseException) -> bool:
+    """Whether `err` is how Ctrl-C or SIGTERM reaches running code: a KeyboardInterrupt (SIGINT, and the CLI's
+    handler for both), or Prefect's TerminationSignal (SIGTERM in a flow run that Prefect's engine runs)."""
+    return isinstance(err, (KeyboardInterrupt, ExternalSignal))
 
 
 @contextlib.contextmanager
@@ -56,8 +63,8 @@ def stage_run(
             marker.write_text(run_id)
     try:
         yield tracker, run_id
-    except BaseException:
-        tracker.end_run(run_id, failed=True)
+    except BaseException as err:  # stopped by Ctrl-C or SIGTERM: KILLED, as the CLI ends it; any other error FAILED
+        tracker.end_run(run_id, failed=True, killed=stopped_by_signal(err))
         raise
     tracker.end_run(run_id)
     tracker.set_tags(tracking.parent_run_id, {f"stage.{stage}.run_id": run_id})

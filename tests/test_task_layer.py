@@ -4,9 +4,11 @@ task is cached on, and the typed stage outputs survive Prefect's JSON result ser
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
+from prefect.exceptions import TerminationSignal
 
 from rlhf.config import load_config
 from rlhf.data.lengths import LengthLimits
@@ -143,3 +145,21 @@ def test_training_metrics_are_written_in_the_background_only_beside_a_free_core(
         assert tracking.metrics_in_background(runtime)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"), [(KeyboardInterrupt, "KILLED"), (TerminationSignal, "KILLED"), (RuntimeError, "FAILED")]
+)
+def test_a_stage_stopped_by_a_signal_ends_killed_and_a_failed_one_failed(tmp_path, error, status):
+    """Ctrl-C or SIGTERM reaches a stage as a KeyboardInterrupt (in a run served by `make ui` too): its MLflow run
+    ends KILLED, as the CLI ends it; any other error ends it FAILED."""
+    from rlhf.tracking.client import Tracker
+    from tasks.stage_runs import stage_run
+    from tasks.tracking import TrackingContext
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", str(tmp_path / "artifacts"))
+    parent = tracker.start_run("pipeline")
+    context = TrackingContext(uri=tracker.uri, experiment="e", parent_run_id=parent)
+    with pytest.raises(error), stage_run(context, "train_policy_ppo", tmp_path / "stage") as (_, run_id):
+        raise error(signal.SIGTERM) if error is TerminationSignal else error()
+    assert tracker.get_run(run_id).info.status == status
