@@ -48,7 +48,7 @@ from rlhf.sweeps.optuna_search import OptunaSearch, default_storage, study_plots
 from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
 from rlhf.sweeps.ranking import GOLD_METRIC, RM_METRIC
-from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, rank_key, ranking
+from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, rank_key, ranking, variant_label
 from rlhf.sweeps.study import STUDY_METRICS
 from rlhf.sweeps.study import report as study_report
 from rlhf.tracking.client import RUN_TYPE_TAG, source_tags
@@ -137,7 +137,7 @@ def close_sweep_run(
     tracker.log_table(sweep_run_id, frame, "sweep_ranking.json")
     key = rank_key(frame)
     done = frame[frame["status"] == "completed"]
-    points = [Point(row["variant"], row["eval/kl"], row[key]) for _, row in done.iterrows()]
+    points = [Point(variant_label(row), row["eval/kl"], row[key]) for _, row in done.iterrows()]
     baseline_key = key.replace("ppo", "sft")
     baseline = float(done[baseline_key].mean()) if baseline_key in done and len(done) else None
     plot = reward_vs_kl(

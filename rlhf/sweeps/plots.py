@@ -34,6 +34,25 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
     return path
 
 
+def _label_lifts(points: Sequence[Point], near: float = 0.06, step: float = 9.0) -> list[float]:
+    """A vertical offset (points) for each point's label: a label whose point lies within `near` of the plot's
+    spans from earlier points' is lifted one `step` above the highest of theirs, so labels stay apart."""
+    if not points:
+        return []
+    kls, rewards = [p.kl for p in points], [p.reward for p in points]
+    span_x = (max(kls) - min(kls)) or 1.0
+    span_y = (max(rewards) - min(rewards)) or 1.0
+    lifts: list[float] = []
+    for i, p in enumerate(points):
+        close = [
+            lifts[j]
+            for j, q in enumerate(points[:i])
+            if abs(p.kl - q.kl) / span_x < near and abs(p.reward - q.reward) / span_y < near
+        ]
+        lifts.append(max(close) + step if close else 0.0)
+    return lifts
+
+
 def reward_vs_kl(
     points: Sequence[Point],
     path: str | Path,
@@ -41,7 +60,9 @@ def reward_vs_kl(
     baseline: float | None = None,
     title: str = "Reward against KL(PPO || SFT)",
 ) -> Path:
-    """Scatter of each run's mean reward against its mean KL from the SFT policy, labelled by run.
+    """Scatter of each run's mean reward against its mean KL from the SFT policy, each labelled with its `label`
+    (a sweep's: its arm and swept values). Labels of points close together are stacked apart rather than drawn
+    over each other.
 
     `baseline` (e.g. the SFT policy's reward, at KL 0) is drawn as a dashed horizontal line.
     """
@@ -49,8 +70,8 @@ def reward_vs_kl(
     ax = fig.add_subplot()
     shown = [p for p in points if _finite(p.kl, p.reward)]
     ax.scatter([p.kl for p in shown], [p.reward for p in shown], color="tab:blue", zorder=3)
-    for p in shown:
-        ax.annotate(p.label, (p.kl, p.reward), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    for p, lift in zip(shown, _label_lifts(shown), strict=True):
+        ax.annotate(p.label, (p.kl, p.reward), textcoords="offset points", xytext=(4, 4 + lift), fontsize=8)
     if _finite(baseline):
         ax.axhline(baseline, color="gray", linestyle="--", linewidth=1)
         ax.scatter([0.0], [baseline], color="gray", marker="*", s=90, zorder=3, label="SFT policy (KL 0)")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -409,6 +410,15 @@ def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
     if "error" in frame and frame["error"].notna().any():
         columns.append("error")
     return frame[columns].reset_index(drop=True)
+
+
+def variant_label(row: Mapping[str, Any]) -> str:
+    """A ranking row's short name on a plot: its arm and swept values ('GRPO, policy_seed=1', 'kl_coef=0.1'), read
+    from the columns between 'variant' and the metrics; the variant's run name where nothing was swept."""
+    keys = list(row.keys())
+    swept = keys[keys.index("variant") + 1 : keys.index(RANK_METRICS[0])] if "variant" in keys else []
+    parts = [str(row[k]) if k == "arm" else f"{k.rsplit('.', 1)[-1]}={row[k]}" for k in swept if row.get(k) is not None]
+    return ", ".join(parts) or str(row.get("variant", ""))
 
 
 class Planned(NamedTuple):
