@@ -47,8 +47,8 @@ from rlhf.preflight import preflight
 from rlhf.sweeps.optuna_search import OptunaSearch, default_storage, study_plots
 from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
-from rlhf.sweeps.ranking import GOLD_METRIC, RM_METRIC
-from rlhf.sweeps.space import RANK_METRICS, Planned, SweepSpace, VariantList, expand, rank_key, ranking, variant_label
+from rlhf.sweeps.ranking import GOLD_METRIC, RANK_METRICS, RM_METRIC, rank_key, ranking, variant_label
+from rlhf.sweeps.space import Planned, SweepSpace, VariantList, expand
 from rlhf.sweeps.study import STUDY_METRICS
 from rlhf.sweeps.study import report as study_report
 from rlhf.tracking.client import RUN_TYPE_TAG, source_tags

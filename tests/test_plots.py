@@ -24,7 +24,7 @@ def test_reward_vs_kl_shows_points_with_a_negative_kl(tmp_path, monkeypatch):
 
 def test_sweep_points_are_named_by_arm_and_swept_values_and_their_labels_kept_apart():
     from rlhf.sweeps.plots import Point, _label_lifts
-    from rlhf.sweeps.space import RANK_METRICS, variant_label
+    from rlhf.sweeps.ranking import RANK_METRICS, variant_label
 
     row = {"rank": 1, "variant": "algorithms-04", "arm": "GRPO", "policy_seed": 1, RANK_METRICS[0]: 0.9}
     assert variant_label(row) == "GRPO, policy_seed=1"

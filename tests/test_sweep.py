@@ -11,7 +11,8 @@ from mlflow.tracking import MlflowClient
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from rlhf.sweeps.optuna_search import check_points
-from rlhf.sweeps.space import VariantList, expand, load_space, parse_space, ranking, variant_config, variant_configs
+from rlhf.sweeps.ranking import ranking
+from rlhf.sweeps.space import VariantList, expand, load_space, parse_space, variant_config, variant_configs
 from tests.conftest import REPO, flow_run_artifacts, stage_name, subflow_runs, task_runs
 
 # A pipeline that takes seconds: the smoke config made smaller still.

@@ -1,9 +1,13 @@
-"""Which reward compares runs: the task's gold reward when every run has one (the synthetic task), else the
-reward-model score. Used by sweep rankings (`rlhf.sweeps.space`) and run comparisons (`rlhf.sweeps.compare`)."""
+"""Which reward compares runs (the task's gold reward when every run has one, the synthetic task's; else the
+reward-model score), and a sweep's ranking table built on it. Used by sweeps (flows/sweep.py) and run comparisons
+(`rlhf.sweeps.compare`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
 
 GOLD_METRIC = "eval/ppo_gold"  # mean gold reward of the PPO policy's evaluation responses
 RM_METRIC = "eval/ppo_score"  # mean reward-model score of the same responses
@@ -13,3 +17,53 @@ def reward_metric(has_gold: Sequence[bool]) -> str:
     """`GOLD_METRIC` when there is at least one run and every run has a gold reward (`has_gold`, one flag per
     run), else `RM_METRIC`."""
     return GOLD_METRIC if len(has_gold) and all(has_gold) else RM_METRIC
+
+
+# Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards, then the
+# reward-hacking checks (rlhf.eval.length_control).
+RANK_METRICS = (
+    "eval/ppo_gold",
+    "eval/win_rate_gold",
+    "eval/ppo_score",
+    "eval/win_rate_rm",
+    "eval/kl",
+    "reward/eval_accuracy",
+    "eval/sft_gold",
+    "eval/sft_score",
+    "eval/win_rate_rm_len_controlled",
+    "eval/ppo_length_mean",
+    "eval/ppo_empty_rate",
+    "eval/hacking_flag_length",
+    "eval/hacking_flag_empty",
+)
+
+
+def rank_key(frame: pd.DataFrame) -> str:
+    """The metric variants are ranked by: mean gold reward when every finished variant has it, else RM score."""
+    finished = frame[frame["status"] == "completed"] if "status" in frame else frame
+    return reward_metric(finished[GOLD_METRIC].notna().tolist() if GOLD_METRIC in finished else [])
+
+
+def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
+    """A table of the variants, best first (failed variants last): swept values, rewards, KL, run ids."""
+    frame = pd.DataFrame(rows)
+    for col in (*RANK_METRICS, "status", "variant", "mlflow_run_id"):
+        if col not in frame:
+            frame[col] = None
+    key = rank_key(frame)
+    frame["_failed"] = frame["status"] != "completed"
+    frame = frame.sort_values(["_failed", key], ascending=[True, False], na_position="last", kind="stable")
+    frame.insert(0, "rank", range(1, len(frame) + 1))
+    columns = ["rank", "variant", *swept_keys, *RANK_METRICS, "status", "mlflow_run_id"]
+    if "error" in frame and frame["error"].notna().any():
+        columns.append("error")
+    return frame[columns].reset_index(drop=True)
+
+
+def variant_label(row: Mapping[str, Any]) -> str:
+    """A ranking row's short name on a plot: its arm and swept values ('GRPO, policy_seed=1', 'kl_coef=0.1'), read
+    from the columns between 'variant' and the metrics; the variant's run name where nothing was swept."""
+    keys = list(row.keys())
+    swept = keys[keys.index("variant") + 1 : keys.index(RANK_METRICS[0])] if "variant" in keys else []
+    parts = [str(row[k]) if k == "arm" else f"{k.rsplit('.', 1)[-1]}={row[k]}" for k in swept if row.get(k) is not None]
+    return ", ".join(parts) or str(row.get("variant", ""))

@@ -30,17 +30,14 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlhf.config import PipelineConfig, apply_overrides, build_config, format_validation_error, read_yaml
 from rlhf.errors import ConfigError
-from rlhf.sweeps.ranking import GOLD_METRIC, reward_metric
 
 # Keys a sweep may not vary: the variants must share one MLflow store, and the sweep names the runs.
 FIXED_PREFIXES = ("tracking", "run_name")
@@ -369,56 +366,6 @@ def _yaml_value(value: Any) -> str:
 def variant_configs(base: PipelineConfig, space: SweepSpace) -> list[tuple[Variant, PipelineConfig]]:
     """Every variant with its config; any variant the config rejects is an error before anything runs."""
     return [(v, variant_config(base, space, v)) for v in expand(space)]
-
-
-# Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards, then the
-# reward-hacking checks (rlhf.eval.length_control).
-RANK_METRICS = (
-    "eval/ppo_gold",
-    "eval/win_rate_gold",
-    "eval/ppo_score",
-    "eval/win_rate_rm",
-    "eval/kl",
-    "reward/eval_accuracy",
-    "eval/sft_gold",
-    "eval/sft_score",
-    "eval/win_rate_rm_len_controlled",
-    "eval/ppo_length_mean",
-    "eval/ppo_empty_rate",
-    "eval/hacking_flag_length",
-    "eval/hacking_flag_empty",
-)
-
-
-def rank_key(frame: pd.DataFrame) -> str:
-    """The metric variants are ranked by: mean gold reward when every finished variant has it, else RM score."""
-    finished = frame[frame["status"] == "completed"] if "status" in frame else frame
-    return reward_metric(finished[GOLD_METRIC].notna().tolist() if GOLD_METRIC in finished else [])
-
-
-def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
-    """A table of the variants, best first (failed variants last): swept values, rewards, KL, run ids."""
-    frame = pd.DataFrame(rows)
-    for col in (*RANK_METRICS, "status", "variant", "mlflow_run_id"):
-        if col not in frame:
-            frame[col] = None
-    key = rank_key(frame)
-    frame["_failed"] = frame["status"] != "completed"
-    frame = frame.sort_values(["_failed", key], ascending=[True, False], na_position="last", kind="stable")
-    frame.insert(0, "rank", range(1, len(frame) + 1))
-    columns = ["rank", "variant", *swept_keys, *RANK_METRICS, "status", "mlflow_run_id"]
-    if "error" in frame and frame["error"].notna().any():
-        columns.append("error")
-    return frame[columns].reset_index(drop=True)
-
-
-def variant_label(row: Mapping[str, Any]) -> str:
-    """A ranking row's short name on a plot: its arm and swept values ('GRPO, policy_seed=1', 'kl_coef=0.1'), read
-    from the columns between 'variant' and the metrics; the variant's run name where nothing was swept."""
-    keys = list(row.keys())
-    swept = keys[keys.index("variant") + 1 : keys.index(RANK_METRICS[0])] if "variant" in keys else []
-    parts = [str(row[k]) if k == "arm" else f"{k.rsplit('.', 1)[-1]}={row[k]}" for k in swept if row.get(k) is not None]
-    return ", ".join(parts) or str(row.get("variant", ""))
 
 
 class Planned(NamedTuple):
