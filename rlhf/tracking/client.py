@@ -8,8 +8,6 @@ another thread), using ``MlflowClient``. The default store is SQLite inside ``ml
 from __future__ import annotations
 
 import logging
-import re
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,16 +18,22 @@ import pandas as pd
 from rlhf.tracking.default_view import VIEW_TAG, default_view_json
 from rlhf.tracking.metrics_writer import BatchedLog, LogFn, StepRecord
 from rlhf.tracking.model_logging import hub_card_warnings_off, no_requirement_check
-from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: imported from here by the flows)
+from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord, the source tags: imported from here)
+    _CHECKOUT,
     HOST_TAG,
     PID_TAG,
     RUN_TYPE_TAG,
+    SOURCE_NAME_TAG,
+    SOURCE_TYPE_TAG,
+    RetryingClient,
     RunRecord,
     as_uri,
+    default_source,
     parquet_digest,
     process_alive,
     process_tags,
     resolve_tracking_uri,
+    source_tags,
     start_from_empty_store,
     store_lock,
 )
@@ -37,9 +41,7 @@ from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord: import
 MAX_PARAM_LEN = 6000
 MAX_TAG_LEN = 5000  # a description longer than this is cut (MLflow caps tag values at 5000 to 8000 by version)
 _logger = logging.getLogger(__name__)
-# MLflow's source of a run (the run page's Source) and of a logged model (the Models tab's "Logged from")
-SOURCE_NAME_TAG, SOURCE_TYPE_TAG = "mlflow.source.name", "mlflow.source.type"
-_CHECKOUT = Path(__file__).resolve().parents[2]  # rlhf/tracking/client.py -> the project's folder
+_FLUENT_LOCK = threading.Lock()
 
 # Arrow type -> MLflow column type, for the schema of dataset inputs.
 _MLFLOW_TYPES = {
@@ -52,59 +54,6 @@ _MLFLOW_TYPES = {
     "bool": "boolean",
     "binary": "binary",
 }
-
-
-# SQLite errors of two processes writing one store at once (MLflow sets a busy timeout, but SQLite gives up at once
-# on some lock upgrades, and two processes may create the tables of a new store together): retried.
-_TRANSIENT = re.compile(r"database (table )?is locked|table \w+ already exists")
-RETRY_ATTEMPTS, RETRY_DELAY_S = 8, 0.25
-_FLUENT_LOCK = threading.Lock()
-
-
-class _RetryingClient:
-    """An ``MlflowClient`` whose calls are retried, with a growing delay, on a transient SQLite error."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._client, name)
-        if not callable(method):
-            return method
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            for attempt in range(RETRY_ATTEMPTS):
-                try:
-                    return method(*args, **kwargs)
-                except Exception as err:
-                    if attempt == RETRY_ATTEMPTS - 1 or not _TRANSIENT.search(str(err)):
-                        raise
-                    time.sleep(RETRY_DELAY_S * 2**attempt)
-            raise AssertionError("unreachable")
-
-        return call
-
-
-def source_tags(name: str) -> dict[str, str]:
-    """The tags that make `name` (e.g. ``flows/pipeline.py``) MLflow's source of a run or a logged model."""
-    return {SOURCE_NAME_TAG: name, SOURCE_TYPE_TAG: "LOCAL"}
-
-
-def default_source() -> str:
-    """What started this process, as the project names it: ``rlhf run`` (the `rlhf` command and its subcommand),
-    a file of the checkout (``benchmarks/overhead_bench.py``), else ``rlhf``. MLflow's own guess is the file Python
-    started, which for a flow run of a deployment is Prefect's engine.py."""
-    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
-    if main is None:
-        return "rlhf"
-    if main.name == "rlhf":
-        command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
-        return f"rlhf {command}" if command else "rlhf"
-    main = main.resolve()
-    installed = Path(sys.prefix).resolve()  # a virtual environment inside the checkout is not the project's code
-    if main.suffix == ".py" and main.is_relative_to(_CHECKOUT) and not main.is_relative_to(installed):
-        return main.relative_to(_CHECKOUT).as_posix()
-    return "rlhf"
 
 
 def _start_from_empty_store(uri: str) -> bool:
@@ -133,7 +82,7 @@ class Tracker:
         self._batched: dict[str, list[BatchedLog]] = {}  # the batched metric loggers of each run (end_run flushes)
         with store_lock(self.uri):  # the client creates (migrates) the store: one process at a time
             _start_from_empty_store(self.uri)
-            self.client = _RetryingClient(MlflowClient(tracking_uri=self.uri))
+            self.client = RetryingClient(MlflowClient(tracking_uri=self.uri))
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 location = as_uri(artifact_location) if artifact_location else None

@@ -1,7 +1,8 @@
 """The tracking store without MLflow: URI resolution, the reachability check of a store, the tags that tie a run to
 its process (and whether that process is alive), the lock that serialises creating a SQLite store and the empty store
-new ones start from, the plain record of a run that queries return, and the content digest of the data files logged
-as dataset inputs.
+new ones start from, the plain record of a run that queries return, the content digest of the data files logged
+as dataset inputs, the source tags of a run, and the retry of an MLflow client's calls on a transiently locked
+SQLite store.
 
 `rlhf.tracking.client` (the one module that imports mlflow) builds on these; the preflight uses them without mlflow.
 """
@@ -11,10 +12,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shutil
 import socket
 import sqlite3
+import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -200,3 +204,60 @@ class RunRecord:
     @property
     def parent_run_id(self) -> str | None:
         return self.tags.get("mlflow.parentRunId")
+
+
+# MLflow's source of a run (the run page's Source) and of a logged model (the Models tab's "Logged from")
+SOURCE_NAME_TAG, SOURCE_TYPE_TAG = "mlflow.source.name", "mlflow.source.type"
+_CHECKOUT = Path(__file__).resolve().parents[2]  # rlhf/tracking/store.py -> the project's folder
+
+
+# SQLite errors of two processes writing one store at once (MLflow sets a busy timeout, but SQLite gives up at once
+# on some lock upgrades, and two processes may create the tables of a new store together): retried.
+_TRANSIENT = re.compile(r"database (table )?is locked|table \w+ already exists")
+RETRY_ATTEMPTS, RETRY_DELAY_S = 8, 0.25
+
+
+class RetryingClient:
+    """An ``MlflowClient`` whose calls are retried, with a growing delay, on a transient SQLite error."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            for attempt in range(RETRY_ATTEMPTS):
+                try:
+                    return method(*args, **kwargs)
+                except Exception as err:
+                    if attempt == RETRY_ATTEMPTS - 1 or not _TRANSIENT.search(str(err)):
+                        raise
+                    time.sleep(RETRY_DELAY_S * 2**attempt)
+            raise AssertionError("unreachable")
+
+        return call
+
+
+def source_tags(name: str) -> dict[str, str]:
+    """The tags that make `name` (e.g. ``flows/pipeline.py``) MLflow's source of a run or a logged model."""
+    return {SOURCE_NAME_TAG: name, SOURCE_TYPE_TAG: "LOCAL"}
+
+
+def default_source() -> str:
+    """What started this process, as the project names it: ``rlhf run`` (the `rlhf` command and its subcommand),
+    a file of the checkout (``benchmarks/overhead_bench.py``), else ``rlhf``. MLflow's own guess is the file Python
+    started, which for a flow run of a deployment is Prefect's engine.py."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if main is None:
+        return "rlhf"
+    if main.name == "rlhf":
+        command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+        return f"rlhf {command}" if command else "rlhf"
+    main = main.resolve()
+    installed = Path(sys.prefix).resolve()  # a virtual environment inside the checkout is not the project's code
+    if main.suffix == ".py" and main.is_relative_to(_CHECKOUT) and not main.is_relative_to(installed):
+        return main.relative_to(_CHECKOUT).as_posix()
+    return "rlhf"
