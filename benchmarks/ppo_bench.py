@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
-from rlhf.memory import peak_memory_mb
+from rlhf.memory_usage import peak_memory_mb
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, torch_threads
 from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap

@@ -18,11 +18,10 @@ from rlhf.memory import (
     config_device_type,
     estimate,
     fmt_gib,
-    machine_ram,
-    process_rss,
     read_model_config,
     shape_of,
 )
+from rlhf.memory_usage import machine_ram, process_rss
 
 
 def _fits(total: float, sizes: list[tuple[str, float]]) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 from rlhf.config import PipelineConfig
 from rlhf.data.prepare import check_source
 from rlhf.errors import ConfigError
-from rlhf.memory import StageEstimate, model_positions, plan_memory, read_model_config
+from rlhf.memory import StageEstimate, model_positions, read_model_config
+from rlhf.memory_fit import plan_memory
 from rlhf.tracking.store import check_tracking_uri
 
 

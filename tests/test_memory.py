@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from rlhf.memory import CPU_PROCESS_BASE, GIB, check_fits, estimate, model_positions, read_model_config, shape_of
+from rlhf.memory import CPU_PROCESS_BASE, GIB, estimate, model_positions, read_model_config, shape_of
+from rlhf.memory_fit import check_fits
 
 TINY = {
     "llama": dict(

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
-from rlhf.memory import peak_memory_mb, reset_peak_memory
+from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
 from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.reward_ensemble import in_distribution_std
