@@ -13,6 +13,7 @@ from prefect.exceptions import ExternalSignal
 
 from rlhf.tracking.client import Tracker
 from tasks.caching import code_version
+from tasks.progress import task_logger
 from tasks.stage_table import stage_of
 from tasks.tracking import TrackingContext, tracker_for
 
@@ -96,6 +97,18 @@ def log_data_inputs(tracker: Tracker, run_id: str, folder: str | Path, digest: s
     """Record prepared data files (all of them when none are named) as dataset inputs of a run."""
     names = files or tuple(DATA_FILES)
     tracker.log_parquet_inputs(run_id, [(Path(folder) / name, *DATA_FILES[name]) for name in names], digest)
+
+
+def log_policy_checkpoint(tracker: Tracker, run_id: str, final: Path, policy_path: str, stage: str) -> None:
+    """A policy stage's final folder as the `<stage>_checkpoint` artifact, and its policy as an MLflow transformers
+    model (the Models column, `mlflow models serve`); a model-logging problem is a warning, never a failed stage."""
+    tracker.log_artifacts(run_id, final, f"{stage}_checkpoint")
+    name = stage.upper()
+    try:
+        uri = tracker.log_transformers_model(run_id, policy_path, "policy_model")
+        task_logger().info("%s policy logged as MLflow model %s", name, uri)
+    except Exception as err:  # noqa: BLE001 (a model-logging problem never fails a trained stage)
+        task_logger().warning("could not log the %s policy as an MLflow transformers model: %s", name, err)
 
 
 def rollout_samples(rollouts: Path, every: int, per_update: int = 8) -> pd.DataFrame | None:

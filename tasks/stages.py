@@ -28,7 +28,7 @@ from tasks.caching import content_cache_key, current_stage_dir
 from tasks.faults import injected_failure, retry_unless_user_error
 from tasks.outputs import DPOPolicy, Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.progress import echo_with_progress, progress_logger, task_logger
-from tasks.stage_runs import log_data_inputs, rollout_samples, samples_every, stage_run
+from tasks.stage_runs import log_data_inputs, log_policy_checkpoint, rollout_samples, samples_every, stage_run
 from tasks.tracking import TrackingContext, training_logger
 
 # the MLflow tag of a policy stage's run (and the pipeline's) that says which algorithm trained the policy
@@ -294,12 +294,7 @@ def train_policy_ppo(
             if samples is not None:
                 tracker.log_table(run_id, samples, "rollout_samples.json")
         if tracking.log_checkpoints:
-            tracker.log_artifacts(run_id, folder / "final", "ppo_checkpoint")
-            try:  # the policy as an MLflow transformers model: the Models column, `mlflow models serve`
-                uri = tracker.log_transformers_model(run_id, result.policy_path, "policy_model")
-                task_logger().info("PPO policy logged as MLflow model %s", uri)
-            except Exception as err:  # noqa: BLE001 (a model-logging problem never fails a trained stage)
-                task_logger().warning("could not log the PPO policy as an MLflow transformers model: %s", err)
+            log_policy_checkpoint(tracker, run_id, folder / "final", result.policy_path, "ppo")
     return PPOPolicy(
         stage="train_policy_ppo",
         path=result.policy_path,
@@ -344,12 +339,7 @@ def train_policy_dpo(
             stop_after=injected_failure("train_policy_dpo", folder),
         )
         if tracking.log_checkpoints:
-            tracker.log_artifacts(run_id, folder / "final", "dpo_checkpoint")
-            try:  # the policy as an MLflow transformers model, as the PPO stage logs it
-                uri = tracker.log_transformers_model(run_id, result.path, "policy_model")
-                task_logger().info("DPO policy logged as MLflow model %s", uri)
-            except Exception as err:  # noqa: BLE001 (a model-logging problem never fails a trained stage)
-                task_logger().warning("could not log the DPO policy as an MLflow transformers model: %s", err)
+            log_policy_checkpoint(tracker, run_id, folder / "final", result.path, "dpo")
     return DPOPolicy(
         stage="train_policy_dpo",
         path=result.path,
