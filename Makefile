@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch, transformers, prefect, mlflow, rlhf"
 	@touch $@
 
-# The targets below call the `rlhf` command (rlhf/cli.py; `rlhf --help`), installed into the venv.
+# The targets below call the `rlhf` command (flows/cli.py, through its installed launcher; `rlhf --help`).
 RLHF := $(VENV)/bin/rlhf
 
 run: $(STAMP)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf.models.device import compute_dtype, configure_cpu, cpu_has_native_bf16, resolve_device
+
 from .limit import (
     copy_bandwidth,
     format_table,
@@ -133,8 +135,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def bench_dtype(requested: str, device: torch.device) -> torch.dtype:
     """The compute dtype of `--dtype`: auto picks bfloat16 on CPUs with native bf16 (runtime.dtype: bfloat16)."""
-    from rlhf.models.device import compute_dtype, cpu_has_native_bf16
-
     dtype = compute_dtype(requested, device)
     if requested == "auto" and device.type == "cpu" and cpu_has_native_bf16():
         dtype = torch.bfloat16  # float32 where the CPU emulates bf16
@@ -158,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.device or shape.device).startswith("cuda") and not torch.cuda.is_available():
         print(cuda_refusal(args.shape), file=sys.stderr)
         return 2
-    from rlhf.models.device import configure_cpu, resolve_device
-
-    from .ppo_bench import PHASES, Bench, run_bench
+    from .ppo_bench import PHASES, Bench, run_bench  # heavy: transformers (after the cheap refusals above)
 
     threads = args.threads or shape.threads
     configure_cpu(threads)  # torch's threads and the allocator, as every pipeline stage sets them

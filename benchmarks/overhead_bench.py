@@ -108,6 +108,7 @@ class Clock:
 def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
     """Time every Tracker method (MLflow), the stages (`run_stage` as the flow calls it), the PPO training loop and
     the Prefect progress logger of the training loops."""
+    # heavy, and imported here on purpose: each side's imports are part of what it measures (times["imports"])
     import flows.pipeline as pipeline
     import tasks.stages as stages
     from rlhf.ppo import launch
@@ -144,7 +145,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
 
     launch.train_ppo = timed_train_ppo
     # the library calls inside the tasks (what B runs): a stage's time less these is its orchestration overhead
-    from rlhf.data import prepare
+    from rlhf.data import prepare  # heavy (as above)
     from rlhf.eval import evaluate
     from rlhf.train import reward, sft
 
@@ -166,7 +167,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
 
 
 def run_prefect(config_path: str, folder: Path) -> dict:
-    start = time.perf_counter()
+    start = time.perf_counter()  # heavy imports, inside: their time is this side's times["imports"]
     from prefect.server.api.server import SubprocessASGIServer
 
     import flows.pipeline as pipeline
@@ -216,8 +217,7 @@ def run_prefect(config_path: str, folder: Path) -> dict:
 
 def run_library(config_path: str, folder: Path) -> dict:
     """The library calls of tasks/stages.py, in the flow's order, with no-op log callbacks; no Prefect, no MLflow."""
-    start = time.perf_counter()
-
+    start = time.perf_counter()  # heavy imports, inside: their time is this side's times["imports"]
     from rlhf.checkpoints import write_manifest
     from rlhf.config import load_config
     from rlhf.data import prepare

@@ -54,7 +54,7 @@ def generate(path: Path, rows: int, seed: int = 0, chunk: int = 100_000) -> None
 
 def save_tokenizer(folder: Path) -> str:
     """A small byte-level BPE tokenizer trained on a sample of the generated text."""
-    from rlhf.models.bootstrap import build_tokenizer
+    from rlhf.models.bootstrap import build_tokenizer  # heavy: tokenizers, only with --tokenize
 
     rng = random.Random(1)
     texts = [" ".join(make_row(i, rng).values()) for i in range(2000)]
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenize", action="store_true", help="measure lengths in tokens (max_length_tokens=64)")
     args = parser.parse_args(argv)
 
+    # heavy: pandas, pyarrow and the config models, after the arguments parse (`--help` stays instant)
     from rlhf.config import DataConfig
     from rlhf.data.prepare import prepare_preferences
 

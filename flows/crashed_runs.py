@@ -52,6 +52,7 @@ from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME
 from prefect.states import Crashed
 
+from flows.terminal import prefect_api_problem
 from rlhf.checkpoints import stage_lock
 from tasks.stage_runs import RESUMED_FROM_TAG
 from tasks.tracking import TrackingContext, tracker_for
@@ -279,7 +280,6 @@ def crash_dead_runs(command: str) -> list[CrashedRun]:
     """`crash_dead_runs_with` outside a flow (a command's main(), before its flow starts the temporary server: this
     starts it), each one a line on stderr. Skipped when PREFECT_API_URL names a server that does not answer (the
     command says so)."""
-    from flows.terminal import prefect_api_problem
 
     if prefect_api_problem(timeout=2.0) is not None:
         return []

@@ -11,7 +11,7 @@ flows/summary.py, the stages tasks/stage_table.py.
 from __future__ import annotations
 
 import json
-import sys
+import runpy
 from typing import Any, NamedTuple
 
 from prefect import flow, get_run_logger
@@ -19,7 +19,6 @@ from prefect.states import Completed
 
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
-from flows.pipeline_command import main
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.summary import POLICY_LABEL, POLICY_SECONDS, budget, policy_label, summary_notes
 from rlhf.config import PipelineConfig, RewardConfig
@@ -254,5 +253,6 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     return summary
 
 
+# `python -m flows.pipeline`: the command of flows/pipeline_command.py (which imports this flow), by name
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("flows.pipeline_command", run_name="__main__", alter_sys=True)

@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         return refused
 
     def run() -> dict | None:
-        from flows.pipeline import rlhf_pipeline  # the flow's stages, torch, transformers, MLflow: seconds
+        from flows.pipeline import rlhf_pipeline  # heavy: the flow's stages, torch, transformers, MLflow (seconds)
 
         return rlhf_pipeline(config)
 
     code, summary = exit_code_of(run)
     if summary is not None:
-        from flows.summary import format_summary
+        from flows.summary import format_summary  # heavy: Prefect tasks and MLflow
 
         print(format_summary(summary))
     return code

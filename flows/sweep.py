@@ -24,7 +24,7 @@ sweep run too); the other variants still run.
 from __future__ import annotations
 
 import json
-import sys
+import runpy
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,6 @@ from flows.artifacts import StageProgress, artifact_key, link_mlflow_comparison,
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
-from flows.sweep_command import main
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
 from rlhf.models.device import device_names
@@ -383,5 +382,6 @@ def format_ranking(result: dict[str, Any]) -> str:
     )
 
 
+# `python -m flows.sweep`: the command of flows/sweep_command.py (which imports this flow), by name
 if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("flows.sweep_command", run_name="__main__", alter_sys=True)

@@ -56,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {variant.index:02d}  {variant.label}")
 
     def run() -> dict | None:
+        # heavy: Prefect's client, the pipeline's stages, torch, transformers, MLflow (seconds)
         from flows.crashed_runs import crash_dead_runs
-        from flows.sweep import rlhf_sweep  # the pipeline's stages, torch, transformers, MLflow: seconds
+        from flows.sweep import rlhf_sweep
 
         crash_dead_runs("python -m flows.sweep")  # runs of killed processes become Crashed (flows/crashed_runs.py)
         return rlhf_sweep(base, space)
 
     code, result = exit_code_of(run)
     if result is not None:
-        from flows.sweep import format_ranking
+        from flows.sweep import format_ranking  # heavy: the sweep flow (imported above in this process)
 
         print(format_ranking(result))
     return code

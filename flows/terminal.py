@@ -204,6 +204,7 @@ def stop_on_signals(*tracking: Any) -> None:
 def _end_runs_killed(since: float) -> list[str]:
     """The MLflow runs this process started or reopened that are still RUNNING, or that ended after `since` (the
     stages end theirs FAILED on the way out), ended KILLED. Returns their ids."""
+    # heavy: MLflow (this module is imported by the commands before their checks, which stay instant)
     from rlhf.tracking.client import Tracker
     from rlhf.tracking.store import PID_TAG
 

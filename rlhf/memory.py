@@ -87,6 +87,7 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
     reward_cfg.num_labels = 1
     if getattr(reward_cfg, "pad_token_id", None) is None or isinstance(reward_cfg.pad_token_id, list):
         reward_cfg.pad_token_id = 0
+    # heavy: torch and transformers (the estimate of a config runs before they are imported, `rlhf memory` too)
     from rlhf.models.device import MODEL_BUILD_LOCK
     from rlhf.models.reference import autocast_lowered_parameters
 
@@ -135,7 +136,7 @@ def read_model_config(config: PipelineConfig, model_config: str | Path | None = 
             bos_token_id=0,
             eos_token_id=0,
         )
-    from rlhf.models.gguf import gguf_config, gguf_path, gguf_reference
+    from rlhf.models.gguf import gguf_config, gguf_path, gguf_reference  # heavy: torch (a GGUF model's shape)
 
     ref = gguf_reference(config.sft.model, config.sft.gguf_file)
     if ref is not None:  # a GGUF file: its metadata is the config
@@ -256,7 +257,7 @@ def _ppo_memory(
     policy = 4.0 * shape.params + 12.0 * trainable if lora else _trained(shape.params)
     # the reference of a full fine-tune (`load_reference_lm`): its matmul weights in the compute dtype, the rest
     # (embeddings, norms) float32 like the policy's, so that it computes what the policy computes (KL 0 at the start)
-    from rlhf.models.reference import reference_bytes
+    from rlhf.models.reference import reference_bytes  # heavy: torch and transformers
 
     reference = 0.0 if lora else float(reference_bytes(shape.params, shape.lowered_params, int(frozen_b)))
     critic = not ppo.critic_free  # a critic-free estimator loads no value model

@@ -49,7 +49,7 @@ def check_sft_model(config: PipelineConfig) -> None:
     folder or repository sft.model) that transformers can dequantise."""
     sft = config.sft
     assert sft.model is not None
-    from rlhf.models.gguf import check_gguf, gguf_reference  # transformers: only where a checkpoint is named
+    from rlhf.models.gguf import check_gguf, gguf_reference  # heavy: torch, only where a checkpoint is named
 
     ref = gguf_reference(sft.model, sft.gguf_file)
     key = "sft.gguf_file" if sft.gguf_file else "sft.model"
@@ -57,7 +57,7 @@ def check_sft_model(config: PipelineConfig) -> None:
         check_gguf(key, ref, sft.revision)
         return
     check_model_reference("sft.model", sft.model)
-    from rlhf.models.loading import check_checkpoint
+    from rlhf.models.loading import check_checkpoint  # heavy: torch and transformers
 
     check_checkpoint("sft.model", sft.model, sft.revision, config.runtime.trust_remote_code)
 
@@ -186,7 +186,7 @@ def check_generation_backend(config: PipelineConfig) -> None:
     """ppo.generation.backend 'vllm' needs a CUDA GPU for the policy, one PPO process and the vllm package."""
     if config.ppo.generation.backend != "vllm":
         return
-    from rlhf.rollout.vllm_backend import check_vllm_backend
+    from rlhf.rollout.vllm_backend import check_vllm_backend  # heavy: torch; only for the optional vLLM backend
 
     check_vllm_backend(device_type(config), config.runtime.device, config.runtime.ppo_processes)
 
@@ -194,7 +194,7 @@ def check_generation_backend(config: PipelineConfig) -> None:
 def check_ppo_processes(config: PipelineConfig) -> None:
     """runtime.ppo_processes splits the PPO batches evenly and, on CUDA, has a device per process; runtime.sharding
     'fsdp' needs several of them."""
-    from rlhf.ppo.distributed import check_sharding, check_world_size
+    from rlhf.ppo.distributed import check_sharding, check_world_size  # heavy: torch.distributed
 
     n = config.runtime.ppo_processes
     check_sharding(config.ppo, config.runtime, n)

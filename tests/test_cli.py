@@ -1,4 +1,5 @@
-"""The `rlhf` command (rlhf/cli.py): every subcommand's help, exit codes of user errors, no Prefect at import."""
+"""The `rlhf` command (flows/cli.py, launched by rlhf/launcher.py): every subcommand's help, exit codes of user
+errors, no Prefect at import."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from pathlib import Path
 import pytest
 from conftest import seed_prefect_home
 
-from rlhf import cli
+from flows import cli
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
 
 
 def rlhf(*args: str, cwd: Path = REPO, exe: list[str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [*(exe or [sys.executable, "-m", "rlhf.cli"]), *args]
+    cmd = [*(exe or [sys.executable, "-m", "flows.cli"]), *args]
     return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -52,11 +53,11 @@ def test_bad_override_exits_2_with_one_sentence():
 
 
 def test_run_from_outside_the_checkout_finds_the_flows(tmp_path):
-    # Only the rlhf package is importable (as after `pip install -e .`); the CLI adds the checkout for the flows, and
-    # the config path is relative to the current folder.
+    # Only the rlhf package is importable (as after `pip install -e .`); the launcher adds the checkout for the
+    # command line and the flows, and the config path is relative to the current folder.
     code = (
-        f"import sys; sys.path.insert(0, {str(REPO)!r}); import rlhf.cli; sys.path.remove({str(REPO)!r}); "
-        "code = rlhf.cli.main(['run', '--config', 'missing.yaml']); "
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); import rlhf.launcher; sys.path.remove({str(REPO)!r}); "
+        "code = rlhf.launcher.main(['run', '--config', 'missing.yaml']); "
         "print(sys.modules['flows.pipeline_command'].__file__); sys.exit(code)"
     )
     proc = rlhf(cwd=tmp_path, exe=[sys.executable, "-c", code])
@@ -79,7 +80,7 @@ def test_console_script():
 
 
 def test_import_has_no_prefect():
-    code = "import sys, rlhf.cli; assert not any(m.split('.')[0] == 'prefect' for m in sys.modules), 'prefect'"
+    code = "import sys, flows.cli; assert not any(m.split('.')[0] == 'prefect' for m in sys.modules), 'prefect'"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -106,7 +107,7 @@ def test_ui_stops_every_process_it_started_on_sigterm(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "rlhf.cli",
+        "flows.cli",
         "ui",
         "--prefect-port",
         str(prefect_port),
@@ -168,7 +169,7 @@ def test_ctrl_c_while_the_checks_import_torch_is_one_sentence(tmp_path):
     nothing trained."""
     import psutil
 
-    args = [sys.executable, "-m", "rlhf.cli", "run", "--config", "conf/smoke.yaml"]
+    args = [sys.executable, "-m", "flows.cli", "run", "--config", "conf/smoke.yaml"]
     args += [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"runtime.output_dir={tmp_path}/out"]
     env = {**ENV, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect")}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)

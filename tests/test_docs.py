@@ -83,7 +83,7 @@ def test_update_reference_writes_between_the_markers(tmp_path):
 
 
 def test_rlhf_docs_command(tmp_path, capsys):
-    from rlhf.cli import cmd_docs
+    from flows.cli import cmd_docs
     from rlhf.config.docs import REFERENCE_END, REFERENCE_START, current_reference, reference_markdown
 
     page = tmp_path / "config.md"

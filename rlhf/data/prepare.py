@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlhf.checkpoints import atomic_dir, write_manifest
+from rlhf.checkpoints import atomic_dir, dir_digest, file_digest, text_digest, write_manifest
 from rlhf.config import DataConfig
 from rlhf.data import output, scan, sources, synthetic, validate
 from rlhf.data.formats import ChatRenderer, Markers, Plan, plan_columns
@@ -37,6 +37,7 @@ from rlhf.data.output import PAIR_COLUMNS
 from rlhf.data.sources import read_table
 from rlhf.data.validate import Checked, Limits, text_lengths
 from rlhf.errors import ConfigError, DataError, first_line
+from rlhf.rollout.reward_function import function_digest, load_reward_function
 
 __all__ = ["PAIR_COLUMNS", "PreparedData", "check_source", "drop_report", "gold_scorer", "prepare_preferences"]
 __all__ += ["LengthLimits", "length_table", "read_table"]
@@ -87,8 +88,6 @@ def check_source(cfg: DataConfig, scan_limit: int = scan.PREFLIGHT_SCAN_BYTES) -
             plan = plan_columns(list(sample), sample, cfg.format, cfg.columns, str(cfg.path))
         _scan_pairs(cfg, plan, scan_limit)
     if cfg.gold_reward:  # a gold function that does not import stops the run now, not after training
-        from rlhf.rollout.reward_function import load_reward_function
-
         load_reward_function(cfg.gold_reward, "data.gold_reward")
     if cfg.source != "synthetic":
         sources.check_local_path("data.prompts_path", cfg.prompts_path)
@@ -132,7 +131,6 @@ def _scan_pairs(cfg: DataConfig, plan: Plan | None, limit: int) -> None:
 def source_fingerprint(cfg: DataConfig) -> str:
     """Content digest of the local files a config reads (part of the prepare stage's cache key), so a file
     changed in place is prepared again; hub sources are identified by name, configuration and revision."""
-    from rlhf.checkpoints import dir_digest, file_digest, text_digest
 
     parts: list[str] = []
     for path in (cfg.path, cfg.eval_path, cfg.prompts_path):
@@ -194,7 +192,7 @@ def _load_tokenizer(cfg: DataConfig) -> Any:
                 "data.max_length_tokens needs data.tokenizer (it defaults to sft.model); or use data.max_length_chars"
             )
         return None
-    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.loading import load_tokenizer  # heavy: torch and transformers, only for a chat template
 
     try:
         return load_tokenizer(cfg.tokenizer, cfg.tokenizer_revision, False, cfg.tokenizer_gguf_file)
@@ -346,8 +344,6 @@ def prepare_preferences(cfg: DataConfig, out_dir: str | Path, limits: LengthLimi
         else:
             fields, gold = _prepare_pairs(cfg, tmp, scratch, limits), cfg.gold_reward
             if gold:  # its source file's digest: a changed checker is a changed data set
-                from rlhf.rollout.reward_function import function_digest
-
                 fields["gold_reward_digest"] = function_digest(gold)
         manifest = write_manifest(tmp, gold_reward=gold, **fields)
     return PreparedData(str(out_dir), manifest["digest"], manifest)
@@ -378,7 +374,5 @@ def gold_scorer(manifest: dict):
         return synthetic.gold_score
     if not name:
         return None
-    from rlhf.rollout.reward_function import load_reward_function
-
     function = load_reward_function(name, "data.gold_reward")
     return lambda prompt, response: function([prompt], [response])[0]

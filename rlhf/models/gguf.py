@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rlhf.checkpoints import atomic_dir, file_digest, is_complete, read_manifest, stage_lock, write_manifest
 from rlhf.errors import ConfigError, first_line
 from rlhf.lfs import is_lfs_pointer
 from rlhf.models.device import MODEL_BUILD_LOCK
@@ -266,7 +267,6 @@ def gguf_digest(path: Path) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _digest(path: str, size: int, mtime_ns: int) -> str:
-    from rlhf.checkpoints import file_digest
 
     return file_digest(path)
 
@@ -287,8 +287,6 @@ def dequantise(key: str, ref: GGUFFile, revision: str | None, cache_root: str | 
     """The GGUF file's model and tokenizer as a float32 ``save_pretrained`` folder under `cache_root`
     (`dequantised_folder`), converted on the first call and reused after; concurrent callers wait for the first.
     The folder's manifest records the source file and its sha256."""
-    from rlhf.checkpoints import atomic_dir, is_complete, read_manifest, stage_lock, write_manifest
-
     path = check_gguf(key, ref, revision)
     folder = dequantised_folder(path, Path(cache_root))
     with stage_lock(folder):

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from rlhf.config import LoraConfig
 from rlhf.errors import ConfigError
 from rlhf.models.device import MODEL_BUILD_LOCK
+from rlhf.models.sharding import transformer_blocks
 
 
 def unwrap(model: nn.Module) -> PreTrainedModel:
@@ -55,8 +56,6 @@ def freeze_lower_layers(model: nn.Module, n: int) -> int:
     state and no activations kept for backward below the first trained block); returns the trainable parameter
     count. Position embeddings and blocks are found as FSDP finds them (`transformer_blocks`); tied output
     embeddings stay frozen with the input ones. A ConfigError when the model has no more than `n` blocks."""
-    from rlhf.errors import ConfigError
-    from rlhf.models.sharding import transformer_blocks
 
     if n <= 0:
         return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -32,6 +32,7 @@ import yaml
 
 from rlhf.checkpoints import MANIFEST, atomic_write_text
 from rlhf.config import PipelineConfig, PPOConfig, RewardConfig, RuntimeConfig, flatten, load_config
+from rlhf.data.prepare import gold_scorer
 from rlhf.errors import ConfigError
 from rlhf.eval.evaluate import eval_prompts
 from rlhf.models.device import configure_cpu
@@ -98,7 +99,7 @@ def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -
     printer = _printer(args.print_every, cfg.ppo.num_updates) if ctx.is_main and args.print_every > 0 else None
     if not (ctx.is_main and args.tracking_uri):
         return (printer or (lambda metrics, step: None)), (lambda failed: None)
-    from rlhf.tracking.client import Tracker
+    from rlhf.tracking.client import Tracker  # heavy: MLflow, on rank 0 only (the other ranks log nothing)
 
     tracker = Tracker(args.tracking_uri, args.experiment or cfg.tracking.experiment, cfg.tracking.artifact_location)
     if args.run_id:
@@ -175,7 +176,6 @@ def _gold_fn(manifest_path: str | Path | None):
     """The gold reward of the data set whose manifest.json is at `manifest_path` (None: no gold scores)."""
     if not manifest_path:
         return None
-    from rlhf.data.prepare import gold_scorer
 
     return gold_scorer(json.loads(Path(manifest_path).read_text()))
 

@@ -23,6 +23,7 @@ from rlhf.models import sharding
 from rlhf.models.training import adamw
 from rlhf.ops import AdaptiveKLController, FixedKLController, make_kl_controller
 from rlhf.ppo.models import PPOModels
+from rlhf.ppo.sharded_state import load_sharded_weights
 
 POLICY_FILE, VALUE_FILE = "policy.safetensors", "value.safetensors"
 
@@ -109,8 +110,6 @@ def load_state(
             "same setting"
         )
     if sharded:
-        from rlhf.ppo.sharded_state import load_sharded_weights
-
         load_sharded_weights(folder, models, state.policy_opt, state.value_opt)
     else:
         load_model(models.policy, folder / POLICY_FILE, device=str(device))

@@ -41,6 +41,7 @@ from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
+from rlhf.rollout.vllm_backend import start_vllm_sampler
 from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log
 
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
@@ -187,8 +188,6 @@ def start_sampler(
 ) -> None:
     """ppo.generation.backend 'vllm': a vLLM engine samples the rollouts (`models.sampler`)."""
     if cfg.generation.backend == "vllm":
-        from rlhf.rollout.vllm_backend import start_vllm_sampler
-
         models.sampler = start_vllm_sampler(
             cfg, runtime, policy_path, models.policy, dist.device, seed, dtype, dist.world_size
         )

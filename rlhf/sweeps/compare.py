@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlhf.config import TrackingConfig
+from rlhf.sweeps.overoptimisation import sweep_run
 from rlhf.sweeps.plots import Point, reward_vs_kl, training_curves
 from rlhf.sweeps.ranking import GOLD_METRIC, reward_metric
 from rlhf.tracking.client import RunRecord, Tracker, experiment_names
@@ -193,8 +194,6 @@ def newest_study(tracker: Tracker, out: str) -> str:
 def study_of(tracker: Tracker, sweep: str, out: str) -> str:
     """A study sweep's table (per arm, mean and 95% interval over seeds) and where its frontier plot is; '' for a
     sweep without arms."""
-    from rlhf.sweeps.overoptimisation import sweep_run
-
     try:
         run = sweep_run(tracker, sweep)
     except LookupError:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rlhf.checkpoints import stage_lock
+from rlhf.checkpoints import file_digest, stage_lock
 from rlhf.errors import ConfigError
 
 SQLITE_PREFIX = "sqlite:///"
@@ -164,7 +164,6 @@ def parquet_digest(path: str | Path) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-    from rlhf.checkpoints import file_digest
 
     return file_digest(path)
 

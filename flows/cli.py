@@ -8,8 +8,9 @@
     rlhf memory [--config ...] [--gpu-gb 24 80]                  per-stage memory estimate, before anything is loaded
     rlhf docs [--write]                                          the config reference (docs/config.md)
 
-Run it from the root of a checkout: ``run``, ``sweep`` and ``ui`` use the Prefect flows in ``flows/``, which live in
-the repository beside ``rlhf/`` and are not installed as packages of their own (see pyproject.toml). As ``make``
+The installed ``rlhf`` script is a launcher (rlhf/launcher.py) that finds the checkout and runs this file;
+``python -m flows.cli`` from the root of a checkout is the same command. ``run``, ``sweep`` and ``ui`` use the Prefect
+flows beside this file, which are not installed as packages of their own (see pyproject.toml). As ``make``
 does, the command turns hub downloads off unless ``HF_HUB_OFFLINE=0`` is set, keeps Prefect's state in ``.prefect/``
 of the current folder (``PREFECT_HOME``) and Prefect's analytics off. Exit codes are those of the subcommand. ``run``
 and ``sweep`` (flows/terminal.py): 0 finished; 1 an unexpected failure (with its traceback); 2 bad input (the config,
@@ -18,7 +19,8 @@ infinite (NonFiniteError; the last saved state is kept); 4 the disk filled up wh
 MLflow tracking server stopped answering mid-run; 130 / 143 stopped by Ctrl-C / SIGTERM (the finished stages and the
 last saved state are kept, the MLflow runs end KILLED). The others: 0 on success, 2 for a user error.
 
-This module imports no Prefect: the flows are imported inside the subcommands that need them.
+This module imports no Prefect, torch or MLflow: each subcommand imports what it runs (heavy: seconds of torch,
+transformers, Prefect and MLflow imports), so that ``rlhf --help`` and a subcommand's usage error are instant.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 # The environment `make` exports (Makefile); values already set win.
@@ -49,25 +53,8 @@ def set_default_env() -> None:
     os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
 
 
-class CheckoutError(Exception):
-    """The flows of the repository cannot be found (an installation without a checkout)."""
-
-
-def checkout_root() -> Path:
-    """The repository root holding ``flows/`` and ``tasks/``, put first on ``sys.path`` so that they import.
-
-    With an editable install (``pip install -e .``, what ``make`` does) it is the folder above this package;
-    otherwise the current folder, if it is a checkout.
-    """
-    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
-        if (root / "flows" / "pipeline.py").is_file() and (root / "tasks" / "stages.py").is_file():
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
-            return root
-    raise CheckoutError(
-        "this command needs the repository's flows/ and tasks/ folders: run it from the root of a checkout "
-        "installed with `pip install -e .` (or `make install`)"
-    )
+# The checkout's root: flows/ and tasks/ import from it (they are folders of the checkout, not installed packages).
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def pythonpath_with(root: Path) -> str:
@@ -86,21 +73,19 @@ def sqlite_store() -> str:
 
 
 def cmd_run(argv: list[str]) -> int:
-    checkout_root()
-    from flows.pipeline_command import main
+    from flows.pipeline_command import main  # heavy: the pipeline's checks (each subcommand imports what it runs)
 
     return main(argv)
 
 
 def cmd_sweep(argv: list[str]) -> int:
-    checkout_root()
-    from flows.sweep_command import main
+    from flows.sweep_command import main  # heavy: the sweep's checks
 
     return main(argv)
 
 
 def cmd_compare(argv: list[str]) -> int:
-    from rlhf.sweeps.compare import main
+    from rlhf.sweeps.compare import main  # heavy: MLflow, pandas, matplotlib
 
     if not any(a == "--tracking-uri" or a.startswith("--tracking-uri=") for a in argv):
         argv = ["--tracking-uri", sqlite_store(), *argv]
@@ -108,14 +93,13 @@ def cmd_compare(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    checkout_root()
-    from benchmarks import main
+    from benchmarks import main  # heavy: torch, transformers
 
     return main(argv)
 
 
 def cmd_memory(argv: list[str]) -> int:
-    from rlhf.memory_report import main
+    from rlhf.memory_report import main  # heavy: pydantic config models, transformers' config classes
 
     return main(argv)
 
@@ -127,7 +111,7 @@ def cmd_docs(argv: list[str]) -> int:
     parser.add_argument("--write", action="store_true", help="update the reference between the page's markers")
     parser.add_argument("--page", default="docs/config.md", help="the page to update")
     args = parser.parse_args(argv)
-    from rlhf.config.docs import reference_markdown, update_reference
+    from rlhf.config.docs import reference_markdown, update_reference  # heavy: pydantic config models
 
     if not args.write:
         print(reference_markdown())
@@ -164,7 +148,7 @@ def cmd_ui(argv: list[str]) -> int:
     parser.add_argument("--sweep-cron", default=None, help="cron schedule of the sweep, e.g. '0 2 * * *'")
     parser.epilog = "Any other option goes to flows/serve.py: --pipeline-cron CRON, --gpu-slots N, --limit N, --wait S."
     args, serve_args = parser.parse_known_args(argv)
-    root = checkout_root()
+    root = ROOT
     for path, what in ((args.config, "config"), (args.sweep_space, "sweep space")):
         if not Path(path).is_file():
             print(f"error: the {what} {path} does not exist", file=sys.stderr)
@@ -174,7 +158,7 @@ def cmd_ui(argv: list[str]) -> int:
     prefect_home = Path(os.environ["PREFECT_HOME"])
     prefect_home.mkdir(parents=True, exist_ok=True)
     Path("mlruns").mkdir(exist_ok=True)
-    from rlhf.tracking.client import prepare_store
+    from rlhf.tracking.client import prepare_store  # heavy: MLflow
 
     prepare_store(sqlite_store())  # a copy of the empty store where there is none yet (no migrations in the UI)
     prefect_cmd = [str(bindir / "prefect"), "server", "start", "--host", args.host, "--port", str(args.prefect_port)]
@@ -251,8 +235,6 @@ class _StopRequest:
     leave the servers running)."""
 
     def __init__(self) -> None:
-        import threading
-
         self.signum: int | None = None
         self._event = threading.Event()
         self._previous: dict[int, object] = {}
@@ -271,7 +253,6 @@ class _StopRequest:
 
     def ignored(self):
         """While the processes are stopped: further signals are recorded only; the handlers before, restored after."""
-        from contextlib import contextmanager
 
         @contextmanager
         def scope():
@@ -348,9 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [f"rlhf {name}", *rest]
     try:
         return command(rest)
-    except CheckoutError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:  # Ctrl-C before a run's own handling is in place (flows/terminal.py): no traceback
         print(f"rlhf {name}: stopped by Ctrl-C (SIGINT)", file=sys.stderr)
         return 130
