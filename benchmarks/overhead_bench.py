@@ -294,7 +294,7 @@ def run_library(config_path: str, folder: Path) -> dict:
     )
     times["pipeline"] = time.perf_counter() - pipeline_start
     times["ppo_loop"] = times["train_policy_ppo"]  # the stage is the training loop's call
-    figures = {"reward/eval_accuracy": rm.metrics["reward/eval_accuracy"], **result.summary}
+    figures = {"reward/best_eval_accuracy": rm.metrics["reward/best_eval_accuracy"], **result.summary}
     figures |= {f"ppo/{k}": v for k, v in ppo.metrics.items()}
     return {"times": times, "figures": figures, "updates": ppo.updates}
 

@@ -15,12 +15,12 @@ STAGES = tuple(stage.task for stage in stages_of())  # the default pipeline's
 
 # result figures both variants must agree on (the first ones present are compared)
 FIGURES = (
-    "reward/eval_accuracy",
+    "reward/best_eval_accuracy",
     "ppo/objective/scores",
     "ppo/objective/kl",
     "eval/kl",
     "eval/win_rate_rm",
-    "eval/ppo_score",
+    "eval/policy_score",
     "eval/sft_score",
     "eval/win_rate_gold",
 )

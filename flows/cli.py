@@ -106,25 +106,30 @@ def cmd_memory(argv: list[str]) -> int:
 
 def cmd_docs(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="rlhf docs", description="Print the config reference, or write it into docs/config.md (make docs)."
+        prog="rlhf docs",
+        description="Print the config reference, or write the generated parts of the docs: the config reference "
+        "(docs/config.md) and the metric tables (docs/metrics.md) (make docs).",
     )
-    parser.add_argument("--write", action="store_true", help="update the reference between the page's markers")
-    parser.add_argument("--page", default="docs/config.md", help="the page to update")
+    parser.add_argument("--write", action="store_true", help="update the generated parts between the pages' markers")
+    parser.add_argument("--page", default="docs/config.md", help="the config reference's page")
+    parser.add_argument("--metrics-page", default="docs/metrics.md", help="the metrics' page")
     args = parser.parse_args(argv)
     from rlhf.config.docs import reference_markdown, update_reference  # heavy: pydantic config models
+    from rlhf.metrics import update_metrics_page
 
     if not args.write:
         print(reference_markdown())
         return 0
-    if not Path(args.page).is_file():
-        print(f"error: {args.page} does not exist; run this from the root of a checkout", file=sys.stderr)
-        return 2
-    try:
-        changed = update_reference(args.page)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"{args.page} updated" if changed else f"{args.page} already current")
+    for page, update in ((args.page, update_reference), (args.metrics_page, update_metrics_page)):
+        if not Path(page).is_file():
+            print(f"error: {page} does not exist; run this from the root of a checkout", file=sys.stderr)
+            return 2
+        try:
+            changed = update(page)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(f"{page} updated" if changed else f"{page} already current")
     return 0
 
 

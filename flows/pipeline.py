@@ -213,7 +213,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     progress.done(stage_of(evaluation.stage).label)
     outputs = tuple(o for o in (prepared, sft_model, reward_model, ppo_init, policy, evaluation) if o is not None)
     summary: dict[str, Any] = {
-        **({"reward/eval_accuracy": reward_model.metrics["reward/eval_accuracy"]} if reward_model else {}),
+        **({"reward/best_eval_accuracy": reward_model.metrics["reward/best_eval_accuracy"]} if reward_model else {}),
         **evaluation.metrics,
         **{k: v for k, v in policy.metrics.items() if k in (ALARM_STEP_KEY, KEPT_STEP_KEY)},
         POLICY_LABEL: policy_label(config),

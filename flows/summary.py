@@ -22,9 +22,9 @@ PLUMBING_PPO_EPISODES = 1024
 PLUMBING_SFT_STEPS = 100
 # The run's budget in the summary (ints: neither MLflow metrics nor tags; the run's params hold them already)
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
-POLICY_SECONDS = "time/policy_train_s"  # the policy stage's wall time (a float: a metric of the pipeline run)
+POLICY_SECONDS = "time/policy_train"  # the policy stage's wall time (a float: a metric of the pipeline run)
 # The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
-POLICY_LABEL = "rlhf.policy_algorithm"
+POLICY_LABEL = "rlhf.objective_label"
 
 
 def policy_label(config: PipelineConfig) -> str:
@@ -121,8 +121,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     for note in (n for n in notes if n.startswith("NOTE: ")):
         lines += [*textwrap.wrap(note, 116, subsequent_indent="      "), ""]
     label = summary.get(POLICY_LABEL, "PPO")
-    if "reward/eval_accuracy" in summary:
-        lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/eval_accuracy']:.3f}"))
+    if "reward/best_eval_accuracy" in summary:
+        lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/best_eval_accuracy']:.3f}"))
     if "eval/win_rate_gold" in summary:
         lines.append(
             _row(
@@ -134,14 +134,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         if "eval/win_rate_gold_len_controlled" in summary:
             lines.append(_row("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
         lines.append(
-            _row(f"mean gold reward {label} / SFT", f"{summary['eval/ppo_gold']:.3f} / {summary['eval/sft_gold']:.3f}")
+            _row(
+                f"mean gold reward {label} / SFT", f"{summary['eval/policy_gold']:.3f} / {summary['eval/sft_gold']:.3f}"
+            )
         )
-    score = "reward-model score" if "reward/eval_accuracy" in summary else "reward-function score"
+    score = "reward-model score" if "reward/best_eval_accuracy" in summary else "reward-function score"
     lines.append(_row(f"{label} beats SFT on {score}", f"{summary['eval/win_rate_rm']:.1%}"))
     if "eval/win_rate_rm_len_controlled" in summary:
         lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
     lines.append(_row(f"mean KL({label} || SFT) per response", f"{summary['eval/kl']:.3f}"))
-    if "eval/ppo_length_mean" in summary:
+    if "eval/policy_length_mean" in summary:
         for name in ("ppo", "sft"):
             mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
             lines.append(

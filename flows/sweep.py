@@ -316,7 +316,7 @@ def variant_search(base: PipelineConfig, space: SweepSpace) -> VariantList | Opt
         return VariantList(base, space)
     storage = space.optuna.storage or default_storage(base.tracking.uri, base.runtime.output_dir)
     gold = base.data.source == "synthetic"  # the built-in task is the one with a gold reward
-    objective, metric = (GOLD_METRIC, "ppo_eval/gold") if gold else (RM_METRIC, "ppo_eval/score")
+    objective, metric = (GOLD_METRIC, "periodic_eval/gold") if gold else (RM_METRIC, "periodic_eval/score")
     return OptunaSearch(base, space, storage, objective, metric)
 
 

@@ -32,10 +32,10 @@ from tasks.stage_runs import log_data_inputs, log_policy_checkpoint, rollout_sam
 from tasks.tracking import TrackingContext, training_logger
 
 # the MLflow tag of a policy stage's run (and the pipeline's) that says which algorithm trained the policy
-ALGORITHM_TAG = "rlhf.algorithm"
+OBJECTIVE_TAG = "rlhf.objective"  # the policy stage's objective: an advantage estimator (gae, grpo, ...) or dpo
 # the MLflow tag of a PPO stage's run (and the pipeline's) whose over-optimisation alarm fired: its sentence
 OVEROPTIMISATION_TAG = "rlhf.overoptimisation_alarm"
-TRAIN_SECONDS = "time/train_s"  # a policy stage's wall time (of the attempt that finished it), in its output's metrics
+TRAIN_SECONDS = "time/train"  # a policy stage's wall time (of the attempt that finished it), in its output's metrics
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -263,7 +263,7 @@ def train_policy_ppo(
     }
     started = time.perf_counter()
     with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
-        tracker.set_tags(run_id, {ALGORITHM_TAG: ppo_cfg.advantage_estimator})
+        tracker.set_tags(run_id, {OBJECTIVE_TAG: ppo_cfg.advantage_estimator})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
         stop_after, updates, several = injected_failure("train_policy_ppo", folder), ppo_cfg.num_updates, processes > 1
         result = launch.train_policy(
@@ -323,7 +323,7 @@ def train_policy_dpo(
     started = time.perf_counter()
     params = {**flatten(dpo_cfg, "dpo"), "seed": seed}
     with stage_run(tracking, "train_policy_dpo", folder, params, resume=True) as (tracker, run_id):
-        tracker.set_tags(run_id, {ALGORITHM_TAG: "dpo"})
+        tracker.set_tags(run_id, {OBJECTIVE_TAG: "dpo"})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
         steps = dpo_training.total_steps(dpo_cfg, prepared.manifest["rows"]["train"])
         log = training_logger(tracker, run_id, progress_logger("dpo", 10, steps), runtime)

@@ -21,11 +21,11 @@ def _pipeline_run(tracker: Tracker, name: str, kl_coef: float, gold: float, kl: 
     tracker.log_metrics(
         run_id,
         {
-            "reward/eval_accuracy": 0.9,
-            "eval/ppo_gold": gold,
+            "reward/best_eval_accuracy": 0.9,
+            "eval/policy_gold": gold,
             "eval/sft_gold": 0.1,
             "eval/kl": kl,
-            "eval/ppo_score": 1.0,
+            "eval/policy_score": 1.0,
         },
         0,
     )
@@ -77,7 +77,7 @@ def test_compare_table_and_plots(store, tmp_path):
     assert result.differing == ["ppo.kl_coef"]
     assert list(result.table.columns) == ["cached", "high-kl", "low-kl"]
     assert result.table.loc["param ppo.kl_coef", "low-kl"] == 0.2
-    assert result.table.loc["eval/ppo_gold", "high-kl"] == 0.6
+    assert result.table.loc["eval/policy_gold", "high-kl"] == 0.6
     for name in ("reward_vs_kl.png", "training_curves.png"):
         assert (tmp_path / "out" / name).read_bytes()[:8] == PNG
     saved = pd.read_csv(tmp_path / "out" / "compare.csv", index_col=0)  # one row per run
@@ -95,7 +95,7 @@ def test_cli(store, tmp_path, capsys):
     assert compare.main(["--experiment", "exp", "--tracking-uri", uri, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "3 pipeline runs; parameters that differ: ppo.kl_coef" in text
-    assert "eval/ppo_gold" in text and "low-kl" in text
+    assert "eval/policy_gold" in text and "low-kl" in text
     assert (out / "training_curves.png").is_file()
 
     assert compare.main(["--experiment", "nope", "--tracking-uri", uri, "--out", str(out)]) == 2

@@ -86,15 +86,17 @@ def test_rlhf_docs_command(tmp_path, capsys):
     from flows.cli import cmd_docs
     from rlhf.config.docs import REFERENCE_END, REFERENCE_START, current_reference, reference_markdown
 
-    page = tmp_path / "config.md"
+    page, metrics = tmp_path / "config.md", tmp_path / "metrics.md"
     page.write_text(f"{REFERENCE_START}\n{REFERENCE_END}\n")
-    assert cmd_docs(["--write", "--page", str(page)]) == 0
+    metrics.write_text((REPO / "docs" / "metrics.md").read_text())
+    pages = ["--page", str(page), "--metrics-page", str(metrics)]
+    assert cmd_docs(["--write", *pages]) == 0
     assert current_reference(page) == reference_markdown()
-    assert capsys.readouterr().out.strip() == f"{page} updated"
+    assert capsys.readouterr().out.strip() == f"{page} updated\n{metrics} already current"
     assert cmd_docs(["--write", "--page", str(tmp_path / "missing.md")]) == 2
     assert "missing.md does not exist" in capsys.readouterr().err
     page.write_text("no markers\n")
-    assert cmd_docs(["--write", "--page", str(page)]) == 2
+    assert cmd_docs(["--write", *pages]) == 2
     assert "has no <!-- config-reference:start -->" in capsys.readouterr().err
     assert cmd_docs([]) == 0
     assert capsys.readouterr().out.strip() == reference_markdown()

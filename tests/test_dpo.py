@@ -123,7 +123,7 @@ def test_dpo_trains_logs_and_saves_the_policy(full_run, tiny_checkpoints, pairs)
     assert margins.mean() > 0.1
     assert (margins > 0).float().mean() >= 0.9  # implicit reward accuracy on the training pairs, from 0
     assert result.metrics["dpo/eval/rewards/accuracy"] == by_step[8]["dpo/eval/rewards/accuracy"]
-    assert math.isfinite(result.metrics["dpo/eval/loss"]) and result.metrics["dpo/reference_seconds"] > 0
+    assert math.isfinite(result.metrics["dpo/eval/loss"]) and result.metrics["time/dpo_reference"] > 0
 
 
 def test_resume_after_an_interruption_gives_the_same_policy(full_run, tiny_checkpoints, pairs, tmp_path):

@@ -115,10 +115,10 @@ def test_stop_and_keep_best_keep_the_right_parameters():
         stopped = []
         for step, score in scores.items():
             policy.w.data.fill_(step)  # the policy "at" step
-            metrics = {f"ppo_eval/{k}": v for k, v in _signs(0.1 if step == 30 else 0.6).items()}
-            metrics["ppo_eval/score"] = score
+            metrics = {f"periodic_eval/{k}": v for k, v in _signs(0.1 if step == 30 else 0.6).items()}
+            metrics["periodic_eval/score"] = score
             stopped.append(guard.observe(step, metrics, policy))
-            assert metrics["ppo_eval/overoptimisation_alarm"] == float(step == 30)
+            assert metrics["periodic_eval/overoptimisation_alarm"] == float(step == 30)
         assert stopped == [False, False, False, mode == "stop"]
         kept = guard.kept()
         if kept_step is None:
@@ -187,8 +187,8 @@ def test_ppo_with_an_ensemble_logs_the_members_view(tiny_checkpoints, two_member
         assert m["ensemble/disagreement_ratio"] == pytest.approx(m["ensemble/std"] / 0.05)
         # uwo's score is at most the members' mean (variance subtracted)
         assert m["objective/scores"] <= m["ensemble/mean"] + 1e-6
-    evals = [m for _, m in calls if "ppo_eval/disagreement_ratio" in m]
-    assert len(evals) == 3 and all(math.isfinite(m["ppo_eval/distinct_2"]) for m in evals)
+    evals = [m for _, m in calls if "periodic_eval/disagreement_ratio" in m]
+    assert len(evals) == 3 and all(math.isfinite(m["periodic_eval/distinct_2"]) for m in evals)
     assert result.metrics["overoptimisation/alarm_step"] in (-1.0, 1.0, 2.0)
 
 
@@ -201,12 +201,12 @@ def test_replay_judges_a_logged_history_against_gold():
     history = pd.DataFrame(
         {
             "step": [0, 10, 20, 30, 40],
-            "ppo_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
-            "ppo_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
-            "ppo_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
-            "ppo_eval/distinct_2": [0.5] * 5,
-            "ppo_eval/identical_share": [0.0] * 5,
-            "ppo_eval/repetition": [0.0] * 5,
+            "periodic_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
+            "periodic_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
+            "periodic_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
+            "periodic_eval/distinct_2": [0.5] * 5,
+            "periodic_eval/identical_share": [0.0] * 5,
+            "periodic_eval/repetition": [0.0] * 5,
         }
     )
     row = replay(history)

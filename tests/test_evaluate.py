@@ -39,11 +39,11 @@ def test_summarize_flags_short_empty_answers_that_the_reward_model_prefers():
         return float(len(response))
 
     table, summary, warnings = summarize(prompts, sft, ppo, gold, length_tolerance=0.2)
-    assert list(table["ppo_empty"]) == [True] * 4 + [False] * 36 and not table["sft_empty"].any()
-    assert summary["eval/ppo_length_mean"] == pytest.approx((32 * 5 + 4 * 20) / 40)
-    assert summary["eval/ppo_length_p50"] == 5.0 and summary["eval/sft_length_p90"] == 20.0
-    assert summary["eval/ppo_empty_rate"] == 0.1 and summary["eval/sft_empty_rate"] == 0.0
-    assert summary["eval/ppo_stop_rate"] == 1.0
+    assert list(table["policy_empty"]) == [True] * 4 + [False] * 36 and not table["sft_empty"].any()
+    assert summary["eval/policy_length_mean"] == pytest.approx((32 * 5 + 4 * 20) / 40)
+    assert summary["eval/policy_length_p50"] == 5.0 and summary["eval/sft_length_p90"] == 20.0
+    assert summary["eval/policy_empty_rate"] == 0.1 and summary["eval/sft_empty_rate"] == 0.0
+    assert summary["eval/policy_stop_rate"] == 1.0
     assert summary["eval/win_rate_rm"] == 0.9
     assert summary["eval/n_len_matched"] == 4.0
     assert summary["eval/win_rate_rm_len_matched"] == 0.0  # the 4 equal-length answers all lose
@@ -112,7 +112,7 @@ def test_evaluate_policies_reports_lengths_empties_and_flags(tiny_checkpoints, p
     assert isinstance(result.warnings, list)
 
     table = pd.read_parquet(result.completions)
-    assert {"sft_length", "ppo_length", "sft_empty", "ppo_empty"} <= set(table.columns)
+    assert {"sft_length", "policy_length", "sft_empty", "policy_empty"} <= set(table.columns)
     for name in ("ppo", "sft"):
         length, empty = table[f"{name}_length"], table[f"{name}_empty"]
         assert s[f"eval/{name}_empty_rate"] == pytest.approx(empty.mean())
@@ -121,15 +121,15 @@ def test_evaluate_policies_reports_lengths_empties_and_flags(tiny_checkpoints, p
         assert s[f"eval/{name}_length_mean"] == pytest.approx(length.mean())
         assert s[f"eval/{name}_length_p50"] == pytest.approx(np.percentile(length, 50))
         assert length.max() <= 6
-    assert table["ppo_empty"].any() or table["sft_empty"].any()  # the stop tokens made some empty answers
-    assert not (table["sft_response"] == table["ppo_response"]).all()
-    lp, ls = table["ppo_length"], table["sft_length"]
+    assert table["policy_empty"].any() or table["sft_empty"].any()  # the stop tokens made some empty answers
+    assert not (table["sft_response"] == table["policy_response"]).all()
+    lp, ls = table["policy_length"], table["sft_length"]
     assert s["eval/n_len_matched"] == ((lp - ls).abs() <= 0.5 * np.maximum(lp, ls)).sum()
 
 
 def _pipeline_summary(**extra) -> dict:
     summary = {
-        "reward/eval_accuracy": 0.7,
+        "reward/best_eval_accuracy": 0.7,
         "eval/n_prompts": 256.0,
         "eval/win_rate_rm": 0.95,
         "eval/kl": 4.2,
@@ -138,7 +138,7 @@ def _pipeline_summary(**extra) -> dict:
         "eval/n_len_matched": 40.0,
         "eval/hacking_flag_length": 0.0,
         "eval/hacking_flag_empty": 0.0,
-        **{f"eval/ppo_{k}": v for k, v in zip(POLICY_KEYS, (8.1, 0.0, 8.0, 14.0, 0.078, 0.99), strict=True)},
+        **{f"eval/policy_{k}": v for k, v in zip(POLICY_KEYS, (8.1, 0.0, 8.0, 14.0, 0.078, 0.99), strict=True)},
         **{f"eval/sft_{k}": v for k, v in zip(POLICY_KEYS, (23.0, 15.0, 23.0, 30.0, 0.0, 0.97), strict=True)},
         "mlflow_run_id": "abc",
         "tracking_uri": "sqlite:///mlruns/mlflow.db",
@@ -179,7 +179,7 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
     close_pipeline_run.fn(context, {k: v for k, v in summary.items() if k != "data"})  # no data files here
     run = tracker.get_run(run_id)
     assert run.data.tags[EVAL_WARNING_TAG] == text
-    assert run.data.metrics["eval/hacking_flag_length"] == 1.0 and run.data.metrics["eval/ppo_empty_rate"] == 0.078
+    assert run.data.metrics["eval/hacking_flag_length"] == 1.0 and run.data.metrics["eval/policy_empty_rate"] == 0.078
 
     tables = []
     monkeypatch.setattr(flows.artifacts, "link_mlflow_run", lambda *a, **k: None)

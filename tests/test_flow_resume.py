@@ -204,7 +204,7 @@ def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatc
     saved at step 4. The ensemble's stage logs each member's accuracy and their disagreement, PPO scores with both
     members and evaluates periodically with the alarm; a second run takes every stage from the cache."""
     folder, _ = uninterrupted_run
-    ensemble = ["reward.ensemble_size=2", "reward.ensemble_objective=wco", "ppo.eval_every=2", "ppo.eval_prompts=8"]
+    ensemble = ["reward.ensemble_size=2", "reward.ensemble_objective=wco", "ppo.eval_every=2", "ppo.eval_n_prompts=8"]
     monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_reward_model:4")
     state = rlhf_pipeline(_config(folder, *ensemble, "reward.save_every=2"), return_state=True)
     summary = state.result()
@@ -225,10 +225,10 @@ def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatc
     assert metrics["reward_ensemble/disagreement_chosen"] == pytest.approx(spec["in_distribution_std"])
     ppo = client.search_runs([experiment], "tags.stage = 'train_policy_ppo'", order_by=["start_time DESC"])[0]
     assert ppo.data.metrics["ensemble/std"] > 0
-    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "ppo_eval/disagreement_ratio")] == [0, 2, 4]
+    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "periodic_eval/disagreement_ratio")] == [0, 2, 4]
     assert summary["overoptimisation/alarm_step"] == -1.0, "a healthy smoke run: the alarm stays quiet"
     assert "over-optimisation alarm (no gold):      quiet at every periodic evaluation" in format_summary(summary)
-    assert "eval/ppo_distinct_2" in summary and "eval/overoptimisation_flag" in summary
+    assert "eval/policy_distinct_2" in summary and "eval/overoptimisation_flag" in summary
 
     monkeypatch.delenv("RLHF_INJECT_FAILURE")
     again = rlhf_pipeline(_config(folder, *ensemble, "reward.save_every=2"), return_state=True)
@@ -254,7 +254,7 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
         "ppo.lr=1e-2",
         "ppo.total_episodes=192",
         "ppo.eval_every=2",
-        "ppo.eval_prompts=16",
+        "ppo.eval_n_prompts=16",
         f"ppo.on_overoptimisation={mode}",
     ]
     state = rlhf_pipeline(_config(folder, *planted), return_state=True)
@@ -284,7 +284,7 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
         assert kept == alarm - 2 and max(updates) == alarm, "stopped at the alarm, the evaluation before it kept"
     else:
         assert 0 <= kept < alarm and max(updates) == 12, "trained on, an evaluation before the alarm kept"
-        scores = {m.step: m.value for m in client.get_metric_history(ppo_run.info.run_id, "ppo_eval/score")}
+        scores = {m.step: m.value for m in client.get_metric_history(ppo_run.info.run_id, "periodic_eval/score")}
         assert scores[kept] == max(v for s, v in scores.items() if s < alarm)
 
 
@@ -314,7 +314,7 @@ def test_dapo_gspo_and_sequence_rloo_run_the_dag_resume_and_are_cached(objective
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "policy/loss")) == [1, 2, 3, 4]
     label = {"dapo": "DAPO", "sequence": "GSPO", "sequence_sum": "RLOO (sequence)"}
     expected = label.get(objective[-1].rsplit("=", 1)[1])
-    assert summary["rlhf.policy_algorithm"] == expected
+    assert summary["rlhf.objective_label"] == expected
     if "dapo" in objective[0]:
         assert "dynamic_sampling/extra_rounds" in run.data.metrics
     else:

@@ -30,7 +30,7 @@ def _state(tag_value: str) -> dict:
 def test_the_saved_view_has_the_columns_and_the_ppo_charts_first():
     state = _state(default_view_json())
     assert "metrics.`eval/win_rate_gold`" in state["selectedColumns"]
-    assert {"metrics.`eval/kl`", "metrics.`reward/eval_accuracy`", "params.`ppo.kl_coef`"} <= set(
+    assert {"metrics.`eval/kl`", "metrics.`reward/best_eval_accuracy`", "params.`ppo.kl_coef`"} <= set(
         state["selectedColumns"]
     )
     sections = [s["name"] for s in state["compareRunSections"]]
@@ -54,18 +54,18 @@ def test_the_tracker_writes_the_view_on_new_and_existing_experiments(tmp_path):
 
 
 def test_the_ppo_curves_are_copied_onto_the_pipeline_run(tmp_path):
-    """The experiment page charts its rows, the pipeline runs: they get the PPO run's objective/ and ppo_eval/
+    """The experiment page charts its rows, the pipeline runs: they get the PPO run's objective/ and periodic_eval/
     curves (every step), not its other metrics; copying twice (a retried task) changes nothing."""
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "curves", str(tmp_path / "art"))
     parent = tracker.start_run("pipeline")
     ppo = tracker.start_run("pipeline/ppo", parent_run_id=parent)
     for step in (1, 2, 3):
-        tracker.log_metrics(ppo, {"objective/kl": 0.1 * step, "ppo_eval/score": step, "value/loss": 1.0}, step)
+        tracker.log_metrics(ppo, {"objective/kl": 0.1 * step, "periodic_eval/score": step, "value/loss": 1.0}, step)
     copy_ppo_curves(tracker, ppo, parent)
     copy_ppo_curves(tracker, ppo, parent)
     copy_ppo_curves(tracker, None, parent)  # a sweep's or a failed run's summary has no PPO run
     assert tracker.metric_history(parent, "objective/kl") == [(1, 0.1), (2, 0.2), (3, 0.30000000000000004)]
-    assert [s for s, _ in tracker.metric_history(parent, "ppo_eval/score")] == [1, 2, 3]
+    assert [s for s, _ in tracker.metric_history(parent, "periodic_eval/score")] == [1, 2, 3]
     assert "value/loss" not in tracker.get_run(parent).data.metrics
 
 

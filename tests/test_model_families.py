@@ -112,7 +112,7 @@ def stacks(tmp_path_factory, data, family_checkpoint):
                 steps=3,
                 batch_size=4,
                 lr=3e-3,
-                warmup_steps=0,
+                warmup_ratio=0,
                 max_length=48,
                 gradient_checkpointing=True,
             )
@@ -405,7 +405,7 @@ def test_stages_train_a_bf16_checkpoint_in_float32(data, tmp_path, stage):
     """One step at lr 1e-5 moves (nearly) every trunk weight: float32 master weights, not bf16 ones."""
     base = str(build_family("qwen2", tmp_path / "qwen2-bf16", dtype=torch.bfloat16))
     if stage == "sft":
-        cfg = SFTConfig(model=base, finetune=True, steps=1, batch_size=8, lr=1e-5, warmup_steps=0, max_length=48)
+        cfg = SFTConfig(model=base, finetune=True, steps=1, batch_size=8, lr=1e-5, warmup_ratio=0, max_length=48)
         trained = AutoModelForCausalLM.from_pretrained(
             finetune_sft(cfg, RUNTIME, data.demos, tmp_path / "sft", 0, _nolog).path
         )

@@ -54,7 +54,7 @@ def test_sft_stops_on_a_nan_loss_in_one_sentence_keeping_the_last_state(tiny_che
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "nonfinite", str(tmp_path / "artifacts"))
     run_id = tracker.start_run("sft")
     cfg = SFTConfig(model=tiny_checkpoints["policy"], finetune=True, steps=6, batch_size=4, lr=HUGE_LR, save_every=1)
-    cfg = cfg.model_copy(update={"warmup_steps": 0, "max_length": 64})
+    cfg = cfg.model_copy(update={"warmup_ratio": 0, "max_length": 64})
     with pytest.raises(NonFiniteError) as err:
         finetune_sft(cfg, _runtime("stop"), data["demos"], tmp_path / "sft", 0, tracker.metric_logger(run_id))
     message = str(err.value)

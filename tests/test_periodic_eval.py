@@ -15,10 +15,16 @@ from rlhf.ppo.periodic_eval import is_eval_step, sqrt_kl
 from rlhf.ppo.trainer import train_ppo
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
-EVAL_KEYS = {"ppo_eval/score", "ppo_eval/gold", "ppo_eval/kl", "ppo_eval/sqrt_kl", "ppo_eval/length_mean"}
+EVAL_KEYS = {
+    "periodic_eval/score",
+    "periodic_eval/gold",
+    "periodic_eval/kl",
+    "periodic_eval/sqrt_kl",
+    "periodic_eval/length_mean",
+}
 # the over-optimisation alarm's signs of one reward model, and the alarm (rlhf.eval.overoptimisation)
-EVAL_KEYS |= {"ppo_eval/distinct_2", "ppo_eval/identical_share", "ppo_eval/repetition"}
-EVAL_KEYS |= {"ppo_eval/overoptimisation_alarm"}
+EVAL_KEYS |= {"periodic_eval/distinct_2", "periodic_eval/identical_share", "periodic_eval/repetition"}
+EVAL_KEYS |= {"periodic_eval/overoptimisation_alarm"}
 PROMPTS = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
 HELD_OUT = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:12]
 
@@ -33,10 +39,10 @@ class Recorder:
         self.calls.append((step, dict(metrics)))
 
     def eval_steps(self) -> list[int]:
-        return [step for step, metrics in self.calls if "ppo_eval/kl" in metrics]
+        return [step for step, metrics in self.calls if "periodic_eval/kl" in metrics]
 
     def eval_at(self, step: int) -> dict[str, float]:
-        (metrics,) = [m for s, m in self.calls if s == step and "ppo_eval/kl" in m]
+        (metrics,) = [m for s, m in self.calls if s == step and "periodic_eval/kl" in m]
         return metrics
 
 
@@ -91,10 +97,10 @@ def test_periodic_eval_logs_its_metrics_at_the_eval_steps(tiny_checkpoints, tmp_
         metrics = log.eval_at(step)
         assert set(metrics) == EVAL_KEYS
         assert all(math.isfinite(v) for v in metrics.values()), metrics
-        assert metrics["ppo_eval/sqrt_kl"] == pytest.approx(math.sqrt(max(metrics["ppo_eval/kl"], 0.0)))
-        assert -1.5 <= metrics["ppo_eval/gold"] <= 1.0
-    assert log.eval_at(0)["ppo_eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
-    assert log.eval_at(5)["ppo_eval/kl"] > 0.01  # lr 3e-3 moves the policy
+        assert metrics["periodic_eval/sqrt_kl"] == pytest.approx(math.sqrt(max(metrics["periodic_eval/kl"], 0.0)))
+        assert -1.5 <= metrics["periodic_eval/gold"] <= 1.0
+    assert log.eval_at(0)["periodic_eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
+    assert log.eval_at(5)["periodic_eval/kl"] > 0.01  # lr 3e-3 moves the policy
     # an evaluation is not a training step: the updates' own statistics are logged at steps 1..5 as before
     assert [s for s, m in log.calls if "objective/kl" in m] == [1, 2, 3, 4, 5]
 
@@ -113,7 +119,7 @@ def test_no_gold_without_a_gold_reward_and_no_eval_without_prompts(tiny_checkpoi
         eval_prompts=HELD_OUT,
     )
     assert log.eval_steps() == [0, 2]
-    assert set(log.eval_at(2)) == EVAL_KEYS - {"ppo_eval/gold"}
+    assert set(log.eval_at(2)) == EVAL_KEYS - {"periodic_eval/gold"}
     quiet = Recorder()
     _train(tiny_checkpoints, _cfg(total_episodes=32), tmp_path / "no-prompts", quiet)
     assert quiet.eval_steps() == []

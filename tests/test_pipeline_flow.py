@@ -31,7 +31,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     )
     first = rlhf_pipeline(cfg, return_state=True)
     summary = first.result()
-    assert 0.0 <= summary["reward/eval_accuracy"] <= 1.0
+    assert 0.0 <= summary["reward/best_eval_accuracy"] <= 1.0
     assert "eval/win_rate_gold" in summary and "eval/kl" in summary
     # the smoke config's budget makes it a plumbing check, and the printed summary says so first
     assert (summary[PPO_EPISODES], summary[SFT_STEPS]) == (cfg.ppo.total_episodes, cfg.sft.steps)
@@ -115,7 +115,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     # lengths, empty answers, win rates at equal length and the hacking flags: on the evaluation and pipeline runs
     evaluation = children["evaluate_policies"].data
     for key in (
-        "eval/ppo_length_mean",
+        "eval/policy_length_mean",
         "eval/sft_empty_rate",
         "eval/win_rate_rm_len_controlled",
         "eval/win_rate_gold_len_controlled",
@@ -288,7 +288,7 @@ def test_dpo_and_a_rule_rewarded_grpo_run_the_dag_and_share_its_cached_stages(ha
     ran = {key.split(".")[1] for key in summary if key.startswith("stage.") and key.endswith(".run_id")}
     assert ran == {"prepare_preferences", "supervised_finetune", "train_reward_model", "train_policy_dpo",
                    "evaluate_policies"}  # fmt: skip
-    assert summary["rlhf.policy_algorithm"] == "DPO" and "DPO beats SFT" in format_summary(summary)
+    assert summary["rlhf.objective_label"] == "DPO" and "DPO beats SFT" in format_summary(summary)
     assert (Path(summary["policy_checkpoint"]) / "config.json").is_file() and "eval/kl" in summary
     again = rlhf_pipeline(dpo)
     assert all(again[f"stage.{stage}.cached"] == "true" for stage in ran)
@@ -298,7 +298,7 @@ def test_dpo_and_a_rule_rewarded_grpo_run_the_dag_and_share_its_cached_stages(ha
         REPO / "conf" / "smoke.yaml", [*base, *rule, "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"]
     )
     summary = rlhf_pipeline(grpo)
-    assert "stage.train_reward_model.run_id" not in summary and "reward/eval_accuracy" not in summary
+    assert "stage.train_reward_model.run_id" not in summary and "reward/best_eval_accuracy" not in summary
     assert summary["stage.supervised_finetune.cached"] == "true"  # shared with the DPO run
     assert summary["value_checkpoint"].startswith("none")
     assert summary["eval/win_rate_rm"] == summary["eval/win_rate_gold"]  # the function is the gold reward

@@ -274,15 +274,15 @@ def test_reward_model_resume_matches(stack, tmp_path):
         cfg, RUNTIME, stack["sft"], data.train, data.eval, tmp_path / "b", 0, lambda m, s: resumed.__setitem__(s, m)
     )
     assert sorted(resumed) == sorted(full)
-    assert b.metrics["reward/eval_accuracy"] == pytest.approx(stack["rm_metrics"]["reward/eval_accuracy"])
+    assert b.metrics["reward/best_eval_accuracy"] == pytest.approx(stack["rm_metrics"]["reward/best_eval_accuracy"])
     for step in full:
         for key, value in full[step].items():
-            if key != "reward/seconds" and not key.startswith(NOT_DETERMINISTIC):
+            if key != "time/reward" and not key.startswith(NOT_DETERMINISTIC):
                 assert resumed[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
 
 
 def test_reward_model_learns_the_task(stack):
-    assert stack["rm_metrics"]["reward/eval_accuracy"] > 0.75
+    assert stack["rm_metrics"]["reward/best_eval_accuracy"] > 0.75
 
 
 def test_every_spec_statistic_is_logged(stack, tmp_path):
@@ -367,6 +367,7 @@ def test_every_spec_statistic_is_logged(stack, tmp_path):
             "missing_eos_penalty": -2.0,
             "min_response_length": 4,
             "min_length_penalty": 1.0,
+            "min_length_mode": "replace",
             "score_clip": 1.5,
             "lr_schedule": "constant",
             "stop_tokens": ["."],
@@ -465,14 +466,14 @@ def test_train_policy_is_one_entry_point_for_one_process_and_several(tmp_path, m
 
     monkeypatch.setattr(launch, "train_ppo", fake("one"))
     monkeypatch.setattr(launch, "run_data_parallel", fake("several"))
-    cfg = _cfg(eval_every=1, eval_prompts=2)
+    cfg = _cfg(eval_every=1, eval_n_prompts=2)
     log, on_eval = (lambda m, s: None), (lambda s, m: None)
     args = (cfg, RUNTIME, 0, "sft", "rm", data, tmp_path / "out")
     assert launch.train_policy(*args, log=log, on_eval=on_eval).policy_path == "policy"
     (_, _, policy, reward, prompts, out, seed, got_log), kw = calls.pop("one")
     assert (policy, reward, prompts, out, seed, got_log) == ("sft", "rm", ["p1", "p2"], tmp_path / "out", 0, log)
     assert kw["value_path"] == "rm" and kw["gold_fn"] is synthetic.gold_score and kw["on_eval"] is on_eval
-    assert kw["eval_prompts"] == ["e1", "e2"]  # the first ppo.eval_prompts distinct held-out prompts
+    assert kw["eval_prompts"] == ["e1", "e2"]  # the first ppo.eval_n_prompts distinct held-out prompts
     launch.train_policy(*args, value_path="value", processes=2, tracking_uri="sqlite:///m.db", run_id="r", echo=print)
     (processes, *_, value, prompts_file, out), kw = calls.pop("several")
     assert (processes, value, prompts_file, out) == (2, "value", data / "prompts.parquet", tmp_path / "out")

@@ -28,7 +28,7 @@ STAGES = (
 )
 # one xdist worker runs the whole module: the two runs at once are every test's reference (a module fixture)
 pytestmark = pytest.mark.xdist_group("process_faults")
-RESULT_METRICS = ("eval/win_rate_gold", "eval/win_rate_rm", "eval/kl", "eval/ppo_gold", "reward/eval_accuracy")
+RESULT_METRICS = ("eval/win_rate_gold", "eval/win_rate_rm", "eval/kl", "eval/policy_gold", "reward/best_eval_accuracy")
 
 
 def start(

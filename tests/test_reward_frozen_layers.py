@@ -108,4 +108,4 @@ def test_the_reported_accuracy_is_the_saved_models_on_the_held_out_pairs(smollm_
     fresh = reward_module.evaluate_pairs(
         saved, load_tokenizer(result.path), pd.read_parquet(evals), cfg, torch.device("cpu")
     )["reward/eval/accuracy"]
-    assert len(history) > 1 and result.metrics["reward/eval_accuracy"] == max(history) == fresh
+    assert len(history) > 1 and result.metrics["reward/best_eval_accuracy"] == max(history) == fresh

@@ -27,7 +27,7 @@ def demos(tmp_path):
 
 def _cfg(model: str, **overrides) -> SFTConfig:
     # max_length 200 is more than the tiny model's 64 positions: fine-tuning caps it instead of failing
-    base = dict(model=model, finetune=True, steps=8, batch_size=8, lr=3e-3, warmup_steps=0, save_every=2)
+    base = dict(model=model, finetune=True, steps=8, batch_size=8, lr=3e-3, warmup_ratio=0, save_every=2)
     return SFTConfig(**{**base, "max_length": 200, **overrides})
 
 

@@ -44,10 +44,10 @@ def test_rate_interval95_by_hand_stays_inside_zero_and_one():
 def test_study_table_one_row_per_arm_in_order_with_failures_counted():
     rows = [
         {"arm": "PPO", "status": "completed", "eval/win_rate_gold": 0.9, "eval/kl": 4.0, "memory/ppo_peak_mb": 900.0,
-         "eval/hacking_flag_length": 0.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 100.0,
+         "eval/hacking_flag_length": 0.0, "eval/hacking_flag_empty": 0.0, "time/policy_train": 100.0,
          "overoptimisation/alarm_step": 40.0, "eval/overoptimisation_flag": 0.0},
         {"arm": "PPO", "status": "completed", "eval/win_rate_gold": 0.8, "eval/kl": 6.0, "memory/ppo_peak_mb": 950.0,
-         "eval/hacking_flag_length": 1.0, "eval/hacking_flag_empty": 0.0, "time/policy_train_s": 120.0,
+         "eval/hacking_flag_length": 1.0, "eval/hacking_flag_empty": 0.0, "time/policy_train": 120.0,
          "overoptimisation/alarm_step": -1.0, "eval/overoptimisation_flag": 0.0},
         {"arm": "DPO", "status": "completed", "eval/win_rate_gold": 0.7, "eval/kl": 1.0, "memory/dpo_peak_mb": 500.0},
         {"arm": "DPO", "status": "failed"},
@@ -75,10 +75,10 @@ def test_study_table_one_row_per_arm_in_order_with_failures_counted():
 def test_frontier_points_periodic_and_final_per_arm():
     import pandas as pd
 
-    history = pd.DataFrame({"step": [0, 2], "ppo_eval/gold": [0.0, 0.5], "ppo_eval/kl": [0.0, 4.0]})
+    history = pd.DataFrame({"step": [0, 2], "periodic_eval/gold": [0.0, 0.5], "periodic_eval/kl": [0.0, 4.0]})
     rows = [
-        {"arm": "PPO", "label": "PPO,seed=0", "status": "completed", "eval/ppo_gold": 0.6, "eval/kl": 9.0},
-        {"arm": "DPO", "label": "DPO,seed=0", "status": "completed", "eval/ppo_gold": 0.4, "eval/kl": float("nan")},
+        {"arm": "PPO", "label": "PPO,seed=0", "status": "completed", "eval/policy_gold": 0.6, "eval/kl": 9.0},
+        {"arm": "DPO", "label": "DPO,seed=0", "status": "completed", "eval/policy_gold": 0.4, "eval/kl": float("nan")},
     ]
     arm_of = {"PPO,seed=0": "PPO", "DPO,seed=0": "DPO"}
     points = frontier_points(rows, {"PPO,seed=0": history}, arm_of)

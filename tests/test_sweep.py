@@ -125,17 +125,17 @@ def test_optuna_search_asks_enqueued_points_first_and_tells_outcomes(tmp_path):
         "optuna": {"enqueue": [{"ppo.kl_coef": 0.05, "ppo.num_ppo_epochs": 2}]},
     }
     storage = f"sqlite:///{tmp_path}/optuna.db"
-    search = OptunaSearch(base, space(**raw), storage, "eval/ppo_gold", "ppo_eval/gold")
+    search = OptunaSearch(base, space(**raw), storage, "eval/policy_gold", "periodic_eval/gold")
     first = search.next()
     assert first.variant.overrides == {"ppo.kl_coef": 0.05, "ppo.num_ppo_epochs": 2}
     assert first.config.ppo.kl_coef == 0.05 and first.config.run_name == "t-00"
-    assert first.trial.metric == "ppo_eval/gold" and first.trial.storage == storage
+    assert first.trial.metric == "periodic_eval/gold" and first.trial.storage == storage
     search.tell(first, "completed", 0.5, "run-a")
     second = search.next()
     assert 0.01 <= second.variant.overrides["ppo.kl_coef"] <= 0.3
     search.tell(second, "pruned", None, "run-b")
     # a second start of the same sweep: the two finished trials are kept, one is left to run
-    again = OptunaSearch(base, space(**raw), storage, "eval/ppo_gold", "ppo_eval/gold")
+    again = OptunaSearch(base, space(**raw), storage, "eval/policy_gold", "periodic_eval/gold")
     assert again.total == 1 and again.killed == []
     kept = again.kept()
     assert [(r["variant"], r["status"], r["mlflow_run_id"]) for r in kept] == [
@@ -155,14 +155,14 @@ def test_device_slots_one_per_gpu_or_virtual_cpu_slots():
 
 def test_ranking_prefers_gold_reward_and_puts_failures_last():
     rows = [
-        {"variant": "a", "ppo.kl_coef": 0.1, "eval/ppo_gold": 0.2, "eval/ppo_score": 3.0, "status": "completed"},
+        {"variant": "a", "ppo.kl_coef": 0.1, "eval/policy_gold": 0.2, "eval/policy_score": 3.0, "status": "completed"},
         {"variant": "b", "ppo.kl_coef": 0.2, "status": "failed"},
-        {"variant": "c", "ppo.kl_coef": 0.3, "eval/ppo_gold": 0.5, "eval/ppo_score": 1.0, "status": "completed"},
+        {"variant": "c", "ppo.kl_coef": 0.3, "eval/policy_gold": 0.5, "eval/policy_score": 1.0, "status": "completed"},
     ]
     table = ranking(rows, ["ppo.kl_coef"])
     assert list(table["variant"]) == ["c", "a", "b"]
     assert list(table["rank"]) == [1, 2, 3]
-    no_gold = [{**r, "eval/ppo_gold": None} for r in rows]
+    no_gold = [{**r, "eval/policy_gold": None} for r in rows]
     assert list(ranking(no_gold, ["ppo.kl_coef"])["variant"]) == ["a", "c", "b"]
 
 
@@ -313,7 +313,7 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
             "name": "study",
             "arms": [
                 {"name": "GRPO", "overrides": {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4,
-                                               "ppo.eval_every": 1, "ppo.eval_prompts": 8}},
+                                               "ppo.eval_every": 1, "ppo.eval_n_prompts": 8}},
                 {"name": "DPO", "overrides": {"algorithm": "dpo", "dpo.lr": 1e-3, "dpo.batch_size": 32}},
             ],
             "parameters": {"policy_seed": [3]},

@@ -70,7 +70,7 @@ def test_variants_as_flow_runs_of_a_deployment_are_picked_up_by_two_process_work
             finally:
                 drain_prefect_services()
         assert [row["status"] for row in table] == ["completed", "completed"], table
-        assert all(row["eval/ppo_gold"] is not None for row in table)
+        assert all(row["eval/policy_gold"] is not None for row in table)
         assert sorted(v.name for v in variants) == ["pool-00", "pool-01"]
         assert {v.work_pool_name for v in variants} == {"rlhf-local"}
         for states in stage_states.values():  # the shared stages came from the sweep's cache
@@ -113,7 +113,7 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [sys.executable, "-m", "flows.sweep", "--config", "conf/smoke.yaml", "--space", str(tmp_path / "space.yaml")]
     args += [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art"]
-    args += [f"runtime.output_dir={tmp_path}/out", "sft.steps=120", "ppo.eval_every=1", "ppo.eval_prompts=16"]
+    args += [f"runtime.output_dir={tmp_path}/out", "sft.steps=120", "ppo.eval_every=1", "ppo.eval_n_prompts=16"]
     env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
     env["PREFECT_API_URL"] = shared_prefect_api  # Prefect in passing: no temporary server for each attempt
 

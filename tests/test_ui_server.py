@@ -268,7 +268,7 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     assert "KL " in progress["ppo"]["description"]
     by_key = {a["key"]: a for a in artifacts if a["key"]}
     table = json.loads(by_key["rlhf-evaluation"]["data"])
-    assert {"eval/kl", "reward/eval_accuracy"} <= {row["metric"] for row in table}
+    assert {"eval/kl", "reward/best_eval_accuracy"} <= {row["metric"] for row in table}
 
     experiment = form_client.get_experiment_by_name(config.tracking.experiment)
     link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{form_parent.info.run_id}"

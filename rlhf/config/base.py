@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from rlhf.errors import ConfigError
 
@@ -20,6 +21,51 @@ class Section(BaseModel):
     before anything trains, instead of a loss that is NaN from the first step)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    # old key -> new key: a key renamed in this release, still read under its old name with a one-line warning
+    # (docs/config.md's "Renamed keys"); the section's name prefixes them in the warning
+    renamed_keys: ClassVar[dict[str, str]] = {}
+    section_name: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_renamed_keys(cls, data: Any) -> Any:
+        if not cls.renamed_keys or not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for old, new in cls.renamed_keys.items():
+            if old not in data:
+                continue
+            where = f"{cls.section_name}." if cls.section_name else ""
+            if new in data:
+                raise ValueError(f"{where}{old} was renamed {where}{new}: give only {where}{new}")
+            data[new] = cls.renamed_value(old, data.pop(old), data)
+            warn_renamed(f"{where}{old}", f"{where}{new}")
+        return data
+
+    @classmethod
+    def renamed_value(cls, old: str, value: Any, data: dict[str, Any]) -> Any:
+        """The new key's value for the old key's `value` (the same, unless the meaning changed with the name)."""
+        return value
+
+
+_warned: set[str] = set()
+LOG = logging.getLogger("rlhf.config")
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """One line, once per process: the config used a key's old name."""
+    if old not in _warned:
+        _warned.add(old)
+        LOG.warning(f"warning: {old} is renamed {new}; the old name is read until the next release")
+
+
+def renamed_keys_table(sections: dict[str, type[Section]]) -> str:
+    """The renamed keys of the given sections (name -> model) as a markdown table."""
+    rows = ["| before | now |", "| --- | --- |"]
+    for name, model in sections.items():
+        rows += [f"| `{name}.{old}` | `{name}.{new}` |" for old, new in model.renamed_keys.items()]
+    return "\n".join(rows)
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from rlhf.config.base import Section, renamed_keys_table
 from rlhf.config.pipeline import PipelineConfig, flatten, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +47,15 @@ def reference_markdown(default_yaml: str | Path | None = DEFAULT_YAML) -> str:
             rows.append(f"| `{key}` | `{type_name}` | `{default_text}` | {run_value} | {text} |")
 
     walk(PipelineConfig, "")
+    renamed = {
+        name: field.annotation
+        for name, field in PipelineConfig.model_fields.items()
+        if isinstance(field.annotation, type)
+        and issubclass(field.annotation, Section)
+        and field.annotation.renamed_keys
+    }
+    rows += ["", "Keys renamed in this release, still read under the old name with a one-line warning:", ""]
+    rows.append(renamed_keys_table(renamed))
     return "\n".join(rows)
 
 

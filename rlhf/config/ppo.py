@@ -59,6 +59,9 @@ class PPOGenerationConfig(Section):
 
 
 class PPOConfig(Section):
+    section_name = "ppo"
+    renamed_keys = {"eval_prompts": "eval_n_prompts", "kl_target": "adaptive_kl_target"}
+
     total_episodes: int = Field(8192, ge=1, description="Prompt/response pairs sampled over the whole run.")
     batch_size: int = Field(64, ge=1, description="Rollout batch: episodes per PPO update.")
     num_mini_batches: int = Field(4, ge=1, description="Minibatches per PPO epoch; must divide batch_size.")
@@ -167,16 +170,24 @@ class PPOConfig(Section):
     )
     min_response_length: int | None = Field(None, ge=1, description="Responses shorter than this are penalised.")
     min_length_penalty: float | None = Field(
-        None, description="Penalty for short responses, in the mode of ppo.missing_eos_mode ('subtract' or 'replace')."
+        None, description="Penalty for responses shorter than min_response_length, applied as min_length_mode says."
+    )
+    min_length_mode: Literal["subtract", "replace"] = Field(
+        "subtract", description="'subtract': score - min_length_penalty; 'replace': score = min_length_penalty."
     )
     score_clip: float | None = Field(None, gt=0, description="Clip reward-model scores to [-c, c]; None disables.")
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="Constant or adaptive KL coefficient.")
-    kl_target: float = Field(6.0, gt=0, description="Adaptive controller: target sequence KL (Ziegler et al.).")
+    adaptive_kl_target: float = Field(
+        6.0, gt=0, description="kl_controller 'adaptive': the sequence KL it steers toward (Ziegler et al.)."
+    )
     kl_horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in episodes.")
     whiten_advantages: bool = Field(True, description="Whiten advantages (masked mean 0, std 1) before the loss.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 disables).")
     target_kl: float | None = Field(
-        None, gt=0, description="Stop the PPO epochs of an update early once approximate KL passes this."
+        None,
+        gt=0,
+        description="Stop the PPO epochs of an update early once approximate KL passes this (an early stop, not "
+        "the adaptive controller's adaptive_kl_target).",
     )
     lr_schedule: Literal["constant", "linear"] = Field("linear", description="Learning-rate schedule of both models.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per minibatch optimizer step.")
@@ -198,11 +209,11 @@ class PPOConfig(Section):
         0,
         ge=0,
         description="Periodic evaluation every N updates (also before the first and after the last): generate on "
-        "`eval_prompts` held-out prompts with the training sampling settings and a fixed seed, log ppo_eval/score "
-        "(reward model), ppo_eval/gold (where the data has a gold reward), ppo_eval/kl and ppo_eval/sqrt_kl (to the "
-        "reference) and ppo_eval/length_mean. 0: off.",
+        "`eval_n_prompts` held-out prompts with the training sampling settings and a fixed seed, log "
+        "periodic_eval/score (reward model), periodic_eval/gold (where the data has a gold reward), periodic_eval/kl "
+        "and periodic_eval/sqrt_kl (to the reference) and periodic_eval/length_mean. 0: off.",
     )
-    eval_prompts: int = Field(64, ge=1, description="Held-out prompts of the periodic evaluation (eval_every).")
+    eval_n_prompts: int = Field(64, ge=1, description="Held-out prompts of the periodic evaluation (eval_every).")
     on_overoptimisation: Literal["warn", "stop", "keep_best"] = Field(
         "warn",
         description="What the over-optimisation alarm (checked at every periodic evaluation; docs/overoptimisation.md) "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -24,6 +24,17 @@ class BootstrapModelConfig(Section):
 
 
 class SFTConfig(Section):
+    section_name = "sft"
+    renamed_keys = {"warmup_steps": "warmup_ratio"}
+
+    @classmethod
+    def renamed_value(cls, old: str, value: Any, data: dict[str, Any]) -> Any:
+        """sft.warmup_steps (a count) becomes sft.warmup_ratio, the fraction of sft.steps it was."""
+        steps = data.get("steps", cls.model_fields["steps"].default)
+        if isinstance(value, int | float) and isinstance(steps, int) and steps > 0:
+            return min(value / steps, 1.0)
+        return value
+
     model: str | None = Field(
         None,
         description="Existing model (local path or hub id): used as the SFT policy as it is, or fine-tuned first "
@@ -46,7 +57,9 @@ class SFTConfig(Section):
     steps: int = Field(600, ge=1, description="SFT optimizer steps (bootstrapping or fine-tuning).")
     batch_size: int = Field(64, ge=1, description="SFT batch size.")
     lr: float = Field(3e-3, gt=0, description="SFT peak learning rate (AdamW, cosine decay).")
-    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
+    warmup_ratio: float = Field(
+        0.05, ge=0, le=1, description="Fraction of the steps of linear warm-up (then cosine decay to 10% of lr)."
+    )
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     max_length: int = Field(
         512, ge=8, description="Fine-tuning: maximum tokens of prompt + response (capped by the model's positions)."

@@ -142,7 +142,7 @@ def evaluate_policies(
     dtype = compute_dtype(runtime.dtype, device)
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
-    for name, path in (("sft", sft_path), ("ppo", policy_path)):
+    for name, path in (("sft", sft_path), ("policy", policy_path)):
         policy = reference if name == "sft" else load_causal_lm(path, device, **frozen).eval()
         models = ScoringModels(
             policy,
@@ -158,8 +158,8 @@ def evaluate_policies(
         frames[name] = generate_and_score_prompts(
             models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress
         )
-    table, summary, warnings = summarize(prompts, frames["sft"], frames["ppo"], gold_fn, cfg.length_tolerance)
-    signs, alarm = overoptimisation_signs(frames["sft"], frames["ppo"], in_distribution_std(reward))
+    table, summary, warnings = summarize(prompts, frames["sft"], frames["policy"], gold_fn, cfg.length_tolerance)
+    signs, alarm = overoptimisation_signs(frames["sft"], frames["policy"], in_distribution_std(reward))
     summary |= signs
     warnings += alarm
     log(summary, 0)
@@ -170,17 +170,17 @@ def evaluate_policies(
 
 
 def overoptimisation_signs(
-    sft: pd.DataFrame, ppo: pd.DataFrame, in_distribution_std: float
+    sft: pd.DataFrame, policy: pd.DataFrame, in_distribution_std: float
 ) -> tuple[dict[str, float], list[str]]:
     """The signs of a gamed reward model that need no gold reward (`rlhf.eval.overoptimisation`): each policy's
     diversity and, with an ensemble, its members' view, as eval/<policy>_<stat>; and the alarm's rule applied to the
     trained policy against the SFT policy (eval/overoptimisation_flag, and its warning)."""
     alarm = OveroptimisationAlarm(in_distribution_std)
     summary: dict[str, float] = {}
-    for name, frame in (("sft", sft), ("ppo", ppo)):
+    for name, frame in (("sft", sft), ("policy", policy)):
         stats = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std)}
         summary |= {f"eval/{name}_{key}": value for key, value in stats.items()}
-        fired = alarm.check(int(name == "ppo"), stats)
+        fired = alarm.check(int(name == "policy"), stats)
     summary["eval/overoptimisation_flag"] = float(fired is not None)
     if fired is None:
         return summary, []
@@ -191,63 +191,66 @@ def overoptimisation_signs(
 
 
 def summarize(
-    prompts: list[str], sft: pd.DataFrame, ppo: pd.DataFrame, gold_fn: GoldFn | None, length_tolerance: float
+    prompts: list[str], sft: pd.DataFrame, policy: pd.DataFrame, gold_fn: GoldFn | None, length_tolerance: float
 ) -> tuple[pd.DataFrame, dict[str, float], list[str]]:
     """The completions table, the summary metrics and the reward-hacking warnings of two policies' generations.
 
-    `sft` and `ppo` have one row per prompt: response, score, kl, length (tokens before the stop token), stopped.
+    `sft` and `policy` (the trained policy: PPO, a critic-free estimator or DPO) have one row per prompt: response,
+    score, kl, length (tokens before the stop token), stopped.
     """
-    empty = {name: length_control.is_empty(f["length"], f["response"]) for name, f in (("sft", sft), ("ppo", ppo))}
+    empty = {
+        name: length_control.is_empty(f["length"], f["response"]) for name, f in (("sft", sft), ("policy", policy))
+    }
     table = pd.DataFrame(
         {
             "prompt": prompts,
             "sft_response": sft["response"],
-            "ppo_response": ppo["response"],
+            "policy_response": policy["response"],
             "sft_score": sft["score"],
-            "ppo_score": ppo["score"],
-            "ppo_kl": ppo["kl"],
+            "policy_score": policy["score"],
+            "policy_kl": policy["kl"],
             "sft_length": sft["length"],
-            "ppo_length": ppo["length"],
+            "policy_length": policy["length"],
             "sft_empty": empty["sft"],
-            "ppo_empty": empty["ppo"],
+            "policy_empty": empty["policy"],
         }
     )
     summary = {
         "eval/n_prompts": float(len(prompts)),
-        "eval/ppo_score": float(ppo["score"].mean()),
+        "eval/policy_score": float(policy["score"].mean()),
         "eval/sft_score": float(sft["score"].mean()),
-        "eval/win_rate_rm": float(np.mean(ppo["score"] > sft["score"])),
-        "eval/kl": float(ppo["kl"].mean()),
+        "eval/win_rate_rm": float(np.mean(policy["score"] > sft["score"])),
+        "eval/kl": float(policy["kl"].mean()),
     }
-    for name, frame in (("ppo", ppo), ("sft", sft)):
+    for name, frame in (("policy", policy), ("sft", sft)):
         stats = length_control.length_stats(frame["length"], empty[name])
         summary |= {f"eval/{name}_{k}": v for k, v in stats.items()}
         summary[f"eval/{name}_stop_rate"] = float(frame["stopped"].mean())
     controls = {}
 
-    def add_length_control(key: str, name: str, ppo_scores, sft_scores) -> None:
-        c = length_control.length_control(ppo_scores, sft_scores, ppo["length"], sft["length"], length_tolerance)
+    def add_length_control(key: str, name: str, policy_scores, sft_scores) -> None:
+        c = length_control.length_control(policy_scores, sft_scores, policy["length"], sft["length"], length_tolerance)
         controls[name] = c
         summary[f"eval/win_rate_{key}_len_controlled"] = c.controlled_win_rate
         if c.n_matched:  # undefined without a length-matched pair: left out rather than NaN
             summary[f"eval/win_rate_{key}_len_matched"] = c.matched_win_rate
         summary["eval/n_len_matched"] = float(c.n_matched)
 
-    add_length_control("rm", "reward-model score", ppo["score"], sft["score"])
+    add_length_control("rm", "reward-model score", policy["score"], sft["score"])
     if gold_fn is not None:
         table["sft_gold"] = [gold_fn(p, r) for p, r in zip(prompts, sft["response"], strict=True)]
-        table["ppo_gold"] = [gold_fn(p, r) for p, r in zip(prompts, ppo["response"], strict=True)]
+        table["policy_gold"] = [gold_fn(p, r) for p, r in zip(prompts, policy["response"], strict=True)]
         summary.update(
             {
-                "eval/ppo_gold": float(table["ppo_gold"].mean()),
+                "eval/policy_gold": float(table["policy_gold"].mean()),
                 "eval/sft_gold": float(table["sft_gold"].mean()),
-                "eval/win_rate_gold": float(np.mean(table["ppo_gold"] > table["sft_gold"])),
-                "eval/tie_rate_gold": float(np.mean(table["ppo_gold"] == table["sft_gold"])),
+                "eval/win_rate_gold": float(np.mean(table["policy_gold"] > table["sft_gold"])),
+                "eval/tie_rate_gold": float(np.mean(table["policy_gold"] == table["sft_gold"])),
             }
         )
-        add_length_control("gold", "gold reward", table["ppo_gold"], table["sft_gold"])
+        add_length_control("gold", "gold reward", table["policy_gold"], table["sft_gold"])
     verdict = length_control.hacking_verdict(
-        controls, ppo["length"], sft["length"], empty["ppo"], empty["sft"], ppo["score"]
+        controls, policy["length"], sft["length"], empty["policy"], empty["sft"], policy["score"]
     )
     summary["eval/hacking_flag_length"] = float(verdict.length)
     summary["eval/hacking_flag_empty"] = float(verdict.empty)

@@ -149,13 +149,13 @@ GOLD_FALL = 0.2  # a run over-optimises when its gold ends this far or further b
 
 def replay(history: pd.DataFrame) -> dict[str, float]:
     """The alarm's rule replayed over one run's periodic evaluations, against its gold reward: `history` has a
-    `step` column and the ppo_eval/* metrics (`rlhf.ppo.periodic_eval`, with ppo_eval/gold). Returns the gold peak
-    and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
+    `step` column and the periodic_eval/* metrics (`rlhf.ppo.periodic_eval`, with periodic_eval/gold). Returns the
+    gold peak and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
     never), the update the alarm fires at (-1: never), the gold there and the gold of the policy 'stop' keeps (the
     evaluation before the alarm; the final one where it never fires)."""
     history = history.sort_values("step").reset_index(drop=True)
     stats = [
-        {key.removeprefix("ppo_eval/"): value for key, value in row.items() if isinstance(key, str)}
+        {key.removeprefix("periodic_eval/"): value for key, value in row.items() if isinstance(key, str)}
         for row in history.to_dict("records")
     ]
     in_distribution_std = 0.0
@@ -164,7 +164,7 @@ def replay(history: pd.DataFrame) -> dict[str, float]:
     alarm = OveroptimisationAlarm(in_distribution_std)
     for row in stats:
         alarm.check(int(row["step"]), {k: v for k, v in row.items() if v == v})  # NaN: a metric not logged there
-    gold = history["ppo_eval/gold"]
+    gold = history["periodic_eval/gold"]
     peak = int(gold.idxmax())
     fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)
     fired = alarm.fired

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-prompts",
         default=None,
         help="Parquet file with a 'prompt' column (the held-out split): ppo.eval_every's periodic evaluation uses its "
-        "first ppo.eval_prompts distinct prompts",
+        "first ppo.eval_n_prompts distinct prompts",
     )
     parser.add_argument(
         "--result", default=None, help="rank 0 writes the outcome (status, paths, digest, final statistics) here"
@@ -206,7 +206,7 @@ def _main(args: argparse.Namespace) -> int:
             dist=ctx,
             param_digest=args.write_param_digest,
             eval_prompts=(
-                eval_prompts(args.eval_prompts, cfg.ppo.eval_prompts)
+                eval_prompts(args.eval_prompts, cfg.ppo.eval_n_prompts)
                 if args.eval_prompts and cfg.ppo.eval_every > 0
                 else None
             ),
@@ -367,7 +367,7 @@ def train_policy(
         value_path=value_path,
         gold_fn=_gold_fn(data / MANIFEST),
         stop_after=stop_after,
-        eval_prompts=eval_prompts(data / "eval.parquet", cfg.eval_prompts) if cfg.eval_every > 0 else None,
+        eval_prompts=eval_prompts(data / "eval.parquet", cfg.eval_n_prompts) if cfg.eval_every > 0 else None,
         on_eval=on_eval,
         reward_cfg=reward_cfg,
     )

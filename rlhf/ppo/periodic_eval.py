@@ -64,7 +64,7 @@ def evaluate_now(
     device: torch.device,
     gold_fn: GoldFn | None,
 ) -> dict[str, float]:
-    """The ppo_eval/* metrics of the current policy on `prompts` (no value model needed: none is run)."""
+    """The periodic_eval/* metrics of the current policy on `prompts` (no value model needed: none is run)."""
     scoring = dataclasses.replace(models.scoring(), value=None)
     generator = torch.Generator(device=device).manual_seed(seed + EVAL_SEED_OFFSET)
     frame = generate_and_score_prompts(
@@ -72,25 +72,25 @@ def evaluate_now(
     )
     kl = float(frame["kl"].mean())
     metrics = {
-        "ppo_eval/score": float(frame["score"].mean()),
-        "ppo_eval/kl": kl,
-        "ppo_eval/sqrt_kl": sqrt_kl(kl),
-        "ppo_eval/length_mean": float(frame["length"].mean()),
+        "periodic_eval/score": float(frame["score"].mean()),
+        "periodic_eval/kl": kl,
+        "periodic_eval/sqrt_kl": sqrt_kl(kl),
+        "periodic_eval/length_mean": float(frame["length"].mean()),
     }
     signs = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std(models.reward))}
     metrics |= {f"{EVAL_PREFIX}{key}": value for key, value in signs.items()}
     if gold_fn is not None:
         gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]
-        metrics["ppo_eval/gold"] = float(sum(gold) / len(gold))
+        metrics["periodic_eval/gold"] = float(sum(gold) / len(gold))
     return metrics
 
 
-EVAL_PREFIX = "ppo_eval/"
-ALARM_KEY = "ppo_eval/overoptimisation_alarm"  # 1 at the evaluation where the alarm fired, else 0
+EVAL_PREFIX = "periodic_eval/"
+ALARM_KEY = "periodic_eval/overoptimisation_alarm"  # 1 at the evaluation where the alarm fired, else 0
 
 
 def alarm_stats(metrics: dict[str, float]) -> dict[str, float]:
-    """The alarm's inputs among an evaluation's ppo_eval/* metrics, without the prefix."""
+    """The alarm's inputs among an evaluation's periodic_eval/* metrics, without the prefix."""
     return {key.removeprefix(EVAL_PREFIX): value for key, value in metrics.items() if key.startswith(EVAL_PREFIX)}
 
 

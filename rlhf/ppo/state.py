@@ -73,7 +73,7 @@ def fresh_state(models: PPOModels, cfg: PPOConfig, seed: int, device: torch.devi
         value_opt=value_opt,
         policy_sched=_scheduler(policy_opt, cfg),
         value_sched=_scheduler(value_opt, cfg) if value_opt is not None else None,
-        kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon),
+        kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.adaptive_kl_target, cfg.kl_horizon),
         sample_generator=torch.Generator(device=device).manual_seed(sample_seed(seed, rank)),
         shuffle_generator=torch.Generator().manual_seed(seed + 1),
     )

@@ -100,7 +100,7 @@ def train_ppo(
 
     With ppo.eval_every > 0 and `eval_prompts`, the policy is evaluated on them before the first update (unless
     resuming past it), every eval_every updates and after the last (``rlhf.ppo.periodic_eval``): rank 0 logs
-    ppo_eval/* at step = updates done, then calls ``on_eval(step, metrics)``, which may raise to stop training
+    periodic_eval/* at step = updates done, then calls ``on_eval(step, metrics)``, which may raise to stop training
     (e.g. `rlhf.errors.TrialPruned`). With several processes only rank 0 evaluates and calls `on_eval`: a callback
     that keeps state (a pruner) sees one process's view, so pruning is meant for single-process runs.
     """

@@ -89,7 +89,7 @@ def shaped_scores(scored: ScoredResponses, cfg: PPOConfig) -> ShapedScores:
         missing_eos_mode=cfg.missing_eos_mode,
         min_length=cfg.min_response_length,
         min_length_penalty=cfg.min_length_penalty,
-        min_length_mode=cfg.missing_eos_mode,
+        min_length_mode=cfg.min_length_mode,
         overlong_max_length=cfg.max_new_tokens,
         overlong_buffer=cfg.overlong_tokens or None,
         overlong_factor=cfg.overlong_penalty,

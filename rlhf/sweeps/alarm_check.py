@@ -3,7 +3,7 @@ reward in an MLflow experiment, its gold curve and where the alarm fires (docs/o
 
     python -m rlhf.sweeps.alarm_check --tracking-uri sqlite:///mlruns/mlflow.db --experiment rlhf-ppo [--out t.csv]
 
-Each run's alarm is replayed from its logged ppo_eval/* history with today's rule (`rlhf.eval.overoptimisation`),
+Each run's alarm is replayed from its logged periodic_eval/* history with today's rule (`rlhf.eval.overoptimisation`),
 so runs logged before a change of the rule are judged by the new one. Prints one row a run and the recall, false
 alarms and lead times.
 """
@@ -19,15 +19,15 @@ from rlhf.tracking.client import Tracker
 
 
 def alarm_table(tracker: Tracker, name_filter: str = "") -> pd.DataFrame:
-    """One row per finished PPO-stage run with ppo_eval/gold (run names containing `name_filter`)."""
+    """One row per finished PPO-stage run with periodic_eval/gold (run names containing `name_filter`)."""
     rows = []
     for run in tracker.search_runs("tags.stage = 'train_policy_ppo'"):
         if name_filter not in run.name:
             continue
         keys = ["score", "gold", "kl", "distinct_2", "identical_share", "repetition"]
         keys += ["ensemble_mean", "ensemble_min", "ensemble_std", "disagreement_ratio"]
-        history = tracker.metric_histories(run.run_id, [f"ppo_eval/{k}" for k in keys])
-        if history.empty or "ppo_eval/gold" not in history or history["ppo_eval/gold"].isna().all():
+        history = tracker.metric_histories(run.run_id, [f"periodic_eval/{k}" for k in keys])
+        if history.empty or "periodic_eval/gold" not in history or history["periodic_eval/gold"].isna().all():
             continue
         rows.append({"run": run.name, **replay(history)})
     return pd.DataFrame(rows)

@@ -28,20 +28,20 @@ from rlhf.tracking.store import store_exists
 
 # Final metrics of a pipeline run (logged on the parent run by the flow), in display order.
 SUMMARY_METRICS = (
-    "reward/eval_accuracy",
+    "reward/best_eval_accuracy",
     "eval/win_rate_gold",
-    "eval/ppo_gold",
+    "eval/policy_gold",
     "eval/sft_gold",
     "eval/win_rate_rm",
-    "eval/ppo_score",
+    "eval/policy_score",
     "eval/sft_score",
     "eval/kl",
     "eval/win_rate_rm_len_controlled",
     "eval/win_rate_gold_len_controlled",
-    "eval/ppo_length_mean",
+    "eval/policy_length_mean",
     "eval/sft_length_mean",
-    "eval/ppo_empty_rate",
-    "eval/ppo_stop_rate",
+    "eval/policy_empty_rate",
+    "eval/policy_stop_rate",
     "eval/hacking_flag_length",
     "eval/hacking_flag_empty",
 )

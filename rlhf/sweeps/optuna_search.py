@@ -39,7 +39,7 @@ class TrialRef(BaseModel):
     study: str = Field(description="Study name (the sweep's name).")
     trial_id: int = Field(description="Optuna's id of the trial in the storage.")
     number: int = Field(description="The trial's number in its study (0, 1, ...).")
-    metric: str = Field(description="The periodic-evaluation metric reported, e.g. ppo_eval/gold.")
+    metric: str = Field(description="The periodic-evaluation metric reported, e.g. periodic_eval/gold.")
     settings: OptunaSettings = Field(default_factory=OptunaSettings, description="The study's pruner settings.")
 
 
@@ -249,8 +249,8 @@ SWEEP_RUN_ATTR, MLFLOW_RUN_ATTR, RUN_NAME_ATTR = "mlflow_sweep_run_id", "mlflow_
 class OptunaSearch:
     """The trials of an Optuna sweep, asked one at a time and told their outcomes (`VariantList`'s interface).
 
-    `objective`: the final metric told for a completed trial (e.g. eval/ppo_gold); `metric`: the periodic-evaluation
-    metric its PPO stage reports for pruning (e.g. ppo_eval/gold)."""
+    `objective`: the final metric told for a completed trial (e.g. eval/policy_gold); `metric`: the periodic-evaluation
+    metric its PPO stage reports for pruning (e.g. periodic_eval/gold)."""
 
     def __init__(self, base: PipelineConfig, space: SweepSpace, storage: str, objective: str, metric: str) -> None:
         base = with_periodic_eval(base, space)

@@ -2,7 +2,7 @@
 and proxy (reward-model) scores of PPO's periodic evaluations against the square root of the KL to the SFT policy,
 one point per evaluation of every variant of a sweep.
 
-The histories are the ``ppo_eval/*`` metrics of each variant's PPO run (``ppo.eval_every``; see
+The histories are the ``periodic_eval/*`` metrics of each variant's PPO run (``ppo.eval_every``; see
 docs/overoptimisation.md). `collect_histories` reads them from a sweep's MLflow runs, `overoptimisation_plot`
 draws the figure, `summarize` computes its figures (peak gold, the KL at the peak, the proxy at the largest KL),
 and `report` does all three and writes the files. ``python -m rlhf.sweeps.overoptimisation --sweep NAME`` runs `report`.
@@ -27,7 +27,7 @@ from rlhf.tracking.client import RunRecord, Tracker, experiment_names
 from rlhf.tracking.store import store_exists
 
 PPO_STAGE = "train_policy_ppo"
-SCORE, GOLD, KL = "ppo_eval/score", "ppo_eval/gold", "ppo_eval/kl"
+SCORE, GOLD, KL = "periodic_eval/score", "periodic_eval/gold", "periodic_eval/kl"
 HISTORY_KEYS = [SCORE, GOLD, KL]
 RESULTS_FROM_TAG = "rlhf.results_from_run"  # a pipeline run served from the cache names the run that computed it
 GOLD_COLOR, PROXY_COLOR = "tab:orange", "tab:blue"
@@ -83,7 +83,7 @@ def _points(histories: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, int]:
 
 def summarize(histories: Mapping[str, pd.DataFrame]) -> OveroptimisationSummary:
     """Peak gold and the KL at which it peaks, and the proxy (and gold) at the largest KL, over every evaluation of
-    every variant. `histories[variant]` has columns step, ppo_eval/score, ppo_eval/gold, ppo_eval/kl."""
+    every variant. `histories[variant]` has columns step, periodic_eval/score, periodic_eval/gold, periodic_eval/kl."""
     points, nonfinite = _points(histories)
     if points.empty:
         raise ValueError(f"no evaluation has finite gold, proxy and KL ({nonfinite} with NaN or infinite values)")
@@ -181,9 +181,9 @@ def _ppo_run(tracker: Tracker, pipeline_run: RunRecord) -> RunRecord | None:
 
 
 def collect_histories(tracker: Tracker, sweep_run_id: str) -> dict[str, pd.DataFrame]:
-    """``{variant label: ppo_eval history}`` of a sweep's variants (the pipeline runs under the sweep run), each a
-    frame with columns step, ppo_eval/score, ppo_eval/gold, ppo_eval/kl; variants without periodic evaluations
-    are left out."""
+    """``{variant label: periodic evaluation history}`` of a sweep's variants (the pipeline runs under the sweep
+    run), each a frame with columns step, periodic_eval/score, periodic_eval/gold, periodic_eval/kl; variants without
+    periodic evaluations are left out."""
     histories = {}
     for run in tracker.child_runs(sweep_run_id):
         if not run.is_pipeline_run:

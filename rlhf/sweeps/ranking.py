@@ -9,8 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-GOLD_METRIC = "eval/ppo_gold"  # mean gold reward of the PPO policy's evaluation responses
-RM_METRIC = "eval/ppo_score"  # mean reward-model score of the same responses
+GOLD_METRIC = "eval/policy_gold"  # mean gold reward of the PPO policy's evaluation responses
+RM_METRIC = "eval/policy_score"  # mean reward-model score of the same responses
 
 
 def reward_metric(has_gold: Sequence[bool]) -> str:
@@ -22,17 +22,17 @@ def reward_metric(has_gold: Sequence[bool]) -> str:
 # Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards, then the
 # reward-hacking checks (rlhf.eval.length_control).
 RANK_METRICS = (
-    "eval/ppo_gold",
+    "eval/policy_gold",
     "eval/win_rate_gold",
-    "eval/ppo_score",
+    "eval/policy_score",
     "eval/win_rate_rm",
     "eval/kl",
-    "reward/eval_accuracy",
+    "reward/best_eval_accuracy",
     "eval/sft_gold",
     "eval/sft_score",
     "eval/win_rate_rm_len_controlled",
-    "eval/ppo_length_mean",
-    "eval/ppo_empty_rate",
+    "eval/policy_length_mean",
+    "eval/policy_empty_rate",
     "eval/hacking_flag_length",
     "eval/hacking_flag_empty",
 )

@@ -38,9 +38,9 @@ T95 = (
 MEASURES = (
     ("win_rate_gold", ("eval/win_rate_gold",), "rate"),
     ("win_rate_gold_lc", ("eval/win_rate_gold_len_controlled",), "rate"),
-    ("gold", ("eval/ppo_gold",), "mean"),
+    ("gold", ("eval/policy_gold",), "mean"),
     ("kl", ("eval/kl",), "mean"),
-    ("train_s", ("time/policy_train_s",), "mean"),
+    ("train_s", ("time/policy_train",), "mean"),
     ("peak_mb", ("memory/ppo_peak_mb", "memory/dpo_peak_mb"), "max"),  # the policy stage's measured peak
 )
 HACKING_FLAGS = ("eval/hacking_flag_length", "eval/hacking_flag_empty")
@@ -182,18 +182,18 @@ def frontier_points(
     rows: Sequence[Mapping[str, Any]], histories: Mapping[str, pd.DataFrame], arm_of: Mapping[str, str]
 ) -> pd.DataFrame:
     """Every point of the frontier: (arm, run, kind, step, gold, kl, sqrt_kl). `histories` maps a variant label to
-    its periodic evaluations (columns step, ppo_eval/gold, ppo_eval/kl: rlhf.sweeps.overoptimisation) and
+    its periodic evaluations (columns step, periodic_eval/gold, periodic_eval/kl: rlhf.sweeps.overoptimisation) and
     `arm_of` a variant label to its arm; each finished row adds its final evaluation (kind 'final')."""
     records = []
     for label, history in histories.items():
         if label not in arm_of:
             continue
         for _, h in history.iterrows():
-            step, gold, kl = int(h["step"]), h.get("ppo_eval/gold"), h.get("ppo_eval/kl")
+            step, gold, kl = int(h["step"]), h.get("periodic_eval/gold"), h.get("periodic_eval/kl")
             records.append((arm_of[label], label, "periodic", step, gold, kl))
     for row in rows:
         if row.get("status") == "completed" and row.get("label") in arm_of:
-            records.append((row["arm"], row["label"], "final", -1, row.get("eval/ppo_gold"), row.get("eval/kl")))
+            records.append((row["arm"], row["label"], "final", -1, row.get("eval/policy_gold"), row.get("eval/kl")))
     frame = pd.DataFrame(records, columns=["arm", "run", "kind", "step", "gold", "kl"])
     frame[["gold", "kl"]] = frame[["gold", "kl"]].astype(float)
     frame = frame[np.isfinite(frame["gold"]) & np.isfinite(frame["kl"])].copy()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from rlhf.metrics import earlier_metric_names
 from rlhf.tracking.default_view import VIEW_TAG, default_view_json
 from rlhf.tracking.metrics_writer import BatchedLog, LogFn, StepRecord
 from rlhf.tracking.model_logging import hub_card_warnings_off, no_requirement_check
@@ -350,8 +351,11 @@ class Tracker:
         return self.search_runs(query)
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
-        """``[(step, value), ...]`` of one metric of a run, in step order."""
+        """``[(step, value), ...]`` of one metric of a run, in step order (under an earlier name of the metric, for a
+        run logged before it was renamed)."""
         history = self.client.get_metric_history(run_id, key)
+        for earlier in earlier_metric_names(key) if not history else []:
+            history = history or self.client.get_metric_history(run_id, earlier)
         return sorted((m.step, m.value) for m in history)
 
     def metric_histories(self, run_id: str, keys: list[str]) -> pd.DataFrame:

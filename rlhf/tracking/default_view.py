@@ -6,7 +6,7 @@ storage). What it does read from the server is a *shared view*: the experiment t
 applied when the experiment page is opened with ``?viewStateShareKey=<key>`` (the UI's own "Share" button writes such
 tags). :class:`rlhf.tracking.client.Tracker` writes the tag below on every experiment it opens, and every MLflow link
 the project writes opens the experiment with it: the win rates, KL, reward-model accuracy and key parameters as columns,
-and the PPO charts (``objective/``, ``ppo_eval/``, ``policy/``, ``value/``) first. The experiment page's rows are
+and the PPO charts (``objective/``, ``periodic_eval/``, ``policy/``, ``value/``) first. The experiment page's rows are
 pipeline runs, so the PPO curves are copied onto them when they close (:func:`copy_ppo_curves`).
 """
 
@@ -30,10 +30,10 @@ COLUMN_METRICS = (
     "eval/win_rate_rm",
     "eval/win_rate_rm_len_controlled",
     "eval/kl",
-    "reward/eval_accuracy",
-    "eval/ppo_gold",
-    "eval/ppo_length_mean",
-    "time/policy_train_s",
+    "reward/best_eval_accuracy",
+    "eval/policy_gold",
+    "eval/policy_length_mean",
+    "time/policy_train",
 )
 # the algorithm first: a study's runs (make study) read as arm and seed beside their win rates
 COLUMN_PARAMS = (
@@ -52,7 +52,7 @@ COLUMN_PARAMS = (
 # sections from `CHART_SECTIONS_COLLAPSED` on start collapsed.
 CHART_SECTIONS = (
     "objective",
-    "ppo_eval",
+    "periodic_eval",
     "policy",
     "value",
     "loss",
@@ -70,12 +70,12 @@ CHART_SECTIONS = (
     "time",
     "memory",
 )
-CURVE_SECTIONS = ("objective", "ppo_eval")  # copied from the PPO run onto its pipeline run
+CURVE_SECTIONS = ("objective", "periodic_eval")  # copied from the PPO run onto its pipeline run
 CHART_SECTIONS_COLLAPSED = ("dist", "tokens", "data", "speed", "time", "memory")
 
 
 def copy_ppo_curves(tracker, ppo_run_id: str | None, pipeline_run_id: str) -> None:
-    """The PPO stage run's training curves (``objective/``, ``ppo_eval/``) also on its pipeline run, so the
+    """The PPO stage run's training curves (``objective/``, ``periodic_eval/``) also on its pipeline run, so the
     experiment page, whose rows are pipeline runs, charts them (its chart sections only see the visible rows)."""
     if ppo_run_id:
         logged = tracker.get_run(ppo_run_id).data.metrics

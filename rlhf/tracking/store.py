@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 from rlhf.checkpoints import file_digest, stage_lock
 from rlhf.errors import ConfigError
+from rlhf.metrics import current_metric_name
 
 SQLITE_PREFIX = "sqlite:///"
 
@@ -196,7 +197,8 @@ class RunRecord:
             start_time=info.start_time,
             end_time=info.end_time,
             params=dict(run.data.params),
-            metrics=dict(run.data.metrics),
+            # a run of an earlier release reads under today's names (rlhf.metrics.RENAMED_METRICS)
+            metrics={current_metric_name(k): v for k, v in run.data.metrics.items()},
             tags=dict(run.data.tags),
         )
 

@@ -267,8 +267,8 @@ def train_dpo(
     if not last_eval:  # the last step is always run in this process, so this is a guard only
         last_eval = evaluate_dpo(model, tokenizer, evals, ref_eval, cfg, device, dtype)
     summary = {
-        "dpo/seconds": time.perf_counter() - start,
-        "dpo/reference_seconds": reference_seconds,
+        "time/dpo": time.perf_counter() - start,
+        "time/dpo_reference": reference_seconds,
         "memory/peak_mb": peak_memory_mb(device),
         **length_stats,
     }

@@ -73,7 +73,7 @@ def score_pairs(
 
 
 # the reward model's metric keys: TRAIN_PREFIX/<stat> every step, EVAL_PREFIX/<stat> on the held-out pairs every
-# reward.eval_every steps (`pair_stats`); the run's summary keys are reward/<name> (reward/eval_accuracy: the kept
+# reward.eval_every steps (`pair_stats`); the run's summary keys are reward/<name> (reward/best_eval_accuracy: the kept
 # checkpoint's held-out accuracy)
 TRAIN_PREFIX = "reward/train"
 EVAL_PREFIX = "reward/eval"
@@ -298,9 +298,9 @@ def train_reward_model(
     else:
         accuracy = evaluate_pairs(model, tokenizer, evals, cfg, device)[f"{EVAL_PREFIX}/accuracy"]
     metrics = {
-        "reward/eval_accuracy": accuracy,
+        "reward/best_eval_accuracy": accuracy,
         "reward/best_step": float(best.step),
-        "reward/seconds": time.perf_counter() - start,
+        "time/reward": time.perf_counter() - start,
         "memory/peak_mb": peak_memory_mb(device),
         **length_stats,
     }

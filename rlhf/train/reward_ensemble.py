@@ -86,7 +86,7 @@ def build_ensemble(
     frame = pd.read_parquet(eval_file)
     chosen, rejected = member_pair_scores(members, frame, cfg, runtime)
     stats, offsets, in_distribution_std = ensemble_pair_stats(chosen, rejected, cfg)
-    stats[f"{ENSEMBLE_PREFIX}/seconds"] = time.perf_counter() - start
+    stats["time/reward_ensemble"] = time.perf_counter() - start
     log(stats, 0)
     digests = [(read_manifest(path) or {}).get("digest", "") for path in members]
     spec = EnsembleSpec([str(Path(p).resolve()) for p in members], offsets.tolist(), in_distribution_std, digests)
@@ -94,5 +94,5 @@ def build_ensemble(
         spec.write(tmp)
         load_tokenizer(members[0], trust_remote_code=runtime.trust_remote_code).save_pretrained(tmp)
         manifest = write_manifest(tmp, stage="reward_ensemble", accuracy=stats[f"{ENSEMBLE_PREFIX}/accuracy"])
-    metrics = {**stats, "reward/eval_accuracy": stats[f"{ENSEMBLE_PREFIX}/accuracy"]}
+    metrics = {**stats, "reward/best_eval_accuracy": stats[f"{ENSEMBLE_PREFIX}/accuracy"]}
     return RewardResult(str(out_dir), manifest["digest"], metrics)

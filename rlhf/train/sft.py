@@ -132,7 +132,9 @@ def train_sft(
     use_cpu_kernels(model)
     optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # linear warm-up, then cosine decay to 10% of the peak
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps, min_lr_rate=0.1)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, round(cfg.warmup_ratio * cfg.steps), cfg.steps, min_lr_rate=0.1
+    )
     # the response keeps its tokens first, the prompt is cut on the left; the share cut is measured and logged
     batch, cut = encode_and_measure(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), max_length)
     rows = max(cut.rows, 1)
@@ -194,7 +196,7 @@ def train_sft(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value, base_model=cfg.model)
-    metrics = {"sft/final_loss": loss_value, "sft/seconds": elapsed, "memory/peak_mb": peak_memory_mb(device)}
+    metrics = {"sft/final_loss": loss_value, "time/sft": elapsed, "memory/peak_mb": peak_memory_mb(device)}
     metrics |= length_stats
     log(metrics, cfg.steps)
     return SFTResult(str(out_dir), manifest["digest"], trained=True, metrics=metrics)
