@@ -153,7 +153,7 @@ sweep: $(STAMP)
 
 # `make study`: the algorithm study (conf/sweeps/algorithms.yaml: PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++ and DPO, 3
 # seeds each, on one SFT and reward model of CONFIG); `make study STUDY=conf/sweeps/algorithms_overoptimisation.yaml
-# CONFIG=conf/overoptimisation.yaml` on the exploitable reward model. docs/algorithms.md.
+# CONFIG=conf/overoptimisation.yaml` on the exploitable reward model. docs/choosing-an-algorithm.md.
 STUDY ?= conf/sweeps/algorithms.yaml
 study: $(STAMP)
 	$(RLHF) sweep --config $(CONFIG) --space $(STUDY) $(ARGS)

@@ -113,7 +113,7 @@ class PipelineRun(BaseModel):
         None,
         title="ppo.advantage_estimator",
         description=f"gae (PPO with a value model), or a critic-free estimator: {', '.join(CRITIC_FREE_ESTIMATORS)} "
-        "(docs/algorithms.md). Empty: the config file's value (gae in the shipped ones).",
+        "(docs/choosing-an-algorithm.md). Empty: the config file's value (gae in the shipped ones).",
     )
     ppo_samples_per_prompt: int | None = _typed(
         "samples_per_prompt",
@@ -253,7 +253,8 @@ class SweepRun(BaseModel):
     space_file: SpaceFile = Field(  # type: ignore[valid-type]
         DEFAULT_SPACE,
         description="A search space shipped in conf/sweeps/, with the pipeline runs it starts: "
-        f"{space_choices()} (docs/orchestration.md; algorithms*.yaml are the studies of docs/algorithms.md).",
+        f"{space_choices()} (docs/orchestration.md; algorithms*.yaml are the studies of "
+        "docs/choosing-an-algorithm.md).",
     )
     space_path: str = Field(
         "",

@@ -35,7 +35,7 @@ class PipelineConfig(Section):
         "ppo",
         description="The policy stage: 'ppo' (online RL on sampled responses, with the estimator of "
         "ppo.advantage_estimator: PPO, GRPO, RLOO, REINFORCE++) or 'dpo' (offline, on the preference pairs; the "
-        "reward model is still trained, for the evaluation). docs/algorithm.md.",
+        "reward model is still trained, for the evaluation). docs/objectives.md.",
     )
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)

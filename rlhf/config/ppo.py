@@ -72,7 +72,7 @@ class PPOConfig(Section):
     advantage_estimator: Literal[ESTIMATOR_NAMES] = Field(  # type: ignore[valid-type]
         "gae",
         description=estimator_descriptions() + ". All but 'gae' are critic-free (no value model loaded). "
-        "docs/algorithms.md.",
+        "docs/choosing-an-algorithm.md.",
     )
     samples_per_prompt: int = Field(
         1,

@@ -1,4 +1,4 @@
-"""Step 7 of a PPO update (docs/algorithm.md "One PPO update"): the epochs over shuffled minibatches of a rollout,
+"""Step 7 of a PPO update (docs/objectives.md "One PPO update"): the epochs over shuffled minibatches of a rollout,
 micro-batches with gradient accumulation, the policy and value losses and their statistics."""
 
 from __future__ import annotations

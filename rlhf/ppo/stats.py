@@ -1,4 +1,4 @@
-"""Every PPO statistic of docs/algorithm.md, computed from one update's rollout and optimisation pass."""
+"""Every PPO statistic of docs/objectives.md, computed from one update's rollout and optimisation pass."""
 
 from __future__ import annotations
 

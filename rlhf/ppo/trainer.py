@@ -1,4 +1,4 @@
-"""The PPO training loop (docs/algorithm.md), resumable from its last saved state."""
+"""The PPO training loop (docs/objectives.md), resumable from its last saved state."""
 
 from __future__ import annotations
 

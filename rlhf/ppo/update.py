@@ -1,4 +1,4 @@
-"""One PPO update, steps 1 to 6 (docs/algorithm.md "One PPO update"): sample and score a rollout batch, shape the
+"""One PPO update, steps 1 to 6 (docs/objectives.md "One PPO update"): sample and score a rollout batch, shape the
 scores, compute the advantages; each step is one call into ``rlhf.ops``. Step 7, the optimisation, is
 ``rlhf.ppo.optimise``."""
 
@@ -149,7 +149,7 @@ def critic_free_advantages(
     whiten: Callable[[Tensor, bool], Tensor],
     batch_std: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The advantages of a critic-free estimator (docs/algorithm.md) and its group statistics.
+    """The advantages of a critic-free estimator (docs/objectives.md) and its group statistics.
 
     The rollout's rows hold whole groups of ppo.samples_per_prompt samples of one prompt, contiguous
     (`rlhf.ppo.prompts.prompt_batch`). grpo, dr_grpo and rloo give every token of a response its sequence's

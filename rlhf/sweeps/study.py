@@ -6,7 +6,7 @@ colour per arm: the periodic evaluations of every online run (``ppo.eval_every``
 evaluation as a large marker.
 
 No Prefect here, and MLflow only through `rlhf.tracking.client`: flows/sweep.py calls `report` and logs its files on
-the sweep's run (docs/algorithms.md).
+the sweep's run (docs/choosing-an-algorithm.md).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
 
 def format_study(table: pd.DataFrame) -> str:
     """The study table as Markdown: rates as 'mean [low, high]' with each run's value in a column of its own, the
-    other intervals as 'mean ± half-width' (docs/algorithms.md prints this)."""
+    other intervals as 'mean ± half-width' (docs/choosing-an-algorithm.md prints this)."""
 
     def cell(row: pd.Series, column: str, fmt: str) -> str:
         mean, half = row.get(column, math.nan), row.get(f"{column}_ci", math.nan)
