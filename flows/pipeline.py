@@ -20,13 +20,14 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.summary import POLICY_LABEL, POLICY_SECONDS, budget, policy_label, summary_notes
+from flows.summary import POLICY_LABEL, budget, policy_label, summary_notes
 from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
+from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY, TIME_POLICY_TRAIN, TIME_TRAIN
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
 from rlhf.sweeps.optuna_search import TrialRef
@@ -36,7 +37,6 @@ from tasks.stage_runs import stopped_by_signal
 from tasks.stage_table import stage_of, stages_of
 from tasks.stages import (
     OVEROPTIMISATION_TAG,
-    TRAIN_SECONDS,
     combine_reward_ensemble,
     evaluate_policies,
     init_policy_models,
@@ -213,7 +213,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     progress.done(stage_of(evaluation.stage).label)
     outputs = tuple(o for o in (prepared, sft_model, reward_model, ppo_init, policy, evaluation) if o is not None)
     summary: dict[str, Any] = {
-        **({"reward/best_eval_accuracy": reward_model.metrics["reward/best_eval_accuracy"]} if reward_model else {}),
+        **({REWARD_BEST_EVAL_ACCURACY: reward_model.metrics[REWARD_BEST_EVAL_ACCURACY]} if reward_model else {}),
         **evaluation.metrics,
         **{k: v for k, v in policy.metrics.items() if k in (ALARM_STEP_KEY, KEPT_STEP_KEY)},
         POLICY_LABEL: policy_label(config),
@@ -231,12 +231,12 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         **budget(config),
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
-            f"memory/{name}_peak_mb": output.metrics["memory/peak_mb"]
+            f"memory/{name}_peak_mb": output.metrics[PEAK_MEMORY]
             for name, output in (("sft", sft_model), ("reward", reward_model), (stage_of(policy.stage).short, policy))
-            if output is not None and "memory/peak_mb" in output.metrics
+            if output is not None and PEAK_MEMORY in output.metrics
         },
         # the policy stage's wall time (the attempt that finished it; a cached stage keeps the time that computed it)
-        **({POLICY_SECONDS: policy.metrics[TRAIN_SECONDS]} if TRAIN_SECONDS in policy.metrics else {}),
+        **({TIME_POLICY_TRAIN: policy.metrics[TIME_TRAIN]} if TIME_TRAIN in policy.metrics else {}),
         # the MLflow run of every stage, also of cached ones (the run that computed the result)
         **{f"stage.{output.stage}.run_id": output.mlflow_run_id for output in outputs},
     }

@@ -10,6 +10,22 @@ from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
+from rlhf.metrics import (
+    EVAL_HACKING_EMPTY,
+    EVAL_HACKING_LENGTH,
+    EVAL_KL,
+    EVAL_N_LEN_MATCHED,
+    EVAL_N_PROMPTS,
+    EVAL_POLICY_GOLD,
+    EVAL_POLICY_LENGTH,
+    EVAL_SFT_GOLD,
+    EVAL_TIE_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD_LC,
+    EVAL_WIN_RATE_RM,
+    EVAL_WIN_RATE_RM_LC,
+    REWARD_BEST_EVAL_ACCURACY,
+)
 from rlhf.tracking.default_view import mlflow_experiment_url
 from tasks.stage_runs import RESUMED_FROM_TAG
 from tasks.stage_table import STAGES
@@ -22,7 +38,6 @@ PLUMBING_PPO_EPISODES = 1024
 PLUMBING_SFT_STEPS = 100
 # The run's budget in the summary (ints: neither MLflow metrics nor tags; the run's params hold them already)
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
-POLICY_SECONDS = "time/policy_train"  # the policy stage's wall time (a float: a metric of the pipeline run)
 # The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
 POLICY_LABEL = "rlhf.objective_label"
 
@@ -42,16 +57,16 @@ def _rate(summary: dict[str, Any], key: str) -> str:
 
 def _equal_length(summary: dict[str, Any], score: str) -> str:
     """'52.0% (logistic fit); 50.0% of 40 length-matched pairs'."""
-    matched = f"{_rate(summary, f'eval/win_rate_{score}_len_matched')} of {int(summary.get('eval/n_len_matched', 0))}"
+    matched = f"{_rate(summary, f'eval/win_rate_{score}_len_matched')} of {int(summary.get(EVAL_N_LEN_MATCHED, 0))}"
     return f"{_rate(summary, f'eval/win_rate_{score}_len_controlled')} (logistic fit); {matched} length-matched pairs"
 
 
 def hacking_warnings(summary: dict[str, Any]) -> list[str]:
     """The evaluation's reward-hacking warnings, one per line; a generic one for a flag set without its text."""
     lines = [line for line in str(summary.get(EVAL_WARNING_TAG, "")).splitlines() if line.strip()]
-    if not lines and summary.get("eval/hacking_flag_length"):
+    if not lines and summary.get(EVAL_HACKING_LENGTH):
         lines.append("PPO's gain over SFT is mostly explained by response length (see docs/evaluation.md).")
-    if not lines and summary.get("eval/hacking_flag_empty"):
+    if not lines and summary.get(EVAL_HACKING_EMPTY):
         lines.append("PPO gives more empty answers than SFT and the reward model scores them highly.")
     return lines
 
@@ -121,29 +136,27 @@ def format_summary(summary: dict[str, Any]) -> str:
     for note in (n for n in notes if n.startswith("NOTE: ")):
         lines += [*textwrap.wrap(note, 116, subsequent_indent="      "), ""]
     label = summary.get(POLICY_LABEL, "PPO")
-    if "reward/best_eval_accuracy" in summary:
-        lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary['reward/best_eval_accuracy']:.3f}"))
-    if "eval/win_rate_gold" in summary:
+    if REWARD_BEST_EVAL_ACCURACY in summary:
+        lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary[REWARD_BEST_EVAL_ACCURACY]:.3f}"))
+    if EVAL_WIN_RATE_GOLD in summary:
         lines.append(
             _row(
                 f"{label} beats SFT on gold reward",
-                f"{summary['eval/win_rate_gold']:.1%} of {int(summary['eval/n_prompts'])} held-out prompts "
-                f"(ties {summary['eval/tie_rate_gold']:.1%})",
+                f"{summary[EVAL_WIN_RATE_GOLD]:.1%} of {int(summary[EVAL_N_PROMPTS])} held-out prompts "
+                f"(ties {summary[EVAL_TIE_RATE_GOLD]:.1%})",
             )
         )
-        if "eval/win_rate_gold_len_controlled" in summary:
+        if EVAL_WIN_RATE_GOLD_LC in summary:
             lines.append(_row("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
         lines.append(
-            _row(
-                f"mean gold reward {label} / SFT", f"{summary['eval/policy_gold']:.3f} / {summary['eval/sft_gold']:.3f}"
-            )
+            _row(f"mean gold reward {label} / SFT", f"{summary[EVAL_POLICY_GOLD]:.3f} / {summary[EVAL_SFT_GOLD]:.3f}")
         )
-    score = "reward-model score" if "reward/best_eval_accuracy" in summary else "reward-function score"
-    lines.append(_row(f"{label} beats SFT on {score}", f"{summary['eval/win_rate_rm']:.1%}"))
-    if "eval/win_rate_rm_len_controlled" in summary:
+    score = "reward-model score" if REWARD_BEST_EVAL_ACCURACY in summary else "reward-function score"
+    lines.append(_row(f"{label} beats SFT on {score}", f"{summary[EVAL_WIN_RATE_RM]:.1%}"))
+    if EVAL_WIN_RATE_RM_LC in summary:
         lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
-    lines.append(_row(f"mean KL({label} || SFT) per response", f"{summary['eval/kl']:.3f}"))
-    if "eval/policy_length_mean" in summary:
+    lines.append(_row(f"mean KL({label} || SFT) per response", f"{summary[EVAL_KL]:.3f}"))
+    if EVAL_POLICY_LENGTH in summary:
         for name in ("ppo", "sft"):
             mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
             lines.append(

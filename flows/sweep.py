@@ -41,12 +41,13 @@ from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
+from rlhf.metrics import EVAL_KL, EVAL_POLICY_GOLD, PERIODIC_GOLD, PERIODIC_SCORE
 from rlhf.models.device import device_names
 from rlhf.preflight import preflight
 from rlhf.sweeps.optuna_search import OptunaSearch, default_storage, study_plots
 from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
-from rlhf.sweeps.ranking import GOLD_METRIC, RANK_METRICS, RM_METRIC, rank_key, ranking, variant_label
+from rlhf.sweeps.ranking import RANK_METRICS, RM_METRIC, rank_key, ranking, variant_label
 from rlhf.sweeps.space import Planned, SweepSpace, VariantList, expand
 from rlhf.sweeps.study import STUDY_METRICS
 from rlhf.sweeps.study import report as study_report
@@ -136,7 +137,7 @@ def close_sweep_run(
     tracker.log_table(sweep_run_id, frame, "sweep_ranking.json")
     key = rank_key(frame)
     done = frame[frame["status"] == "completed"]
-    points = [Point(variant_label(row), row["eval/kl"], row[key]) for _, row in done.iterrows()]
+    points = [Point(variant_label(row), row[EVAL_KL], row[key]) for _, row in done.iterrows()]
     baseline_key = key.replace("ppo", "sft")
     baseline = float(done[baseline_key].mean()) if baseline_key in done and len(done) else None
     plot = reward_vs_kl(
@@ -316,7 +317,7 @@ def variant_search(base: PipelineConfig, space: SweepSpace) -> VariantList | Opt
         return VariantList(base, space)
     storage = space.optuna.storage or default_storage(base.tracking.uri, base.runtime.output_dir)
     gold = base.data.source == "synthetic"  # the built-in task is the one with a gold reward
-    objective, metric = (GOLD_METRIC, "periodic_eval/gold") if gold else (RM_METRIC, "periodic_eval/score")
+    objective, metric = (EVAL_POLICY_GOLD, PERIODIC_GOLD) if gold else (RM_METRIC, PERIODIC_SCORE)
     return OptunaSearch(base, space, storage, objective, metric)
 
 
@@ -346,7 +347,7 @@ def finish_variant(
     if outcome.status == "completed":
         record_variant(base.tracking, sweep_run_id, space.name, variant.index, variant.label, outcome.summary)
         row |= {k: outcome.summary.get(k) for k in (*RANK_METRICS, *STUDY_METRICS)}
-        value = outcome.summary.get(getattr(search, "objective", GOLD_METRIC))
+        value = outcome.summary.get(getattr(search, "objective", EVAL_POLICY_GOLD))
     else:
         get_run_logger().warning(
             "sweep %s: variant %s %s: %s", space.name, config.run_name, outcome.status, outcome.error or ""

@@ -10,6 +10,8 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.exceptions import MissingContextError
 
+from rlhf.metrics import OBJECTIVE_GOLD, OBJECTIVE_KL, OBJECTIVE_KL_COEF, OBJECTIVE_RLHF_REWARD, OBJECTIVE_SCORES
+
 
 def task_logger() -> logging.Logger | logging.LoggerAdapter:
     """The Prefect task run's logger (lines in the task's log), or this module's outside a run."""
@@ -43,11 +45,11 @@ class ProgressBar:
 # is the last one logged (the reward model's held-out accuracy is measured every `reward.eval_every` steps only).
 WATCHED = {
     "ppo": (
-        ("objective/scores", "score"),
-        ("objective/kl", "KL"),
-        ("objective/kl_coef", "KL coef"),
-        ("objective/gold_score", "gold"),
-        ("objective/rlhf_reward", "RLHF reward"),
+        (OBJECTIVE_SCORES, "score"),
+        (OBJECTIVE_KL, "KL"),
+        (OBJECTIVE_KL_COEF, "KL coef"),
+        (OBJECTIVE_GOLD, "gold"),
+        (OBJECTIVE_RLHF_REWARD, "RLHF reward"),
     ),
     "reward": (
         ("reward/train/loss", "loss"),

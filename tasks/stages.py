@@ -14,6 +14,7 @@ from rlhf.data import prepare
 from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.eval import evaluate as evaluation
 from rlhf.eval.length_control import EVAL_WARNING_TAG
+from rlhf.metrics import TIME_TRAIN
 from rlhf.models.device import configure_cpu
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
@@ -35,7 +36,6 @@ from tasks.tracking import TrackingContext, training_logger
 OBJECTIVE_TAG = "rlhf.objective"  # the policy stage's objective: an advantage estimator (gae, grpo, ...) or dpo
 # the MLflow tag of a PPO stage's run (and the pipeline's) whose over-optimisation alarm fired: its sentence
 OVEROPTIMISATION_TAG = "rlhf.overoptimisation_alarm"
-TRAIN_SECONDS = "time/train"  # a policy stage's wall time (of the attempt that finished it), in its output's metrics
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -300,7 +300,7 @@ def train_policy_ppo(
         path=result.policy_path,
         digest=result.digest,
         mlflow_run_id=run_id,
-        metrics={**result.metrics, TRAIN_SECONDS: time.perf_counter() - started},
+        metrics={**result.metrics, TIME_TRAIN: time.perf_counter() - started},
         value_path=result.value_path,
         updates=result.updates,
         alarm=result.alarm,
@@ -345,7 +345,7 @@ def train_policy_dpo(
         path=result.path,
         digest=result.digest,
         mlflow_run_id=run_id,
-        metrics={**result.metrics, TRAIN_SECONDS: time.perf_counter() - started},
+        metrics={**result.metrics, TIME_TRAIN: time.perf_counter() - started},
         steps=result.steps,
     )
 

@@ -169,7 +169,9 @@ def test_sft_measures_and_logs_its_truncation(tiny_checkpoints, tok, tmp_path):
     expected = sum(n > 24 for n in lengths) / len(rows)
     assert 0 < expected < 1
     logged = []
-    cfg = SFTConfig(model=tiny_checkpoints["policy"], finetune=True, steps=2, batch_size=4, max_length=24)
+    cfg = SFTConfig(
+        model=tiny_checkpoints["policy"], finetune=True, steps=2, warmup_ratio=1.0, batch_size=4, max_length=24
+    )
     result = finetune_sft(cfg, RUNTIME, path, tmp_path / "out", 0, lambda m, s: logged.append(m))
     assert result.metrics["sft/truncated_fraction"] == pytest.approx(expected)
     assert result.metrics["sft/response_truncated_fraction"] == 0  # the response keeps its tokens first

@@ -73,7 +73,13 @@ def test_a_trainer_writes_the_held_steps_before_it_saves_a_resume_state(tmp_path
     rows = synthetic.preference_pairs(16, seed=0, label_noise=0.0, split="train")
     pd.DataFrame([p._asdict() for p in rows]).to_parquet(pairs)
     cfg = SFTConfig.model_validate(
-        {"steps": 30, "batch_size": 4, "save_every": 20, "bootstrap": {"n_layer": 1, "n_embd": 32, "vocab_size": 320}}
+        {
+            "steps": 30,
+            "warmup_ratio": 1.0,
+            "batch_size": 4,
+            "save_every": 20,
+            "bootstrap": {"n_layer": 1, "n_embd": 32, "vocab_size": 320},
+        }
     )
     written: list[int] = []
     log = BatchedLog(lambda steps: written.extend(step for _, step, _ in steps), every_s=3600)

@@ -45,7 +45,9 @@ def stack(tmp_path_factory):
     data = prepare_preferences(
         DataConfig(synthetic={"n_sft": 1500, "n_train_pairs": 1200, "n_eval_pairs": 200}), root / "data"
     )
-    sft_cfg = SFTConfig(steps=250, batch_size=64, bootstrap={"n_layer": 2, "n_embd": 64, "vocab_size": 320})
+    sft_cfg = SFTConfig(
+        steps=250, warmup_ratio=0.12, batch_size=64, bootstrap={"n_layer": 2, "n_embd": 64, "vocab_size": 320}
+    )
     sft = bootstrap_sft(sft_cfg, RUNTIME, data.sft, data.train, root / "sft", 0, _nolog)
     rm_cfg = RewardConfig(epochs=2, batch_size=32, lr=1e-3, eval_every=20, save_every=10)
     rm_logged: dict[int, dict[str, float]] = {}  # step -> metrics: the uninterrupted run the resume test compares with

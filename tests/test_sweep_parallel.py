@@ -113,7 +113,13 @@ def test_optuna_sweep_killed_after_its_first_trial_resumes_it_and_prunes_a_bad_r
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     args = [sys.executable, "-m", "flows.sweep", "--config", "conf/smoke.yaml", "--space", str(tmp_path / "space.yaml")]
     args += [*TINY, f"tracking.uri={uri}", f"tracking.artifact_location={tmp_path}/art"]
-    args += [f"runtime.output_dir={tmp_path}/out", "sft.steps=120", "ppo.eval_every=1", "ppo.eval_n_prompts=16"]
+    args += [
+        f"runtime.output_dir={tmp_path}/out",
+        "sft.steps=120",
+        "sft.warmup_ratio=0.25",
+        "ppo.eval_every=1",
+        "ppo.eval_n_prompts=16",
+    ]
     env = {**os.environ, "PREFECT_HOME": seed_prefect_home(tmp_path / "prefect"), "PYTHONUNBUFFERED": "1"}
     env["PREFECT_API_URL"] = shared_prefect_api  # Prefect in passing: no temporary server for each attempt
 

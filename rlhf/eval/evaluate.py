@@ -19,6 +19,21 @@ from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.eval import length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
+from rlhf.metrics import (
+    EVAL_HACKING_EMPTY,
+    EVAL_HACKING_LENGTH,
+    EVAL_KL,
+    EVAL_N_LEN_MATCHED,
+    EVAL_N_PROMPTS,
+    EVAL_OVEROPTIMISATION_FLAG,
+    EVAL_POLICY_GOLD,
+    EVAL_POLICY_SCORE,
+    EVAL_SFT_GOLD,
+    EVAL_SFT_SCORE,
+    EVAL_TIE_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_RM,
+)
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
 from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward
@@ -181,7 +196,7 @@ def overoptimisation_signs(
         stats = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std)}
         summary |= {f"eval/{name}_{key}": value for key, value in stats.items()}
         fired = alarm.check(int(name == "policy"), stats)
-    summary["eval/overoptimisation_flag"] = float(fired is not None)
+    summary[EVAL_OVEROPTIMISATION_FLAG] = float(fired is not None)
     if fired is None:
         return summary, []
     return summary, [
@@ -216,11 +231,11 @@ def summarize(
         }
     )
     summary = {
-        "eval/n_prompts": float(len(prompts)),
-        "eval/policy_score": float(policy["score"].mean()),
-        "eval/sft_score": float(sft["score"].mean()),
-        "eval/win_rate_rm": float(np.mean(policy["score"] > sft["score"])),
-        "eval/kl": float(policy["kl"].mean()),
+        EVAL_N_PROMPTS: float(len(prompts)),
+        EVAL_POLICY_SCORE: float(policy["score"].mean()),
+        EVAL_SFT_SCORE: float(sft["score"].mean()),
+        EVAL_WIN_RATE_RM: float(np.mean(policy["score"] > sft["score"])),
+        EVAL_KL: float(policy["kl"].mean()),
     }
     for name, frame in (("policy", policy), ("sft", sft)):
         stats = length_control.length_stats(frame["length"], empty[name])
@@ -234,7 +249,7 @@ def summarize(
         summary[f"eval/win_rate_{key}_len_controlled"] = c.controlled_win_rate
         if c.n_matched:  # undefined without a length-matched pair: left out rather than NaN
             summary[f"eval/win_rate_{key}_len_matched"] = c.matched_win_rate
-        summary["eval/n_len_matched"] = float(c.n_matched)
+        summary[EVAL_N_LEN_MATCHED] = float(c.n_matched)
 
     add_length_control("rm", "reward-model score", policy["score"], sft["score"])
     if gold_fn is not None:
@@ -242,16 +257,16 @@ def summarize(
         table["policy_gold"] = [gold_fn(p, r) for p, r in zip(prompts, policy["response"], strict=True)]
         summary.update(
             {
-                "eval/policy_gold": float(table["policy_gold"].mean()),
-                "eval/sft_gold": float(table["sft_gold"].mean()),
-                "eval/win_rate_gold": float(np.mean(table["policy_gold"] > table["sft_gold"])),
-                "eval/tie_rate_gold": float(np.mean(table["policy_gold"] == table["sft_gold"])),
+                EVAL_POLICY_GOLD: float(table["policy_gold"].mean()),
+                EVAL_SFT_GOLD: float(table["sft_gold"].mean()),
+                EVAL_WIN_RATE_GOLD: float(np.mean(table["policy_gold"] > table["sft_gold"])),
+                EVAL_TIE_RATE_GOLD: float(np.mean(table["policy_gold"] == table["sft_gold"])),
             }
         )
         add_length_control("gold", "gold reward", table["policy_gold"], table["sft_gold"])
     verdict = length_control.hacking_verdict(
         controls, policy["length"], sft["length"], empty["policy"], empty["sft"], policy["score"]
     )
-    summary["eval/hacking_flag_length"] = float(verdict.length)
-    summary["eval/hacking_flag_empty"] = float(verdict.empty)
+    summary[EVAL_HACKING_LENGTH] = float(verdict.length)
+    summary[EVAL_HACKING_EMPTY] = float(verdict.empty)
     return table, summary, verdict.warnings

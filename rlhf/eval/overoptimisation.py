@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD
+
 
 def _bigrams(text: str) -> list[tuple[str, str]]:
     words = text.split()
@@ -155,7 +157,7 @@ def replay(history: pd.DataFrame) -> dict[str, float]:
     evaluation before the alarm; the final one where it never fires)."""
     history = history.sort_values("step").reset_index(drop=True)
     stats = [
-        {key.removeprefix("periodic_eval/"): value for key, value in row.items() if isinstance(key, str)}
+        {key.removeprefix(PERIODIC_EVAL): value for key, value in row.items() if isinstance(key, str)}
         for row in history.to_dict("records")
     ]
     in_distribution_std = 0.0
@@ -164,7 +166,7 @@ def replay(history: pd.DataFrame) -> dict[str, float]:
     alarm = OveroptimisationAlarm(in_distribution_std)
     for row in stats:
         alarm.check(int(row["step"]), {k: v for k, v in row.items() if v == v})  # NaN: a metric not logged there
-    gold = history["periodic_eval/gold"]
+    gold = history[PERIODIC_GOLD]
     peak = int(gold.idxmax())
     fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)
     fired = alarm.fired

@@ -35,6 +35,15 @@ from rlhf.config import PipelineConfig, PPOConfig, RewardConfig, RuntimeConfig, 
 from rlhf.data.prepare import gold_scorer
 from rlhf.errors import ConfigError
 from rlhf.eval.evaluate import eval_prompts
+from rlhf.metrics import (
+    EPISODES_PER_S,
+    OBJECTIVE_GOLD,
+    OBJECTIVE_KL,
+    OBJECTIVE_KL_COEF,
+    OBJECTIVE_SCORES,
+    POLICY_APPROXKL,
+    POLICY_CLIPFRAC,
+)
 from rlhf.models.device import configure_cpu
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
@@ -128,13 +137,13 @@ def _printer(every: int, total: int) -> LogFn:
     """Print key statistics every `every` updates and at the last one (the pipeline's progress bar reads them: the
     watched numbers of tasks/progress.py, score, KL, KL coefficient and gold score, are among them)."""
     keys = (
-        "objective/scores",
-        "objective/kl",
-        "objective/kl_coef",
-        "objective/gold_score",
-        "policy/approxkl",
-        "policy/clipfrac",
-        "speed/episodes_per_s",
+        OBJECTIVE_SCORES,
+        OBJECTIVE_KL,
+        OBJECTIVE_KL_COEF,
+        OBJECTIVE_GOLD,
+        POLICY_APPROXKL,
+        POLICY_CLIPFRAC,
+        EPISODES_PER_S,
     )
 
     def show(metrics: dict[str, float], step: int) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
+from rlhf.metrics import POLICY_APPROXKL, POLICY_CLIPFRAC
 from rlhf.models import sharding
 from rlhf.models.device import autocast, torch_threads
 from rlhf.models.training import unwrap
@@ -129,7 +130,7 @@ class HalfWeights(NamedTuple):
 # how each statistic of the two halves combines: by the halves' tokens (token means), by their sequences (means
 # over responses), or by their share of the aggregated loss it belongs to; policy/ratio_var and loss/total are
 # recombined from these
-_TOKEN_MEANS = ("policy/entropy", "policy/approxkl", "policy/policykl", "policy/clipfrac", "policy/ratio_mean")
+_TOKEN_MEANS = ("policy/entropy", POLICY_APPROXKL, "policy/policykl", POLICY_CLIPFRAC, "policy/ratio_mean")
 _SEQUENCE_MEANS = ("policy/seq_clipfrac",)
 _LOSS_WEIGHTS = {"policy/loss": "policy", "policy/kl_loss": "kl"}
 
@@ -271,7 +272,7 @@ def minibatch_step(
 
 def _global_approxkl(running: OptimStats, world_size: int, device: torch.device) -> float:
     """The early-stop test's approximate KL: averaged across ranks, so that every rank stops at the same epoch."""
-    approxkl = running.means()["policy/approxkl"]
+    approxkl = running.means()[POLICY_APPROXKL]
     if world_size == 1:
         return approxkl
     return float(all_reduce_mean(torch.tensor([approxkl], dtype=torch.float64, device=device)))

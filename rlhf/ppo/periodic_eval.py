@@ -27,6 +27,7 @@ from rlhf.eval.overoptimisation import (
     ensemble_stats,
     response_stats,
 )
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE
 from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
@@ -72,26 +73,25 @@ def evaluate_now(
     )
     kl = float(frame["kl"].mean())
     metrics = {
-        "periodic_eval/score": float(frame["score"].mean()),
-        "periodic_eval/kl": kl,
+        PERIODIC_SCORE: float(frame["score"].mean()),
+        PERIODIC_KL: kl,
         "periodic_eval/sqrt_kl": sqrt_kl(kl),
         "periodic_eval/length_mean": float(frame["length"].mean()),
     }
     signs = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std(models.reward))}
-    metrics |= {f"{EVAL_PREFIX}{key}": value for key, value in signs.items()}
+    metrics |= {f"{PERIODIC_EVAL}{key}": value for key, value in signs.items()}
     if gold_fn is not None:
         gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]
-        metrics["periodic_eval/gold"] = float(sum(gold) / len(gold))
+        metrics[PERIODIC_GOLD] = float(sum(gold) / len(gold))
     return metrics
 
 
-EVAL_PREFIX = "periodic_eval/"
 ALARM_KEY = "periodic_eval/overoptimisation_alarm"  # 1 at the evaluation where the alarm fired, else 0
 
 
 def alarm_stats(metrics: dict[str, float]) -> dict[str, float]:
     """The alarm's inputs among an evaluation's periodic_eval/* metrics, without the prefix."""
-    return {key.removeprefix(EVAL_PREFIX): value for key, value in metrics.items() if key.startswith(EVAL_PREFIX)}
+    return {key.removeprefix(PERIODIC_EVAL): value for key, value in metrics.items() if key.startswith(PERIODIC_EVAL)}
 
 
 @dataclass

@@ -9,6 +9,14 @@ import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
+from rlhf.metrics import (
+    OBJECTIVE_KL,
+    OBJECTIVE_KL_COEF,
+    OBJECTIVE_RLHF_REWARD,
+    OBJECTIVE_SCORES,
+    POLICY_APPROXKL,
+    POLICY_CLIPFRAC,
+)
 from rlhf.ops import PolicyLossOutput, ValueLossOutput, explained_variance, masked_mean, masked_quantiles, masked_var
 
 
@@ -58,18 +66,18 @@ def rollout_stats(
     non_score = non_score_rewards.sum(1)
     response_len = m.sum(1)
     stats = {
-        "objective/kl": kl_seq.mean().item(),
-        "objective/kl_coef": kl_coef,
+        OBJECTIVE_KL: kl_seq.mean().item(),
+        OBJECTIVE_KL_COEF: kl_coef,
         "objective/logprobs": masked_mean(logprobs, m).item(),
         "objective/ref_logprobs": masked_mean(ref_logprobs, m).item(),
         "objective/entropy": (-logprobs * m).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
-        "objective/scores": scores.mean().item(),
+        OBJECTIVE_SCORES: scores.mean().item(),
         "objective/scores_std": scores.std().item() if len(scores) > 1 else 0.0,
         "objective/scores_min": scores.min().item(),
         "objective/scores_max": scores.max().item(),
         "objective/shaped_scores": shaped_scores.mean().item(),
-        "objective/rlhf_reward": (shaped_scores + non_score).mean().item(),
+        OBJECTIVE_RLHF_REWARD: (shaped_scores + non_score).mean().item(),
         "objective/stop_rate": contains_stop.float().mean().item(),
         "advantages/mean": masked_mean(advantages, m).item(),
         "tokens/query_len_mean": query_lengths.float().mean().item(),
@@ -161,9 +169,9 @@ MICRO_KEYS = (
     "value/loss",
     "loss/total",
     "policy/entropy",
-    "policy/approxkl",
+    POLICY_APPROXKL,
     "policy/policykl",
-    "policy/clipfrac",
+    POLICY_CLIPFRAC,
     "policy/ratio_mean",
     "policy/ratio_var",
     "value/clipfrac",

@@ -16,6 +16,7 @@ from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import TrainingInterrupted
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.metrics import EPISODES_PER_S, OBJECTIVE_KL, OBJECTIVE_SCORES, PEAK_MEMORY
 from rlhf.models import sharding
 from rlhf.models.device import compute_dtype, resolve_device
 from rlhf.models.reward_ensemble import in_distribution_std
@@ -155,12 +156,12 @@ def train_ppo(
         stats.update(record_rollouts(out_dir, update, models, prompts, rollout, cfg, gold_fn, dist))
         stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device, dist.world_size))
         stats = distributed.reduce_stats(stats)
-        state.kl_ctl.update(stats["objective/kl"], cfg.batch_size)
+        state.kl_ctl.update(stats[OBJECTIVE_KL], cfg.batch_size)
         state.step = update + 1
         if dist.is_main and (state.step % cfg.log_every == 0 or state.step == total):
             log({**stats, **pending}, state.step)
             pending = {}  # the prompts' truncation share: logged once, with the first logged update
-        bar.set_postfix(score=f"{stats['objective/scores']:.2f}", kl=f"{stats['objective/kl']:.2f}", refresh=False)
+        bar.set_postfix(score=f"{stats[OBJECTIVE_SCORES]:.2f}", kl=f"{stats[OBJECTIVE_KL]:.2f}", refresh=False)
         if evaluate_if_due(state.step):
             break  # ppo.on_overoptimisation 'stop': the final policy is the last one the alarm passed
         if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
@@ -372,7 +373,7 @@ def speed_stats(
         **rollout.scored.timings,
         "time/stats": now - t_stats,
         "time/total": total,
-        "speed/episodes_per_s": batch_size / total,
+        EPISODES_PER_S: batch_size / total,
         "speed/tokens_per_s": float(rollout.mask.sum()) * world_size / total,
-        "memory/peak_mb": peak_memory_mb(device),
+        PEAK_MEMORY: peak_memory_mb(device),
     }

@@ -15,6 +15,7 @@ import argparse
 import pandas as pd
 
 from rlhf.eval.overoptimisation import GOLD_FALL, replay
+from rlhf.metrics import PERIODIC_GOLD
 from rlhf.tracking.client import Tracker
 
 
@@ -27,7 +28,7 @@ def alarm_table(tracker: Tracker, name_filter: str = "") -> pd.DataFrame:
         keys = ["score", "gold", "kl", "distinct_2", "identical_share", "repetition"]
         keys += ["ensemble_mean", "ensemble_min", "ensemble_std", "disagreement_ratio"]
         history = tracker.metric_histories(run.run_id, [f"periodic_eval/{k}" for k in keys])
-        if history.empty or "periodic_eval/gold" not in history or history["periodic_eval/gold"].isna().all():
+        if history.empty or PERIODIC_GOLD not in history or history[PERIODIC_GOLD].isna().all():
             continue
         rows.append({"run": run.name, **replay(history)})
     return pd.DataFrame(rows)

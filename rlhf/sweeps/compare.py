@@ -19,33 +19,53 @@ from pathlib import Path
 import pandas as pd
 
 from rlhf.config import TrackingConfig
+from rlhf.metrics import (
+    EVAL_HACKING_EMPTY,
+    EVAL_HACKING_LENGTH,
+    EVAL_KL,
+    EVAL_POLICY_EMPTY,
+    EVAL_POLICY_GOLD,
+    EVAL_POLICY_LENGTH,
+    EVAL_POLICY_SCORE,
+    EVAL_POLICY_STOP,
+    EVAL_SFT_GOLD,
+    EVAL_SFT_LENGTH,
+    EVAL_SFT_SCORE,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD_LC,
+    EVAL_WIN_RATE_RM,
+    EVAL_WIN_RATE_RM_LC,
+    OBJECTIVE_KL,
+    OBJECTIVE_SCORES,
+    REWARD_BEST_EVAL_ACCURACY,
+)
 from rlhf.sweeps.overoptimisation import sweep_run
 from rlhf.sweeps.plots import Point, reward_vs_kl, training_curves
-from rlhf.sweeps.ranking import GOLD_METRIC, reward_metric
+from rlhf.sweeps.ranking import reward_metric
 from rlhf.tracking.client import RunRecord, Tracker, experiment_names
 from rlhf.tracking.default_view import mlflow_compare_url
 from rlhf.tracking.store import store_exists
 
 # Final metrics of a pipeline run (logged on the parent run by the flow), in display order.
 SUMMARY_METRICS = (
-    "reward/best_eval_accuracy",
-    "eval/win_rate_gold",
-    "eval/policy_gold",
-    "eval/sft_gold",
-    "eval/win_rate_rm",
-    "eval/policy_score",
-    "eval/sft_score",
-    "eval/kl",
-    "eval/win_rate_rm_len_controlled",
-    "eval/win_rate_gold_len_controlled",
-    "eval/policy_length_mean",
-    "eval/sft_length_mean",
-    "eval/policy_empty_rate",
-    "eval/policy_stop_rate",
-    "eval/hacking_flag_length",
-    "eval/hacking_flag_empty",
+    REWARD_BEST_EVAL_ACCURACY,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_POLICY_GOLD,
+    EVAL_SFT_GOLD,
+    EVAL_WIN_RATE_RM,
+    EVAL_POLICY_SCORE,
+    EVAL_SFT_SCORE,
+    EVAL_KL,
+    EVAL_WIN_RATE_RM_LC,
+    EVAL_WIN_RATE_GOLD_LC,
+    EVAL_POLICY_LENGTH,
+    EVAL_SFT_LENGTH,
+    EVAL_POLICY_EMPTY,
+    EVAL_POLICY_STOP,
+    EVAL_HACKING_LENGTH,
+    EVAL_HACKING_EMPTY,
 )
-CURVE_METRICS = ("objective/scores", "objective/kl")
+CURVE_METRICS = (OBJECTIVE_SCORES, OBJECTIVE_KL)
 # Parameters that differ between runs without changing what was trained.
 IGNORED_PARAM_PREFIXES = ("run_name", "tracking.", "runtime.output_dir", "runtime.progress")
 PPO_STAGE = "train_policy_ppo"
@@ -94,7 +114,7 @@ def ppo_run(tracker: Tracker, run: RunRecord) -> RunRecord | None:
 
 def reward_key(runs: list[RunRecord]) -> str:
     """Gold reward when every run has one (the synthetic task), else the reward-model score."""
-    return reward_metric([GOLD_METRIC in r.metrics for r in runs])
+    return reward_metric([EVAL_POLICY_GOLD in r.metrics for r in runs])
 
 
 def compare(tracker: Tracker, runs: list[RunRecord], out_dir: str | Path, all_params: bool = False) -> Comparison:
@@ -108,8 +128,8 @@ def compare(tracker: Tracker, runs: list[RunRecord], out_dir: str | Path, all_pa
     table.T.to_csv(out / "compare.csv", index_label="run")  # one row per run
 
     key = reward_key(runs)
-    finished = [r for r in runs if key in r.metrics and "eval/kl" in r.metrics]
-    points = [Point(r.name, r.metrics["eval/kl"], r.metrics[key]) for r in finished]
+    finished = [r for r in runs if key in r.metrics and EVAL_KL in r.metrics]
+    points = [Point(r.name, r.metrics[EVAL_KL], r.metrics[key]) for r in finished]
     baselines = [r.metrics[key.replace("ppo", "sft")] for r in finished if key.replace("ppo", "sft") in r.metrics]
     baseline = sum(baselines) / len(baselines) if baselines else None
     files = [reward_vs_kl(points, out / "reward_vs_kl.png", key, baseline)]

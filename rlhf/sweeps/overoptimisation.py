@@ -22,12 +22,13 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from rlhf.config import TrackingConfig
+from rlhf.metrics import PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE
 from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import RunRecord, Tracker, experiment_names
 from rlhf.tracking.store import store_exists
 
 PPO_STAGE = "train_policy_ppo"
-SCORE, GOLD, KL = "periodic_eval/score", "periodic_eval/gold", "periodic_eval/kl"
+SCORE, GOLD, KL = PERIODIC_SCORE, PERIODIC_GOLD, PERIODIC_KL
 HISTORY_KEYS = [SCORE, GOLD, KL]
 RESULTS_FROM_TAG = "rlhf.results_from_run"  # a pipeline run served from the cache names the run that computed it
 GOLD_COLOR, PROXY_COLOR = "tab:orange", "tab:blue"

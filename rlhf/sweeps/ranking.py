@@ -9,39 +9,54 @@ from typing import Any
 
 import pandas as pd
 
-GOLD_METRIC = "eval/policy_gold"  # mean gold reward of the PPO policy's evaluation responses
-RM_METRIC = "eval/policy_score"  # mean reward-model score of the same responses
+from rlhf.metrics import (
+    EVAL_HACKING_EMPTY,
+    EVAL_HACKING_LENGTH,
+    EVAL_KL,
+    EVAL_POLICY_EMPTY,
+    EVAL_POLICY_GOLD,
+    EVAL_POLICY_LENGTH,
+    EVAL_POLICY_SCORE,
+    EVAL_SFT_GOLD,
+    EVAL_SFT_SCORE,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_RM,
+    EVAL_WIN_RATE_RM_LC,
+    REWARD_BEST_EVAL_ACCURACY,
+)
+
+RM_METRIC = EVAL_POLICY_SCORE  # mean reward-model score of the same responses
 
 
 def reward_metric(has_gold: Sequence[bool]) -> str:
-    """`GOLD_METRIC` when there is at least one run and every run has a gold reward (`has_gold`, one flag per
+    """`EVAL_POLICY_GOLD` when there is at least one run and every run has a gold reward (`has_gold`, one flag per
     run), else `RM_METRIC`."""
-    return GOLD_METRIC if len(has_gold) and all(has_gold) else RM_METRIC
+    return EVAL_POLICY_GOLD if len(has_gold) and all(has_gold) else RM_METRIC
 
 
 # Metric columns of the ranking table: the PPO policy's rewards and KL, then the SFT baseline's rewards, then the
 # reward-hacking checks (rlhf.eval.length_control).
 RANK_METRICS = (
-    "eval/policy_gold",
-    "eval/win_rate_gold",
-    "eval/policy_score",
-    "eval/win_rate_rm",
-    "eval/kl",
-    "reward/best_eval_accuracy",
-    "eval/sft_gold",
-    "eval/sft_score",
-    "eval/win_rate_rm_len_controlled",
-    "eval/policy_length_mean",
-    "eval/policy_empty_rate",
-    "eval/hacking_flag_length",
-    "eval/hacking_flag_empty",
+    EVAL_POLICY_GOLD,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_POLICY_SCORE,
+    EVAL_WIN_RATE_RM,
+    EVAL_KL,
+    REWARD_BEST_EVAL_ACCURACY,
+    EVAL_SFT_GOLD,
+    EVAL_SFT_SCORE,
+    EVAL_WIN_RATE_RM_LC,
+    EVAL_POLICY_LENGTH,
+    EVAL_POLICY_EMPTY,
+    EVAL_HACKING_LENGTH,
+    EVAL_HACKING_EMPTY,
 )
 
 
 def rank_key(frame: pd.DataFrame) -> str:
     """The metric variants are ranked by: mean gold reward when every finished variant has it, else RM score."""
     finished = frame[frame["status"] == "completed"] if "status" in frame else frame
-    return reward_metric(finished[GOLD_METRIC].notna().tolist() if GOLD_METRIC in finished else [])
+    return reward_metric(finished[EVAL_POLICY_GOLD].notna().tolist() if EVAL_POLICY_GOLD in finished else [])
 
 
 def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:

@@ -22,6 +22,18 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY
+from rlhf.metrics import (
+    EVAL_HACKING_EMPTY,
+    EVAL_HACKING_LENGTH,
+    EVAL_KL,
+    EVAL_OVEROPTIMISATION_FLAG,
+    EVAL_POLICY_GOLD,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD_LC,
+    PERIODIC_GOLD,
+    PERIODIC_KL,
+    TIME_POLICY_TRAIN,
+)
 from rlhf.sweeps.overoptimisation import collect_histories
 from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import Tracker
@@ -36,17 +48,17 @@ T95 = (
 # (column of the study table, the run's summary metrics (the first a run has), how the arm's runs combine: 'rate' a
 # share in [0, 1] with its logit-scale interval, 'mean' with its t-interval, 'max' the largest)
 MEASURES = (
-    ("win_rate_gold", ("eval/win_rate_gold",), "rate"),
-    ("win_rate_gold_lc", ("eval/win_rate_gold_len_controlled",), "rate"),
-    ("gold", ("eval/policy_gold",), "mean"),
-    ("kl", ("eval/kl",), "mean"),
-    ("train_s", ("time/policy_train",), "mean"),
+    ("win_rate_gold", (EVAL_WIN_RATE_GOLD,), "rate"),
+    ("win_rate_gold_lc", (EVAL_WIN_RATE_GOLD_LC,), "rate"),
+    ("gold", (EVAL_POLICY_GOLD,), "mean"),
+    ("kl", (EVAL_KL,), "mean"),
+    ("train_s", (TIME_POLICY_TRAIN,), "mean"),
     ("peak_mb", ("memory/ppo_peak_mb", "memory/dpo_peak_mb"), "max"),  # the policy stage's measured peak
 )
-HACKING_FLAGS = ("eval/hacking_flag_length", "eval/hacking_flag_empty")
+HACKING_FLAGS = (EVAL_HACKING_LENGTH, EVAL_HACKING_EMPTY)
 # the over-optimisation alarm: at PPO's periodic evaluations (the update it fired after; -1: never) or on the
 # evaluation stage's final policy against SFT (1: fired)
-ALARM_METRICS = (ALARM_STEP_KEY, "eval/overoptimisation_flag")
+ALARM_METRICS = (ALARM_STEP_KEY, EVAL_OVEROPTIMISATION_FLAG)
 STUDY_METRICS = tuple(metric for _, metrics, _ in MEASURES for metric in metrics) + HACKING_FLAGS + ALARM_METRICS
 
 
@@ -189,11 +201,11 @@ def frontier_points(
         if label not in arm_of:
             continue
         for _, h in history.iterrows():
-            step, gold, kl = int(h["step"]), h.get("periodic_eval/gold"), h.get("periodic_eval/kl")
+            step, gold, kl = int(h["step"]), h.get(PERIODIC_GOLD), h.get(PERIODIC_KL)
             records.append((arm_of[label], label, "periodic", step, gold, kl))
     for row in rows:
         if row.get("status") == "completed" and row.get("label") in arm_of:
-            records.append((row["arm"], row["label"], "final", -1, row.get("eval/policy_gold"), row.get("eval/kl")))
+            records.append((row["arm"], row["label"], "final", -1, row.get(EVAL_POLICY_GOLD), row.get(EVAL_KL)))
     frame = pd.DataFrame(records, columns=["arm", "run", "kind", "step", "gold", "kl"])
     frame[["gold", "kl"]] = frame[["gold", "kl"]].astype(float)
     frame = frame[np.isfinite(frame["gold"]) & np.isfinite(frame["kl"])].copy()

@@ -18,6 +18,18 @@ import os
 import zlib
 from urllib.parse import quote
 
+from rlhf.metrics import (
+    EVAL_KL,
+    EVAL_POLICY_GOLD,
+    EVAL_POLICY_LENGTH,
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD_LC,
+    EVAL_WIN_RATE_RM,
+    EVAL_WIN_RATE_RM_LC,
+    REWARD_BEST_EVAL_ACCURACY,
+    TIME_POLICY_TRAIN,
+)
+
 VIEW_KEY = "rlhf-default"
 VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"
 VIEW_NAME = "RLHF: win rates, KL, PPO charts first"
@@ -25,15 +37,15 @@ VIEW_NAME = "RLHF: win rates, KL, PPO charts first"
 EXPERIMENT_QUERY = f"viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"  # after #/experiments/<id>/runs
 
 COLUMN_METRICS = (
-    "eval/win_rate_gold",
-    "eval/win_rate_gold_len_controlled",
-    "eval/win_rate_rm",
-    "eval/win_rate_rm_len_controlled",
-    "eval/kl",
-    "reward/best_eval_accuracy",
-    "eval/policy_gold",
-    "eval/policy_length_mean",
-    "time/policy_train",
+    EVAL_WIN_RATE_GOLD,
+    EVAL_WIN_RATE_GOLD_LC,
+    EVAL_WIN_RATE_RM,
+    EVAL_WIN_RATE_RM_LC,
+    EVAL_KL,
+    REWARD_BEST_EVAL_ACCURACY,
+    EVAL_POLICY_GOLD,
+    EVAL_POLICY_LENGTH,
+    TIME_POLICY_TRAIN,
 )
 # the algorithm first: a study's runs (make study) read as arm and seed beside their win rates
 COLUMN_PARAMS = (

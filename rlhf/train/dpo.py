@@ -24,6 +24,7 @@ from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DPOConfig, RuntimeConfig
 from rlhf.errors import DataError
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.metrics import PEAK_MEMORY
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.heads import backbone_hidden, lm_logits
@@ -269,7 +270,7 @@ def train_dpo(
     summary = {
         "time/dpo": time.perf_counter() - start,
         "time/dpo_reference": reference_seconds,
-        "memory/peak_mb": peak_memory_mb(device),
+        PEAK_MEMORY: peak_memory_mb(device),
         **length_stats,
     }
     log(summary, total)

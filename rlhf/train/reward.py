@@ -19,6 +19,7 @@ from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.heads import sequence_scores
@@ -72,11 +73,11 @@ def score_pairs(
     return scores[: len(frame)], scores[len(frame) :]
 
 
-# the reward model's metric keys: TRAIN_PREFIX/<stat> every step, EVAL_PREFIX/<stat> on the held-out pairs every
+# the reward model's metric keys: TRAIN_PREFIX/<stat> every step, PERIODIC_EVAL/<stat> on the held-out pairs every
 # reward.eval_every steps (`pair_stats`); the run's summary keys are reward/<name> (reward/best_eval_accuracy: the kept
 # checkpoint's held-out accuracy)
 TRAIN_PREFIX = "reward/train"
-EVAL_PREFIX = "reward/eval"
+PERIODIC_EVAL = "reward/eval"
 
 
 def pair_stats(prefix: str, chosen: Tensor, rejected: Tensor, loss: Tensor | None = None) -> dict[str, float]:
@@ -103,7 +104,7 @@ def evaluate_pairs(
     device: torch.device,
     batch_size: int = 128,
 ) -> dict[str, float]:
-    """Held-out loss, accuracy, margin and reward statistics (`EVAL_PREFIX`/<stat>)."""
+    """Held-out loss, accuracy, margin and reward statistics (`PERIODIC_EVAL`/<stat>)."""
     was_training = model.training
     model.eval()
     chosen, rejected = [], []
@@ -116,7 +117,7 @@ def evaluate_pairs(
     c, r = torch.cat(chosen), torch.cat(rejected)
     margin = _margins(frame, cfg, device)
     loss = pairwise_reward_loss(c, r, margin, cfg.center_coef).loss
-    return pair_stats(EVAL_PREFIX, c, r, loss)
+    return pair_stats(PERIODIC_EVAL, c, r, loss)
 
 
 def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Tensor | None:
@@ -269,7 +270,7 @@ def train_reward_model(
             stats[f"{TRAIN_PREFIX}/skipped_nonfinite"] = float(end.skipped)
         if end.step % cfg.eval_every == 0 or end.step == total:
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
-            best.update(model, stats[f"{EVAL_PREFIX}/accuracy"], end.step)
+            best.update(model, stats[f"{PERIODIC_EVAL}/accuracy"], end.step)
         log(stats, end.step)
 
     settings = LoopSettings(
@@ -296,12 +297,12 @@ def train_reward_model(
     if best.weights is not None:
         accuracy = best.accuracy
     else:
-        accuracy = evaluate_pairs(model, tokenizer, evals, cfg, device)[f"{EVAL_PREFIX}/accuracy"]
+        accuracy = evaluate_pairs(model, tokenizer, evals, cfg, device)[f"{PERIODIC_EVAL}/accuracy"]
     metrics = {
-        "reward/best_eval_accuracy": accuracy,
+        REWARD_BEST_EVAL_ACCURACY: accuracy,
         "reward/best_step": float(best.step),
         "time/reward": time.perf_counter() - start,
-        "memory/peak_mb": peak_memory_mb(device),
+        PEAK_MEMORY: peak_memory_mb(device),
         **length_stats,
     }
     log(metrics, total)

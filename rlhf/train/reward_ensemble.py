@@ -12,6 +12,7 @@ from torch import Tensor
 
 from rlhf.checkpoints import atomic_dir, read_manifest, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
+from rlhf.metrics import REWARD_BEST_EVAL_ACCURACY
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.loading import load_options, load_tokenizer
 from rlhf.models.reward_ensemble import EnsembleSpec, load_reward
@@ -94,5 +95,5 @@ def build_ensemble(
         spec.write(tmp)
         load_tokenizer(members[0], trust_remote_code=runtime.trust_remote_code).save_pretrained(tmp)
         manifest = write_manifest(tmp, stage="reward_ensemble", accuracy=stats[f"{ENSEMBLE_PREFIX}/accuracy"])
-    metrics = {**stats, "reward/best_eval_accuracy": stats[f"{ENSEMBLE_PREFIX}/accuracy"]}
+    metrics = {**stats, REWARD_BEST_EVAL_ACCURACY: stats[f"{ENSEMBLE_PREFIX}/accuracy"]}
     return RewardResult(str(out_dir), manifest["digest"], metrics)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_wi
 from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.metrics import PEAK_MEMORY
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, compute_dtype, resolve_device
@@ -196,7 +197,7 @@ def train_sft(
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         manifest = write_manifest(tmp, stage="sft", steps=cfg.steps, final_loss=loss_value, base_model=cfg.model)
-    metrics = {"sft/final_loss": loss_value, "time/sft": elapsed, "memory/peak_mb": peak_memory_mb(device)}
+    metrics = {"sft/final_loss": loss_value, "time/sft": elapsed, PEAK_MEMORY: peak_memory_mb(device)}
     metrics |= length_stats
     log(metrics, cfg.steps)
     return SFTResult(str(out_dir), manifest["digest"], trained=True, metrics=metrics)
