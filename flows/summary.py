@@ -157,11 +157,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
     lines.append(_row(f"mean KL({label} || SFT) per response", f"{summary[EVAL_KL]:.3f}"))
     if EVAL_POLICY_LENGTH in summary:
-        for name in ("ppo", "sft"):
+        for name in ("policy", "sft"):
             mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
             lines.append(
                 _row(
-                    f"{label if name == 'ppo' else 'SFT'} response tokens",
+                    f"{label if name == 'policy' else 'SFT'} response tokens",
                     f"mean {mean:.1f}, p10/p50/p90 {p10:g}/{p50:g}/{p90:g}; "
                     f"empty {summary[f'eval/{name}_empty_rate']:.1%}, "
                     f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",

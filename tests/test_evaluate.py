@@ -103,7 +103,7 @@ def test_evaluate_policies_reports_lengths_empties_and_flags(tiny_checkpoints, p
     )
     s = result.summary
     assert logged == [s]
-    for name in ("ppo", "sft"):
+    for name in ("policy", "sft"):
         for key in POLICY_KEYS:
             assert f"eval/{name}_{key}" in s, key
     for key in ("eval/win_rate_rm_len_controlled", "eval/win_rate_gold_len_controlled", "eval/n_len_matched"):
@@ -113,7 +113,7 @@ def test_evaluate_policies_reports_lengths_empties_and_flags(tiny_checkpoints, p
 
     table = pd.read_parquet(result.completions)
     assert {"sft_length", "policy_length", "sft_empty", "policy_empty"} <= set(table.columns)
-    for name in ("ppo", "sft"):
+    for name in ("policy", "sft"):
         length, empty = table[f"{name}_length"], table[f"{name}_empty"]
         assert s[f"eval/{name}_empty_rate"] == pytest.approx(empty.mean())
         assert empty[length == 0].all()  # zero tokens before the stop token is empty

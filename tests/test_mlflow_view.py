@@ -34,7 +34,7 @@ def test_the_saved_view_has_the_columns_and_the_ppo_charts_first():
         state["selectedColumns"]
     )
     sections = [s["name"] for s in state["compareRunSections"]]
-    assert sections[:2] == ["objective", "ppo_eval"] and state["isAccordionReordered"]
+    assert sections[:2] == ["objective", "periodic_eval"] and state["isAccordionReordered"]
     assert state["compareRunCharts"] == []  # the UI adds a chart per metric to its section, in this order
 
 

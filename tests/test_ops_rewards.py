@@ -108,8 +108,9 @@ def test_per_token_rewards_padding_invariance_and_empty_row() -> None:
     torch.testing.assert_close(out.rewards[1], torch.zeros(3))
 
 
-def test_compute_advantages_applies_the_eos_mode_to_the_min_length_penalty() -> None:
-    # ppo.min_length_penalty uses the same mode as the EOS penalty: in "replace" mode short rows score the penalty
+def test_compute_advantages_applies_each_penalty_in_its_own_mode() -> None:
+    # ppo.min_length_mode and ppo.missing_eos_mode: in "replace" mode a short row (and a row without a stop token)
+    # scores its penalty
     from rlhf.config import PPOConfig
     from rlhf.ppo.update import Rollout, compute_advantages
     from rlhf.rollout.generation import Responses
@@ -120,6 +121,7 @@ def test_compute_advantages_applies_the_eos_mode_to_the_min_length_penalty() -> 
         missing_eos_mode="replace",
         min_response_length=4,
         min_length_penalty=-1.0,
+        min_length_mode="replace",
         whiten_advantages=False,
     )
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
