@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -341,6 +342,9 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
     assert client.get_run(run_id).data.tags["mlflow.note.content"].startswith("NOTE: every variant")
     (study,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-study"]
     assert study.description.startswith("NOTE: every variant")
+    (ranking,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study"]
+    assert study.task_run_id is None and ranking.task_run_id is None  # both filed under the sweep's flow run
+    assert list(json.loads(study.data)[0])[:4] == ["arm", "runs", "gold win rate over SFT [95% interval]", "KL to SFT"]
     (compare,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-mlflow-compare"]
     assert "#/compare-runs?runs=" in compare.data and "workflowType=machine_learning" in compare.data
     table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))

@@ -142,9 +142,26 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
     return pd.DataFrame(out)
 
 
-def format_study(table: pd.DataFrame) -> str:
-    """The study table as Markdown: rates as 'mean [low, high]' with each run's value in a column of its own, the
-    other intervals as 'mean ± half-width' (docs/algorithms.md prints this)."""
+# The study table's columns as people read it (the Markdown of make study and docs/algorithms.md, the Prefect table):
+# the arm, its runs, then the gold win rate and the KL it cost side by side
+STUDY_HEADERS = (
+    "arm",
+    "runs",
+    "gold win rate over SFT [95% interval]",
+    "KL to SFT",
+    "mean gold reward",
+    "length-controlled",
+    "each run (%)",
+    "policy stage (s)",
+    "peak memory (MB)",
+    "hacking flag",
+    "over-optimisation alarm",
+)
+
+
+def study_cells(table: pd.DataFrame) -> list[dict[str, str]]:
+    """The study table's rows as text, keyed by `STUDY_HEADERS`: rates as 'mean [low, high]' with each run's value
+    in a column of its own, the other intervals as 'mean ± half-width', 'n/a' where no run has a value."""
 
     def cell(row: pd.Series, column: str, fmt: str) -> str:
         mean, half = row.get(column, math.nan), row.get(f"{column}_ci", math.nan)
@@ -162,19 +179,30 @@ def format_study(table: pd.DataFrame) -> str:
         values = row.get(f"{column}_runs")
         return ", ".join(f"{100 * v:.1f}" for v in values) if isinstance(values, list) and values else "n/a"
 
-    head = (
-        "| arm | runs | gold win rate over SFT [95% interval] | each run (%) | length-controlled | mean gold reward | "
-        "KL to SFT | policy stage (s) | peak memory (MB) | hacking flag | over-optimisation alarm |"
-    )
-    lines = [head, "|" + " --- |" * 11]
+    out = []
     for _, row in table.iterrows():
         peak = row.get("peak_mb", math.nan)
-        lines.append(
-            f"| {row['arm']} | {row['runs']} | {rate(row, 'win_rate_gold')} | {runs(row, 'win_rate_gold')} | "
-            f"{rate(row, 'win_rate_gold_lc')} | {cell(row, 'gold', '.3f')} | {cell(row, 'kl', '.2f')} | "
-            f"{cell(row, 'train_s', '.0f')} | {'n/a' if not math.isfinite(peak) else f'{peak:.0f}'} | "
-            f"{row['hacking_flagged']} | {row['overoptimisation_alarm']} |"
+        values = (
+            str(row["arm"]),
+            str(row["runs"]),
+            rate(row, "win_rate_gold"),
+            cell(row, "kl", ".2f"),
+            cell(row, "gold", ".3f"),
+            rate(row, "win_rate_gold_lc"),
+            runs(row, "win_rate_gold"),
+            cell(row, "train_s", ".0f"),
+            "n/a" if not math.isfinite(peak) else f"{peak:.0f}",
+            str(row["hacking_flagged"]),
+            str(row["overoptimisation_alarm"]),
         )
+        out.append(dict(zip(STUDY_HEADERS, values, strict=True)))
+    return out
+
+
+def format_study(table: pd.DataFrame) -> str:
+    """The study table as Markdown (`study_cells`; docs/algorithms.md prints this)."""
+    lines = ["| " + " | ".join(STUDY_HEADERS) + " |", "|" + " --- |" * len(STUDY_HEADERS)]
+    lines += ["| " + " | ".join(row.values()) + " |" for row in study_cells(table)]
     return "\n".join(lines)
 
 
