@@ -49,7 +49,7 @@ from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
 from rlhf.sweeps.ranking import GOLD_METRIC, RANK_METRICS, RM_METRIC, rank_key, ranking, variant_label
 from rlhf.sweeps.space import Planned, SweepSpace, VariantList, expand
-from rlhf.sweeps.study import STUDY_METRICS, study_cells
+from rlhf.sweeps.study import STUDY_LEGEND, STUDY_METRICS, study_cells
 from rlhf.sweeps.study import report as study_report
 from rlhf.tracking.client import RUN_TYPE_TAG, source_tags
 from tasks.caching import code_version
@@ -276,12 +276,8 @@ def publish_sweep_results(
             study,
             key=f"sweep-{space.name}-study",
             description=(f"{note} " if note else "")
-            + f"Study '{space.name}': per arm, its runs finished of started, the mean over its finished runs of the "
-            "gold win rate over SFT with its 95% interval (a t-interval on the logit scale, inside 0 to 1) and the "
-            "mean KL to SFT, gold reward and policy stage's wall time with the half-width of their 95% t-interval; "
-            "the length-controlled win rate; each run's win rate; the largest peak memory; runs that raised a "
-            "reward-hacking flag; runs whose over-optimisation alarm fired. The numbers: study_table.csv on the "
-            "sweep's MLflow run.",
+            + f"Study '{space.name}', per arm over its finished runs: {STUDY_LEGEND} The numbers: study_table.csv "
+            "on the sweep's MLflow run.",
         )
     link_mlflow_run(
         base.tracking,

@@ -70,9 +70,9 @@ def test_study_table_one_row_per_arm_in_order_with_failures_counted():
     assert "| PPO | 2/2 | 85.0% [3.4%, 99.9%] | 5.00 ± " in text and "| GRPO | 0/0 | n/a | n/a |" in text
     assert "| DPO | 1/2 | 70.0% | " in text and "| 90.0, 80.0 |" in text
     assert text.splitlines()[0] == (
-        "| arm | runs | gold win rate over SFT [95% interval] | KL to SFT | mean gold reward | length-controlled | "
-        "each run (%) | policy stage (s) | peak memory (MB) | hacking flag | over-optimisation alarm |"
-    )  # the KL it cost beside the win rate
+        "| arm | runs | win rate | KL | gold | LC win rate | each run % | train s | peak MB | hacking | alarm |"
+    )  # the KL it cost beside the win rate; short headers, and what they hold below the table
+    assert text.splitlines()[-1].startswith("arm: the arm; runs: its runs finished of started; win rate: the gold")
 
 
 def test_frontier_points_periodic_and_final_per_arm():

@@ -142,21 +142,25 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
     return pd.DataFrame(out)
 
 
-# The study table's columns as people read it (the Markdown of make study and docs/algorithms.md, the Prefect table):
-# the arm, its runs, then the gold win rate and the KL it cost side by side
-STUDY_HEADERS = (
-    "arm",
-    "runs",
-    "gold win rate over SFT [95% interval]",
-    "KL to SFT",
-    "mean gold reward",
-    "length-controlled",
-    "each run (%)",
-    "policy stage (s)",
-    "peak memory (MB)",
-    "hacking flag",
-    "over-optimisation alarm",
+# The study table's columns as people read it (the Markdown of make study and docs/algorithms.md, the Prefect table),
+# the arm, its runs, then the gold win rate and the KL it cost side by side: (header, what it holds). The headers are
+# short, as MLflow's Markdown view gives every column the same width and cuts a longer header off; `STUDY_LEGEND`
+# says what each holds.
+STUDY_COLUMNS = (
+    ("arm", "the arm"),
+    ("runs", "its runs finished of started"),
+    ("win rate", "the gold win rate over SFT, the mean over its runs [95% interval, a t-interval on the logit scale]"),
+    ("KL", "the mean KL to SFT ± the half-width of its 95% t-interval"),
+    ("gold", "the mean gold reward ± the same"),
+    ("LC win rate", "the length-controlled gold win rate [95% interval]"),
+    ("each run %", "each run's gold win rate"),
+    ("train s", "the policy stage's wall time ± the same"),
+    ("peak MB", "the largest peak memory of the policy stage"),
+    ("hacking", "runs that raised a reward-hacking flag"),
+    ("alarm", "runs whose over-optimisation alarm fired"),
 )
+STUDY_HEADERS = tuple(header for header, _ in STUDY_COLUMNS)
+STUDY_LEGEND = "; ".join(f"{header}: {what}" for header, what in STUDY_COLUMNS) + "."
 
 
 def study_cells(table: pd.DataFrame) -> list[dict[str, str]]:
@@ -200,10 +204,10 @@ def study_cells(table: pd.DataFrame) -> list[dict[str, str]]:
 
 
 def format_study(table: pd.DataFrame) -> str:
-    """The study table as Markdown (`study_cells`; docs/algorithms.md prints this)."""
+    """The study table as Markdown (`study_cells`), its legend below it (docs/algorithms.md prints this)."""
     lines = ["| " + " | ".join(STUDY_HEADERS) + " |", "|" + " --- |" * len(STUDY_HEADERS)]
     lines += ["| " + " | ".join(row.values()) + " |" for row in study_cells(table)]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", STUDY_LEGEND])
 
 
 def frontier_points(
