@@ -22,6 +22,7 @@ from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_command import main
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.summary import POLICY_LABEL, POLICY_SECONDS, budget, policy_label, summary_notes
+from flows.terminal import quiet_stop_in_served_run
 from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
@@ -62,6 +63,7 @@ def rlhf_pipeline(
     `trial` (set by Optuna sweeps, leave it empty): the study trial PPO's periodic evaluations are reported to; when
     its pruner stops the trial, the run ends in the state 'Pruned' and its MLflow run KILLED, tagged sweep.pruned."""
     check_in()  # labels this run with its process; runs of killed processes become Crashed (flows/crashed_runs.py)
+    quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not the stage's traceback
     estimates = preflight(config)
     tracking = open_pipeline_run(config, trial)
     try:

@@ -40,6 +40,7 @@ from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
 from flows.sweep_command import main
+from flows.terminal import quiet_stop_in_served_run
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
 from rlhf.models.device import device_names
@@ -184,6 +185,7 @@ def log_study(
 def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
     """Run the pipeline for every variant of a search space, `max_concurrency` at a time; shared upstream stages are
     built once first."""
+    quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not a traceback
     logger = get_run_logger()
     search = variant_search(base, space)  # every variant (grid, random) or choice (optuna) is validated here
     for config in search.configs:
