@@ -163,8 +163,10 @@ def test_ranking_prefers_gold_reward_and_puts_failures_last():
     table = ranking(rows, ["ppo.kl_coef"])
     assert list(table["variant"]) == ["c", "a", "b"]
     assert list(table["rank"]) == [1, 2, 3]
+    assert list(table.columns[:5]) == ["rank", "variant", "ppo.kl_coef", "eval/ppo_gold", "eval/kl"]  # KL in view
     no_gold = [{**r, "eval/ppo_gold": None} for r in rows]
-    assert list(ranking(no_gold, ["ppo.kl_coef"])["variant"]) == ["a", "c", "b"]
+    by_score = ranking(no_gold, ["ppo.kl_coef"])
+    assert list(by_score["variant"]) == ["a", "c", "b"] and list(by_score.columns[3:5]) == ["eval/ppo_score", "eval/kl"]
 
 
 # -- The sweep flow on a real (tiny) pipeline --------------------------------------------------------------------
