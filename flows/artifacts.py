@@ -88,9 +88,10 @@ def link_mlflow_run(tracking: TrackingConfig | TrackingContext, run_id: str, tex
             mlflow_run_url(tracker.experiment_id, run_id),
             link_text=text,
             key=key,
-            # plain text: the artifact card's preview drops code spans
+            # no code spans (the artifact card's preview drops them), and the experiment's URL, whose '&' the UI
+            # shows as a literal '&amp;' in text, behind a Markdown link
             description=f"MLflow run {run_id} of experiment '{tracking.experiment}' "
-            f"(experiment page: {mlflow_experiment_url(tracker.experiment_id)}), tracking store {tracker.uri}. "
+            f"([the experiment's page]({mlflow_experiment_url(tracker.experiment_id)})), tracking store {tracker.uri}. "
             "The link needs the MLflow UI running: make ui starts it with the Prefect UI, make mlflow-ui alone.",
         )
     except Exception as err:

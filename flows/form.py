@@ -35,7 +35,9 @@ from rlhf.config.estimators import CRITIC_FREE_ESTIMATORS, ESTIMATOR_NAMES, GROU
 from rlhf.config.pipeline import parse_override
 from rlhf.config.schema_rules import (
     FIELD_OVERRIDE,
+    FIELD_OVERRIDE_EXPECTED,
     FORM_KEYS,
+    IN_THEIR_FIELDS,
     MAX_GROUP,
     MAX_MINI_BATCHES,
     field_name,
@@ -72,7 +74,7 @@ def _schema_rules(schema: dict[str, Any]) -> None:
     configs = {name: load_config(REPO / name).ppo for name in shipped_configs()}
     schema["allOf"] = ppo_batch_clauses(configs, DEFAULT_CONFIG) + group_clauses(configs, DEFAULT_CONFIG)
     overrides = schema["properties"]["overrides"]["items"]
-    overrides["not"] = {"pattern": FIELD_OVERRIDE}
+    overrides |= {"if": {"pattern": FIELD_OVERRIDE}, "then": {"const": FIELD_OVERRIDE_EXPECTED}}
 
 
 def _typed(key: str, what: str, **bounds: int) -> Any:
@@ -134,10 +136,7 @@ class PipelineRun(BaseModel):
     def _config_is_valid(self) -> PipelineRun:
         """The config file with the overrides must be a valid config, cross-field rules included."""
         if found := overrides_set_a_field(list(self.overrides)):
-            raise ValueError(
-                f"override '{found}': set ppo.total_episodes, batch_size, num_mini_batches, advantage_estimator and "
-                "samples_per_prompt in their fields"
-            )
+            raise ValueError(f"override '{found}': {IN_THEIR_FIELDS}")
         self.config()
         return self
 

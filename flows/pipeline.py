@@ -21,6 +21,7 @@ from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.summary import POLICY_LABEL, budget, policy_label, summary_notes
+from flows.terminal import quiet_stop_in_served_run
 from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
@@ -61,6 +62,7 @@ def rlhf_pipeline(
     `trial` (set by Optuna sweeps, leave it empty): the study trial PPO's periodic evaluations are reported to; when
     its pruner stops the trial, the run ends in the state 'Pruned' and its MLflow run KILLED, tagged sweep.pruned."""
     check_in()  # labels this run with its process; runs of killed processes become Crashed (flows/crashed_runs.py)
+    quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not the stage's traceback
     estimates = preflight(config)
     tracking = open_pipeline_run(config, trial)
     try:

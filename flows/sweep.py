@@ -39,6 +39,7 @@ from flows.artifacts import StageProgress, artifact_key, link_mlflow_comparison,
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
+from flows.terminal import quiet_stop_in_served_run
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
 from rlhf.metrics import EVAL_KL, EVAL_POLICY_GOLD, PERIODIC_GOLD, PERIODIC_SCORE
@@ -49,7 +50,7 @@ from rlhf.sweeps.overoptimisation import report as overoptimisation_report
 from rlhf.sweeps.plots import Point, reward_vs_kl
 from rlhf.sweeps.ranking import RANK_METRICS, RM_METRIC, rank_key, ranking, variant_label
 from rlhf.sweeps.space import Planned, SweepSpace, VariantList, expand
-from rlhf.sweeps.study import STUDY_METRICS
+from rlhf.sweeps.study import STUDY_LEGEND, STUDY_METRICS, study_cells
 from rlhf.sweeps.study import report as study_report
 from rlhf.tracking.client import RUN_TYPE_TAG, source_tags
 from tasks.caching import code_version
@@ -118,16 +119,18 @@ def close_sweep_run(
     arm_of: dict[str, str] | None = None,
     study_rows: list[dict[str, Any]] | None = None,
     note: str = "",
-) -> str:
+) -> dict[str, Any]:
     """Log the ranking table, the reward-versus-KL plot and any other `figures` on the sweep run, and end it. A
     study (a space with arms, `arm_of`: variant label -> arm; `study_rows`: every variant's row with the summary
-    metrics of the study) also gets its table and frontier plot, logged here and published as a Prefect table.
-    `note` (a plumbing check's 'NOTE: ...') opens the study's table and becomes the sweep run's description."""
+    metrics of the study) also gets its table and frontier plot. `note` (a plumbing check's 'NOTE: ...') opens the
+    study's table and becomes the sweep run's description. Returns the plot's path (`plot`) and the study's table
+    as the Prefect table shows it (`study`, None without arms): the flow publishes both tables on its own run."""
     tracker = tracker_for(tracking)
     if note:
         tracker.set_description(sweep_run_id, note)
-    if arm_of:
-        log_study(tracker, sweep_run_id, sweep_name, study_rows or [], arm_of, Path(folder), note)
+    study = (
+        log_study(tracker, sweep_run_id, sweep_name, study_rows or [], arm_of, Path(folder), note) if arm_of else None
+    )
     for figure in figures or []:
         tracker.log_artifacts(sweep_run_id, figure)
     frame = pd.DataFrame(rows)
@@ -161,36 +164,28 @@ def close_sweep_run(
         tracker.log_artifacts(sweep_run_id, overoptimisation.points)
         tracker.log_metrics(sweep_run_id, overoptimisation.summary.as_metrics(), 0)
     tracker.end_run(sweep_run_id, failed=len(done) == 0)
-    return str(plot)
+    return {"plot": str(plot), "study": study}
 
 
 def log_study(
     tracker, sweep_run_id: str, sweep_name: str, rows: list[dict[str, Any]], arm_of, folder: Path, note: str = ""
-) -> None:
-    """The study table (MLflow table and files, a Prefect table artifact) and the frontier plot of a sweep's arms;
-    `note` opens the table's Markdown and the artifact's description."""
+) -> list[dict[str, str]]:
+    """The study table (MLflow table and files) and the frontier plot of a sweep's arms, logged on the sweep run;
+    `note` opens the table's Markdown. Returns the table's rows as the Markdown shows them (`study_cells`)."""
     title = f"Study {sweep_name}: gold reward against KL"
     study = study_report(tracker, sweep_run_id, rows, arm_of, folder, title, note)
     for path in study.files:
         tracker.log_artifacts(sweep_run_id, path)
     tracker.log_table(sweep_run_id, study.table, "study_table.json")
-    publish_table(
-        study.table.to_dict("records"),
-        key=f"sweep-{sweep_name}-study",
-        description=(f"{note} " if note else "")
-        + f"Study '{sweep_name}': per arm, the mean over its finished runs of the gold win rate over SFT "
-        "and its length-controlled version, with their 95% interval (_lo, _hi: a t-interval on the logit scale, "
-        "inside 0 to 1) and each run's value (_runs); the mean gold reward and KL to SFT with the half-width of "
-        "their 95% t-interval (_ci); the policy stage's wall time; the largest peak memory; runs that raised a "
-        "reward-hacking flag; runs whose over-optimisation alarm fired.",
-    )
     get_run_logger().info("study %s:\n%s", sweep_name, study.markdown)
+    return study_cells(study.table)
 
 
 @flow(name="rlhf-sweep", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
 def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
     """Run the pipeline for every variant of a search space, `max_concurrency` at a time; shared upstream stages are
     built once first."""
+    quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not a traceback
     logger = get_run_logger()
     search = variant_search(base, space)  # every variant (grid, random) or choice (optuna) is validated here
     for config in search.configs:
@@ -237,7 +232,7 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
     folder = Path(base.runtime.output_dir) / "sweeps" / f"{space.name}-{sweep_run_id[:8]}"
     figures = study_plots(search.study, folder) if isinstance(search, OptunaSearch) else []
     arm_of = {v.label: v.arm for v in expand(space)} if space.arms else None
-    plot = close_sweep_run(
+    closed = close_sweep_run(
         base.tracking,
         sweep_run_id,
         space.name,
@@ -248,23 +243,29 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         rows,
         note,
     )
-    publish_sweep_results(base, space, sweep_run_id, table, note)
+    publish_sweep_results(base, space, sweep_run_id, table, note, closed["study"])
     if (table["status"] == "failed").all():
         raise RuntimeError(f"every variant of sweep '{space.name}' failed; see the variants' flow runs")
     return {
         "sweep_run_id": sweep_run_id,
         "ranking": table.to_dict("records"),
         "ranking_csv": str(folder / "ranking.csv"),
-        "plot": plot,
+        "plot": closed["plot"],
         "tracking_uri": tracker_for(base.tracking).uri,
     }
 
 
 def publish_sweep_results(
-    base: PipelineConfig, space: SweepSpace, sweep_run_id: str, table: pd.DataFrame, note: str
+    base: PipelineConfig,
+    space: SweepSpace,
+    sweep_run_id: str,
+    table: pd.DataFrame,
+    note: str,
+    study: list[dict[str, str]] | None = None,
 ) -> None:
-    """The ranking as a Prefect table (`note` opening its description), a link to the sweep's MLflow run and one to
-    MLflow's comparison of its finished variants."""
+    """On the sweep's flow run: the ranking as a Prefect table (`note` opening its description), a study's table
+    (`study`, a sweep with arms), a link to the sweep's MLflow run and one to MLflow's comparison of its finished
+    variants."""
     publish_table(
         table.to_dict("records"),
         key=f"sweep-{space.name}",
@@ -272,6 +273,14 @@ def publish_sweep_results(
         + f"Sweep '{space.name}': variants ranked by {rank_key(table)} (best first); KL is the mean "
         "KL(PPO || SFT) per response on held-out prompts.",
     )
+    if study is not None:
+        publish_table(
+            study,
+            key=f"sweep-{space.name}-study",
+            description=(f"{note} " if note else "")
+            + f"Study '{space.name}', per arm over its finished runs: {STUDY_LEGEND} The numbers: study_table.csv "
+            "on the sweep's MLflow run.",
+        )
     link_mlflow_run(
         base.tracking,
         sweep_run_id,

@@ -201,6 +201,56 @@ def stop_on_signals(*tracking: Any) -> None:
     temporary_server_in_own_session()
 
 
+class _QuietAfterStop(logging.Filter):
+    """Drops every console record once a served flow run is being stopped (the run log keeps them)."""
+
+    stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.stopping
+
+
+def quiet_stop_in_served_run() -> None:
+    """In a flow run of a deployment that `make ui` serves (a process of its own, in the serve process's group, which
+    Ctrl-C on `make ui` signals): the first SIGINT prints one sentence on the console and silences its console
+    handlers, then stops the run as Ctrl-C does (a KeyboardInterrupt: the stages end their MLflow runs KILLED and keep
+    their saved state). Without it the flow engine printed the interrupted stage's traceback (some 100 lines). The
+    records still reach the flow run's log in the Prefect UI. Nothing changes outside a deployment's run (the CLI has
+    `stop_on_signals`) or off the main thread (a sweep's variants)."""
+    from prefect.runtime import deployment, flow_run
+
+    previous = signal.getsignal(signal.SIGINT)
+    if deployment.id is None or threading.current_thread() is not threading.main_thread() or previous is _on_served:
+        return
+    quiet = _QuietAfterStop()
+    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.addFilter(quiet)
+    _Served.previous, _Served.quiet, _Served.run_name = previous, quiet, flow_run.name
+    signal.signal(signal.SIGINT, _on_served)
+
+
+class _Served:
+    previous: Any = signal.default_int_handler
+    quiet: _QuietAfterStop | None = None
+    run_name = ""
+
+
+def _on_served(signum: int, frame: Any) -> None:
+    if _Served.quiet is not None and not _Served.quiet.stopping:
+        _Served.quiet.stopping = True
+        sys.stderr.write(
+            f"flow run '{_Served.run_name}' stopped by Ctrl-C (SIGINT): its finished stages and last saved training "
+            "state are kept and its MLflow runs end KILLED; start it again from the same form to continue\n"
+        )
+        sys.stderr.flush()
+    handler = _Served.previous
+    if callable(handler):
+        handler(signum, frame)
+    raise KeyboardInterrupt
+
+
 def _end_runs_killed(since: float) -> list[str]:
     """The MLflow runs this process started or reopened that are still RUNNING, or that ended after `since` (the
     stages end theirs FAILED on the way out), ended KILLED. Returns their ids."""

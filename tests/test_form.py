@@ -74,6 +74,46 @@ def _schema_errors(run: dict, schema: dict) -> dict:
     return build_error_obj(validate({"run": run}, schema, preprocess=True))
 
 
+def _fields(errors: dict) -> dict:
+    """The form's fields and their messages, from `_schema_errors`."""
+    return {e["property"]: e["errors"] for e in errors["errors"][0]["errors"]}
+
+
+@pytest.mark.parametrize(
+    ("run", "field", "message"),
+    [
+        (  # the config's one sample a prompt, the field left empty
+            {"ppo_advantage_estimator": "grpo", "ppo_samples_per_prompt": None},
+            "ppo_samples_per_prompt",
+            "'2 or more: ppo.advantage_estimator grpo compares the samples of a prompt (conf/smoke.yaml has 1)' was "
+            "expected",
+        ),
+        (
+            {"ppo_advantage_estimator": "rloo", "ppo_samples_per_prompt": 1},
+            "ppo_samples_per_prompt",
+            "'2 or more: ppo.advantage_estimator rloo compares the samples of a prompt' was expected",
+        ),
+        (  # the batch size it must divide is the config file's
+            {"ppo_samples_per_prompt": 3},
+            "ppo_samples_per_prompt",
+            "'a divisor of ppo.batch_size (16 in conf/smoke.yaml): 1, 2, 4, 8 or 16; a batch holds whole groups of "
+            "samples of a prompt' was expected",
+        ),
+        (
+            {"ppo_batch_size": 24, "ppo_samples_per_prompt": 5},
+            "ppo_batch_size",
+            "'a multiple of ppo.samples_per_prompt (5): a batch holds whole groups of samples of a prompt' was "
+            "expected",
+        ),
+    ],
+    ids=["grpo-with-the-configs-one-sample", "rloo-with-one-sample", "the-configs-batch", "a-typed-batch"],
+)
+def test_the_form_says_what_each_group_rule_expects(form_schema, run, field, message):
+    """Prefect's UI shows these messages on the field (its validation code, as the server runs it)."""
+    errors = _schema_errors({"config_file": "conf/smoke.yaml", **run}, form_schema)
+    assert _fields(errors) == {field: [message]}
+
+
 def _schema_check(schema: dict):
     """Prefect's validator for this schema, built once (as `validate` builds it on each call): run -> valid."""
     from prefect._internal.schemas._registry import non_fetching_registry
@@ -97,19 +137,21 @@ def test_the_schema_refuses_a_bad_batch_combination_on_its_field(form_schema):
     errors = _schema_errors({"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 3}, form_schema)
     assert errors == {
         "errors": [{"property": "run", "errors": [{"property": "ppo_num_mini_batches", "errors": [
-            "3 is not one of [1, 2, 4, 8, 16]"
+            "'a divisor of ppo.batch_size (16 in conf/smoke.yaml): 1, 2, 4, 8 or 16' was expected"
         ]}]}],
         "valid": False,
     }  # fmt: skip
-    errors = _schema_errors({"ppo_batch_size": 48, "ppo_num_mini_batches": 5, "ppo_total_episodes": 32}, form_schema)
-    fields = {e["property"]: e["errors"] for e in errors["errors"][0]["errors"]}
-    assert fields == {
-        "ppo_batch_size": ["48 is not a multiple of 5"],
-        "ppo_total_episodes": ["32 is less than the minimum of 48"],
+    errors = _schema_errors({"ppo_batch_size": 48, "ppo_num_mini_batches": 5, "ppo_total_episodes": 1}, form_schema)
+    assert _fields(errors) == {  # each broken rule once, on one field
+        "ppo_batch_size": ["'a multiple of ppo.num_mini_batches (5)' was expected"],
+        "ppo_total_episodes": ["'at least ppo.batch_size (48)' was expected"],
     }
     errors = _schema_errors({"overrides": ["seed=1", "ppo.batch_size=8"]}, form_schema)
     (overrides,) = errors["errors"][0]["errors"]
-    assert overrides["property"] == "overrides" and overrides["errors"][0]["index"] == 1
+    assert overrides == {"property": "overrides", "errors": [{"index": 1, "errors": [
+        "'an override of another key (set ppo.total_episodes, batch_size, num_mini_batches, advantage_estimator and "
+        "samples_per_prompt in their fields)' was expected"
+    ]}]}  # fmt: skip
     assert _schema_errors({"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4}, form_schema)["valid"]
 
 
@@ -176,9 +218,6 @@ def test_the_schema_agrees_with_the_estimators_group_rules(form_schema):
         assert schema_check(run) == valid, run
         checked, refused = checked + 1, refused + (not valid)
     assert checked == 240 and refused > 80
-    errors = _schema_errors({"ppo_batch_size": 24, "ppo_samples_per_prompt": 5}, form_schema)
-    fields = {e["property"]: e["errors"] for e in errors["errors"][0]["errors"]}
-    assert fields == {"ppo_batch_size": ["24 is not a multiple of 5"]}
 
 
 TIMEOUT_S = 60
@@ -219,7 +258,7 @@ def test_prefect_refuses_a_bad_combination_before_a_flow_run_exists():
         )
         assert checked.status_code == 200 and checked.json() == {
             "errors": [{"property": "run", "errors": [{"property": "ppo_num_mini_batches", "errors": [
-                "3 is not one of [1, 2, 4, 8, 16]"
+                "'a divisor of ppo.batch_size (16 in conf/smoke.yaml): 1, 2, 4, 8 or 16' was expected"
             ]}]}],
             "valid": False,
         }, checked.text  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -162,8 +163,13 @@ def test_ranking_prefers_gold_reward_and_puts_failures_last():
     table = ranking(rows, ["ppo.kl_coef"])
     assert list(table["variant"]) == ["c", "a", "b"]
     assert list(table["rank"]) == [1, 2, 3]
+    assert list(table.columns[:5]) == ["rank", "variant", "ppo.kl_coef", "eval/policy_gold", "eval/kl"]  # KL in view
     no_gold = [{**r, "eval/policy_gold": None} for r in rows]
-    assert list(ranking(no_gold, ["ppo.kl_coef"])["variant"]) == ["a", "c", "b"]
+    by_score = ranking(no_gold, ["ppo.kl_coef"])
+    assert list(by_score["variant"]) == ["a", "c", "b"] and list(by_score.columns[3:5]) == [
+        "eval/policy_score",
+        "eval/kl",
+    ]
 
 
 # -- The sweep flow on a real (tiny) pipeline --------------------------------------------------------------------
@@ -341,6 +347,9 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
     assert client.get_run(run_id).data.tags["mlflow.note.content"].startswith("NOTE: every variant")
     (study,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-study"]
     assert study.description.startswith("NOTE: every variant")
+    (ranking,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study"]
+    assert study.task_run_id is None and ranking.task_run_id is None  # both filed under the sweep's flow run
+    assert list(json.loads(study.data)[0])[:4] == ["arm", "runs", "win rate", "KL"]
     (compare,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-mlflow-compare"]
     assert "#/compare-runs?runs=" in compare.data and "workflowType=machine_learning" in compare.data
     table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))

@@ -144,6 +144,36 @@ def test_the_console_drops_the_records_of_an_anticipated_failure():
     assert hide.filter(record("Finished in state Failed('RuntimeError: CUDA error')"))
 
 
+def test_ctrl_c_in_a_served_run_is_one_sentence_and_a_keyboard_interrupt(monkeypatch, capsys):
+    """A deployment's flow run (make ui): SIGINT prints one sentence, silences the console and unwinds as Ctrl-C
+    (a KeyboardInterrupt, which ends the stages' MLflow runs KILLED); outside a deployment's run nothing changes."""
+    import logging
+    import signal
+
+    from flows.terminal import quiet_stop_in_served_run
+
+    before = signal.getsignal(signal.SIGINT)
+    quiet_stop_in_served_run()  # no deployment: the CLI's own handling stays
+    assert signal.getsignal(signal.SIGINT) is before
+    monkeypatch.setenv("PREFECT__RUNTIME__DEPLOYMENT__ID", "d")
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__NAME", "green-beluga")
+    console = logging.StreamHandler()
+    logging.getLogger("prefect").addHandler(console)
+    try:
+        quiet_stop_in_served_run()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        record = logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "Crash detected!", None, None)
+        assert not console.filter(record)  # the traceback Prefect logs next stays off the console
+    finally:
+        signal.signal(signal.SIGINT, before)
+        logging.getLogger("prefect").removeHandler(console)
+        for handler in logging.getLogger().handlers + logging.getLogger("prefect").handlers:
+            handler.filters = [f for f in handler.filters if type(f).__name__ != "_QuietAfterStop"]
+    (sentence,) = capsys.readouterr().err.splitlines()
+    assert sentence.startswith("flow run 'green-beluga' stopped by Ctrl-C (SIGINT)") and "KILLED" in sentence
+
+
 def test_a_prefect_server_that_does_not_answer_is_one_sentence_before_the_flow(capsys):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

@@ -6,16 +6,34 @@ the form's parameters, waits for it, and writes screenshots to outputs/ui-check/
 
     01-prefect-form.png        the deployment's run form (config drop-down, PPO batch fields, overrides)
     01b-prefect-form-refused.png  the form after Submit with ppo.num_mini_batches 3 (smoke's batch_size is 16): the
-                               schema's error on the field, and no flow run created (checked through the API)
+                               error on the field says what it expects ('a divisor of ppo.batch_size (16 in
+                               conf/smoke.yaml): 1, 2, 4, 8 or 16' was expected), and no flow run is created
+    01d-prefect-form-group-refused.png  the same with ppo.samples_per_prompt 3: the batch size it must divide
     01c-prefect-sweep-form.png the sweep's short form (``rlhf-sweep-run/run-sweep``): the base as the run form takes
-                               it, a drop-down of conf/sweeps/, overrides of the space; its page height is printed
+                               it, a drop-down of conf/sweeps/ with the runs each space starts, overrides of the
+                               space; its page height is printed
+    01e-prefect-deployments.png  the Deployments page: four names that say what each does
     02-prefect-run.png         the finished flow run (task graph and states)
     03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
+    03b-prefect-evaluation.png the evaluation table: the plumbing check's NOTE first, the compare link
+    03c-prefect-mlflow-link.png  the MLflow link artifact (its text without a literal '&amp;')
     04-mlflow-experiment.png   the experiment in the project's saved view (columns: win rates, KL, RM accuracy, key
                                parameters), as the links the project writes open it
     04b-mlflow-experiment-charts.png  the same view's charts: the PPO sections first
-    05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens)
+    05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens): its description the NOTE
     06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
+    07-prefect-sweep-artifacts.png  a two-arm study started from the sweep form: its flow run's Artifacts tab, the
+                               ranking and the study table both on the flow run
+    07b-prefect-sweep-ranking.png, 07c-prefect-study-table.png  the two tables, the KL column in view
+    08-mlflow-sweep-run.png    the study's MLflow run (its description the NOTE)
+    08b-mlflow-study-table.png its study_table.md artifact
+
+It also asserts what the user reads, through the UI's own API (the form's validation, the flow run's logs and
+artifacts, the MLflow runs): the plumbing check's NOTE in the log, the evaluation table and the MLflow run's
+description; the compare links' ``workflowType=machine_learning``; the form's error text (the grpo rule through the
+validation endpoint the form calls); distinct deployment names; the sweep form's space sizes. Last, it starts a long
+run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and checks that what the run's process prints after
+the signal has no traceback and that its MLflow runs end KILLED (``ctrl-c.log``: what was printed).
 
 Needs Debian's chromium and chromium-driver (``apt-get install -y chromium chromium-driver``) and selenium (the
 make target installs it into .venv). Not part of `make test`.
@@ -24,6 +42,7 @@ make target installs it into .venv). Not part of `make test`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -113,9 +132,53 @@ def shoot(driver, url: str, path: Path, settle: float = 6.0, search: str | None 
     print(f"ui-check: {path.relative_to(REPO)}  <- {url}", flush=True)
 
 
-def refused_in_form(driver, api: str, deployment_id: str, path: Path) -> bool:
-    """Type ppo.num_mini_batches = 3 into the open run form (conf/smoke.yaml: batch_size 16) and press Submit: the
-    server's schema validation must show its error on the field and no flow run may be created."""
+# What the form shows under a field for a broken rule of conf/smoke.yaml (batch_size 16), and through the
+# validation endpoint the form calls for the grpo rule (the config's one sample a prompt, the field left empty)
+SMOKE_DIVISORS = "a divisor of ppo.batch_size (16 in conf/smoke.yaml): 1, 2, 4, 8 or 16"
+REFUSED = {
+    "ppo.num_mini_batches": f"'{SMOKE_DIVISORS}' was expected",
+    "ppo.samples_per_prompt": f"'{SMOKE_DIVISORS}; a batch holds whole groups of samples of a prompt' was expected",
+}
+GRPO_RUN = {"config_file": "conf/smoke.yaml", "ppo_advantage_estimator": "grpo", "ppo_samples_per_prompt": None}
+GRPO_EXPECTED = (
+    "'2 or more: ppo.advantage_estimator grpo compares the samples of a prompt (conf/smoke.yaml has 1)' was expected"
+)
+DEPLOYMENTS = ("run-pipeline", "run-pipeline-every-setting", "run-sweep", "run-sweep-every-setting")
+SPACE_SIZES = ("kl_coef.yaml (3 runs)", "algorithms.yaml (9 arms x 3 points = 27 runs)")
+NOTE = "NOTE: a plumbing check, not learning"
+SWEEP_NOTE = "NOTE: every variant whose budget is this small is a plumbing check"
+VIEW = "workflowType=machine_learning"
+# a study of two arms, one seed, on the smoke config: started from the sweep form's fields
+STUDY_RUN = {
+    "space_file": "conf/sweeps/algorithms.yaml",
+    "space_overrides": [
+        "arms=[{name: PPO, overrides: {ppo.advantage_estimator: gae}}, "
+        "{name: GRPO, overrides: {ppo.advantage_estimator: grpo, ppo.samples_per_prompt: 2}}]",
+        "parameters.policy_seed=[0]",
+    ],
+}
+
+
+class Checks:
+    """What the user should see, each a line of the report; any failure makes the exit code 1."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def __call__(self, ok: bool, what: str) -> bool:
+        print(f"ui-check: {'ok  ' if ok else 'FAIL'} {what}", flush=True)
+        if not ok:
+            self.failed.append(what)
+        return ok
+
+
+def page_text(driver) -> str:
+    return driver.execute_script("return document.body.innerText")
+
+
+def refused_in_form(driver, api: str, deployment_id: str, field_label: str, path: Path) -> bool:
+    """Type 3 into the field `field_label` of the open run form (conf/smoke.yaml: batch_size 16) and press Submit:
+    the server's schema validation must show what the field expects on it, and no flow run may be created."""
     from selenium.webdriver.common.by import By
 
     def count() -> int:
@@ -123,7 +186,7 @@ def refused_in_form(driver, api: str, deployment_id: str, path: Path) -> bool:
         return httpx.post(f"{api}/flow_runs/count", json=filter_, timeout=10).json()
 
     before = count()
-    label = "//*[starts-with(normalize-space(.), 'ppo.num_mini_batches')]"
+    label = f"//*[starts-with(normalize-space(.), '{field_label}')]"
     driver.find_element(By.XPATH, f"{label}/following::button[normalize-space(.)='int'][1]").click()
     time.sleep(1.0)
     field = driver.find_element(By.XPATH, f"{label}/following::input[@type='number'][1]")
@@ -133,15 +196,203 @@ def refused_in_form(driver, api: str, deployment_id: str, path: Path) -> bool:
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
     time.sleep(1.0)
     driver.save_screenshot(str(path))
-    shown = "3 is not one of [1, 2, 4, 8, 16]" in driver.execute_script("return document.body.innerText")
-    print(f"ui-check: {path.relative_to(REPO)}  <- the error shown: {shown}; flow runs {before} -> {count()}")
-    return shown and count() == before
+    shown, after = REFUSED[field_label] in page_text(driver), count()
+    print(f"ui-check: {path.relative_to(REPO)}  <- {field_label} 3: the error shown: {shown}; runs {before} -> {after}")
+    return shown and after == before
+
+
+def deployment(api: str, name: str, timeout: float = 180) -> dict:
+    """A served deployment (serve registers them one after the other)."""
+    return wait_for(
+        lambda: (r := httpx.get(f"{api}/deployments/name/{name}", timeout=10)).status_code == 200 and r.json(),
+        timeout,
+        f"the {name} deployment",
+    )
+
+
+def start_run(api: str, deployment_id: str, run: dict) -> str:
+    """A flow run of the deployment with the form's parameters, as the form's Run button creates it."""
+    created = httpx.post(
+        f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": run}}, timeout=30
+    )
+    created.raise_for_status()
+    print(f"ui-check: flow run {created.json()['id']} started from the form's parameters {run}", flush=True)
+    return created.json()["id"]
+
+
+def wait_run(api: str, flow_run_id: str, timeout: float, states=("COMPLETED", "FAILED", "CRASHED", "CANCELLED")):
+    def reached():
+        state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+        return state if state and state["type"] in states else None
+
+    state = wait_for(reached, timeout, f"the flow run {flow_run_id}")
+    print(f"ui-check: flow run {flow_run_id} {state['type']}", flush=True)
+    return state
+
+
+def artifacts_of(api: str, flow_run_id: str) -> dict[str, dict]:
+    """The flow run's keyed artifacts (its tasks' too) by key."""
+    found = httpx.post(
+        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
+    ).json()
+    return {a["key"]: a for a in found if a.get("key")}
+
+
+def logs_of(api: str, flow_run_id: str) -> list[str]:
+    found = httpx.post(
+        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=10
+    ).json()
+    return [log["message"] for log in found]
+
+
+def check_forms(driver, api: str, ui_url: str, out: Path, check: Checks) -> dict:
+    """The run form (two refused rules in the browser, the grpo rule through the form's validation endpoint), the
+    sweep form's space sizes and the deployments' names. Returns the run form's deployment."""
+    form = deployment(api, "rlhf-run/run-pipeline")
+    form_url = f"{ui_url}/deployments/deployment/{form['id']}/run"
+    shoot(driver, form_url, out / "01-prefect-form.png")
+    check(
+        refused_in_form(driver, api, form["id"], "ppo.num_mini_batches", out / "01b-prefect-form-refused.png"),
+        f"the form shows {REFUSED['ppo.num_mini_batches']} under ppo.num_mini_batches 3, and no run",
+    )
+    driver.get(form_url)
+    time.sleep(6.0)
+    path = out / "01d-prefect-form-group-refused.png"
+    check(
+        refused_in_form(driver, api, form["id"], "ppo.samples_per_prompt", path),
+        f"the form shows {REFUSED['ppo.samples_per_prompt']} under ppo.samples_per_prompt 3, and no run",
+    )
+    validated = httpx.post(
+        f"{api}/ui/schemas/validate",
+        json={"schema": form["parameter_openapi_schema"], "values": {"run": GRPO_RUN}},
+        timeout=60,
+    ).json()
+    check(GRPO_EXPECTED in json.dumps(validated), f"grpo with ppo.samples_per_prompt empty: {GRPO_EXPECTED}")
+    refused = httpx.post(
+        f"{api}/deployments/{form['id']}/create_flow_run", json={"parameters": {"run": GRPO_RUN}}, timeout=60
+    )
+    check(refused.status_code == 409 and "2 or more" in refused.text, f"the API refuses it: {refused.text[:200]}")
+
+    sweep_form = deployment(api, "rlhf-sweep-run/run-sweep", 60)
+    shoot(driver, f"{ui_url}/deployments/deployment/{sweep_form['id']}/run", out / "01c-prefect-sweep-form.png")
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    print(f"ui-check: the sweep form's page is {height} pixels high", flush=True)
+    text = page_text(driver)
+    check(all(size in text for size in SPACE_SIZES), f"the sweep form lists the space sizes {SPACE_SIZES}")
+    deployment(api, f"rlhf-sweep/{DEPLOYMENTS[-1]}", 60)
+    names = [d["name"] for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()]
+    check(sorted(names) == sorted(DEPLOYMENTS), f"four distinct deployment names: {names}")
+    shoot(driver, f"{ui_url}/deployments", out / "01e-prefect-deployments.png")
+    return form
+
+
+def check_pipeline_run(driver, api: str, ui_url: str, flow_run_id: str, out: Path, check: Checks) -> None:
+    """A plumbing check's NOTE in the flow run's log and its evaluation table; the compare link's view; the MLflow
+    link's text."""
+    check(any(m.startswith(NOTE) for m in logs_of(api, flow_run_id)), f"the flow run's log says {NOTE!r}")
+    found = artifacts_of(api, flow_run_id)
+    evaluation, link = found.get("rlhf-evaluation", {}), found.get("rlhf-mlflow-run", {})
+    check((evaluation.get("description") or "").startswith(NOTE), f"the evaluation table's description opens {NOTE!r}")
+    check(f"&{VIEW}" in (evaluation.get("data") or ""), f"the evaluation table's compare link has {VIEW}")
+    if evaluation:
+        shoot(driver, f"{ui_url}/artifacts/artifact/{evaluation['id']}", out / "03b-prefect-evaluation.png")
+    if link:
+        shoot(driver, f"{ui_url}/artifacts/artifact/{link['id']}", out / "03c-prefect-mlflow-link.png")
+        check("&amp;" not in page_text(driver), "the MLflow link artifact shows no literal '&amp;'")
+
+
+def check_study(driver, api: str, ui_url: str, mlflow_url: str, flow_run_id: str, out: Path, check: Checks) -> None:
+    """The study's ranking and study tables on its flow run (not a task run's), each opening with the NOTE, the KL
+    column in view; the compare link's view; the MLflow sweep run's description."""
+    found = artifacts_of(api, flow_run_id)
+    ranking, study = found.get("sweep-algorithms", {}), found.get("sweep-algorithms-study", {})
+    compare = found.get("sweep-algorithms-mlflow-compare", {})
+    for name, table in (("ranking", ranking), ("study", study)):
+        check(bool(table) and table.get("task_run_id") is None, f"the {name} table is filed under the flow run")
+        check((table.get("description") or "").startswith(SWEEP_NOTE), f"the {name} table opens with the NOTE")
+    check(VIEW in (compare.get("data") or ""), f"the sweep's compare link has {VIEW}")
+    shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "07-prefect-sweep-artifacts.png", tab="Artifacts")
+    for table, name in ((ranking, "07b-prefect-sweep-ranking.png"), (study, "07c-prefect-study-table.png")):
+        if table:
+            shoot(driver, f"{ui_url}/artifacts/artifact/{table['id']}", out / name)
+            check("KL" in page_text(driver) or "eval/kl" in page_text(driver), f"{name}: a KL column")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    (run,) = client.search_runs(
+        [exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.run_type = 'sweep'"
+    )
+    check(run.data.tags.get("mlflow.note.content", "").startswith(SWEEP_NOTE), "the MLflow sweep run's description")
+    url = f"{mlflow_url}/#/experiments/{exp}/runs/{run.info.run_id}"
+    shoot(driver, f"{url}?{VIEW}", out / "08-mlflow-sweep-run.png")
+    shoot(driver, f"{url}/artifacts/study_table.md?{VIEW}", out / "08b-mlflow-study-table.png", 8)
+
+
+def check_mlflow(driver, mlflow_url: str, flow_run_id: str, out: Path, check: Checks) -> None:
+    """The pipeline's MLflow runs: the experiment in the saved view, the pipeline run (its description the NOTE),
+    the PPO run's charts."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("rlhf-ppo").experiment_id],
+        filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
+    )
+    parent = next(r for r in runs if "stage" not in r.data.tags)
+    check(
+        parent.data.tags.get("mlflow.note.content", "").startswith(NOTE), "the MLflow run's description opens with NOTE"
+    )
+    # the PPO run that computed this run's policy (an earlier run's, when the stage came from the cache)
+    ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
+    exp = parent.info.experiment_id
+    saved = f"viewStateShareKey=rlhf-default&{VIEW}"  # the project's saved view (rlhf/tracking/default_view.py)
+    shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs?{saved}", out / "04-mlflow-experiment.png", 8)
+    url = f"{mlflow_url}/#/experiments/{exp}/runs?{saved}&compareRunsMode=CHART"
+    shoot(driver, url, out / "04b-mlflow-experiment-charts.png", 8)
+    shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{VIEW}", out / "05-mlflow-run.png")
+    if ppo_run_id:
+        url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{VIEW}"
+        shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
+
+
+def check_ctrl_c(ui: subprocess.Popen, api: str, form_id: str, log_path: Path, out: Path, check: Checks) -> None:
+    """Start a long run, stop `make ui` with SIGINT (Ctrl-C reaches make and `rlhf ui`) once a stage's MLflow run is
+    open: what is printed after the signal has no traceback, and the run's MLflow runs end KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 3200, "overrides": ["ppo.kl_coef=0.3"]}
+    flow_run_id = start_run(api, form_id, run)
+
+    def training():
+        runs = client.search_runs([exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+        return any(r.data.tags.get("stage") == "train_policy_ppo" and r.info.status == "RUNNING" for r in runs)
+
+    wait_for(training, 300, "the PPO stage's MLflow run")
+    time.sleep(5.0)
+    mark = log_path.stat().st_size
+    os.killpg(ui.pid, signal.SIGINT)  # as Ctrl-C in the terminal: make and rlhf ui
+    ui.wait(90)
+    printed = log_path.read_bytes()[mark:].decode(errors="replace")
+    (out / "ctrl-c.log").write_text(printed)
+    print(f"ui-check: after Ctrl-C make ui printed {len(printed.splitlines())} lines (ctrl-c.log):\n{printed}")
+    check("Traceback" not in printed, "no traceback after Ctrl-C with a run going")
+    runs = client.search_runs([exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    statuses = {r.info.run_name: r.info.status for r in runs}
+    check(
+        bool(statuses) and set(statuses.values()) <= {"KILLED", "FINISHED"} and "KILLED" in statuses.values(),
+        f"the run's MLflow runs end KILLED (the finished stages FINISHED): {statuses}",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/ui-check", help="folder of the screenshots and logs")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the run")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for each run")
+    parser.add_argument("--no-study", action="store_true", help="leave out the two-arm study from the sweep form")
+    parser.add_argument("--no-ctrl-c", action="store_true", help="leave out stopping make ui with a run going")
     args = parser.parse_args(argv)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -157,77 +408,40 @@ def main(argv: list[str] | None = None) -> int:
         f"PREFECT_PORT={prefect_port}",
         f"MLFLOW_PORT={mlflow_port}",
     ]
-    log = (out / "make-ui.log").open("wb")
+    log_path = out / "make-ui.log"
+    log = log_path.open("wb")
     ui = subprocess.Popen(make, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    driver = None
+    driver, check = None, Checks()
     try:
         wait_for(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, 180, "the Prefect server")
-        deployment = wait_for(
-            lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-run/run-pipeline", timeout=10)).status_code == 200
-                and r.json()
-            ),
-            180,
-            "the rlhf-run/run-pipeline deployment",
-        )
         driver = browser()
         ui_url = f"http://127.0.0.1:{prefect_port}"
-        form_url = f"{ui_url}/deployments/deployment/{deployment['id']}/run"
-        shoot(driver, form_url, out / "01-prefect-form.png")
-        if not refused_in_form(driver, api, deployment["id"], out / "01b-prefect-form-refused.png"):
-            print("ui-check: the form did not show the batch rule's error", flush=True)
-            return 1
-        sweep_form = wait_for(  # serve registers the deployments one after the other
-            lambda: (
-                (r := httpx.get(f"{api}/deployments/name/rlhf-sweep-run/run-sweep", timeout=10)).status_code == 200
-                and r.json()
-            ),
-            60,
-            "the rlhf-sweep-run/run-sweep deployment",
-        )
-        shoot(driver, f"{ui_url}/deployments/deployment/{sweep_form['id']}/run", out / "01c-prefect-sweep-form.png")
-        height = driver.execute_script("return document.documentElement.scrollHeight")
-        print(f"ui-check: the sweep form's page is {height} pixels high", flush=True)
+        form = check_forms(driver, api, ui_url, out, check)
 
         # the run the form's Run button makes: the shipped smoke config and two overrides
         run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}
-        created = httpx.post(
-            f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": {"run": run}}, timeout=30
-        )
-        created.raise_for_status()
-        flow_run_id = created.json()["id"]
-        print(f"ui-check: flow run {flow_run_id} started from the form's parameters {run}", flush=True)
-
-        def finished():
-            state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
-            return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
-
-        state = wait_for(finished, args.timeout, "the flow run")
-        print(f"ui-check: flow run {state['type']}", flush=True)
+        flow_run_id = start_run(api, form["id"], run)
+        state = wait_run(api, flow_run_id, args.timeout)
+        check(state["type"] == "COMPLETED", "the run from the form completed")
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "02-prefect-run.png")
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "03-prefect-artifacts.png", tab="Artifacts")
-
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
-        runs = client.search_runs(
-            [client.get_experiment_by_name("rlhf-ppo").experiment_id],
-            filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
-        )
-        parent = next(r for r in runs if "stage" not in r.data.tags)
-        # the PPO run that computed this run's policy (an earlier run's, when the stage came from the cache)
-        ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
-        exp = parent.info.experiment_id
-        view = "workflowType=machine_learning"
-        saved = f"viewStateShareKey=rlhf-default&{view}"  # the project's saved view (rlhf/tracking/default_view.py)
-        shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs?{saved}", out / "04-mlflow-experiment.png", 8)
-        url = f"{mlflow_url}/#/experiments/{exp}/runs?{saved}&compareRunsMode=CHART"
-        shoot(driver, url, out / "04b-mlflow-experiment-charts.png", 8)
-        shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{view}", out / "05-mlflow-run.png")
-        if ppo_run_id:
-            url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{view}"
-            shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
-        return 0 if state["type"] == "COMPLETED" else 1
+        check_pipeline_run(driver, api, ui_url, flow_run_id, out, check)
+        check_mlflow(driver, mlflow_url, flow_run_id, out, check)
+        if not args.no_study:
+            sweep_form = deployment(api, "rlhf-sweep-run/run-sweep", 60)
+            base = {"config_file": "conf/smoke.yaml", "overrides": []}
+            sweep_id = start_run(api, sweep_form["id"], {"base": base, **STUDY_RUN})
+            check(
+                wait_run(api, sweep_id, args.timeout)["type"] == "COMPLETED", "the study from the sweep form completed"
+            )
+            check_study(driver, api, ui_url, mlflow_url, sweep_id, out, check)
+        if not args.no_ctrl_c:
+            driver.quit()
+            driver = None
+            check_ctrl_c(ui, api, form["id"], log_path, out, check)
+        if check.failed:
+            print(f"ui-check: {len(check.failed)} check(s) failed: {check.failed}", flush=True)
+        return 1 if check.failed else 0
     finally:
         if driver is not None:
             driver.quit()

@@ -60,7 +60,8 @@ def rank_key(frame: pd.DataFrame) -> str:
 
 
 def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
-    """A table of the variants, best first (failed variants last): swept values, rewards, KL, run ids."""
+    """A table of the variants, best first (failed variants last): swept values, the reward ranked by and KL, the
+    other metrics, run ids."""
     frame = pd.DataFrame(rows)
     for col in (*RANK_METRICS, "status", "variant", "mlflow_run_id"):
         if col not in frame:
@@ -69,7 +70,10 @@ def ranking(rows: list[dict[str, Any]], swept_keys: list[str]) -> pd.DataFrame:
     frame["_failed"] = frame["status"] != "completed"
     frame = frame.sort_values(["_failed", key], ascending=[True, False], na_position="last", kind="stable")
     frame.insert(0, "rank", range(1, len(frame) + 1))
-    columns = ["rank", "variant", *swept_keys, *RANK_METRICS, "status", "mlflow_run_id"]
+    # the metric ranked by and the KL it cost first: a wide table (the Prefect UI's) shows them without scrolling
+    first = [key, "eval/kl"]
+    metrics = first + [m for m in RANK_METRICS if m not in first]
+    columns = ["rank", "variant", *swept_keys, *metrics, "status", "mlflow_run_id"]
     if "error" in frame and frame["error"].notna().any():
         columns.append("error")
     return frame[columns].reset_index(drop=True)
@@ -79,6 +83,7 @@ def variant_label(row: Mapping[str, Any]) -> str:
     """A ranking row's short name on a plot: its arm and swept values ('GRPO, policy_seed=1', 'kl_coef=0.1'), read
     from the columns between 'variant' and the metrics; the variant's run name where nothing was swept."""
     keys = list(row.keys())
-    swept = keys[keys.index("variant") + 1 : keys.index(RANK_METRICS[0])] if "variant" in keys else []
+    end = next((i for i, k in enumerate(keys) if k in RANK_METRICS), len(keys))
+    swept = keys[keys.index("variant") + 1 : end] if "variant" in keys else []
     parts = [str(row[k]) if k == "arm" else f"{k.rsplit('.', 1)[-1]}={row[k]}" for k in swept if row.get(k) is not None]
     return ", ".join(parts) or str(row.get("variant", ""))

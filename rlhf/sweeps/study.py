@@ -154,9 +154,30 @@ def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.Da
     return pd.DataFrame(out)
 
 
-def format_study(table: pd.DataFrame) -> str:
-    """The study table as Markdown: rates as 'mean [low, high]' with each run's value in a column of its own, the
-    other intervals as 'mean ± half-width' (docs/choosing-an-algorithm.md prints this)."""
+# The study table's columns as people read it (the Markdown of make study and docs/choosing-an-algorithm.md, the
+# Prefect table), the arm, its runs, then the gold win rate and the KL it cost side by side: (header, what it holds).
+# The headers are short, as MLflow's Markdown view gives every column the same width and cuts a longer header off;
+# `STUDY_LEGEND` says what each holds.
+STUDY_COLUMNS = (
+    ("arm", "the arm"),
+    ("runs", "its runs finished of started"),
+    ("win rate", "the gold win rate over SFT, the mean over its runs [95% interval, a t-interval on the logit scale]"),
+    ("KL", "the mean KL to SFT ± the half-width of its 95% t-interval"),
+    ("gold", "the mean gold reward ± the same"),
+    ("LC win rate", "the length-controlled gold win rate [95% interval]"),
+    ("each run %", "each run's gold win rate"),
+    ("train s", "the policy stage's wall time ± the same"),
+    ("peak MB", "the largest peak memory of the policy stage"),
+    ("hacking", "runs that raised a reward-hacking flag"),
+    ("alarm", "runs whose over-optimisation alarm fired"),
+)
+STUDY_HEADERS = tuple(header for header, _ in STUDY_COLUMNS)
+STUDY_LEGEND = "; ".join(f"{header}: {what}" for header, what in STUDY_COLUMNS) + "."
+
+
+def study_cells(table: pd.DataFrame) -> list[dict[str, str]]:
+    """The study table's rows as text, keyed by `STUDY_HEADERS`: rates as 'mean [low, high]' with each run's value
+    in a column of its own, the other intervals as 'mean ± half-width', 'n/a' where no run has a value."""
 
     def cell(row: pd.Series, column: str, fmt: str) -> str:
         mean, half = row.get(column, math.nan), row.get(f"{column}_ci", math.nan)
@@ -174,20 +195,31 @@ def format_study(table: pd.DataFrame) -> str:
         values = row.get(f"{column}_runs")
         return ", ".join(f"{100 * v:.1f}" for v in values) if isinstance(values, list) and values else "n/a"
 
-    head = (
-        "| arm | runs | gold win rate over SFT [95% interval] | each run (%) | length-controlled | mean gold reward | "
-        "KL to SFT | policy stage (s) | peak memory (MB) | hacking flag | over-optimisation alarm |"
-    )
-    lines = [head, "|" + " --- |" * 11]
+    out = []
     for _, row in table.iterrows():
         peak = row.get("peak_mb", math.nan)
-        lines.append(
-            f"| {row['arm']} | {row['runs']} | {rate(row, 'win_rate_gold')} | {runs(row, 'win_rate_gold')} | "
-            f"{rate(row, 'win_rate_gold_lc')} | {cell(row, 'gold', '.3f')} | {cell(row, 'kl', '.2f')} | "
-            f"{cell(row, 'train_s', '.0f')} | {'n/a' if not math.isfinite(peak) else f'{peak:.0f}'} | "
-            f"{row['hacking_flagged']} | {row['overoptimisation_alarm']} |"
+        values = (
+            str(row["arm"]),
+            str(row["runs"]),
+            rate(row, "win_rate_gold"),
+            cell(row, "kl", ".2f"),
+            cell(row, "gold", ".3f"),
+            rate(row, "win_rate_gold_lc"),
+            runs(row, "win_rate_gold"),
+            cell(row, "train_s", ".0f"),
+            "n/a" if not math.isfinite(peak) else f"{peak:.0f}",
+            str(row["hacking_flagged"]),
+            str(row["overoptimisation_alarm"]),
         )
-    return "\n".join(lines)
+        out.append(dict(zip(STUDY_HEADERS, values, strict=True)))
+    return out
+
+
+def format_study(table: pd.DataFrame) -> str:
+    """The study table as Markdown (`study_cells`), its legend below it (docs/choosing-an-algorithm.md prints this)."""
+    lines = ["| " + " | ".join(STUDY_HEADERS) + " |", "|" + " --- |" * len(STUDY_HEADERS)]
+    lines += ["| " + " | ".join(row.values()) + " |" for row in study_cells(table)]
+    return "\n".join([*lines, "", STUDY_LEGEND])
 
 
 def frontier_points(
