@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import statistics
 
-# the stages' task names (tasks/stage_table.py imports nothing of Prefect's, whose import time would count in B, the
+# the stages' task names (rlhf/stages.py imports nothing of Prefect's, whose import time would count in B, the
 # library-alone variant, which imports this module)
-from tasks.stage_table import stages_of
+from rlhf.stages import stages_of
 
 STAGES = tuple(stage.task for stage in stages_of())  # the default pipeline's
 

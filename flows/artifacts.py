@@ -19,9 +19,9 @@ from prefect.artifacts import (
 from flows.summary import summary_notes
 from rlhf.config import TrackingConfig
 from rlhf.eval.length_control import EVAL_WARNING_TAG
+from rlhf.stages import STAGE_TASKS
 from rlhf.tracking.default_view import COLUMN_METRICS, mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
 from tasks.progress import ProgressBar
-from tasks.stage_table import STAGE_TASKS
 from tasks.stages import OVEROPTIMISATION_TAG
 from tasks.tracking import TrackingContext, tracker_for
 

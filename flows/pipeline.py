@@ -5,7 +5,7 @@
 
 Run it with ``make run``, ``rlhf run`` or ``python -m flows.pipeline --config conf/default.yaml key.sub=value ...``
 (the command: flows/pipeline_command.py). Its MLflow run is flows/pipeline_run.py, the summary it prints
-flows/summary.py, the stages tasks/stage_table.py.
+flows/summary.py, the stages rlhf/stages.py.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY, TIME_POLICY_TRAIN, TIME_TRAIN
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
+from rlhf.stages import REWARD, SFT, stage_of, stages_of
 from rlhf.sweeps.optuna_search import TrialRef
 from tasks.caching import run_stage, runtime_key
 from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.stage_runs import stopped_by_signal
-from tasks.stage_table import stage_of, stages_of
 from tasks.stages import (
     OVEROPTIMISATION_TAG,
     combine_reward_ensemble,
@@ -108,9 +108,7 @@ def upstream_signature(config: PipelineConfig) -> str:
         "seed": config.seed,
         "lengths": LengthLimits.from_config(config).model_dump(mode="json"),
         "output_dir": config.runtime.output_dir,
-        "runtime": {
-            stage: runtime_key(stage, config.runtime) for stage in ("supervised_finetune", "train_reward_model")
-        },
+        "runtime": {stage: runtime_key(stage, config.runtime) for stage in (SFT.task, REWARD.task)},
     }
     return json.dumps(keys, sort_keys=True, default=str)
 

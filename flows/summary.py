@@ -26,9 +26,9 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_RM_LC,
     REWARD_BEST_EVAL_ACCURACY,
 )
+from rlhf.stages import STAGES
 from rlhf.tracking.default_view import mlflow_experiment_url
 from tasks.stage_runs import RESUMED_FROM_TAG
-from tasks.stage_table import STAGES
 
 # A run below either budget checks the plumbing (every stage runs and hands the next one its outputs), not learning:
 # too few PPO episodes to move the policy, or an SFT policy trained from scratch (sft.model: null) in too few steps to

@@ -30,6 +30,7 @@ import rlhf
 import tasks
 from rlhf.checkpoints import is_complete, stage_lock
 from rlhf.config import RuntimeConfig
+from rlhf.stages import INIT, PPO, PREPARE
 from tasks.outputs import StageOutput
 
 # Parameters that never change a stage's result, so they are left out of its key (`trial`: the sweep trial a PPO
@@ -48,10 +49,10 @@ NOT_IN_KEY = {"tracking", "trial"}
 RUNTIME_IN_KEY = ("device", "dtype", "attn_implementation")
 # Stages whose key also holds `runtime.sharding`: PPO's resume state is a torch.distributed.checkpoint folder under
 # 'fsdp' and a torch.save file otherwise, and its gradients are reduce-scattered rather than all-reduced.
-SHARDED_STAGES = {"train_policy_ppo"}
+SHARDED_STAGES = {PPO.task}
 # Stages that compute nothing with a model (data preparation; the plan of the PPO models reads tokenizers only): no
 # runtime setting changes what they write. Any other stage, a new one too, has RUNTIME_IN_KEY in its key.
-MODEL_FREE_STAGES = {"prepare_preferences", "init_policy_models"}
+MODEL_FREE_STAGES = {PREPARE.task, INIT.task}
 # The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
 CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
 

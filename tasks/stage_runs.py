@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from prefect.context import TaskRunContext
 from prefect.exceptions import ExternalSignal
 
+from rlhf.config import RuntimeConfig
+from rlhf.models.device import configure_cpu
+from rlhf.stages import stage_of
 from rlhf.tracking.client import Tracker
-from tasks.caching import code_version
-from tasks.progress import task_logger
-from tasks.stage_table import stage_of
-from tasks.tracking import TrackingContext, tracker_for
+from rlhf.tracking.metrics_writer import LogFn
+from tasks.caching import code_version, current_stage_dir
+from tasks.faults import injected_failure
+from tasks.progress import progress_logger, task_logger
+from tasks.tracking import TrackingContext, tracker_for, training_logger
 
 RUN_ID_FILE = ".mlflow_run_id"
 # The flow run a stage run belongs to, and the earlier flow run (killed: a rerun, not a retry) whose stage run it
@@ -24,7 +30,7 @@ FLOW_RUN_TAG, RESUMED_FROM_TAG = "prefect.flow_run_id", "rlhf.resumed_from_flow_
 
 
 def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
-    """`<pipeline run name>/<short stage name>` (`pipeline-brave-owl/ppo`, tasks/stage_table.py), so the legends of
+    """`<pipeline run name>/<short stage name>` (`pipeline-brave-owl/ppo`, rlhf/stages.py), so the legends of
     charts comparing runs tell the stages of different pipeline runs apart; the stage name alone without a pipeline
     run name."""
     return f"{pipeline_run_name}/{stage_of(stage).short}" if pipeline_run_name else stage
@@ -91,6 +97,36 @@ DATA_FILES = {
     "sft.parquet": ("sft-demonstrations", "training"),
     "prompts.parquet": ("ppo-prompts", "training"),
 }
+
+
+@dataclass
+class StageScope:
+    """The running stage task, as its body sees it: its name (the task's, from rlhf/stages.py), its output
+    folder, its MLflow child run, and the step at which an injected failure stops it (tests; None: none)."""
+
+    name: str
+    folder: Path
+    tracker: Tracker
+    run_id: str
+    stop_after: int | None
+
+    def training_log(self, runtime: RuntimeConfig, every: int, total: int) -> LogFn:
+        """The training loop's `log`: MLflow (batched), and the Prefect progress bar every `every` of `total` steps."""
+        progress = progress_logger(stage_of(self.name).short, every, total)
+        return training_logger(self.tracker, self.run_id, progress, runtime)
+
+
+@contextlib.contextmanager
+def stage_scope(
+    tracking: TrackingContext, runtime: RuntimeConfig, params: dict[str, Any] | None = None, resume: bool = False
+) -> Iterator[StageScope]:
+    """The template of every stage task's body (data, SFT, reward, ensemble, init, PPO, DPO, evaluation): torch's
+    CPU threads set, the stage's folder, its MLflow child run (continued by a retry with `resume`, which also reads
+    an injected failure), ended FAILED or KILLED if the body raises."""
+    configure_cpu(runtime.threads)
+    name, folder = TaskRunContext.get().task.name, current_stage_dir()
+    with stage_run(tracking, name, folder, params, resume) as (tracker, run_id):
+        yield StageScope(name, folder, tracker, run_id, injected_failure(name, folder) if resume else None)
 
 
 def log_data_inputs(tracker: Tracker, run_id: str, folder: str | Path, digest: str, *files: str) -> None:

@@ -15,22 +15,22 @@ from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.eval import evaluate as evaluation
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.metrics import TIME_TRAIN
-from rlhf.models.device import configure_cpu
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
+from rlhf.stages import DPO, ENSEMBLE, EVALUATE, INIT, PPO, PREPARE, REWARD, SFT
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
 from rlhf.train import dpo as dpo_training
 from rlhf.train import reward as reward_training
 from rlhf.train import reward_ensemble
 from rlhf.train import sft as sft_training
-from tasks.caching import content_cache_key, current_stage_dir
-from tasks.faults import injected_failure, retry_unless_user_error
+from tasks.caching import content_cache_key
+from tasks.faults import retry_unless_user_error
 from tasks.outputs import DPOPolicy, Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
-from tasks.progress import echo_with_progress, progress_logger, task_logger
-from tasks.stage_runs import log_data_inputs, log_policy_checkpoint, rollout_samples, samples_every, stage_run
-from tasks.tracking import TrackingContext, training_logger
+from tasks.progress import echo_with_progress, task_logger
+from tasks.stage_runs import log_data_inputs, log_policy_checkpoint, rollout_samples, samples_every, stage_scope
+from tasks.tracking import TrackingContext
 
 # the MLflow tag of a policy stage's run (and the pipeline's) that says which algorithm trained the policy
 OBJECTIVE_TAG = "rlhf.objective"  # the policy stage's objective: an advantage estimator (gae, grpo, ...) or dpo
@@ -47,7 +47,7 @@ STAGE = dict(
 )
 
 
-@task(name="prepare_preferences", tags=["data"], **STAGE)
+@task(name=PREPARE.task, tags=["data"], **STAGE)
 def prepare_preferences(
     data_cfg: DataConfig,
     source_digest: str,
@@ -60,8 +60,8 @@ def prepare_preferences(
     `source_digest` (the content of the local files read) is part of the cache key only. `lengths`: the later
     stages' length limits, which the manifest's length report measures the data against (part of the key too).
     """
-    folder = current_stage_dir()
-    with stage_run(tracking, "prepare_preferences", folder, flatten(data_cfg, "data")) as (tracker, run_id):
+    with stage_scope(tracking, runtime, flatten(data_cfg, "data")) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         written = prepare.prepare_preferences(data_cfg, folder, lengths)
         manifest, drops = written.manifest, prepare.drop_report(written.manifest)
         metrics = {f"data/rows_{k}": v for k, v in manifest["rows"].items()}
@@ -88,7 +88,7 @@ def prepare_preferences(
         tracker.log_artifacts(run_id, folder, "data")
         log_data_inputs(tracker, run_id, written.folder, written.digest)
     return PreparedData(
-        stage="prepare_preferences",
+        stage=stage.name,
         path=str(folder),
         digest=written.digest,
         mlflow_run_id=run_id,
@@ -96,22 +96,20 @@ def prepare_preferences(
     )
 
 
-@task(name="supervised_finetune", tags=["gpu"], **STAGE)
+@task(name=SFT.task, tags=["gpu"], **STAGE)
 def supervised_finetune(
     sft_cfg: SFTConfig, prepared: PreparedData, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
 ) -> SFTModel:
     """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, fine-tune the configured model on them, or use
     the configured checkpoint as it is; a retry resumes training from its last saved state."""
-    configure_cpu(runtime.threads)
-    folder = current_stage_dir()
-    params = flatten(sft_cfg, "sft")
-    with stage_run(tracking, "supervised_finetune", folder, params, resume=True) as (tracker, run_id):
+    with stage_scope(tracking, runtime, flatten(sft_cfg, "sft"), resume=True) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         if sft_cfg.model is not None and not sft_cfg.finetune:
             result = sft_training.load_existing(sft_cfg, runtime)
         else:
             log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "sft.parquet")
-            log = training_logger(tracker, run_id, progress_logger("sft", 100, sft_cfg.steps), runtime)
-            demos, stop_after = f"{prepared.path}/sft.parquet", injected_failure("supervised_finetune", folder)
+            log = stage.training_log(runtime, 100, sft_cfg.steps)
+            demos, stop_after = f"{prepared.path}/sft.parquet", stage.stop_after
             if sft_cfg.model is None:
                 pairs = f"{prepared.path}/train.parquet"
                 result = sft_training.bootstrap_sft(sft_cfg, runtime, demos, pairs, folder, seed, log, stop_after)
@@ -120,7 +118,7 @@ def supervised_finetune(
             if tracking.log_checkpoints:
                 tracker.log_artifacts(run_id, folder, "sft_checkpoint")
     return SFTModel(
-        stage="supervised_finetune",
+        stage=stage.name,
         path=result.path,
         digest=result.digest,
         mlflow_run_id=run_id,
@@ -129,7 +127,7 @@ def supervised_finetune(
     )
 
 
-@task(name="train_reward_model", tags=["gpu"], **STAGE)
+@task(name=REWARD.task, tags=["gpu"], **STAGE)
 def train_reward_model(
     reward_cfg: RewardConfig,
     sft_model: SFTModel,
@@ -139,13 +137,12 @@ def train_reward_model(
     tracking: TrackingContext,
 ) -> RewardModel:
     """Train a scalar-head reward model, initialised from the SFT checkpoint, on the preference pairs."""
-    configure_cpu(runtime.threads)
-    folder = current_stage_dir()
     params = {**flatten(reward_cfg, "reward"), "seed": seed}
-    with stage_run(tracking, "train_reward_model", folder, params, resume=True) as (tracker, run_id):
+    with stage_scope(tracking, runtime, params, resume=True) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
         steps = reward_training.total_steps(reward_cfg, prepared.manifest["rows"]["train"])
-        log = training_logger(tracker, run_id, progress_logger("reward", 50, steps), runtime)
+        log = stage.training_log(runtime, 50, steps)
         result = reward_training.train_reward_model(
             reward_cfg,
             runtime,
@@ -155,16 +152,16 @@ def train_reward_model(
             folder,
             seed,
             log,
-            stop_after=injected_failure("train_reward_model", folder),
+            stop_after=stage.stop_after,
         )
         if tracking.log_checkpoints:
             tracker.log_artifacts(run_id, folder, "reward_model")
     return RewardModel(
-        stage="train_reward_model", path=result.path, digest=result.digest, mlflow_run_id=run_id, metrics=result.metrics
+        stage=stage.name, path=result.path, digest=result.digest, mlflow_run_id=run_id, metrics=result.metrics
     )
 
 
-@task(name="combine_reward_ensemble", tags=["gpu"], **STAGE)
+@task(name=ENSEMBLE.task, tags=["gpu"], **STAGE)
 def combine_reward_ensemble(
     reward_cfg: RewardConfig,
     members: list[RewardModel],
@@ -174,17 +171,16 @@ def combine_reward_ensemble(
 ) -> RewardModel:
     """Make one reward-model ensemble of the trained members: their held-out accuracies, agreement and
     disagreement, each member's offset (reward.ensemble_size > 1)."""
-    configure_cpu(runtime.threads)
-    folder = current_stage_dir()
     params = {"reward.ensemble_size": len(members), "reward.ensemble_objective": reward_cfg.ensemble_objective}
-    with stage_run(tracking, "combine_reward_ensemble", folder, params) as (tracker, run_id):
+    with stage_scope(tracking, runtime, params) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         paths = [member.path for member in members]
         tracker.log_params(run_id, {f"member_{k}": path for k, path in enumerate(paths)})
         result = reward_ensemble.build_ensemble(
             reward_cfg, runtime, paths, f"{prepared.path}/eval.parquet", folder, tracker.metric_logger(run_id)
         )
     return RewardModel(
-        stage="combine_reward_ensemble",
+        stage=stage.name,
         path=result.path,
         digest=result.digest,
         mlflow_run_id=run_id,
@@ -193,7 +189,7 @@ def combine_reward_ensemble(
     )
 
 
-@task(name="init_policy_models", tags=["gpu"], **STAGE)
+@task(name=INIT.task, tags=["gpu"], **STAGE)
 def init_policy_models(
     sft_model: SFTModel,
     reward_model: RewardModel | None,
@@ -205,7 +201,6 @@ def init_policy_models(
     and reward model: the reward model) and whether the policy and the reward model share a tokenizer. Without a
     value model (`critic` false: a critic-free estimator) `value_init` is empty; without a reward model
     (reward.source: function) `reward_model` is empty and gae's value model starts from the SFT model."""
-    folder = current_stage_dir()
     reward_path = reward_model.path if reward_model is not None else ""
     value_from = reward_model.members[0] if reward_model is not None and reward_model.members else reward_path
     init = {
@@ -214,7 +209,8 @@ def init_policy_models(
         "value_init": (value_from or sft_model.path) if critic else "",
         "reward_model": reward_path,
     }
-    with stage_run(tracking, "init_policy_models", folder, init) as (tracker, run_id):
+    with stage_scope(tracking, runtime, init) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         same = not reward_path or same_vocabulary(
             load_tokenizer(sft_model.path, trust_remote_code=runtime.trust_remote_code),
             load_tokenizer(reward_path, trust_remote_code=runtime.trust_remote_code),
@@ -223,7 +219,7 @@ def init_policy_models(
         folder.mkdir(parents=True, exist_ok=True)
         write_manifest(folder, stage="init", **init, same_tokenizer=same)
     return PolicyInit(
-        stage="init_policy_models",
+        stage=stage.name,
         path=sft_model.path,
         digest=f"{sft_model.digest}:{reward_model.digest if reward_model is not None else 'function'}:{critic}",
         mlflow_run_id=run_id,
@@ -232,7 +228,7 @@ def init_policy_models(
     )
 
 
-@task(name="train_policy_ppo", tags=["gpu"], **STAGE)
+@task(name=PPO.task, tags=["gpu"], **STAGE)
 def train_policy_ppo(
     ppo_cfg: PPOConfig,
     ppo_init: PolicyInit,
@@ -250,8 +246,6 @@ def train_policy_ppo(
     the same MLflow run. `reward_function_digest` (the function's name and source file) is in the cache key only.
     `trial`: the Optuna trial (of a sweep) its periodic evaluations are reported to; its pruner may stop the stage
     (`TrialPruned`)."""
-    configure_cpu(runtime.threads)
-    folder = current_stage_dir()
     params = {
         **flatten(ppo_cfg, "ppo"),
         **ppo_cfg.resolved(),  # what the unset settings resolve to for this estimator
@@ -262,10 +256,11 @@ def train_policy_ppo(
         **run_choices(ppo_cfg, runtime, ppo_init.policy_init),  # resolved stop tokens (and LoRA targets)
     }
     started = time.perf_counter()
-    with stage_run(tracking, "train_policy_ppo", folder, params, resume=True) as (tracker, run_id):
+    with stage_scope(tracking, runtime, params, resume=True) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         tracker.set_tags(run_id, {OBJECTIVE_TAG: ppo_cfg.advantage_estimator})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
-        stop_after, updates, several = injected_failure("train_policy_ppo", folder), ppo_cfg.num_updates, processes > 1
+        stop_after, updates, several = stage.stop_after, ppo_cfg.num_updates, processes > 1
         result = launch.train_policy(
             ppo_cfg,
             runtime,
@@ -278,8 +273,8 @@ def train_policy_ppo(
             reward_cfg=reward_cfg,
             processes=processes,
             # one process logs here; several log from their rank 0 and print progress lines
-            log=None if several else training_logger(tracker, run_id, progress_logger("ppo", 10, updates), runtime),
-            echo=echo_with_progress("ppo", updates, launch.UPDATE_LINE_PATTERN) if several else print,
+            log=None if several else stage.training_log(runtime, 10, updates),
+            echo=echo_with_progress(PPO.short, updates, launch.UPDATE_LINE_PATTERN) if several else print,
             tracking_uri=tracking.uri,
             run_id=run_id,
             on_eval=pruning_reporter(trial) if trial is not None else None,
@@ -296,7 +291,7 @@ def train_policy_ppo(
         if tracking.log_checkpoints:
             log_policy_checkpoint(tracker, run_id, folder / "final", result.policy_path, "ppo")
     return PPOPolicy(
-        stage="train_policy_ppo",
+        stage=stage.name,
         path=result.policy_path,
         digest=result.digest,
         mlflow_run_id=run_id,
@@ -307,7 +302,7 @@ def train_policy_ppo(
     )
 
 
-@task(name="train_policy_dpo", tags=["gpu"], **STAGE)
+@task(name=DPO.task, tags=["gpu"], **STAGE)
 def train_policy_dpo(
     dpo_cfg: DPOConfig,
     sft_model: SFTModel,
@@ -318,15 +313,14 @@ def train_policy_dpo(
 ) -> DPOPolicy:
     """DPO of the SFT policy on the preference pairs against the frozen SFT model (`algorithm: dpo`); a retry
     resumes from the last saved state and continues the same MLflow run."""
-    configure_cpu(runtime.threads)
-    folder = current_stage_dir()
     started = time.perf_counter()
     params = {**flatten(dpo_cfg, "dpo"), "seed": seed}
-    with stage_run(tracking, "train_policy_dpo", folder, params, resume=True) as (tracker, run_id):
+    with stage_scope(tracking, runtime, params, resume=True) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         tracker.set_tags(run_id, {OBJECTIVE_TAG: "dpo"})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
         steps = dpo_training.total_steps(dpo_cfg, prepared.manifest["rows"]["train"])
-        log = training_logger(tracker, run_id, progress_logger("dpo", 10, steps), runtime)
+        log = stage.training_log(runtime, 10, steps)
         result = dpo_training.train_dpo(
             dpo_cfg,
             runtime,
@@ -336,12 +330,12 @@ def train_policy_dpo(
             folder,
             seed,
             log,
-            stop_after=injected_failure("train_policy_dpo", folder),
+            stop_after=stage.stop_after,
         )
         if tracking.log_checkpoints:
             log_policy_checkpoint(tracker, run_id, folder / "final", result.path, "dpo")
     return DPOPolicy(
-        stage="train_policy_dpo",
+        stage=stage.name,
         path=result.path,
         digest=result.digest,
         mlflow_run_id=run_id,
@@ -350,7 +344,7 @@ def train_policy_dpo(
     )
 
 
-@task(name="evaluate_policies", tags=["gpu"], **STAGE)
+@task(name=EVALUATE.task, tags=["gpu"], **STAGE)
 def evaluate_policies(
     eval_cfg: EvalConfig,
     ppo_cfg: PPOConfig,
@@ -366,9 +360,8 @@ def evaluate_policies(
     """Generate with the trained (PPO's estimator or DPO) and SFT policies on held-out prompts; scores (the reward
     model's, or the reward function's), KL, win rates (also at equal length), response lengths and empty answers,
     reward-hacking flags, completions table."""
-    configure_cpu(runtime.threads)
-    folder = current_stage_dir()
-    with stage_run(tracking, "evaluate_policies", folder, flatten(eval_cfg, "eval")) as (tracker, run_id):
+    with stage_scope(tracking, runtime, flatten(eval_cfg, "eval")) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "eval.parquet")
         result = evaluation.evaluate_policies(
             eval_cfg,
@@ -389,7 +382,7 @@ def evaluate_policies(
         if result.warnings:
             tracker.set_tags(run_id, {EVAL_WARNING_TAG: "\n".join(result.warnings)})
     return Evaluation(
-        stage="evaluate_policies",
+        stage=stage.name,
         path=result.folder,
         digest=result.digest,
         mlflow_run_id=run_id,

@@ -12,9 +12,9 @@ from prefect.results import ResultStore
 from flows.pipeline import rlhf_pipeline
 from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary, plumbing_check
 from rlhf.config import load_config
+from rlhf.stages import STAGE_TASKS, STAGES, stages_of
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
 from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
-from tasks.stage_table import STAGE_TASKS, STAGES, stages_of
 from tests.conftest import REPO, flow_run_artifacts, flow_run_logs, task_states
 
 
@@ -238,7 +238,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
 
 
 def test_the_stage_table_names_the_flows_tasks_in_order():
-    """tasks/stage_table.py is the one list of stages: the Prefect tasks' names, in the order the flow runs them,
+    """rlhf/stages.py is the one list of stages: the Prefect tasks' names, in the order the flow runs them,
     each with its own MLflow run suffix."""
     import inspect
     import re

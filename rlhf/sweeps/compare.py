@@ -39,6 +39,7 @@ from rlhf.metrics import (
     OBJECTIVE_SCORES,
     REWARD_BEST_EVAL_ACCURACY,
 )
+from rlhf.stages import PPO
 from rlhf.sweeps.overoptimisation import sweep_run
 from rlhf.sweeps.plots import Point, reward_vs_kl, training_curves
 from rlhf.sweeps.ranking import reward_metric
@@ -68,7 +69,6 @@ SUMMARY_METRICS = (
 CURVE_METRICS = (OBJECTIVE_SCORES, OBJECTIVE_KL)
 # Parameters that differ between runs without changing what was trained.
 IGNORED_PARAM_PREFIXES = ("run_name", "tracking.", "runtime.output_dir", "runtime.progress")
-PPO_STAGE = "train_policy_ppo"
 
 
 @dataclass
@@ -108,7 +108,7 @@ def side_by_side(runs: list[RunRecord], params: list[str], metrics: list[str]) -
 
 def ppo_run(tracker: Tracker, run: RunRecord) -> RunRecord | None:
     """The PPO child run of a pipeline run (none when the stage was served from the cache)."""
-    children = tracker.child_runs(run.run_id, PPO_STAGE)
+    children = tracker.child_runs(run.run_id, PPO.task)
     return children[0] if children else None
 
 

@@ -23,11 +23,11 @@ from matplotlib.figure import Figure
 
 from rlhf.config import TrackingConfig
 from rlhf.metrics import PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE
+from rlhf.stages import PPO
 from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import RunRecord, Tracker, experiment_names
 from rlhf.tracking.store import store_exists
 
-PPO_STAGE = "train_policy_ppo"
 SCORE, GOLD, KL = PERIODIC_SCORE, PERIODIC_GOLD, PERIODIC_KL
 HISTORY_KEYS = [SCORE, GOLD, KL]
 RESULTS_FROM_TAG = "rlhf.results_from_run"  # a pipeline run served from the cache names the run that computed it
@@ -175,7 +175,7 @@ def _ppo_run(tracker: Tracker, pipeline_run: RunRecord) -> RunRecord | None:
     """A pipeline run's PPO child run, or that of the run it was served from when its PPO came from the cache."""
     for run_id in (pipeline_run.run_id, pipeline_run.tags.get(RESULTS_FROM_TAG)):
         if run_id:
-            children = tracker.child_runs(run_id, PPO_STAGE)
+            children = tracker.child_runs(run_id, PPO.task)
             if children:
                 return children[0]
     return None

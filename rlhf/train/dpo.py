@@ -37,6 +37,7 @@ from rlhf.models.training import (
 )
 from rlhf.ops import DPOLossOutput, dpo_loss, sequence_logps
 from rlhf.rollout.batching import encode_prompt_response
+from rlhf.stages import DPO
 from rlhf.tracking.metrics_writer import LogFn
 from rlhf.train.reward import length_policy
 from rlhf.train.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
@@ -241,23 +242,19 @@ def train_dpo(
     def after_step(end: StepEnd) -> None:
         nonlocal last_eval
         stats = end.stats
-        if end.skipped:
-            stats["dpo/skipped_nonfinite"] = float(end.skipped)
         if end.step % cfg.eval_every == 0 or end.step == total:
             last_eval = evaluate_dpo(model, tokenizer, evals, ref_eval, cfg, device, dtype)
             stats.update(last_eval)
         log(stats, end.step)
 
     settings = LoopSettings(
-        stage="DPO",
+        stage=DPO,
+        prefix="dpo",
         total_steps=total,
         batch_size=cfg.batch_size,
         n_rows=len(train),
         save_every=cfg.save_every,
         on_nonfinite=runtime.on_nonfinite,
-        grad_norm_key="dpo/grad_norm",
-        checked=("dpo/loss", "dpo/grad_norm"),
-        desc="dpo",
         progress=runtime.progress,
     )
     state_dir = Path(out_dir) / "state"

@@ -32,6 +32,7 @@ from rlhf.models.training import (
 )
 from rlhf.ops import pairwise_reward_loss
 from rlhf.rollout.batching import encode_prompt_response, pair_lengths
+from rlhf.stages import REWARD
 from rlhf.tracking.metrics_writer import LogFn
 from rlhf.train.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
@@ -73,11 +74,11 @@ def score_pairs(
     return scores[: len(frame)], scores[len(frame) :]
 
 
-# the reward model's metric keys: TRAIN_PREFIX/<stat> every step, PERIODIC_EVAL/<stat> on the held-out pairs every
+# the reward model's metric keys: TRAIN_PREFIX/<stat> every step, EVAL_PREFIX/<stat> on the held-out pairs every
 # reward.eval_every steps (`pair_stats`); the run's summary keys are reward/<name> (reward/best_eval_accuracy: the kept
 # checkpoint's held-out accuracy)
 TRAIN_PREFIX = "reward/train"
-PERIODIC_EVAL = "reward/eval"
+EVAL_PREFIX = "reward/eval"
 
 
 def pair_stats(prefix: str, chosen: Tensor, rejected: Tensor, loss: Tensor | None = None) -> dict[str, float]:
@@ -104,7 +105,7 @@ def evaluate_pairs(
     device: torch.device,
     batch_size: int = 128,
 ) -> dict[str, float]:
-    """Held-out loss, accuracy, margin and reward statistics (`PERIODIC_EVAL`/<stat>)."""
+    """Held-out loss, accuracy, margin and reward statistics (`EVAL_PREFIX`/<stat>)."""
     was_training = model.training
     model.eval()
     chosen, rejected = [], []
@@ -117,7 +118,7 @@ def evaluate_pairs(
     c, r = torch.cat(chosen), torch.cat(rejected)
     margin = _margins(frame, cfg, device)
     loss = pairwise_reward_loss(c, r, margin, cfg.center_coef).loss
-    return pair_stats(PERIODIC_EVAL, c, r, loss)
+    return pair_stats(EVAL_PREFIX, c, r, loss)
 
 
 def _margins(frame: pd.DataFrame, cfg: RewardConfig, device: torch.device) -> Tensor | None:
@@ -266,23 +267,19 @@ def train_reward_model(
 
     def after_step(end: StepEnd) -> None:
         stats = end.stats
-        if end.skipped:
-            stats[f"{TRAIN_PREFIX}/skipped_nonfinite"] = float(end.skipped)
         if end.step % cfg.eval_every == 0 or end.step == total:
             stats.update(evaluate_pairs(model, tokenizer, evals, cfg, device))
-            best.update(model, stats[f"{PERIODIC_EVAL}/accuracy"], end.step)
+            best.update(model, stats[f"{EVAL_PREFIX}/accuracy"], end.step)
         log(stats, end.step)
 
     settings = LoopSettings(
-        stage="reward model",
+        stage=REWARD,
+        prefix=TRAIN_PREFIX,
         total_steps=total,
         batch_size=cfg.batch_size,
         n_rows=len(train),
         save_every=cfg.save_every,
         on_nonfinite=runtime.on_nonfinite,
-        grad_norm_key=f"{TRAIN_PREFIX}/grad_norm",
-        checked=(f"{TRAIN_PREFIX}/loss", f"{TRAIN_PREFIX}/grad_norm"),
-        desc="reward",
         progress=runtime.progress,
         extra_fields=best.fields,
         tensor_files=best.tensor_files,
@@ -297,7 +294,7 @@ def train_reward_model(
     if best.weights is not None:
         accuracy = best.accuracy
     else:
-        accuracy = evaluate_pairs(model, tokenizer, evals, cfg, device)[f"{PERIODIC_EVAL}/accuracy"]
+        accuracy = evaluate_pairs(model, tokenizer, evals, cfg, device)[f"{EVAL_PREFIX}/accuracy"]
     metrics = {
         REWARD_BEST_EVAL_ACCURACY: accuracy,
         "reward/best_step": float(best.step),

@@ -24,6 +24,7 @@ from rlhf.models.gguf import ModelSource, resolve_model
 from rlhf.models.loading import is_local_checkpoint, load_causal_lm, load_options, load_tokenizer
 from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
 from rlhf.rollout.batching import encode_and_measure
+from rlhf.stages import SFT
 from rlhf.tracking.metrics_writer import LogFn
 from rlhf.train.supervised import LoopSettings, StepEnd, StepOutput, run_supervised
 
@@ -166,22 +167,19 @@ def train_sft(
         nonlocal loss_value, pending
         loss_value = end.loss.item()
         if end.step == 1 or end.step % 10 == 0 or end.step == cfg.steps or end.skip:  # the first, every 10th, last
-            grad_norm = float(end.stats["sft/grad_norm"])
-            stats = {"sft/loss": loss_value, "sft/grad_norm": grad_norm, "sft/lr": scheduler.get_last_lr()[0]}
-            if end.skipped:
-                stats["sft/skipped_nonfinite"] = float(end.skipped)
+            stats = {"sft/loss": loss_value, "sft/lr": scheduler.get_last_lr()[0]}
+            stats |= {k: v for k, v in end.stats.items() if k in ("sft/grad_norm", "sft/skipped_nonfinite")}
             log({**stats, **pending}, end.step)
             pending = {}
 
     settings = LoopSettings(
-        stage="SFT",
+        stage=SFT,
+        prefix="sft",
         total_steps=cfg.steps,
         batch_size=cfg.batch_size,
         n_rows=len(demos),
         save_every=cfg.save_every,
         on_nonfinite=runtime.on_nonfinite,
-        grad_norm_key="sft/grad_norm",
-        desc="sft",
         progress=runtime.progress,
     )
     rng = random.Random(seed)

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from rlhf.checkpoints import load_trainer_state, save_trainer_state
 from rlhf.errors import TrainingInterrupted
 from rlhf.nonfinite import skip_nonfinite
+from rlhf.stages import Stage
 from rlhf.tracking.metrics_writer import LogFn, flush_log
 
 MAX_GRAD_NORM = 1.0
@@ -48,18 +49,21 @@ class StepEnd:
 class LoopSettings:
     """What the loop needs to know of the stage."""
 
-    stage: str  # names the stage in a non-finite error ("SFT", "reward model")
+    stage: Stage  # rlhf.stages: its label names it in messages, its short name is the progress bar's
+    prefix: str  # the namespace of its training metrics: <prefix>/loss, <prefix>/grad_norm, ... ("reward/train")
     total_steps: int
     batch_size: int
     n_rows: int  # rows of the training data; a batch is `batch_size` of their indices
     save_every: int
     on_nonfinite: str  # runtime.on_nonfinite
-    grad_norm_key: str  # e.g. "sft/grad_norm"
-    checked: tuple[str, ...] | None = None  # statistics whose NaN or inf stops (or skips) the step; None: all
-    desc: str = "train"
     progress: bool = True
     extra_fields: Callable[[], dict[str, Any]] = field(default=lambda: {})
     tensor_files: Callable[[], dict[str, dict[str, Tensor]] | None] = field(default=lambda: None)
+
+    @property
+    def checked(self) -> tuple[str, str]:
+        """The statistics whose NaN or inf stops (or skips) a step: the loss and the gradient norm."""
+        return f"{self.prefix}/loss", f"{self.prefix}/grad_norm"
 
 
 def run_supervised(
@@ -96,7 +100,7 @@ def run_supervised(
     skipped = 0
     bar = tqdm(
         range(first, total),
-        desc=settings.desc,
+        desc=settings.stage.short,
         disable=not settings.progress,
         mininterval=2,
         initial=first,
@@ -113,9 +117,11 @@ def run_supervised(
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-        stats = {**out.stats, settings.grad_norm_key: float(grad_norm)}
-        skip = skip_nonfinite(stats, settings.stage, step, settings.on_nonfinite, log, settings.checked)
+        stats = {**out.stats, f"{settings.prefix}/grad_norm": float(grad_norm)}
+        skip = skip_nonfinite(stats, settings.stage.label, step, settings.on_nonfinite, log, settings.checked)
         skipped += skip
+        if skipped:  # from the first skipped step on: how many this process skipped
+            stats[f"{settings.prefix}/skipped_nonfinite"] = float(skipped)
         if not skip:
             optimizer.step()
         scheduler.step()
@@ -126,5 +132,7 @@ def run_supervised(
             flush_log(log)  # every step up to a saved state is in the store
             save_trainer_state(state_dir, model, optimizer, scheduler, rng, fields, settings.tensor_files())
         if step == stop_after and step < total:
-            raise TrainingInterrupted(f"{settings.stage} training stopped after {step} steps (stop_after); state saved")
+            raise TrainingInterrupted(
+                f"{settings.stage.label} training stopped after {step} steps (stop_after); state saved"
+            )
     return skipped

@@ -1,5 +1,5 @@
-"""The pipeline's stages, in the order the flow runs them: the one table the flow, the stage runs and the overhead
-benchmark read.
+"""The pipeline's stages, in the order the flow runs them, each named here once: the Prefect task (tasks/stages.py),
+its output folder, the MLflow tag `stage` of its run (which comparisons and studies look runs up by) and its labels.
 
 No Prefect here (nor anything heavy): benchmarks/overhead_report.py imports this module in its library-alone variant,
 whose times must not include Prefect's import.
@@ -18,16 +18,16 @@ class Stage(NamedTuple):
     label: str  # what the progress artifact and the printed summary call it
 
 
-STAGES: tuple[Stage, ...] = (
-    Stage("prepare_preferences", "data", "data"),
-    Stage("supervised_finetune", "sft", "SFT"),
-    Stage("train_reward_model", "reward", "reward model"),
-    Stage("combine_reward_ensemble", "ensemble", "reward ensemble"),
-    Stage("init_policy_models", "init", "PPO init"),
-    Stage("train_policy_ppo", "ppo", "PPO"),
-    Stage("train_policy_dpo", "dpo", "DPO"),
-    Stage("evaluate_policies", "eval", "evaluation"),
-)
+# Each stage's names, written here once: the task decorators of tasks/stages.py read them.
+PREPARE = Stage("prepare_preferences", "data", "data")
+SFT = Stage("supervised_finetune", "sft", "SFT")
+REWARD = Stage("train_reward_model", "reward", "reward model")
+ENSEMBLE = Stage("combine_reward_ensemble", "ensemble", "reward ensemble")
+INIT = Stage("init_policy_models", "init", "PPO init")
+PPO = Stage("train_policy_ppo", "ppo", "PPO")
+DPO = Stage("train_policy_dpo", "dpo", "DPO")
+EVALUATE = Stage("evaluate_policies", "eval", "evaluation")
+STAGES: tuple[Stage, ...] = (PREPARE, SFT, REWARD, ENSEMBLE, INIT, PPO, DPO, EVALUATE)
 STAGE_TASKS: tuple[str, ...] = tuple(stage.task for stage in STAGES)
 _BY_TASK = {stage.task: stage for stage in STAGES}
 
@@ -36,12 +36,12 @@ def stages_of(algorithm: str = "ppo", reward_source: str = "model", ensemble: bo
     """The stages a pipeline of `algorithm` ('ppo': init and the RL stage; 'dpo': the DPO stage) runs, without the
     reward-model stage where a reward function scores (`reward_source` 'function'), with the ensemble's stage where
     `ensemble` (reward.ensemble_size > 1: its members are reward-model stages)."""
-    skipped = {"train_policy_dpo"} if algorithm == "ppo" else {"init_policy_models", "train_policy_ppo"}
+    skipped = {DPO} if algorithm == "ppo" else {INIT, PPO}
     if reward_source == "function":
-        skipped.add("train_reward_model")
+        skipped.add(REWARD)
     if not ensemble:
-        skipped.add("combine_reward_ensemble")
-    return tuple(stage for stage in STAGES if stage.task not in skipped)
+        skipped.add(ENSEMBLE)
+    return tuple(stage for stage in STAGES if stage not in skipped)
 
 
 def stage_of(task: str) -> Stage:
