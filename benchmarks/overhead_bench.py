@@ -227,6 +227,7 @@ def run_library(config_path: str, folder: Path) -> dict:
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.stop_tokens import same_vocabulary
     from rlhf.ppo.launch import train_policy
+    from rlhf.ppo.run import PolicyInputs
     from rlhf.preflight import preflight
     from rlhf.train import reward, sft
 
@@ -284,7 +285,18 @@ def run_library(config_path: str, folder: Path) -> dict:
     eval_file = f"{data.folder}/eval.parquet"
     ppo = stage(
         "train_policy_ppo",
-        lambda d: train_policy(config.ppo, runtime, seed, policy_sft.path, rm.path, data.folder, d, value_path=rm.path),
+        lambda d: train_policy(
+            PolicyInputs.prepared(
+                config.ppo,
+                runtime,
+                seed,
+                data.folder,
+                policy_path=policy_sft.path,
+                reward_path=rm.path,
+                out_dir=str(d),
+                value_path=rm.path,
+            )  # fmt: skip
+        ),
     )
     result = stage(
         "evaluate_policies",

@@ -22,6 +22,7 @@ from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.optimise import optimize
 from rlhf.ppo.plan import ExecutionPlan
+from rlhf.ppo.prompts import PromptBatch
 from rlhf.ppo.state import TrainerState, fresh_state
 from rlhf.ppo.update import compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings, sample_responses
@@ -118,12 +119,12 @@ class Bench:
         synchronize(self.device)
         t0 = time.perf_counter()
         query, mask = self.query()
-        indices, generator = list(range(len(query))), self.state.sample_generator
+        batch, plan = PromptBatch(query, mask, list(range(len(query)))), self.plan()
         rollout = generate_and_score(
-            self.models, query, mask, indices, None, self.cfg, self.settings, generator, self.dtype
-        )  # fmt: skip
+            self.models, batch, None, self.cfg, self.settings, self.state.sample_generator, plan
+        )
         compute_advantages(rollout, self.cfg, self.state.kl_ctl.value)
-        result = optimize(self.models, self.state, rollout, self.cfg, self.plan())
+        result = optimize(self.models, self.state, rollout, self.cfg, plan)
         synchronize(self.device)
         total = time.perf_counter() - t0
         timings = {**rollout.scored.timings, "time/optimize": result.stats["time/optimize"], "time/total": total}
@@ -139,12 +140,12 @@ class Bench:
             sampler = torch.Generator(device=self.device).manual_seed(self.seed)
             with autocast(self.device, self.dtype):
                 _, gen = count_flops(sample_responses, unwrap(self.models.policy), query, mask, self.settings, sampler)
+            plan, batch = self.plan(), PromptBatch(query, mask, list(range(len(query))))  # one thread: no second
             rollout, gen_and_score = count_flops(
-                generate_and_score, self.models, query, mask, list(range(len(query))), None, self.cfg, self.settings,
-                self.state.sample_generator, self.dtype,
-            )  # fmt: skip
+                generate_and_score, self.models, batch, None, self.cfg, self.settings, self.state.sample_generator, plan
+            )
             _, adv = count_flops(compute_advantages, rollout, self.cfg, self.state.kl_ctl.value)
-            _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, self.plan())
+            _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, plan)
         return {"time/generate": gen, "time/score": gen_and_score - gen, "time/advantages": adv, "time/optimize": opt}
 
 

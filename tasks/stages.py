@@ -19,6 +19,7 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
+from rlhf.ppo.run import PolicyInputs
 from rlhf.stages import DPO, ENSEMBLE, EVALUATE, INIT, PPO, PREPARE, REWARD, SFT
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
 from rlhf.train import dpo as dpo_training
@@ -261,16 +262,13 @@ def train_policy_ppo(
         tracker.set_tags(run_id, {OBJECTIVE_TAG: ppo_cfg.advantage_estimator})
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
         stop_after, updates, several = stage.stop_after, ppo_cfg.num_updates, processes > 1
+        inputs = PolicyInputs.prepared(
+            ppo_cfg, runtime, seed, prepared.path,
+            policy_path=ppo_init.policy_init, reward_path=ppo_init.reward_model or None, out_dir=str(folder),
+            value_path=ppo_init.value_init or None, reward=reward_cfg, stop_after=stop_after,
+        )  # fmt: skip
         result = launch.train_policy(
-            ppo_cfg,
-            runtime,
-            seed,
-            ppo_init.policy_init,
-            ppo_init.reward_model or None,
-            prepared.path,
-            folder,
-            value_path=ppo_init.value_init or None,
-            reward_cfg=reward_cfg,
+            inputs,
             processes=processes,
             # one process logs here; several log from their rank 0 and print progress lines
             log=None if several else stage.training_log(runtime, 10, updates),
@@ -278,7 +276,6 @@ def train_policy_ppo(
             tracking_uri=tracking.uri,
             run_id=run_id,
             on_eval=pruning_reporter(trial) if trial is not None else None,
-            stop_after=stop_after,
         )
         if result.alarm:  # the over-optimisation alarm fired at a periodic evaluation
             tracker.set_tags(run_id, {OVEROPTIMISATION_TAG: result.alarm})

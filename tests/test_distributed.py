@@ -249,6 +249,7 @@ def test_launcher_writes_no_digest_in_one_process(launch_inputs, tmp_path):
 
 def _digest_worker(rank: int, port: int, ck: dict[str, str], prompts: list[str], out: Path, want: bool) -> None:
     from rlhf.config import RuntimeConfig
+    from rlhf.ppo.run import PolicyRun
     from rlhf.ppo.trainer import train_ppo
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -266,7 +267,8 @@ def _digest_worker(rank: int, port: int, ck: dict[str, str], prompts: list[str],
         runtime = RuntimeConfig(device="cpu", progress=False)
         ctx = distributed.DistContext(rank=rank, world_size=2)
         result = train_ppo(
-            cfg, runtime, ck["policy"], ck["reward"], prompts, out, 0, lambda m, s: None, dist=ctx, param_digest=want
+            PolicyRun(cfg, runtime, ck["policy"], ck["reward"], prompts, out, 0, lambda m, s: None, param_digest=want),
+            dist=ctx,
         )
         (out / f"digest.rank{rank}").write_text(result.param_digest)
     finally:

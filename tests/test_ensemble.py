@@ -18,6 +18,7 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.models.reward_ensemble import EnsembleSpec, RewardEnsemble, load_reward, member_paths
 from rlhf.ops import ensemble_scores
 from rlhf.ppo.periodic_eval import EvalGuard
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.trainer import train_ppo
 from rlhf.train.reward_ensemble import ensemble_pair_stats
 
@@ -176,10 +177,19 @@ def test_ppo_with_an_ensemble_logs_the_members_view(tiny_checkpoints, two_member
     cfg = PPOConfig(total_episodes=32, batch_size=16, num_mini_batches=2, num_ppo_epochs=1, max_new_tokens=8,
                     record_rollouts=False, eval_every=1, advantage_estimator="rloo", samples_per_prompt=2)  # fmt: skip
     result = train_ppo(
-        cfg, RuntimeConfig(device="cpu", progress=False), tiny_checkpoints["policy"], two_member_ensemble, prompts,
-        tmp_path / "run", 0, lambda m, s: calls.append((s, dict(m))), eval_prompts=held_out,
-        reward_cfg=RewardConfig(ensemble_size=2, ensemble_objective="uwo"),
-    )  # fmt: skip
+        PolicyRun(
+            cfg,
+            RuntimeConfig(device="cpu", progress=False),
+            tiny_checkpoints["policy"],
+            two_member_ensemble,
+            prompts,
+            tmp_path / "run",
+            0,
+            lambda m, s: calls.append((s, dict(m))),
+            eval_prompts=held_out,
+            reward_cfg=RewardConfig(ensemble_size=2, ensemble_objective="uwo"),
+        )
+    )
     updates = [m for _, m in calls if "objective/scores" in m]
     assert len(updates) == 2
     for m in updates:

@@ -16,6 +16,7 @@ from rlhf.config import PipelineConfig, PPOConfig, RuntimeConfig, load_config
 from rlhf.errors import ConfigError
 from rlhf.models import sharding
 from rlhf.ppo import distributed
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.trainer import train_ppo
 from rlhf.preflight import check_ppo_processes
 from rlhf.rollout.generation import GenerationSettings, sample_responses
@@ -58,7 +59,9 @@ def test_preflight_and_trainer_refuse_fsdp_in_one_process(tmp_path):
     # the trainer checks before it loads anything: the missing checkpoints are never reached
     runtime = RuntimeConfig(device="cpu", sharding="fsdp", progress=False)
     with pytest.raises(ConfigError, match="needs several processes"):
-        train_ppo(PPOConfig(), runtime, "/missing/policy", "/missing/reward", ["a"], tmp_path, 0, lambda m, s: None)
+        train_ppo(
+            PolicyRun(PPOConfig(), runtime, "/missing/policy", "/missing/reward", ["a"], tmp_path, 0, lambda m, s: None)
+        )
 
 
 # --- the sharded model itself: two gloo processes --------------------------------------------------------------------

@@ -27,6 +27,7 @@ from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models, run_choices
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import PPOResult, generation_settings, train_ppo
 from rlhf.rollout import scoring
@@ -137,7 +138,7 @@ def _ppo(stack: Stack, data: Data) -> PPOResult:
     if stack.ppo is None:
         cfg = _ppo_cfg(gradient_checkpointing=True)
         rm = _rm(stack, data)
-        stack.ppo = train_ppo(cfg, RUNTIME, stack.sft, rm, data.prompts, stack.root / "ppo", 0, _nolog)
+        stack.ppo = train_ppo(PolicyRun(cfg, RUNTIME, stack.sft, rm, data.prompts, stack.root / "ppo", 0, _nolog))
     return stack.ppo
 
 
@@ -243,7 +244,7 @@ def test_lora_default_targets_with_a_policy_head_value(stacks, data, family, tmp
         assert set(targets) == adapted
     logged = {}
     log = lambda stats, step: logged.update(stats)  # noqa: E731
-    result = train_ppo(cfg, RUNTIME, stack.sft, _rm(stack, data), data.prompts, tmp_path, 0, log)
+    result = train_ppo(PolicyRun(cfg, RUNTIME, stack.sft, _rm(stack, data), data.prompts, tmp_path, 0, log))
     assert logged["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # B = 0: the policy is its reference at first
     assert math.isfinite(logged["policy/loss"]) and math.isfinite(logged["value/loss"])
     merged = AutoModelForCausalLM.from_pretrained(result.policy_path)
@@ -266,12 +267,11 @@ def test_first_minibatch_ratio_is_exactly_one(stacks, data, family):
     ids = encode_prompts(m.tokenizer, data.prompts, cfg.max_prompt_tokens)
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
     settings = generation_settings(cfg, m)
-    r = ppo_update.generate_and_score(
-        m, batch.ids, batch.mask, batch.indices, data.prompts, cfg, settings, state.sample_generator, torch.float32
-    )
+    plan = ExecutionPlan.for_models(m)
+    r = ppo_update.generate_and_score(m, batch, data.prompts, cfg, settings, state.sample_generator, plan)
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     assert torch.allclose(r.scored.logprobs, r.scored.ref_logprobs, atol=1e-5)
-    first = ppo_optimise.optimize(m, state, r, cfg, ExecutionPlan.for_models(m)).minibatch_stats[0]
+    first = ppo_optimise.optimize(m, state, r, cfg, plan).minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["policy/approxkl"] < 1e-10
     assert first["policy/clipfrac"] == 0.0

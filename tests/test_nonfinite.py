@@ -10,6 +10,7 @@ import pytest
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
 from rlhf.data import synthetic
 from rlhf.errors import NonFiniteError
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.trainer import train_ppo
 from rlhf.tracking.client import Tracker
 from rlhf.train.reward import train_reward_model
@@ -101,10 +102,12 @@ def test_ppo_stops_or_skips_on_nan(tiny_checkpoints, data, tmp_path):
     args = (tiny_checkpoints["policy"], tiny_checkpoints["reward"], data["prompts"])
     logged: dict[int, dict] = {}
     with pytest.raises(NonFiniteError, match=r"^PPO stopped at step 1: (policy|value)/\w+ is"):
-        train_ppo(cfg, _runtime("stop"), *args, tmp_path / "ppo", 0, lambda m, s: logged.update({s: m}))
+        train_ppo(PolicyRun(cfg, _runtime("stop"), *args, tmp_path / "ppo", 0, lambda m, s: logged.update({s: m})))
     assert any(not math.isfinite(v) for m in logged.values() for v in m.values())
     logged.clear()
-    result = train_ppo(cfg, _runtime("skip_update"), *args, tmp_path / "skip", 0, lambda m, s: logged.update({s: m}))
+    result = train_ppo(
+        PolicyRun(cfg, _runtime("skip_update"), *args, tmp_path / "skip", 0, lambda m, s: logged.update({s: m}))
+    )
     assert result.updates == 2
     assert sum(m["ppo/skipped_nonfinite"] for m in logged.values()) >= 1
 

@@ -12,6 +12,7 @@ from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.data import synthetic
 from rlhf.errors import TrainingInterrupted, TrialPruned
 from rlhf.ppo.periodic_eval import is_eval_step, sqrt_kl
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.trainer import train_ppo
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
@@ -63,16 +64,18 @@ def _cfg(**kw) -> PPOConfig:
 
 def _train(tiny_checkpoints, cfg, folder, log, **kw):
     return train_ppo(
-        cfg,
-        RUNTIME,
-        tiny_checkpoints["policy"],
-        tiny_checkpoints["reward"],
-        PROMPTS,
-        folder,
-        0,
-        log,
-        gold_fn=synthetic.gold_score,
-        **kw,
+        PolicyRun(
+            cfg,
+            RUNTIME,
+            tiny_checkpoints["policy"],
+            tiny_checkpoints["reward"],
+            PROMPTS,
+            folder,
+            0,
+            log,
+            gold_fn=synthetic.gold_score,
+            **kw,
+        )
     )
 
 
@@ -108,15 +111,17 @@ def test_periodic_eval_logs_its_metrics_at_the_eval_steps(tiny_checkpoints, tmp_
 def test_no_gold_without_a_gold_reward_and_no_eval_without_prompts(tiny_checkpoints, tmp_path):
     log = Recorder()
     train_ppo(
-        _cfg(total_episodes=32),
-        RUNTIME,
-        tiny_checkpoints["policy"],
-        tiny_checkpoints["reward"],
-        PROMPTS,
-        tmp_path / "run",
-        0,
-        log,
-        eval_prompts=HELD_OUT,
+        PolicyRun(
+            _cfg(total_episodes=32),
+            RUNTIME,
+            tiny_checkpoints["policy"],
+            tiny_checkpoints["reward"],
+            PROMPTS,
+            tmp_path / "run",
+            0,
+            log,
+            eval_prompts=HELD_OUT,
+        )
     )
     assert log.eval_steps() == [0, 2]
     assert set(log.eval_at(2)) == EVAL_KEYS - {"periodic_eval/gold"}

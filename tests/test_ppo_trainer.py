@@ -22,6 +22,7 @@ from rlhf.ppo import update as ppo_update
 from rlhf.ppo.models import load_models
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
+from rlhf.ppo.run import PolicyInputs, PolicyRun
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import TrainingInterrupted, generation_settings, train_ppo
 from rlhf.rollout.batching import encode_prompts
@@ -67,9 +68,10 @@ def stack(tmp_path_factory):
     }
 
 
-def _train(stack, cfg: PPOConfig, folder, log, **kw):
-    """train_ppo on the module's stack (SFT policy, reward model, prompts), seed 0."""
-    return train_ppo(cfg, RUNTIME, stack["sft"], stack["rm"], stack["prompts"], folder, 0, log, **kw)
+def _train(stack, cfg: PPOConfig, folder, log, reward: str | None = "rm", **kw):
+    """train_ppo on the module's stack (SFT policy, reward model unless `reward` is None, prompts), seed 0."""
+    rm = stack[reward] if reward else None
+    return train_ppo(PolicyRun(cfg, RUNTIME, stack["sft"], rm, stack["prompts"], folder, 0, log, **kw))
 
 
 def _cfg(**kw) -> PPOConfig:
@@ -91,17 +93,9 @@ def _rollout(stack, cfg: PPOConfig, dtype: torch.dtype = torch.float32):
     state = load_state(stack["root"] / "no-state", m, cfg, 0, torch.device("cpu"))
     ids = encode_prompts(m.tokenizer, stack["prompts"], cfg.max_prompt_tokens)
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
-    r = ppo_update.generate_and_score(
-        m,
-        batch.ids,
-        batch.mask,
-        batch.indices,
-        stack["prompts"],
-        cfg,
-        generation_settings(cfg, m),
-        state.sample_generator,
-        dtype=dtype,
-    )
+    plan = ExecutionPlan.for_models(m, dtype)
+    settings = generation_settings(cfg, m)
+    r = ppo_update.generate_and_score(m, batch, stack["prompts"], cfg, settings, state.sample_generator, plan)
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     return m, state, r
 
@@ -408,15 +402,17 @@ def test_reward_model_with_a_different_tokenizer_retokenizes(stack, tmp_path):
     assert not m.same_tokenizer
     logged = {}
     train_ppo(
-        cfg,
-        RUNTIME,
-        stack["sft"],
-        str(tmp_path / "other"),
-        stack["prompts"],
-        tmp_path / "run",
-        0,
-        lambda mm, s: logged.update(mm),
-        value_path=stack["rm"],
+        PolicyRun(
+            cfg,
+            RUNTIME,
+            stack["sft"],
+            str(tmp_path / "other"),
+            stack["prompts"],
+            tmp_path / "run",
+            0,
+            lambda mm, s: logged.update(mm),
+            value_path=stack["rm"],
+        )
     )
     assert math.isfinite(logged["objective/scores"])
 
@@ -470,17 +466,47 @@ def test_train_policy_is_one_entry_point_for_one_process_and_several(tmp_path, m
     monkeypatch.setattr(launch, "run_data_parallel", fake("several"))
     cfg = _cfg(eval_every=1, eval_n_prompts=2)
     log, on_eval = (lambda m, s: None), (lambda s, m: None)
-    args = (cfg, RUNTIME, 0, "sft", "rm", data, tmp_path / "out")
-    assert launch.train_policy(*args, log=log, on_eval=on_eval).policy_path == "policy"
-    (_, _, policy, reward, prompts, out, seed, got_log), kw = calls.pop("one")
-    assert (policy, reward, prompts, out, seed, got_log) == ("sft", "rm", ["p1", "p2"], tmp_path / "out", 0, log)
-    assert kw["value_path"] == "rm" and kw["gold_fn"] is synthetic.gold_score and kw["on_eval"] is on_eval
-    assert kw["eval_prompts"] == ["e1", "e2"]  # the first ppo.eval_n_prompts distinct held-out prompts
-    launch.train_policy(*args, value_path="value", processes=2, tracking_uri="sqlite:///m.db", run_id="r", echo=print)
-    (processes, *_, value, prompts_file, out), kw = calls.pop("several")
-    assert (processes, value, prompts_file, out) == (2, "value", data / "prompts.parquet", tmp_path / "out")
-    assert kw["data_manifest"] == data / "manifest.json" and kw["eval_file"] == data / "eval.parquet"
-    assert (kw["tracking_uri"], kw["run_id"], kw["echo"]) == ("sqlite:///m.db", "r", print) and not calls
+    inputs = PolicyInputs.prepared(cfg, RUNTIME, 0, data, policy_path="sft", reward_path="rm", out_dir=str(tmp_path))
+    assert launch.train_policy(inputs, log=log, on_eval=on_eval).policy_path == "policy"
+    (run,), kw = calls.pop("one")
+    assert (run.policy_path, run.reward_path, run.prompts, run.out_dir, run.seed) == (
+        "sft",
+        "rm",
+        ["p1", "p2"],
+        tmp_path,
+        0,
+    )
+    assert run.value_path == "rm" and run.gold_fn is synthetic.gold_score and run.on_eval is on_eval and run.log is log
+    assert run.eval_prompts == ["e1", "e2"]  # the first ppo.eval_n_prompts distinct held-out prompts
+    launch.train_policy(inputs, processes=2, tracking_uri="sqlite:///m.db", run_id="r", echo=print)
+    (got, processes), kw = calls.pop("several")
+    assert got is inputs and processes == 2 and not calls
+    assert (kw["tracking_uri"], kw["run_id"], kw["echo"]) == ("sqlite:///m.db", "r", print)
+
+
+def test_policy_inputs_travel_to_the_processes_as_they_are(tmp_path):
+    """run_data_parallel writes the inputs to one file that every process reads (`--inputs`): the same sections,
+    paths and settings come back, the progress bars off."""
+    from rlhf.ppo.launch import inputs_from_args, parse_args
+
+    cfg = _cfg(eval_every=2, advantage_estimator="grpo", samples_per_prompt=2)
+    inputs = PolicyInputs.prepared(
+        cfg, RUNTIME.model_copy(update={"progress": True}), 7, tmp_path / "data", policy_path="sft",
+        reward_path=None, out_dir=str(tmp_path / "out"), reward=RewardConfig(source="function", function="m:f"),
+        stop_after=3,
+    )  # fmt: skip
+    inputs.write(tmp_path / "inputs.yaml")
+    back, config = inputs_from_args(parse_args(["--inputs", str(tmp_path / "inputs.yaml")]))
+    assert config is None and back.ppo == inputs.ppo and back.reward == inputs.reward
+    assert back.runtime == inputs.runtime.model_copy(update={"progress": False})
+    assert (back.seed, back.reward_path, back.stop_after, back.eval_file) == (
+        7,
+        None,
+        3,
+        str(tmp_path / "data" / "eval.parquet"),
+    )
+    with pytest.raises(SystemExit):
+        parse_args(["--policy", "sft"])  # neither --inputs nor the paths
 
 
 def test_best_checkpoint_keeps_the_first_best_and_resumes_from_its_files(tmp_path):
@@ -589,10 +615,8 @@ def test_dynamic_sampling_replaces_groups_without_spread(stack, tmp_path):
     for rounds in (0, 3):
         cfg = _cfg(advantage_estimator="dapo", samples_per_prompt=4, dynamic_sampling_rounds=rounds, overlong_buffer=0)
         logged: dict[int, dict[str, float]] = {}
-        train_ppo(
-            cfg, RUNTIME, stack["sft"], None, stack["prompts"], tmp_path / str(rounds), 0,
-            lambda metrics, step, logged=logged: logged.__setitem__(step, metrics), reward_cfg=reward_cfg,
-        )  # fmt: skip
+        log = lambda metrics, step, logged=logged: logged.__setitem__(step, metrics)  # noqa: E731
+        _train(stack, cfg, tmp_path / str(rounds), log, reward=None, reward_cfg=reward_cfg)
         runs[rounds] = logged
     plain, dynamic = runs[0], runs[3]
     assert not any(k.startswith("dynamic_sampling/") for k in plain[1])
@@ -616,10 +640,7 @@ def test_a_run_with_dynamic_sampling_resumes_as_if_never_stopped(stack, tmp_path
     full, resumed = {}, {}
 
     def run(folder, logged, **kw):
-        train_ppo(
-            cfg, RUNTIME, stack["sft"], None, stack["prompts"], folder, 0,
-            lambda m, s: logged.__setitem__(s, m), reward_cfg=reward_cfg, **kw,
-        )  # fmt: skip
+        _train(stack, cfg, folder, lambda m, s: logged.__setitem__(s, m), reward=None, reward_cfg=reward_cfg, **kw)
 
     run(tmp_path / "full", full)
     with pytest.raises(TrainingInterrupted):
@@ -655,9 +676,19 @@ def test_a_reward_function_scores_without_a_reward_model(stack, tmp_path, estima
     assert m.reward is None and (m.value is None) == (estimator == "grpo")  # gae: a value model from the SFT model
     logged: dict[int, dict[str, float]] = {}
     train_ppo(
-        cfg, RUNTIME, stack["sft"], None, stack["prompts"], tmp_path, 0,
-        lambda metrics, step: logged.__setitem__(step, metrics), gold_fn=synthetic.gold_score, reward_cfg=reward_cfg,
-    )  # fmt: skip
+        PolicyRun(
+            cfg,
+            RUNTIME,
+            stack["sft"],
+            None,
+            stack["prompts"],
+            tmp_path,
+            0,
+            lambda metrics, step: logged.__setitem__(step, metrics),
+            gold_fn=synthetic.gold_score,
+            reward_cfg=reward_cfg,
+        )
+    )
     for metrics in logged.values():  # the score is the gold reward itself
         assert metrics["objective/scores"] == pytest.approx(metrics["objective/gold_score"], abs=1e-5)
 
@@ -670,10 +701,8 @@ def test_a_reward_function_on_top_of_the_reward_model_adds_its_weighted_score(st
     state = load_state(stack["root"] / "no-state", m, cfg, 0, torch.device("cpu"))
     ids = encode_prompts(m.tokenizer, stack["prompts"], cfg.max_prompt_tokens)
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id)
-    r = ppo_update.generate_and_score(
-        m, batch.ids, batch.mask, batch.indices, stack["prompts"], cfg, generation_settings(cfg, m),
-        state.sample_generator, dtype=torch.float32,
-    )  # fmt: skip
+    settings, plan = generation_settings(cfg, m), ExecutionPlan.for_models(m)
+    r = ppo_update.generate_and_score(m, batch, stack["prompts"], cfg, settings, state.sample_generator, plan)
     texts = m.tokenizer.batch_decode(
         r.scored.resp.tokens.masked_fill(r.scored.resp.mask == 0, m.tokenizer.pad_token_id), skip_special_tokens=True
     )

@@ -185,15 +185,13 @@ def test_first_update_kl_is_zero_and_ratio_one(shallow, tmp_path, dtype, lora):
     prompts = [_chat(m.tokenizer, q) for q in ("Name a colour.", "Write one word about the sea.")]
     batch = prompt_batch(encode_prompts(m.tokenizer, prompts, cfg.max_prompt_tokens), 0, 2, 0, m.tokenizer.pad_token_id)
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    r = ppo_update.generate_and_score(
-        m, batch.ids, batch.mask, batch.indices, prompts, cfg, generation_settings(cfg, m), state.sample_generator,
-        compute,
-    )  # fmt: skip
+    plan = ExecutionPlan.for_models(m, compute)
+    r = ppo_update.generate_and_score(m, batch, prompts, cfg, generation_settings(cfg, m), state.sample_generator, plan)
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     mask = r.mask
     diff = (r.scored.logprobs - r.scored.ref_logprobs) * mask
     kl = float(diff.sum(1).mean())
-    step = ppo_optimise.minibatch_step(m, state, r, torch.arange(2), cfg, ExecutionPlan.for_models(m, compute))
+    step = ppo_optimise.minibatch_step(m, state, r, torch.arange(2), cfg, plan)
     print(f"{dtype} lora={lora}: KL {kl:.3g}, max |diff| {float(diff.abs().max()):.3g}, ratios {step.ratios.tolist()}")
     assert mask.sum() >= 2
     assert abs(kl) < 1e-3 and float(diff.abs().max()) < 1e-3

@@ -76,12 +76,11 @@ def _first_update(path: str, cfg: PPOConfig, runtime: RuntimeConfig, tmp_path):
     batch = prompt_batch(ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id, samples_per_prompt=cfg.samples_per_prompt)
     dtype = torch.bfloat16 if runtime.dtype == "bfloat16" else torch.float32
     settings = generation_settings(cfg, m)
-    r = ppo_update.generate_and_score(
-        m, batch.ids, batch.mask, batch.indices, prompts, cfg, settings, state.sample_generator, dtype
-    )
+    plan = ExecutionPlan.for_models(m, dtype)
+    r = ppo_update.generate_and_score(m, batch, prompts, cfg, settings, state.sample_generator, plan)
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     rows = torch.arange(cfg.mini_batch_size)
-    step = ppo_optimise.minibatch_step(m, state, r, rows, cfg, ExecutionPlan.for_models(m, dtype))
+    step = ppo_optimise.minibatch_step(m, state, r, rows, cfg, plan)
     return m, r, step
 
 

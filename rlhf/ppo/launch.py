@@ -9,10 +9,11 @@ Run without a launcher it trains in one process. ``ppo.batch_size`` is the globa
 docs/scaling.md section 5). Rank 0 prints the final line and, with ``--tracking-uri``, logs the run's parameters
 and metrics to MLflow (into an existing run with ``--run-id``).
 
-The pipeline's PPO stage calls :func:`train_policy`, one entry point whatever the number of processes: in one
-process it trains in place (:func:`rlhf.ppo.trainer.train_ppo`); with ``runtime.ppo_processes`` > 1 it runs
-:func:`run_data_parallel`, which starts this module under ``torchrun --standalone`` on the local machine and reads
-the outcome back from a small JSON file (torchrun does not pass its workers' exit codes on).
+The pipeline's PPO stage calls :func:`train_policy`, one entry point whatever the number of processes, with the
+run's `PolicyInputs`, built once: in one process it trains in place (:func:`rlhf.ppo.trainer.train_ppo`); with
+``runtime.ppo_processes`` > 1 it runs :func:`run_data_parallel`, which writes the inputs as they are to one file,
+starts this module on it (``--inputs FILE``) under ``torchrun --standalone`` on the local machine and reads the
+outcome back from a small JSON file (torchrun does not pass its workers' exit codes on).
 """
 
 from __future__ import annotations
@@ -27,14 +28,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-import pandas as pd
-import yaml
-
-from rlhf.checkpoints import MANIFEST, atomic_write_text
-from rlhf.config import PipelineConfig, PPOConfig, RewardConfig, RuntimeConfig, flatten, load_config
-from rlhf.data.prepare import gold_scorer
+from rlhf.checkpoints import atomic_write_text
+from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
 from rlhf.errors import ConfigError
-from rlhf.eval.evaluate import eval_prompts
 from rlhf.metrics import (
     EPISODES_PER_S,
     OBJECTIVE_GOLD,
@@ -47,19 +43,22 @@ from rlhf.metrics import (
 from rlhf.models.device import configure_cpu
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
-from rlhf.ppo.periodic_eval import EvalCallback
+from rlhf.ppo.run import EvalCallback, PolicyInputs, no_log
 from rlhf.ppo.trainer import PPOResult, TrainingInterrupted, train_ppo
 from rlhf.tracking.metrics_writer import LogFn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m rlhf.ppo.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=None, help="pipeline YAML (ppo, runtime and seed are used)")
-    parser.add_argument("--policy", required=True, help="SFT checkpoint: the initial policy and the reference")
-    parser.add_argument("--reward", required=True, help="reward-model checkpoint (empty: reward.function scores)")
+    parser.add_argument(
+        "--inputs", default=None, help="the run's inputs as `train_policy` wrote them (in place of the options below)"
+    )
+    parser.add_argument("--config", default=None, help="pipeline YAML (ppo, runtime, reward and seed are used)")
+    parser.add_argument("--policy", help="SFT checkpoint: the initial policy and the reference")
+    parser.add_argument("--reward", help="reward-model checkpoint (empty: reward.function scores)")
     parser.add_argument("--value", default=None, help="value-model initialisation (default: the reward model)")
-    parser.add_argument("--prompts", required=True, help="Parquet file with a 'prompt' column")
-    parser.add_argument("--out", required=True, help="output folder: state/, rollouts/, final/ (shared by all ranks)")
+    parser.add_argument("--prompts", help="Parquet file with a 'prompt' column")
+    parser.add_argument("--out", help="output folder: state/, rollouts/, final/ (shared by all ranks)")
     parser.add_argument("--seed", type=int, default=None, help="default: the config's seed")
     parser.add_argument("--tracking-uri", default=None, help="log to this MLflow store from rank 0")
     parser.add_argument("--experiment", default=None, help="MLflow experiment (default: tracking.experiment)")
@@ -89,33 +88,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stop-after", type=int, default=None, help="end after N updates with the state saved, as a crash would"
     )
     parser.add_argument("overrides", nargs="*", help="config overrides, key.sub=value")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.inputs is None and not (args.policy and args.reward is not None and args.prompts and args.out):
+        parser.error("give --inputs FILE, or --policy, --reward, --prompts and --out")
+    return args
 
 
-def read_prompts(path: str) -> list[str]:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"--prompts: {file} does not exist")
-    frame = pd.read_parquet(file)
-    if "prompt" not in frame.columns:
-        raise ConfigError(f"--prompts: {file} has no 'prompt' column (columns: {', '.join(frame.columns)})")
-    return frame["prompt"].astype(str).tolist()
+def inputs_from_args(args: argparse.Namespace) -> tuple[PolicyInputs, PipelineConfig | None]:
+    """The run's inputs: the file of `--inputs`, or the pipeline config and the paths given as options (then also
+    the config, for the launcher's own MLflow run)."""
+    if args.inputs:
+        return PolicyInputs.read(args.inputs), None
+    cfg = load_config(args.config, args.overrides)
+    inputs = PolicyInputs(
+        cfg.ppo, cfg.runtime, cfg.seed if args.seed is None else args.seed, args.policy, args.reward or None,
+        args.prompts, args.out, value_path=args.value or None, reward=cfg.reward, eval_file=args.eval_prompts,
+        data_manifest=args.data_manifest, stop_after=args.stop_after,
+    )  # fmt: skip
+    return inputs, cfg
 
 
-def _tracking(args: argparse.Namespace, cfg: PipelineConfig, ctx: DistContext) -> tuple[LogFn, Callable[[bool], None]]:
+def _tracking(
+    args: argparse.Namespace, inputs: PolicyInputs, tracking: TrackingConfig, ctx: DistContext
+) -> tuple[LogFn, Callable[[bool], None]]:
     """A `log` callable (MLflow on rank 0 with --tracking-uri, else nothing) and a function that ends the run
     (a no-op for a run named by --run-id: its owner ends it)."""
-    printer = _printer(args.print_every, cfg.ppo.num_updates) if ctx.is_main and args.print_every > 0 else None
+    printer = _printer(args.print_every, inputs.ppo.num_updates) if ctx.is_main and args.print_every > 0 else None
     if not (ctx.is_main and args.tracking_uri):
         return (printer or (lambda metrics, step: None)), (lambda failed: None)
     from rlhf.tracking.client import Tracker  # heavy: MLflow, on rank 0 only (the other ranks log nothing)
 
-    tracker = Tracker(args.tracking_uri, args.experiment or cfg.tracking.experiment, cfg.tracking.artifact_location)
+    tracker = Tracker(args.tracking_uri, args.experiment or tracking.experiment, tracking.artifact_location)
     if args.run_id:
         run_id, end = args.run_id, (lambda failed: None)
     else:
         run_id = tracker.start_run("train_policy_ppo-launch", tags={"launcher": "rlhf.ppo.launch"})
-        tracker.log_params(run_id, {**flatten(cfg.ppo, "ppo"), "seed": cfg.seed, "world_size": ctx.world_size})
+        tracker.log_params(run_id, {**flatten(inputs.ppo, "ppo"), "seed": inputs.seed, "world_size": ctx.world_size})
         end = lambda failed: tracker.end_run(run_id, failed=failed)  # noqa: E731
     logger = tracker.metric_logger(run_id)
     if printer is None:
@@ -181,46 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-def _gold_fn(manifest_path: str | Path | None):
-    """The gold reward of the data set whose manifest.json is at `manifest_path` (None: no gold scores)."""
-    if not manifest_path:
-        return None
-
-    return gold_scorer(json.loads(Path(manifest_path).read_text()))
-
-
 def _main(args: argparse.Namespace) -> int:
     check_launcher()
-    cfg = load_config(args.config, args.overrides)
+    inputs, cfg = inputs_from_args(args)
     # before any model is loaded or process group started
-    distributed.check_world_size(cfg.ppo, distributed.world_size_from_env())
-    distributed.check_sharding(cfg.ppo, cfg.runtime, distributed.world_size_from_env())
-    prompts = read_prompts(args.prompts)
-    configure_cpu(cfg.runtime.threads)
-    ctx = distributed.init_distributed(cfg.runtime)
-    log, end_run = _tracking(args, cfg, ctx)
+    world_size = distributed.world_size_from_env()
+    distributed.check_world_size(inputs.ppo, world_size)
+    distributed.check_sharding(inputs.ppo, inputs.runtime, world_size)
+    run = inputs.policy_run(digests=args.write_param_digest)  # the prompts read: a missing file is one sentence
+    configure_cpu(inputs.runtime.threads)
+    ctx = distributed.init_distributed(inputs.runtime)
+    run.log, end_run = _tracking(args, inputs, cfg.tracking if cfg is not None else TrackingConfig(), ctx)
     try:
-        result = train_ppo(
-            cfg.ppo,
-            cfg.runtime,
-            args.policy,
-            args.reward or None,
-            prompts,
-            args.out,
-            cfg.seed if args.seed is None else args.seed,
-            log,
-            value_path=args.value or None,
-            gold_fn=_gold_fn(args.data_manifest),
-            stop_after=args.stop_after,
-            dist=ctx,
-            param_digest=args.write_param_digest,
-            eval_prompts=(
-                eval_prompts(args.eval_prompts, cfg.ppo.eval_n_prompts)
-                if args.eval_prompts and cfg.ppo.eval_every > 0
-                else None
-            ),
-            reward_cfg=cfg.reward,
-        )
+        result = train_ppo(run, ctx)
     except TrainingInterrupted as stop:
         end_run(True)
         if ctx.is_main:
@@ -235,7 +216,7 @@ def _main(args: argparse.Namespace) -> int:
     end_run(False)
     _write_result(args.result, "completed", **dataclasses.asdict(result), world_size=ctx.world_size)
     if args.write_param_digest and result.param_digest:
-        Path(args.out, f"param_digest.rank{ctx.rank}.txt").write_text(result.param_digest + "\n")
+        Path(inputs.out_dir, f"param_digest.rank{ctx.rank}.txt").write_text(result.param_digest + "\n")
     if ctx.is_main:
         print(
             f"ppo: {result.updates} updates on {ctx.world_size} process(es); "
@@ -247,60 +228,36 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def run_data_parallel(
+    inputs: PolicyInputs,
     processes: int,
-    cfg: PPOConfig,
-    runtime: RuntimeConfig,
-    seed: int,
-    policy_path: str,
-    reward_path: str | None,
-    value_path: str | None,
-    prompts_file: str | Path,
-    out_dir: str | Path,
     *,
-    reward_cfg: RewardConfig | None = None,
     tracking_uri: str | None = None,
     run_id: str | None = None,
-    data_manifest: str | Path | None = None,
-    eval_file: str | Path | None = None,
-    stop_after: int | None = None,
-    print_every: int = 10,
     echo: Callable[[str], None] = print,
+    print_every: int = 10,
 ) -> PPOResult:
     """PPO as `processes` data-parallel processes on this machine (``torchrun --standalone``: one per GPU, or gloo
-    processes on CPU), for a Python caller such as the pipeline's PPO stage. Blocks until they end and echoes their
-    output line by line. Resumes from ``out_dir/state`` like :func:`train_ppo`. `eval_file` (the held-out split)
-    gives the prompts of ppo.eval_every's periodic evaluation (rank 0 evaluates; no `on_eval` across processes).
+    processes on CPU), for a Python caller such as the pipeline's PPO stage. The inputs are written as they are to
+    ``<out>/launch_inputs.yaml``, which every process reads (``--inputs``). Blocks until they end and echoes their
+    output line by line. Resumes from ``out_dir/state`` like :func:`train_ppo`. Rank 0 logs into the MLflow run
+    `run_id` of `tracking_uri` and runs the periodic evaluation (no `on_eval` across processes).
 
     Raises :class:`TrainingInterrupted` (``stop_after``), :class:`ConfigError` (the launcher's one sentence), or
     ``RuntimeError`` with the tail of the output when the processes failed otherwise.
     """
-    out = Path(out_dir)
+    out = Path(inputs.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config_file, result_file = out / "launch_config.yaml", out / "launch_result.json"
-    launched = {
-        "seed": seed,
-        "ppo": cfg.model_dump(mode="json"),
-        "runtime": {**runtime.model_dump(mode="json"), "progress": False},  # bars do not survive a pipe
-        **({"reward": reward_cfg.model_dump(mode="json")} if reward_cfg is not None else {}),
-    }
-    atomic_write_text(config_file, yaml.safe_dump(launched, sort_keys=False))
+    inputs_file, result_file = out / "launch_inputs.yaml", out / "launch_result.json"
+    inputs.write(inputs_file)
     result_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    command += ["-m", "rlhf.ppo.launch", "--config", str(config_file), "--policy", policy_path]
-    command += ["--reward", reward_path or "", "--value", value_path or "", "--prompts", str(prompts_file)]
-    command += ["--out", str(out)]
+    command += ["-m", "rlhf.ppo.launch", "--inputs", str(inputs_file)]
     command += ["--result", str(result_file), "--print-every", str(print_every)]
     if tracking_uri:
         command += ["--tracking-uri", tracking_uri] + (["--run-id", run_id] if run_id else [])
-    if data_manifest:
-        command += ["--data-manifest", str(data_manifest)]
-    if eval_file:
-        command += ["--eval-prompts", str(eval_file)]
-    if stop_after is not None:
-        command += ["--stop-after", str(stop_after)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # torchrun sets 1 thread per process (with a banner) unless told; share the cores out instead
-    threads = runtime.threads or max(1, (os.cpu_count() or 1) // processes)
+    threads = inputs.runtime.threads or max(1, (os.cpu_count() or 1) // processes)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     tail: deque[str] = deque(maxlen=30)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -325,61 +282,27 @@ def run_data_parallel(
 
 
 def train_policy(
-    cfg: PPOConfig,
-    runtime: RuntimeConfig,
-    seed: int,
-    policy_path: str,
-    reward_path: str | None,
-    data_dir: str | Path,
-    out_dir: str | Path,
+    inputs: PolicyInputs,
     *,
-    value_path: str | None = None,
-    reward_cfg: RewardConfig | None = None,
     processes: int = 1,
     log: LogFn | None = None,
+    on_eval: EvalCallback | None = None,
     echo: Callable[[str], None] = print,
     tracking_uri: str | None = None,
     run_id: str | None = None,
-    on_eval: EvalCallback | None = None,
-    stop_after: int | None = None,
 ) -> PPOResult:
-    """PPO of the policy at `policy_path` against the reward model at `reward_path` (the value model starts from
-    `value_path`, by default the reward model) on the prepared data in `data_dir` (``rlhf.data.prepare``: the
-    rollouts' prompts.parquet, eval.parquet for ppo.eval_every's periodic evaluation, manifest.json for gold scores),
-    in one process or in `processes` data-parallel ones on this machine; resumes from ``out_dir/state``.
+    """The policy stage on `inputs` (`PolicyInputs.prepared`: the SFT checkpoint, the reward model, the prepared
+    data), in one process or in `processes` data-parallel ones on this machine; resumes from ``out_dir/state``.
 
     One process (:func:`rlhf.ppo.trainer.train_ppo`): `log` gets the logged updates' metrics (None: nothing logs)
     and `on_eval` the periodic evaluations. Several (:func:`run_data_parallel`): rank 0 logs the metrics into the
     MLflow run `run_id` of `tracking_uri` itself, `echo` gets the processes' output line by line, and `log` and
-    `on_eval` are not called. Raises :class:`TrainingInterrupted` after `stop_after` updates, with the state saved.
-    `reward_cfg` with a reward function (reward.function) scores with it: alone where `reward_path` is None
-    (reward.source: function), else added to the reward model's scores.
+    `on_eval` are not called. Raises :class:`TrainingInterrupted` after `inputs.stop_after` updates, with the state
+    saved.
     """
-    data = Path(data_dir)
-    value_path = value_path or reward_path
     if processes > 1:
-        return run_data_parallel(
-            processes, cfg, runtime, seed, policy_path, reward_path, value_path, data / "prompts.parquet", out_dir,
-            reward_cfg=reward_cfg, tracking_uri=tracking_uri, run_id=run_id, data_manifest=data / MANIFEST,
-            eval_file=data / "eval.parquet",
-            stop_after=stop_after, echo=echo,
-        )  # fmt: skip
-    return train_ppo(
-        cfg,
-        runtime,
-        policy_path,
-        reward_path,
-        pd.read_parquet(data / "prompts.parquet")["prompt"].tolist(),
-        out_dir,
-        seed,
-        log or (lambda metrics, step: None),
-        value_path=value_path,
-        gold_fn=_gold_fn(data / MANIFEST),
-        stop_after=stop_after,
-        eval_prompts=eval_prompts(data / "eval.parquet", cfg.eval_n_prompts) if cfg.eval_every > 0 else None,
-        on_eval=on_eval,
-        reward_cfg=reward_cfg,
-    )
+        return run_data_parallel(inputs, processes, tracking_uri=tracking_uri, run_id=run_id, echo=echo)
+    return train_ppo(inputs.policy_run(log or no_log, on_eval))
 
 
 def _exit(code: int) -> None:

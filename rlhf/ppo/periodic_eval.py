@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +29,10 @@ from rlhf.eval.overoptimisation import (
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE
 from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed
-from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
+from rlhf.ppo.plan import ExecutionPlan
+from rlhf.ppo.run import PolicyRun
 from rlhf.rollout.generation import GenerationSettings
-from rlhf.tracking.metrics_writer import GoldFn, LogFn
-
-EvalCallback = Callable[[int, dict[str, float]], None]
-"""``on_eval(step, metrics)``: called after each periodic evaluation (rank 0); raising stops training."""
 
 EVAL_SEED_OFFSET = 7919  # the evaluation generator's seed is the run's seed plus this (not the rollouts' stream)
 
@@ -56,20 +52,16 @@ def sqrt_kl(kl: float) -> float:
 
 
 def evaluate_now(
-    models: PPOModels,
-    prompts: list[str],
-    cfg: PPOConfig,
-    settings: GenerationSettings,
-    seed: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    gold_fn: GoldFn | None,
+    models: PPOModels, run: PolicyRun, plan: ExecutionPlan, settings: GenerationSettings
 ) -> dict[str, float]:
-    """The periodic_eval/* metrics of the current policy on `prompts` (no value model needed: none is run)."""
+    """The periodic_eval/* metrics of the current policy on the run's held-out prompts (no value model needed: none
+    is run)."""
+    assert run.eval_prompts is not None
+    gold_fn, cfg = run.gold_fn, run.cfg
     scoring = dataclasses.replace(models.scoring(), value=None)
-    generator = torch.Generator(device=device).manual_seed(seed + EVAL_SEED_OFFSET)
+    generator = torch.Generator(device=plan.device).manual_seed(run.seed + EVAL_SEED_OFFSET)
     frame = generate_and_score_prompts(
-        scoring, prompts, settings, cfg.max_prompt_tokens, cfg.batch_size, generator, dtype
+        scoring, run.eval_prompts, settings, cfg.max_prompt_tokens, cfg.batch_size, generator, plan.dtype
     )
     kl = float(frame["kl"].mean())
     metrics = {
@@ -178,18 +170,7 @@ def load_guard(folder: Path, mode: str, in_distribution_std: float) -> EvalGuard
 
 
 def periodic_eval(
-    step: int,
-    models: PPOModels,
-    prompts: list[str],
-    cfg: PPOConfig,
-    settings: GenerationSettings,
-    seed: int,
-    dtype: torch.dtype,
-    dist: DistContext,
-    log: LogFn,
-    gold_fn: GoldFn | None,
-    on_eval: EvalCallback | None,
-    guard: EvalGuard | None = None,
+    step: int, models: PPOModels, run: PolicyRun, plan: ExecutionPlan, settings: GenerationSettings, guard: EvalGuard
 ) -> bool:
     """Evaluate after `step` updates: rank 0 generates, checks the over-optimisation alarm (`guard`), logs the
     metrics at `step` and calls `on_eval`; the other ranks wait. Returns whether training stops here (the alarm
@@ -197,14 +178,14 @@ def periodic_eval(
     processes the other ranks then raise `TrialPruned`, so that none is left waiting at the next collective."""
     error: Exception | None = None
     stop = False
+    dist = plan.dist
     if dist.is_main:
-        metrics = evaluate_now(models, prompts, cfg, settings, seed, dtype, dist.device, gold_fn)
-        if guard is not None:
-            stop = guard.observe(step, metrics, models.policy)
-        log(metrics, step)
-        if on_eval is not None:
+        metrics = evaluate_now(models, run, plan, settings)
+        stop = guard.observe(step, metrics, models.policy)
+        run.log(metrics, step)
+        if run.on_eval is not None:
             try:
-                on_eval(step, metrics)
+                run.on_eval(step, metrics)
             except Exception as err:  # noqa: BLE001 (re-raised below, after telling the other ranks)
                 error = err
     if dist.world_size > 1:

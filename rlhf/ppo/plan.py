@@ -1,8 +1,10 @@
-"""How the policy stage's optimisation executes, decided once per run: one object in place of loose flags.
+"""How the policy stage executes, decided once per process: one object in place of loose flags.
 
-`ExecutionPlan` holds the process group, the compute dtype, what a non-finite statistic does and where its report
-goes, and the two CPU-threading decisions that depend on the models (`rlhf.ppo.threads`). `rlhf.ppo.trainer` builds
-it once after loading the models; `rlhf.ppo.optimise` reads it instead of taking each flag as a parameter.
+`ExecutionPlan` holds the process group (device, rank, processes), the compute dtype, whether the models are sharded
+(FSDP), what a non-finite statistic does and where its report goes, and the CPU-threading decisions that depend on
+the models (`rlhf.ppo.threads`). `rlhf.ppo.trainer.train_ppo` builds it once after loading the models; the rollout
+(`rlhf.ppo.update.generate_and_score`), the periodic evaluation, the optimisation (`rlhf.ppo.optimise`) and the
+saving of the final models read it instead of taking each flag as a parameter.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class ExecutionPlan:
     log: LogFn | None = None  # where a non-finite step's statistics are reported (rank 0 only)
     second_thread: bool = False  # the value model's side beside the policy's in a second CPU thread
     split_policy: bool = False  # a critic-free micro-batch as two halves in two CPU threads
+    scoring_second_thread: bool = False  # the rollout's value and reward forwards beside the policy's
+    sharded: bool = False  # runtime.sharding 'fsdp': every model sharded over the processes
 
     @classmethod
     def for_models(
@@ -34,6 +38,7 @@ class ExecutionPlan:
         dist: DistContext | None = None,
         on_nonfinite: str = "stop",
         log: LogFn | None = None,
+        sharded: bool = False,
     ) -> ExecutionPlan:
         """The plan of a run of `models` (default: one process on the policy's device), with the threading that
         `use_second_thread` and `split_policy_work` choose for them and the current torch thread count."""
@@ -47,6 +52,8 @@ class ExecutionPlan:
             log if dist.is_main else None,
             use_second_thread(device, models, world_size),
             split_policy_work(device, models, world_size),
+            use_second_thread(device, models, world_size, scoring=True),
+            sharded,
         )
 
     @property
@@ -56,3 +63,7 @@ class ExecutionPlan:
     @property
     def device(self) -> torch.device:
         return self.dist.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main

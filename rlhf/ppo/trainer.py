@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from rlhf.checkpoints import atomic_dir, write_manifest
-from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
+from rlhf.config import PPOConfig
 from rlhf.errors import TrainingInterrupted
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import EPISODES_PER_S, OBJECTIVE_KL, OBJECTIVE_SCORES, PEAK_MEMORY
@@ -25,7 +25,6 @@ from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels, load_models
 from rlhf.ppo.optimise import optimize
 from rlhf.ppo.periodic_eval import (
-    EvalCallback,
     EvalGuard,
     is_eval_step,
     load_guard,
@@ -36,6 +35,7 @@ from rlhf.ppo.periodic_eval import (
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.records import record_rollouts
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
@@ -43,7 +43,7 @@ from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.vllm_backend import start_vllm_sampler
-from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log
+from rlhf.tracking.metrics_writer import flush_log
 
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
 logger = logging.getLogger(__name__)
@@ -66,28 +66,12 @@ def generation_settings(cfg: PPOConfig, models: PPOModels) -> GenerationSettings
     )
 
 
-def train_ppo(
-    cfg: PPOConfig,
-    runtime: RuntimeConfig,
-    policy_path: str,
-    reward_path: str | None,
-    prompts: list[str],
-    out_dir: str | Path,
-    seed: int,
-    log: LogFn,
-    value_path: str | None = None,
-    gold_fn: GoldFn | None = None,
-    stop_after: int | None = None,
-    dist: DistContext | None = None,
-    param_digest: bool = False,
-    eval_prompts: list[str] | None = None,
-    on_eval: EvalCallback | None = None,
-    reward_cfg: RewardConfig | None = None,
-) -> PPOResult:
-    """Train the policy with PPO against the reward model; resumes from ``out_dir/state`` when it exists.
+def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
+    """Train the policy with PPO (or a critic-free estimator) against the reward model; resumes from
+    ``run.out_dir/state`` when it exists.
 
     Only updates after the resumed step are logged, so a resumed run's metric history has no duplicated steps.
-    `stop_after` ends the run after that many updates, as a crash would (for resume tests).
+    `run.stop_after` ends the run after that many updates, as a crash would (for resume tests).
 
     `dist` (from `distributed.init_distributed`, e.g. under ``torchrun``) makes this one of W data-parallel
     processes: ppo.batch_size is the global batch and each rank generates its slice of it; gradients are averaged
@@ -95,30 +79,33 @@ def train_ppo(
     alone calls `log` and writes rollout records, the trainer state and the final models. None: one process.
     runtime.sharding 'fsdp' shards the four models over the ranks (`rlhf.ppo.sharded_state`): every rank then
     writes its shards of the resume state, and the final models are gathered on rank 0.
-    `param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
-    `reward_cfg` with a reward function (reward.function): its scores replace (`reward_path` None) or add to the
-    reward model's.
+    `run.param_digest` (a test aid: it hashes every parameter) returns each rank's digest of the final parameters.
+    `run.reward_cfg` with a reward function (reward.function): its scores replace (`reward_path` None) or add to
+    the reward model's.
 
-    With ppo.eval_every > 0 and `eval_prompts`, the policy is evaluated on them before the first update (unless
+    With ppo.eval_every > 0 and `run.eval_prompts`, the policy is evaluated on them before the first update (unless
     resuming past it), every eval_every updates and after the last (``rlhf.ppo.periodic_eval``): rank 0 logs
-    periodic_eval/* at step = updates done, then calls ``on_eval(step, metrics)``, which may raise to stop training
+    periodic_eval/* at step = updates done, then calls ``run.on_eval(step, metrics)``, which may raise to stop training
     (e.g. `rlhf.errors.TrialPruned`). With several processes only rank 0 evaluates and calls `on_eval`: a callback
     that keeps state (a pruner) sees one process's view, so pruning is meant for single-process runs.
     """
-    out_dir = Path(out_dir)
+    cfg, runtime, out_dir, log = run.cfg, run.runtime, Path(run.out_dir), run.log
     dist = dist if dist is not None else DistContext(device=resolve_device(runtime.device))
     distributed.check_world_size(cfg, dist.world_size)
     distributed.check_sharding(cfg, runtime, dist.world_size)
     sharded = runtime.sharding == "fsdp"
-    device = dist.device
-    reset_peak_memory(device)
-    models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device, reward_cfg)
+    reset_peak_memory(dist.device)
+    models = load_models(
+        cfg, runtime, run.policy_path, run.reward_path, run.value_path or run.reward_path, dist.device, run.reward_cfg
+    )
     place_models(models, dist, sharded)
-    state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
+    # how every step executes: device, dtype, processes, sharding, threads, non-finite handling
+    dtype = compute_dtype(runtime.dtype, dist.device)
+    plan = ExecutionPlan.for_models(models, dtype, dist, runtime.on_nonfinite, log, sharded)
+    state = load_state(out_dir / "state", models, cfg, run.seed, dist.device, dist.rank, dist.world_size)
     settings = generation_settings(cfg, models)
-    prompt_ids, pending = truncated_prompts(models.tokenizer, prompts, cfg, dist)
-    dtype = compute_dtype(runtime.dtype, device)
-    start_sampler(models, cfg, runtime, policy_path, seed, dtype, dist)  # after the resume state: the resumed policy
+    prompt_ids, pending = truncated_prompts(models.tokenizer, run.prompts, cfg, dist)
+    start_sampler(models, run, plan)  # after the resume state: the resumed policy
     total = cfg.num_updates
     stats: dict[str, float] = {}
     show = runtime.progress and dist.is_main
@@ -129,13 +116,12 @@ def train_ppo(
 
     def evaluate_if_due(step: int) -> bool:
         """Whether training stops after this evaluation (the alarm, with ppo.on_overoptimisation 'stop')."""
-        if not (eval_prompts and is_eval_step(step, cfg)):
+        if not (run.eval_prompts and is_eval_step(step, cfg)):
             return False
-        return periodic_eval(step, models, eval_prompts, cfg, settings, seed, dtype, dist, log, gold_fn, on_eval, guard)
+        return periodic_eval(step, models, run, plan, settings, guard)
 
     pad_id = models.tokenizer.pad_token_id
-    sample_rollout = rollout_sampler(models, state, prompt_ids, prompts, cfg, settings, seed, dtype, dist)
-    plan = ExecutionPlan.for_models(models, dtype, dist, runtime.on_nonfinite, log)  # how step 7 executes
+    sample_rollout = rollout_sampler(models, state, prompt_ids, run, plan, settings)
     if state.step == 0:
         evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
     for update in bar:
@@ -153,8 +139,8 @@ def train_ppo(
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value, guard.in_distribution_std)
         stats.update(sampling_stats)
-        stats.update(record_rollouts(out_dir, update, models, prompts, rollout, cfg, gold_fn, dist))
-        stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, device, dist.world_size))
+        stats.update(record_rollouts(out_dir, update, models, run.prompts, rollout, cfg, run.gold_fn, dist))
+        stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, dist.device, dist.world_size))
         stats = distributed.reduce_stats(stats)
         state.kl_ctl.update(stats[OBJECTIVE_KL], cfg.batch_size)
         state.step = update + 1
@@ -164,33 +150,25 @@ def train_ppo(
         bar.set_postfix(score=f"{stats[OBJECTIVE_SCORES]:.2f}", kl=f"{stats[OBJECTIVE_KL]:.2f}", refresh=False)
         if evaluate_if_due(state.step):
             break  # ppo.on_overoptimisation 'stop': the final policy is the last one the alarm passed
-        if state.step < total and (state.step % cfg.save_every == 0 or state.step == stop_after):
+        if state.step < total and (state.step % cfg.save_every == 0 or state.step == run.stop_after):
             flush_log(log)  # every update up to a saved state is in the store
             checkpoint_state(out_dir / "state", models, state, dist, guard)
-        if stop_after is not None and state.step == stop_after and state.step < total:
+        if run.stop_after is not None and state.step == run.stop_after and state.step < total:
             raise TrainingInterrupted(f"stopped after {state.step} updates (stop_after); state saved")
     if models.sampler is not None:
         models.sampler.close()
     keep_guarded_policy(guard, models, cfg, dist)
-    result = save_result(out_dir / "final", models, state, stats, dist, sharded, param_digest)
+    result = save_result(out_dir / "final", models, state, stats, plan, run.param_digest)
     result.metrics |= guard.result_metrics()
     result.alarm = guard.alarm.fired.sentence() if guard.alarm.fired else ""
     return result
 
 
-def start_sampler(
-    models: PPOModels,
-    cfg: PPOConfig,
-    runtime: RuntimeConfig,
-    policy_path: str,
-    seed: int,
-    dtype: torch.dtype,
-    dist: DistContext,
-) -> None:
+def start_sampler(models: PPOModels, run: PolicyRun, plan: ExecutionPlan) -> None:
     """ppo.generation.backend 'vllm': a vLLM engine samples the rollouts (`models.sampler`)."""
-    if cfg.generation.backend == "vllm":
+    if run.cfg.generation.backend == "vllm":
         models.sampler = start_vllm_sampler(
-            cfg, runtime, policy_path, models.policy, dist.device, seed, dtype, dist.world_size
+            run.cfg, run.runtime, run.policy_path, models.policy, plan.device, run.seed, plan.dtype, plan.world_size
         )
 
 
@@ -198,25 +176,19 @@ def rollout_sampler(
     models: PPOModels,
     state: TrainerState,
     prompt_ids: list[list[int]],
-    prompts: list[str],
-    cfg: PPOConfig,
+    run: PolicyRun,
+    plan: ExecutionPlan,
     settings: GenerationSettings,
-    seed: int,
-    dtype: torch.dtype,
-    dist: DistContext,
 ) -> Callable[[int], Rollout]:
     """A function that generates and scores the batch of prompts at a position of the run's prompt stream (this
     rank's slice of it), with the run's sampling generator."""
-    pad_id = models.tokenizer.pad_token_id
+    pad_id, cfg, dist = models.tokenizer.pad_token_id, run.cfg, plan.dist
 
     def sample(position: int) -> Rollout:
         batch = prompt_batch(
-            prompt_ids, position, cfg.batch_size, seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
+            prompt_ids, position, cfg.batch_size, run.seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
         )
-        ids, mask = batch.ids.to(dist.device), batch.mask.to(dist.device)
-        return generate_and_score(
-            models, ids, mask, batch.indices, prompts, cfg, settings, state.sample_generator, dtype, dist.world_size
-        )
+        return generate_and_score(models, batch, run.prompts, cfg, settings, state.sample_generator, plan)
 
     return sample
 
@@ -251,13 +223,12 @@ def save_result(
     models: PPOModels,
     state: TrainerState,
     stats: dict[str, float],
-    dist: DistContext,
-    sharded: bool,
+    plan: ExecutionPlan,
     param_digest: bool,
 ) -> PPOResult:
     """Write the final models (rank 0; sharded models gathered first, a collective) and describe them."""
-    digest = ""
-    weights = full_weights(models) if sharded else None  # gathered on rank 0: a collective of every rank
+    digest, dist = "", plan.dist
+    weights = full_weights(models) if plan.sharded else None  # gathered on rank 0: a collective of every rank
     if dist.is_main:
         with atomic_dir(final) as tmp:
             save_final(tmp, models, weights)

@@ -24,7 +24,8 @@ from rlhf.ops import (
 )
 from rlhf.ppo.distributed import DistContext, masked_mean_var
 from rlhf.ppo.models import PPOModels
-from rlhf.ppo.threads import use_second_thread
+from rlhf.ppo.plan import ExecutionPlan
+from rlhf.ppo.prompts import PromptBatch
 from rlhf.rollout import scoring
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.scoring import ScoredResponses
@@ -54,27 +55,26 @@ class Rollout:
 
 def generate_and_score(
     models: PPOModels,
-    query: Tensor,
-    query_mask: Tensor,
-    indices: list[int],
+    batch: PromptBatch,
     prompts: list[str] | None,
     cfg: PPOConfig,
     settings: GenerationSettings,
     generator: torch.Generator,
-    dtype: torch.dtype,
-    world_size: int = 1,
+    plan: ExecutionPlan,
 ) -> Rollout:
-    """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores.
+    """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores, on the plan's
+    device, under its autocast dtype (on CUDA; float32 turns it off) and threads.
 
-    `indices` are the rows of `prompts` in the batch; `dtype` is the autocast dtype on CUDA
-    (`compute_dtype` of runtime.dtype); float32 turns it off. Shape: query, query_mask (b, p).
+    `batch.indices` are the rows of `prompts` in the batch (None: no texts, when no reward model re-tokenizes).
+    Shape: batch.ids, batch.mask (b, p).
     """
-    texts = [prompts[i] for i in indices] if prompts is not None else None
+    texts = [prompts[i] for i in batch.indices] if prompts is not None else None
+    query, query_mask = batch.ids.to(plan.device), batch.mask.to(plan.device)
     scored = scoring.generate_and_score(
-        models.scoring(), query, query_mask, texts, settings, generator, dtype, cfg.forward_batch_size,
-        second_thread=use_second_thread(query.device, models, world_size, scoring=True),
+        models.scoring(), query, query_mask, texts, settings, generator, plan.dtype, cfg.forward_batch_size,
+        second_thread=plan.scoring_second_thread,
     )  # fmt: skip
-    return Rollout(indices, scored)
+    return Rollout(batch.indices, scored)
 
 
 def shaped_scores(scored: ScoredResponses, cfg: PPOConfig) -> ShapedScores:
