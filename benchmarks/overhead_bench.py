@@ -110,6 +110,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
     the Prefect progress logger of the training loops."""
     # heavy, and imported here on purpose: each side's imports are part of what it measures (times["imports"])
     import flows.pipeline as pipeline
+    import tasks.stage_runs as stage_runs
     import tasks.stages as stages
     from rlhf.ppo import launch
     from rlhf.tracking.client import Tracker
@@ -162,8 +163,8 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
         (evaluate, "evaluate_policies"),
     ):
         setattr(module, name, clock.wrap(getattr(module, name), "library"))
-    progress_logger = stages.progress_logger
-    stages.progress_logger = lambda *a, **k: clock.wrap(progress_logger(*a, **k), "prefect_progress")
+    progress_logger = stage_runs.progress_logger  # what a stage's training log reports to Prefect through
+    stage_runs.progress_logger = lambda *a, **k: clock.wrap(progress_logger(*a, **k), "prefect_progress")
 
 
 def run_prefect(config_path: str, folder: Path) -> dict:

@@ -107,7 +107,7 @@ def test_ui_stops_every_process_it_started_on_sigterm(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "flows.cli",
+        "rlhf.launcher",  # from a folder that is no checkout: the installed command finds it
         "ui",
         "--prefect-port",
         str(prefect_port),
