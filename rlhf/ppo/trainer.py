@@ -41,6 +41,7 @@ from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
+from rlhf.rollout.static_decode import resolve_decode
 from rlhf.tracking.metrics_writer import GoldFn, LogFn, flush_log
 
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
@@ -58,9 +59,16 @@ class PPOResult:
     alarm: str = ""  # the over-optimisation alarm's sentence where it fired (rlhf.eval.overoptimisation)
 
 
-def generation_settings(cfg: PPOConfig, models: PPOModels) -> GenerationSettings:
+def generation_settings(cfg: PPOConfig, models: PPOModels, device: torch.device) -> GenerationSettings:
+    decode = resolve_decode(cfg.generation.decode, device)
     return GenerationSettings(
-        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, models.stop_token_ids, models.tokenizer.pad_token_id
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        models.stop_token_ids,
+        models.tokenizer.pad_token_id,
+        decode,
     )
 
 
@@ -113,7 +121,7 @@ def train_ppo(
     models = load_models(cfg, runtime, policy_path, reward_path, value_path or reward_path, device, reward_cfg)
     place_models(models, dist, sharded)
     state = load_state(out_dir / "state", models, cfg, seed, device, dist.rank, dist.world_size)
-    settings = generation_settings(cfg, models)
+    settings = generation_settings(cfg, models, device)
     prompt_ids, pending = truncated_prompts(models.tokenizer, prompts, cfg, dist)
     dtype = compute_dtype(runtime.dtype, device)
     start_sampler(models, cfg, runtime, policy_path, seed, dtype, dist)  # after the resume state: the resumed policy
