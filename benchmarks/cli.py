@@ -117,7 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="auto: bfloat16 on a GPU, and on a CPU with AVX-512 BF16 or AMX (runtime.dtype: bfloat16), else float32",
+        help="auto: the pipeline's runtime.dtype auto (bfloat16 on a GPU, float32 on a CPU); bfloat16 on a CPU with "
+        "AVX-512 BF16 or AMX times the opt-in runtime.dtype: bfloat16",
     )
     parser.add_argument(
         "--estimator",
@@ -132,13 +133,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def bench_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """The compute dtype of `--dtype`: auto picks bfloat16 on CPUs with native bf16 (runtime.dtype: bfloat16)."""
-    from rlhf.models.device import compute_dtype, cpu_has_native_bf16
+    """The compute dtype of `--dtype`: 'auto' is the pipeline's `runtime.dtype: auto` (bfloat16 on a GPU that has it,
+    float32 on every CPU), so that the headline figure is what `make run` runs."""
+    from rlhf.models.device import compute_dtype
 
-    dtype = compute_dtype(requested, device)
-    if requested == "auto" and device.type == "cpu" and cpu_has_native_bf16():
-        dtype = torch.bfloat16  # float32 where the CPU emulates bf16
-    return dtype
+    return compute_dtype(requested, device)
+
+
+def bf16_option_note(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """On a CPU that multiplies bf16 natively, where `auto` timed float32: the faster opt-in setting, named."""
+    from rlhf.models.device import cpu_has_native_bf16
+
+    if requested != "auto" or device.type != "cpu" or dtype != torch.float32 or not cpu_has_native_bf16():
+        return ""
+    return (
+        "note: this CPU multiplies bf16 natively; runtime.dtype: bfloat16 (opt-in) is faster here: "
+        "`rlhf bench --dtype bfloat16` times it (docs/benchmark.md)"
+    )
 
 
 def print_peer_ratios(peers, peer_figures: dict[str, list[float]], figure: float, rounds: int) -> None:
@@ -170,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
         f"threads={torch.get_num_threads()} dtype={dtype}"
     )
+    if note := bf16_option_note(args.dtype, device, dtype):
+        print(note)
     if args.updates < MIN_UPDATES:
         print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")
     peers, peer_estimator = ESTIMATOR_PEERS.get(args.estimator, ((), ""))

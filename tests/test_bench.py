@@ -190,3 +190,17 @@ def test_a_gpu_check_row_past_the_budget_is_skipped_with_the_reason(tmp_path):
     plan = gpu_check.make_plan(dry_run=True)
     rows = gpu_check.run_checks(plan, budget_s=1, only={"card", "llama-1b gae"})
     assert rows[-1].status == "skipped" and "of the budget left" in rows[-1].note
+
+
+def test_the_bench_times_what_make_run_runs(monkeypatch):
+    """--dtype auto is the pipeline's runtime.dtype auto: float32 on every CPU, bf16 AVX-512 or not; there the
+    faster opt-in bf16 is named beside it."""
+    import rlhf.models.device as device_module
+
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda native=native: native)
+        assert cli.bench_dtype("auto", cpu) == device_module.compute_dtype("auto", cpu) == torch.float32
+        assert bool(cli.bf16_option_note("auto", cpu, torch.float32)) is native
+    assert cli.bench_dtype("bfloat16", cpu) == torch.bfloat16
+    assert cli.bf16_option_note("bfloat16", cpu, torch.bfloat16) == ""
