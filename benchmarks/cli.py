@@ -126,6 +126,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="gae",
         help="ppo.advantage_estimator; the critic-free ones sample 4 responses a prompt (docs/benchmark.md)",
     )
+    parser.add_argument(
+        "--decode",
+        choices=["auto", "dynamic", "static", "compiled"],
+        default="auto",
+        help="ppo.generation.decode: auto is compiled (a static KV cache, CUDA graphs) on CUDA, dynamic on a CPU",
+    )
     parser.add_argument("--no-limit", action="store_true", help="skip the limit report (FLOPs, matmul peaks)")
     parser.add_argument("--peers", action="store_true", help="run the TRL peers first, each in its own venv")
     parser.add_argument("--rounds", type=int, default=1, help="with --peers: alternate peers and this project")
@@ -170,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(cuda_refusal(args.shape), file=sys.stderr)
         return 2
     from rlhf.models.device import configure_cpu, resolve_device
+    from rlhf.rollout.static_decode import resolve_decode
 
     from .ppo_bench import PHASES, Bench, run_bench
 
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = bench_dtype(args.dtype, device)
     print(
         f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
-        f"threads={torch.get_num_threads()} dtype={dtype}"
+        f"threads={torch.get_num_threads()} dtype={dtype} decode={resolve_decode(args.decode, device)}"
     )
     if note := bf16_option_note(args.dtype, device, dtype):
         print(note)
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         if rounds > 1:
             print(f"this project, round {round_ + 1}/{rounds}:")
-        bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator)
+        bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator, decode=args.decode)
         summary = run_bench(bench)
         ours.append(summary["episodes/s"])
     print("median per update (updates after the first):")
