@@ -140,3 +140,21 @@ def test_compiled_decode_samples_the_same_tokens(family_checkpoint):
     _assert_same(*_both(model, ids, mask, settings, mode="compiled"))
     _assert_same(*_both(model, ids, mask, settings, seed=5, mode="compiled"))
     assert COMPILE_LOG.count == before + 1 and COMPILE_LOG.seconds > 0
+
+
+def test_a_models_static_cache_goes_with_the_model(family_checkpoint):
+    """The caches (and compiled steps) live on the model: a sweep's finished variants are freed. A compiled step
+    refers to its model; a stand-in that does too takes its place here (no compile in the quick tests)."""
+    import gc
+    import weakref
+
+    from rlhf.rollout import static_decode
+
+    tok, model, ids, mask = _load(family_checkpoint("llama"))
+    sample_responses(model, ids, mask, GenerationSettings(4, decode="static", pad_token_id=tok.pad_token_id or 0))
+    (slot,) = getattr(model, static_decode._SLOTS_ATTR).values()
+    slot.step = model.forward  # a bound method: refers to the model, as a compiled step does
+    gone = weakref.ref(model)
+    del model, slot
+    gc.collect()
+    assert gone() is None

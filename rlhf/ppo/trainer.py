@@ -59,7 +59,9 @@ class PPOResult:
     alarm: str = ""  # the over-optimisation alarm's sentence where it fired (rlhf.eval.overoptimisation)
 
 
-def generation_settings(cfg: PPOConfig, models: PPOModels, device: torch.device) -> GenerationSettings:
+def generation_settings(cfg: PPOConfig, models: PPOModels, device: torch.device | None = None) -> GenerationSettings:
+    """The sampling settings of `cfg`, its decode mode resolved for `device` (None: the policy's)."""
+    device = device if device is not None else next(models.policy.parameters()).device
     decode = resolve_decode(cfg.generation.decode, device)
     return GenerationSettings(
         cfg.max_new_tokens,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -58,7 +57,9 @@ class CompileLog:
 
 
 COMPILE_LOG = CompileLog()
-_SLOTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Slot]] = weakref.WeakKeyDictionary()
+# the model's static caches and compiled steps, kept on the model: they go with it (a compiled step refers to its
+# model, so a table keyed by the model, even a weak one, would keep every model of a sweep alive)
+_SLOTS_ATTR = "_rlhf_static_decode_slots"
 
 
 def _static_cache(model: nn.Module, batch: int, length: int, device: torch.device) -> Cache:
@@ -132,7 +133,7 @@ class StaticDecoder:
         length = bucketed_length(p, max_new_tokens)
         autocast = torch.is_autocast_enabled(device.type)
         key = (b, length, device, autocast, torch.get_autocast_dtype(device.type) if autocast else None, compiled)
-        slots = _SLOTS.setdefault(model, {})
+        slots = model.__dict__.setdefault(_SLOTS_ATTR, {})
         if key not in slots:
             slots[key] = _Slot(_static_cache(model, b, length, device), cache_args(model))
         self.slot = slots[key]
