@@ -15,6 +15,7 @@ Every row is time-boxed: a row whose estimate exceeds what is left of ``--budget
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -204,8 +205,10 @@ def bench_row(plan: Plan, results: dict, shape_name: str, estimator: str, update
 
 def first_update_row(plan: Plan, results: dict, lora: bool) -> Row:
     """The first update's KL (policy against reference on the first rollout) and probability ratios (the first
-    minibatch, before any optimizer step) under bf16: both should be 0 and 1."""
+    minibatch, before any optimizer step) under bf16, with the pipeline's reference (`match_autocast`; LoRA: the
+    policy with its adapters off): both should be exactly 0 and 1."""
     from rlhf.config import LoraConfig
+    from rlhf.models.reference import match_autocast
     from rlhf.models.training import apply_lora
     from rlhf.ppo.optimise import optimize
     from rlhf.ppo.state import fresh_state
@@ -216,6 +219,9 @@ def first_update_row(plan: Plan, results: dict, lora: bool) -> Row:
     shape = plan.shapes["smollm2"]
     dtype = torch.bfloat16
     bench = Bench(shape, plan.device, dtype, 2, decode="dynamic")  # the same tokens; no compile warm-up to pay
+    if not lora:  # the pipeline's reference (the bench's is all bf16): its matmul weights in bf16, the rest float32
+        policy = bench.models.policy
+        bench.models.reference = match_autocast(copy.deepcopy(policy).requires_grad_(False), dtype)
     if lora:
         models = bench.models
         models.policy = apply_lora(models.policy, LoraConfig(enabled=True))

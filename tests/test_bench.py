@@ -167,8 +167,9 @@ def test_the_gpu_check_dry_run_writes_its_table(tmp_path):
     assert {"card", "gpt2-124m gae", "gpt2-124m grpo", "llama-1b gae", "first update bf16, LoRA"} <= set(rows)
     assert all(row["status"] in ("ok", "skipped") for row in rows.values())
     assert rows["gpt2-124m gae"]["figures"]["episodes/s"] > 0
-    lora = rows["first update bf16, LoRA"]["figures"]
-    assert lora["KL mean"] == 0 and lora["ratio mean (minibatch 1)"] == 1  # the reference is the policy itself
+    for mode in ("LoRA", "full fine-tuning"):  # the pipeline's references: KL exactly 0, ratio exactly 1 in bf16
+        figures = rows[f"first update bf16, {mode}"]["figures"]
+        assert figures["KL max |.|"] == 0 and figures["ratio mean (minibatch 1)"] == 1
     assert "94 MiB" in rows["first update bf16, LoRA"]["note"]  # the real model cannot travel: said so
     assert rows["pipeline"]["status"] == "skipped" and rows["pipeline"]["note"]
     markdown = (tmp_path / "gpu_check.md").read_text()
