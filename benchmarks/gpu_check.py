@@ -138,6 +138,7 @@ def decode_row(plan: Plan, results: dict) -> Row:
     model = policy_model(shape, plan.device, plan.dtype)
     settings = GenerationSettings(shape.response_len, temperature=1.0, stop_token_ids=(), pad_token_id=0)
     figures: dict[str, Any] = {}
+    failures = len(COMPILE_LOG.failures)
     for mode in plan.decode_modes:
         before = COMPILE_LOG.seconds
         tps = [time_decode(model, shape, replace(settings, decode=mode), plan.dtype, shape.batch_size, 2)]
@@ -156,7 +157,9 @@ def decode_row(plan: Plan, results: dict) -> Row:
         bandwidth = results.get("card", {}).get("copy GB/s", copy_bandwidth(plan.device) / 1e9) * 1e9
         figures["bandwidth share %"] = 100 * traffic.total_bytes / seconds / bandwidth
         figures["ms/token"] = 1000 * seconds / shape.response_len
-    return Row(f"decode gpt2-124m (batch {shape.batch_size}, {shape.response_len} tokens)", figures=figures)
+    failed = COMPILE_LOG.failures[failures:]
+    note = f"torch.compile failed, decoded uncompiled: {failed[0]}" if failed else ""
+    return Row(f"decode gpt2-124m (batch {shape.batch_size}, {shape.response_len} tokens)", figures=figures, note=note)
 
 
 def _trl_peer(shape: str, estimator: str, updates: int) -> str:
@@ -173,6 +176,7 @@ def bench_row(plan: Plan, results: dict, shape_name: str, estimator: str, update
     """Episodes/s of the bench shape (this project), per-phase times, peak memory; with `flops` the MFU of the
     optimisation against the measured bf16 peak."""
     from rlhf.memory_usage import reset_peak_memory
+    from rlhf.rollout.static_decode import COMPILE_LOG
 
     from .ppo_bench import Bench, run_bench
 
@@ -199,6 +203,7 @@ def bench_row(plan: Plan, results: dict, shape_name: str, estimator: str, update
     ratio = ""
     if peer.endswith("episodes/s"):
         ratio = f"ratio {summary['episodes/s'] / float(peer.split()[0]):.2f}x"
+    decode += " (torch.compile failed: uncompiled)" if COMPILE_LOG.failures else ""
     note = f"median of updates 2-{updates}, decode {decode}" + (f"; {ratio}" if ratio else "")
     return Row(f"{shape_name} {estimator}", figures=figures, peer=peer, note=note)
 
@@ -371,7 +376,11 @@ def write_table(out: Path, env: dict[str, Any], rows: list[Row]) -> None:
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
-def run_checks(plan: Plan, budget_s: float, only: set[str] | None) -> list[Row]:
+def run_checks(
+    plan: Plan, budget_s: float, only: set[str] | None, on_row: Callable[[list[Row]], None] | None = None
+) -> list[Row]:
+    """The rows in order, each time-boxed; `on_row(rows so far)` after each (the table is rewritten, so a run cut
+    off by the machine's time limit still leaves the rows it finished)."""
     start, results, rows = time.perf_counter(), {}, []
     for check in checks(plan):
         if only and check.name not in only:
@@ -397,6 +406,8 @@ def run_checks(plan: Plan, budget_s: float, only: set[str] | None) -> list[Row]:
             row.note = f"dry run, tiny shape; {row.note}" if plan.dry_run else row.note
             rows.append(row)
         print(f"[gpu-check] {rows[-1].check}: {rows[-1].status} {rows[-1].cells()[2]} {rows[-1].note}", flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -419,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_cpu(2 if args.dry_run else None)
     plan = make_plan(args.dry_run)
-    rows = run_checks(plan, args.budget_s, set(filter(None, args.rows.split(","))) or None)
+    only = set(filter(None, args.rows.split(","))) or None
+    rows = run_checks(plan, args.budget_s, only, on_row=lambda done: write_table(Path(args.out), env, done))
     write_table(Path(args.out), env, rows)
     print((Path(args.out) / "gpu_check.md").read_text())
     return 0 if all(r.status != "failed" for r in rows) else 1

@@ -158,3 +158,21 @@ def test_a_models_static_cache_goes_with_the_model(family_checkpoint):
     del model, slot
     gc.collect()
     assert gone() is None
+
+
+def test_a_failed_compile_decodes_uncompiled_with_a_warning(family_checkpoint, monkeypatch, caplog):
+    """No compiler or triton on the machine: the run goes on over the static cache, says so, and samples the same."""
+    from rlhf.rollout import static_decode
+
+    def no_compiler(*args, **kwargs):
+        def step(*a, **k):
+            raise RuntimeError("no C++ compiler")
+
+        return step
+
+    monkeypatch.setattr(static_decode, "_compiled_step", no_compiler)
+    tok, model, ids, mask = _load(family_checkpoint("qwen2"))
+    failures = len(COMPILE_LOG.failures)
+    _assert_same(*_both(model, ids, mask, GenerationSettings(10, pad_token_id=tok.pad_token_id or 0), mode="compiled"))
+    assert len(COMPILE_LOG.failures) == failures + 1 and "no C++ compiler" in COMPILE_LOG.failures[-1]
+    assert "decoding uncompiled" in caplog.text

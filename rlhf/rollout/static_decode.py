@@ -10,9 +10,11 @@ launches). The prefill runs eagerly. The logits equal those of the dynamic cache
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -25,6 +27,7 @@ from transformers.cache_utils import Cache
 LENGTH_BUCKET = 64
 
 DECODE_MODES = ("dynamic", "static", "compiled")
+logger = logging.getLogger(__name__)
 
 
 def resolve_decode(name: str, device: torch.device) -> str:
@@ -54,6 +57,7 @@ class CompileLog:
     seconds: float = 0.0
     count: int = 0
     shapes: list[tuple[int, int]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # compiles that failed: those shapes decode uncompiled
 
 
 COMPILE_LOG = CompileLog()
@@ -147,15 +151,8 @@ class StaticDecoder:
 
     def prefill(self, ids: Tensor, pos: Tensor) -> Tensor:
         """The logits after the prompts. Shape: ids, pos (b, p) -> (b, v)."""
-        return _forward(
-            self.model,
-            self.slot.args,
-            self.slot.cache,
-            ids,
-            self.mask,
-            pos,
-            torch.zeros(1, dtype=torch.long, device=ids.device),
-        )
+        start = torch.zeros(1, dtype=torch.long, device=ids.device)
+        return _forward(self.model, self.slot.args, self.slot.cache, ids, self.mask, pos, start)
 
     def step(self, ids: Tensor, pos: Tensor) -> Tensor:
         """The next token's logits. Shape: ids, pos (b, 1) -> (b, v)."""
@@ -164,13 +161,25 @@ class StaticDecoder:
         slot = self.slot
         if not self.compiled:
             return _forward(self.model, slot.args, slot.cache, ids, self.mask, pos, cache_pos)
-        if self.slot.step is None:
-            self.slot.step = _compiled_step(self.model, slot.args, slot.cache, ids.device)
-            t0 = time.perf_counter()
-            logits = self.slot.step(ids, self.mask, pos, cache_pos)  # the first call compiles
-            self.slot.compile_seconds = time.perf_counter() - t0
-            COMPILE_LOG.seconds += self.slot.compile_seconds
-            COMPILE_LOG.count += 1
-            COMPILE_LOG.shapes.append(self.shape)
-            return logits
-        return self.slot.step(ids, self.mask, pos, cache_pos)
+        if slot.step is None:
+            return self._compile_and_step(ids, pos, cache_pos)
+        return slot.step(ids, self.mask, pos, cache_pos)
+
+    def _compile_and_step(self, ids: Tensor, pos: Tensor, cache_pos: Tensor) -> Tensor:
+        """The first compiled step: compiles (timed into COMPILE_LOG). Where torch.compile cannot (no compiler, no
+        triton), a warning, and this shape decodes over the static cache uncompiled: the same tokens."""
+        slot = self.slot
+        t0 = time.perf_counter()
+        try:
+            slot.step = _compiled_step(self.model, slot.args, slot.cache, ids.device)
+            logits = slot.step(ids, self.mask, pos, cache_pos)  # the first call compiles
+        except Exception as err:  # torch.compile's failures have no common type (backend, codegen, toolchain)
+            COMPILE_LOG.failures.append(why := f"{type(err).__name__}: {str(err)[:200]}")
+            logger.warning("torch.compile of the decoding step failed (%s): decoding uncompiled", why)
+            slot.step = partial(_forward, self.model, slot.args, slot.cache)
+            return slot.step(ids, self.mask, pos, cache_pos)
+        slot.compile_seconds = time.perf_counter() - t0
+        COMPILE_LOG.seconds += slot.compile_seconds
+        COMPILE_LOG.count += 1
+        COMPILE_LOG.shapes.append(self.shape)
+        return logits
