@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run run-real real-model test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep study mlflow-ui prefect-ui compare clean
+.PHONY: install run run-real real-model test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -95,6 +95,28 @@ bench-sweep: $(STAMP)
 # times, MLflow's share of a PPO update; the last line is `overhead: X%`.
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/overhead_bench.py $(ARGS)
+
+# `make gpu-check`: every GPU figure of docs/benchmark.md from one command (benchmarks/gpu_check.py; at most 10
+# minutes on one GPU), the table in OUT (markdown and JSON). On the lent GPU machine (torch and transformers only, no
+# network) run `python -m benchmarks.gpu_check --out $$OUT` with .gpu-deps carried; `ARGS=--dry-run` runs the rows on
+# tiny CPU shapes.
+OUT ?= outputs/gpu-check
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check --out $(OUT) $(ARGS)
+
+# `make gpu-deps [GPU_PYTHONS="3.10 3.11 3.12 3.13"]`: the library's light dependencies that a torch + transformers
+# machine may lack (pydantic, peft and theirs), in .gpu-deps/ for a device run to carry: the pure-Python packages once
+# (common/), pydantic's compiled core once per Python version (cpXY/). The versions are this venv's.
+GPU_PYTHONS ?= 3.10 3.11 3.12 3.13
+GPU_DEPS_PURE := pydantic annotated[-_]types typing[-_]inspection typing[-_]extensions peft accelerate psutil
+gpu-deps: $(STAMP)
+	@rm -rf .gpu-deps && mkdir -p .gpu-deps
+	@pins=$$($(PY) -m pip freeze 2>/dev/null | grep -iE '^($(shell echo $(GPU_DEPS_PURE) | sed 's/ /|/g'))==' | tr '\n' ' '); \
+		$(PY) -m pip install -q --no-deps --no-compile --target .gpu-deps/common $$pins $(PIP_QUIET)
+	@core=$$($(PY) -m pip freeze 2>/dev/null | grep -i '^pydantic[-_]core=='); for v in $(GPU_PYTHONS); do \
+		$(PY) -m pip install -q --no-deps --no-compile --only-binary=:all: --platform manylinux2014_x86_64 \
+			--python-version $$v --target .gpu-deps/cp$${v/./} $$core $(PIP_QUIET); done
+	@du -sh .gpu-deps
 
 .bench-peer/.installed:
 	@echo "creating .bench-peer (TRL 0.19.1, transformers 4.5x)"

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from rlhf.models.device import compute_dtype, configure_cpu, cpu_has_native_bf16, resolve_device
+from rlhf.rollout.static_decode import resolve_decode
 
 from .limit import (
     copy_bandwidth,
@@ -119,13 +120,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="auto: bfloat16 on a GPU, and on a CPU with AVX-512 BF16 or AMX (runtime.dtype: bfloat16), else float32",
+        help="auto: the pipeline's runtime.dtype auto (bfloat16 on a GPU, float32 on a CPU); bfloat16 on a CPU with "
+        "AVX-512 BF16 or AMX times the opt-in runtime.dtype: bfloat16",
     )
     parser.add_argument(
         "--estimator",
         choices=["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
         default="gae",
         help="ppo.advantage_estimator; the critic-free ones sample 4 responses a prompt (docs/benchmark.md)",
+    )
+    parser.add_argument(
+        "--decode",
+        choices=["auto", "dynamic", "static", "compiled"],
+        default="auto",
+        help="ppo.generation.decode: auto is compiled (a static KV cache, CUDA graphs) on CUDA, dynamic on a CPU",
     )
     parser.add_argument("--no-limit", action="store_true", help="skip the limit report (FLOPs, matmul peaks)")
     parser.add_argument("--peers", action="store_true", help="run the TRL peers first, each in its own venv")
@@ -134,11 +142,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def bench_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """The compute dtype of `--dtype`: auto picks bfloat16 on CPUs with native bf16 (runtime.dtype: bfloat16)."""
-    dtype = compute_dtype(requested, device)
-    if requested == "auto" and device.type == "cpu" and cpu_has_native_bf16():
-        dtype = torch.bfloat16  # float32 where the CPU emulates bf16
-    return dtype
+    """The compute dtype of `--dtype`: 'auto' is the pipeline's `runtime.dtype: auto` (bfloat16 on a GPU that has it,
+    float32 on every CPU), so that the headline figure is what `make run` runs."""
+    return compute_dtype(requested, device)
+
+
+def bf16_option_note(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """On a CPU that multiplies bf16 natively, where `auto` timed float32: the faster opt-in setting, named."""
+    if requested != "auto" or device.type != "cpu" or dtype != torch.float32 or not cpu_has_native_bf16():
+        return ""
+    return (
+        "note: this CPU multiplies bf16 natively; runtime.dtype: bfloat16 (opt-in) is faster here: "
+        "`rlhf bench --dtype bfloat16` times it (docs/benchmark.md)"
+    )
 
 
 def print_peer_ratios(peers, peer_figures: dict[str, list[float]], figure: float, rounds: int) -> None:
@@ -166,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = bench_dtype(args.dtype, device)
     print(
         f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
-        f"threads={torch.get_num_threads()} dtype={dtype}"
+        f"threads={torch.get_num_threads()} dtype={dtype} decode={resolve_decode(args.decode, device)}"
     )
+    if note := bf16_option_note(args.dtype, device, dtype):
+        print(note)
     if args.updates < MIN_UPDATES:
         print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")
     peers, peer_estimator = ESTIMATOR_PEERS.get(args.estimator, ((), ""))
@@ -185,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         if rounds > 1:
             print(f"this project, round {round_ + 1}/{rounds}:")
-        bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator)
+        bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator, decode=args.decode)
         summary = run_bench(bench)
         ours.append(summary["episodes/s"])
     print("median per update (updates after the first):")

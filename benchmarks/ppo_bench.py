@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -26,6 +26,7 @@ from rlhf.ppo.prompts import PromptBatch
 from rlhf.ppo.state import TrainerState, fresh_state
 from rlhf.ppo.update import compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings, sample_responses
+from rlhf.rollout.static_decode import resolve_decode
 
 from .limit import count_flops, synchronize
 from .shapes import BenchShape, model_classes, model_config
@@ -92,6 +93,7 @@ class Bench:
     updates: int
     seed: int = 0
     estimator: str = "gae"  # ppo.advantage_estimator
+    decode: str = "auto"  # ppo.generation.decode: auto is compiled on CUDA, dynamic on a CPU
     models: PPOModels = field(init=False)
     cfg: PPOConfig = field(init=False)
     state: TrainerState = field(init=False)
@@ -101,7 +103,8 @@ class Bench:
         self.models = build_models(self.shape, self.device, self.dtype, self.seed, critic=not self.cfg.critic_free)
         self.state = fresh_state(self.models, self.cfg, self.seed, self.device)
         # no stop tokens: every response has exactly response_len tokens (docs/benchmark.md)
-        self.settings = GenerationSettings(self.shape.response_len, temperature=1.0, stop_token_ids=(), pad_token_id=0)
+        decode = resolve_decode(self.decode, self.device)
+        self.settings = GenerationSettings(self.shape.response_len, 1.0, pad_token_id=0, decode=decode)
         self.data = torch.Generator().manual_seed(self.seed)
 
     def plan(self) -> ExecutionPlan:
@@ -135,14 +138,15 @@ class Bench:
         """The FLOPs of each phase of one update (not a timed one). Run with one torch thread so that the CPU's
         concurrent value-model thread stays in this one, where the (thread-local) counter sees it. Generation is
         counted alone (the same sampling call on the same prompts), scoring as the rest of `generate_and_score`."""
+        settings = replace(self.settings, decode="dynamic")  # a compiled step would hide its ops from the counter
         with torch_threads(1):
             query, mask = self.query()
             sampler = torch.Generator(device=self.device).manual_seed(self.seed)
             with autocast(self.device, self.dtype):
-                _, gen = count_flops(sample_responses, unwrap(self.models.policy), query, mask, self.settings, sampler)
+                _, gen = count_flops(sample_responses, unwrap(self.models.policy), query, mask, settings, sampler)
             plan, batch = self.plan(), PromptBatch(query, mask, list(range(len(query))))  # one thread: no second
             rollout, gen_and_score = count_flops(
-                generate_and_score, self.models, batch, None, self.cfg, self.settings, self.state.sample_generator, plan
+                generate_and_score, self.models, batch, None, self.cfg, settings, self.state.sample_generator, plan
             )
             _, adv = count_flops(compute_advantages, rollout, self.cfg, self.state.kl_ctl.value)
             _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, plan)

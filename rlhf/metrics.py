@@ -96,6 +96,8 @@ PPO_UPDATE = _group(
     (("tokens/query_len_mean", "tokens/query_len_std", "tokens/response_len_mean", "tokens/response_len_std"),
      "prompt and response lengths in tokens"),
     ("time/generate", "seconds sampling responses"),
+    ("time/decode_compile", "with `ppo.generation.decode: compiled` (the default on CUDA): seconds of the update's "
+     "generation spent compiling the decoding step (0 once compiled), included in `time/generate`"),
     ("time/weight_sync", "with `ppo.generation.backend: vllm`: seconds pushing the updated weights into vLLM"),
     ("time/score", "seconds of the no-grad forwards: policy, reference, value and reward model"),
     ("time/advantages", "seconds shaping scores, computing per-token rewards and advantages"),

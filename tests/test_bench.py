@@ -151,3 +151,57 @@ def test_llama_refuses_without_cuda(monkeypatch, capsys):
     assert cli.main(["--shape", "llama-1b"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "The llama-1b shape runs on a CUDA GPU (bf16) and this machine has no CUDA device."
+
+
+@pytest.mark.slow
+def test_the_gpu_check_dry_run_writes_its_table(tmp_path):
+    """`make gpu-check`'s command on the CPU shapes (--dry-run): every row runs or says why not, and the table is
+    written as markdown and JSON."""
+    import json
+
+    from benchmarks import gpu_check
+
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    table = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = {row["check"]: row for row in table["rows"]}
+    assert {"card", "gpt2-124m gae", "gpt2-124m grpo", "llama-1b gae", "first update bf16, LoRA"} <= set(rows)
+    assert all(row["status"] in ("ok", "skipped") for row in rows.values())
+    assert rows["gpt2-124m gae"]["figures"]["episodes/s"] > 0
+    for mode in ("LoRA", "full fine-tuning"):  # the pipeline's references: KL exactly 0, ratio exactly 1 in bf16
+        figures = rows[f"first update bf16, {mode}"]["figures"]
+        assert figures["KL max |.|"] == 0 and figures["ratio mean (minibatch 1)"] == 1
+    assert "94 MiB" in rows["first update bf16, LoRA"]["note"]  # the real model cannot travel: said so
+    assert rows["pipeline"]["status"] == "skipped" and rows["pipeline"]["note"]
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "| gpt2-124m grpo | ok |" in markdown and "not installed:" in markdown
+
+
+def test_the_gpu_check_refuses_without_cuda_and_says_so(monkeypatch, tmp_path, capsys):
+    from benchmarks import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert "no CUDA device" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_gpu_check_row_past_the_budget_is_skipped_with_the_reason(tmp_path):
+    from benchmarks import gpu_check
+
+    plan = gpu_check.make_plan(dry_run=True)
+    rows = gpu_check.run_checks(plan, budget_s=1, only={"card", "llama-1b gae"})
+    assert rows[-1].status == "skipped" and "of the budget left" in rows[-1].note
+
+
+def test_the_bench_times_what_make_run_runs(monkeypatch):
+    """--dtype auto is the pipeline's runtime.dtype auto: float32 on every CPU, bf16 AVX-512 or not; there the
+    faster opt-in bf16 is named beside it."""
+    import rlhf.models.device as device_module
+
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda native=native: native)
+        assert cli.bench_dtype("auto", cpu) == device_module.compute_dtype("auto", cpu) == torch.float32
+        assert bool(cli.bf16_option_note("auto", cpu, torch.float32)) is native
+    assert cli.bench_dtype("bfloat16", cpu) == torch.bfloat16
+    assert cli.bf16_option_note("bfloat16", cpu, torch.bfloat16) == ""

@@ -140,3 +140,15 @@ def test_explained_variance_constant_returns_is_zero() -> None:
     values = torch.randn(2, 3)
     ev = explained_variance(values, returns, torch.ones(2, 3))
     assert ev.item() == 0.0 and not math.isnan(ev.item())
+
+
+def test_optimisation_statistics_are_the_running_means_of_their_values() -> None:
+    """`OptimStats` takes tensors and floats; the tensors of a micro-batch reach the host in one copy, unrounded."""
+    from rlhf.ppo.stats import OptimStats
+
+    stats = OptimStats()
+    # float64 1/3 would round in float32; a float64 tensor keeps every bit
+    stats.add({"a": torch.tensor(1 / 3, dtype=torch.float64), "b": torch.tensor(2.0, requires_grad=True), "c": 4})
+    stats.add({"a": torch.tensor(0.0, dtype=torch.float64), "b": 1.0})
+    # a: (1/3 + 0) / 2 = 1/6; b: (2 + 1) / 2 = 1.5; c: 4 / 1
+    assert stats.means() == {"a": (1 / 3) / 2, "b": 1.5, "c": 4.0}

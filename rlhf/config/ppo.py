@@ -50,6 +50,15 @@ class PPOGenerationConfig(Section):
         description="vllm: release the engine's weights and KV cache while the PPO epochs run and take them back for "
         "the next rollout (vLLM's sleep mode): less memory during optimisation, some time per update.",
     )
+    decode: Literal["auto", "dynamic", "static", "compiled"] = Field(
+        "auto",
+        description="builtin: how the sampling loop runs the model. 'dynamic' (transformers' growing KV cache), "
+        "'static' (a preallocated KV cache of fixed shape, rlhf/rollout/static_decode.py) or 'compiled' (the static "
+        "cache's one-token step under torch.compile: a CUDA graph on a GPU, compiled once per stage and batch shape, "
+        "the warm-up logged as time/decode_compile); the same tokens in each. 'auto': 'compiled' on CUDA, 'dynamic' "
+        "on a CPU (measured faster there once the compile warm-up is counted; docs/benchmark.md). Used by PPO's "
+        "rollouts, the periodic and the final evaluation.",
+    )
     seed_requests: bool = Field(
         True,
         description="vllm: seed every prompt's request from the run's sampling generator (reproducible from the run "

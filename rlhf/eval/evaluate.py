@@ -44,6 +44,7 @@ from rlhf.rollout.generation import GenerationSettings, response_texts
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.reward_function import reward_function
 from rlhf.rollout.scoring import ScoringModels, generate_and_score
+from rlhf.rollout.static_decode import resolve_decode
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
 
 
@@ -152,6 +153,7 @@ def evaluate_policies(
         ppo_cfg.top_p,
         stop_token_ids(tokenizer, ppo_cfg.stop_tokens, reference.config, reference.generation_config),
         tokenizer.pad_token_id,
+        resolve_decode(ppo_cfg.generation.decode, device),
     )
     same_tokenizer = same_vocabulary(tokenizer, reward_tokenizer)
     dtype = compute_dtype(runtime.dtype, device)

@@ -20,6 +20,21 @@ from rlhf.metrics import (
 from rlhf.ops import PolicyLossOutput, ValueLossOutput, explained_variance, masked_mean, masked_quantiles, masked_var
 
 
+def _to_floats(values: dict[str, Tensor | float]) -> dict[str, float]:
+    """The values as Python floats, the tensors of each device copied to the host in one transfer (on a GPU one
+    synchronisation a micro-batch instead of one per statistic); float64 on the way, so nothing is rounded."""
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for key, value in values.items():
+        if isinstance(value, Tensor):
+            by_device[value.device].append(key)
+    for device, keys in by_device.items():
+        wide = torch.float32 if device.type == "mps" else torch.float64  # mps has no float64
+        stacked = torch.stack([values[k].detach().reshape(()).to(wide) for k in keys])  # type: ignore[union-attr]
+        out |= dict(zip(keys, stacked.tolist(), strict=True))
+    return {key: out[key] for key in values}
+
+
 class OptimStats:
     """Running means of the per-minibatch optimisation statistics over all epochs."""
 
@@ -28,8 +43,8 @@ class OptimStats:
         self._counts: dict[str, int] = defaultdict(int)
 
     def add(self, values: dict[str, Tensor | float]) -> None:
-        for key, value in values.items():
-            self._sums[key] += float(value.detach()) if isinstance(value, Tensor) else float(value)
+        for key, value in _to_floats(values).items():
+            self._sums[key] += value
             self._counts[key] += 1
 
     def means(self) -> dict[str, float]:

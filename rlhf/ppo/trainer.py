@@ -42,6 +42,7 @@ from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
 from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
+from rlhf.rollout.static_decode import resolve_decode
 from rlhf.rollout.vllm_backend import start_vllm_sampler
 from rlhf.tracking.metrics_writer import flush_log
 
@@ -60,9 +61,18 @@ class PPOResult:
     alarm: str = ""  # the over-optimisation alarm's sentence where it fired (rlhf.eval.overoptimisation)
 
 
-def generation_settings(cfg: PPOConfig, models: PPOModels) -> GenerationSettings:
+def generation_settings(cfg: PPOConfig, models: PPOModels, device: torch.device | None = None) -> GenerationSettings:
+    """The sampling settings of `cfg`, its decode mode resolved for `device` (None: the policy's)."""
+    device = device if device is not None else next(models.policy.parameters()).device
+    decode = resolve_decode(cfg.generation.decode, device)
     return GenerationSettings(
-        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, models.stop_token_ids, models.tokenizer.pad_token_id
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.top_p,
+        models.stop_token_ids,
+        models.tokenizer.pad_token_id,
+        decode,
     )
 
 
@@ -103,7 +113,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     dtype = compute_dtype(runtime.dtype, dist.device)
     plan = ExecutionPlan.for_models(models, dtype, dist, runtime.on_nonfinite, log, sharded)
     state = load_state(out_dir / "state", models, cfg, run.seed, dist.device, dist.rank, dist.world_size)
-    settings = generation_settings(cfg, models)
+    settings = generation_settings(cfg, models, dist.device)
     prompt_ids, pending = truncated_prompts(models.tokenizer, run.prompts, cfg, dist)
     start_sampler(models, run, plan)  # after the resume state: the resumed policy
     total = cfg.num_updates

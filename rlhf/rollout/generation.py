@@ -5,7 +5,6 @@ Used by PPO rollouts and by evaluation (through `rlhf.rollout.scoring.generate_a
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -15,6 +14,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.models.heads import position_ids_from_mask
+from rlhf.rollout.static_decode import StaticDecoder, cache_args
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class GenerationSettings:
     top_p: float | None = None
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    decode: str = "dynamic"  # 'dynamic', 'static' or 'compiled' (rlhf.rollout.static_decode.resolve_decode)
 
 
 class Responses(NamedTuple):
@@ -141,6 +142,40 @@ def _done_everywhere(done: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+class _DynamicDecoder:
+    """The forward calls of one sampling call over transformers' dynamic KV cache (it grows by a token a step)."""
+
+    def __init__(self, model: PreTrainedModel, prompt_mask: Tensor):
+        self.args = cache_args(model)
+        # only the last position's logits: the prefill would otherwise hold (b, p, vocab) floats (GiBs at 150k entries)
+        self.last_only = {"logits_to_keep": 1} if self.args.logits_to_keep else {}
+        self.model, self.mask, self.cache = model, prompt_mask, None
+
+    def step(self, ids: Tensor, pos: Tensor) -> Tensor:
+        """The next token's logits. Shape: ids, pos (b, t) -> (b, v)."""
+        if self.cache is not None:
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=pos,
+            use_cache=True,
+            **{self.args.name: self.cache},
+            **self.last_only,
+        )
+        self.cache = getattr(out, self.args.name)
+        return out.logits[:, -1].float()
+
+    prefill = step
+
+
+def _next_tokens(logits: Tensor, settings: GenerationSettings, generator: torch.Generator | None) -> Tensor:
+    """Temperature, top-k / top-p filtering and one draw per row. Shape: (b, v) -> (b,)."""
+    if settings.temperature != 1.0:  # x / 1.0 is x: no copy of (b, vocabulary) per token
+        logits = logits / settings.temperature
+    return sample_from_logits(filter_logits(logits, settings.top_k, settings.top_p), generator)
+
+
 @torch.no_grad()
 def sample_responses(
     model: PreTrainedModel,
@@ -152,9 +187,12 @@ def sample_responses(
 ) -> Responses:
     """Autoregressive sampling with a KV cache; stops early when every row has produced a stop token.
 
-    `lockstep` (a model sharded across processes, whose every forward is a collective): the loop stops only when
-    every rank's rows have stopped; a rank done before the others runs forwards without sampling (the responses,
-    and the generator's draws, are those of a loop that stopped on its own).
+    `settings.decode`: 'dynamic' (transformers' dynamic cache), 'static' (a static cache,
+    `rlhf.rollout.static_decode`) or 'compiled' (the static cache's decoding step under torch.compile; a CUDA graph
+    on a GPU); the same tokens. `lockstep` (a model sharded across processes, whose every forward is a collective):
+    the loop stops only when every rank's rows have stopped; a rank done before the others runs forwards without
+    sampling (the responses, and the generator's draws, are those of a loop that stopped on its own); it decodes
+    over the dynamic cache.
 
     Shape: prompt_ids, prompt_mask (b, p), left-padded -> Responses with (b, r), r <= max_new_tokens.
     """
@@ -162,37 +200,25 @@ def sample_responses(
     device = prompt_ids.device
     stop = torch.tensor(settings.stop_token_ids or (-1,), device=device)
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    ids, mask, pos = prompt_ids, prompt_mask, position_ids_from_mask(prompt_mask)
-    cache = None
+    ids, pos = prompt_ids, position_ids_from_mask(prompt_mask)
+    if settings.decode == "dynamic" or lockstep:
+        decoder = _DynamicDecoder(model, prompt_mask)
+    else:
+        compiled = settings.decode == "compiled"
+        decoder = StaticDecoder(model, prompt_ids, prompt_mask, settings.max_new_tokens, compiled)
     tokens = []
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's forward takes **kwargs
-    forward_args = inspect.signature(base.forward).parameters
-    # only the last position's logits: the prefill would otherwise hold (b, p, vocab) floats (GiBs at 150k entries)
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
-    # the KV cache's argument: `cache` since transformers 5.2x (`past_key_values` is deprecated there, with a warning
-    # on every call), `past_key_values` before
-    cache_arg = "cache" if "cache" in forward_args else "past_key_values"
     done = False
-    for _ in range(settings.max_new_tokens):
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_arg: cache}, **last_only
-        )
-        cache = getattr(out, cache_arg)
+    for t in range(settings.max_new_tokens):
+        logits = decoder.prefill(ids, pos) if t == 0 else decoder.step(ids, pos)
         if done:  # lockstep: this rank's rows have all stopped, another rank's have not
             nxt = torch.full((b,), settings.pad_token_id, dtype=ids.dtype, device=device)
         else:
-            logits = out.logits[:, -1].float()
-            if settings.temperature != 1.0:  # x / 1.0 is x: no copy of (b, vocabulary) per token
-                logits = logits / settings.temperature
-            logits = filter_logits(logits, settings.top_k, settings.top_p)
-            nxt = sample_from_logits(logits, generator)
-            nxt = nxt.masked_fill(finished, settings.pad_token_id)
+            nxt = _next_tokens(logits, settings, generator).masked_fill(finished, settings.pad_token_id)
             tokens.append(nxt)
             finished |= torch.isin(nxt, stop)
             done = bool(finished.all())
         if _done_everywhere(done, device) if lockstep else done:  # lockstep: an all-reduce on every rank, every step
             break
         ids = nxt[:, None]
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         pos = pos[:, -1:] + 1
     return truncate_at_stop(torch.stack(tokens, 1), settings.stop_token_ids, settings.pad_token_id)

@@ -25,6 +25,7 @@ from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.rollout.generation import GenerationSettings, Responses, Sampler, sample_responses
 from rlhf.rollout.reward_function import RewardFunction
+from rlhf.rollout.static_decode import COMPILE_LOG
 
 P = TypeVar("P")
 V = TypeVar("V")
@@ -259,7 +260,7 @@ def generate_and_score(
     """
     device = query.device
     temperature = settings.temperature
-    t0 = time.perf_counter()
+    t0, compiled_before = time.perf_counter(), COMPILE_LOG.seconds
     with autocast(device, dtype):
         if models.sampler is not None:
             resp = models.sampler(query, query_mask, settings, generator)
@@ -334,6 +335,8 @@ def generate_and_score(
         (logprobs, ref_logprobs), (values, (scores, members)) = run_sides(policy_side, value_side, second_thread)
     sharding.reshard(policy, models.reference, models.value, models.reward)  # free what the no-grad calls gathered
     timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
+    if settings.decode == "compiled":  # the compile warm-up of this call (0 once compiled), inside time/generate
+        timings["time/decode_compile"] = COMPILE_LOG.seconds - compiled_before
     return ScoredResponses(
         query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings, members
     )
