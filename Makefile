@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch==$(TORCH_VERSION)"; \
 		$(PY) -m pip install -q --no-compile "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
 	@echo "installing the project into $(VENV)"
-	@$(PY) -m pip install -q --no-compile -e ".[dev,lora,sweeps,gguf]" $(PIP_QUIET)
+	@$(PY) -m pip install -q --no-compile -e ".[dev,lora,sweeps,gguf,team]" $(PIP_QUIET)
 	@echo "compiling the installed packages"
 	@$(PY) -m compileall -q -j 0 -x '/tests/' $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
 		>/dev/null 2>&1 || true
