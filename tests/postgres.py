@@ -34,7 +34,10 @@ class Postgres:
 
     @property
     def url(self) -> str:
-        return f"postgresql://{self.user}@{self.host}:{self.port}/postgres"
+        return self.url_for("postgres")
+
+    def url_for(self, database: str) -> str:
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{database}"
 
     @property
     def env(self) -> dict[str, str]:
