@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run run-real real-model test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep study mlflow-ui prefect-ui compare clean
+.PHONY: install run run-real real-model test lint docs bench bench-sweep bench-store bench-overhead bench-peer bench-peer-trl112 ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -89,6 +89,13 @@ bench: $(STAMP)
 # (ARGS="--concurrency 4"); the last line is `speedup: X`.
 bench-sweep: $(STAMP)
 	$(PY) benchmarks/sweep_bench.py $(ARGS)
+
+# `make bench-store DATABASE=postgresql://USER@HOST:5432/NAME`: N = 1, 2, 4, 8 smoke pipelines at once on the embedded
+# SQLite default and on `rlhf serve` over that PostgreSQL (PGPASSWORD in the environment): failed runs, `database is
+# locked` lines, lost and duplicated metric points, wall time (benchmarks/store_concurrency.py; docs/scaling.md).
+DATABASE ?=
+bench-store: $(STAMP)
+	$(PY) benchmarks/store_concurrency.py $(if $(DATABASE),--database $(DATABASE),--backends sqlite) $(ARGS)
 
 # `make bench-overhead`: the default pipeline through Prefect and MLflow against the same library calls alone, each a
 # fresh process, alternating (ARGS="--rounds 3", ARGS="--config conf/smoke.yaml --rounds 1" for a quick run); per-stage
