@@ -95,3 +95,18 @@ def start_postgres(port: int) -> Iterator[Postgres]:
     finally:
         subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True, timeout=60)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def postgres_database(server: Postgres, name: str) -> str:
+    """A new, empty database `name` on the test server; its psycopg2 URL (the password from PGPASSWORD, set here for
+    this process and the servers it starts)."""
+    import psycopg2
+
+    os.environ.update(server.env)
+    conn = psycopg2.connect(server.url)
+    conn.autocommit = True
+    with conn.cursor() as cursor:
+        cursor.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cursor.execute(f'CREATE DATABASE "{name}"')
+    conn.close()
+    return server.url_for(name).replace("postgresql://", "postgresql+psycopg2://")

@@ -22,6 +22,7 @@ import pytest
 from flows.team_servers import main as serve_main
 from rlhf.tracking.client import Tracker
 from tests.conftest import REPO, free_port, seed_prefect_home
+from tests.postgres import postgres_database
 from tests.test_ui_server import TINY, wait_until
 
 pytestmark = pytest.mark.xdist_group("postgres")
@@ -90,12 +91,7 @@ def test_a_database_of_another_mlflow_version_is_refused(postgres_server, capsys
     import psycopg2
 
     monkeypatch.setenv("PGPASSWORD", postgres_server.env["PGPASSWORD"])
-    conn = psycopg2.connect(postgres_server.url)
-    conn.autocommit = True
-    with conn.cursor() as cursor:
-        cursor.execute('CREATE DATABASE "newer_mlflow"')
-    conn.close()
-    conn = psycopg2.connect(postgres_server.url_for("newer_mlflow"))
+    conn = psycopg2.connect(postgres_database(postgres_server, "newer_mlflow").replace("+psycopg2", ""))
     conn.autocommit = True
     with conn.cursor() as cursor:
         cursor.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
