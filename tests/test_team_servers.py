@@ -18,14 +18,20 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
+import tests.test_process_faults as faults
+from flows.sweep import rlhf_sweep
 from flows.team_servers import main as serve_main
+from rlhf.config import load_config
+from rlhf.sweeps.space import parse_space
 from rlhf.tracking.client import Tracker
-from tests.conftest import REPO, free_port, seed_prefect_home
+from tests.conftest import REPO, drain_prefect_services, free_port, seed_prefect_home
 from tests.postgres import postgres_database
-from tests.test_ui_server import TINY, wait_until
+from tests.test_ui_server import TINY, start, stop, wait_until
 
 pytestmark = pytest.mark.xdist_group("postgres")
+psycopg2 = pytest.importorskip("psycopg2", reason="the team extra is not installed: pip install -e '.[team]'")
 
 LOGIN = ("alice", "team-password-123")
 RLHF = str(Path(sys.executable).parent / "rlhf")
@@ -88,8 +94,6 @@ def test_a_login_file_without_a_password_is_one_sentence(postgres_server, capsys
 
 def test_a_database_of_another_mlflow_version_is_refused(postgres_server, capsys, monkeypatch):
     """A schema revision the installed MLflow does not know: a server of another version uses the database."""
-    import psycopg2
-
     monkeypatch.setenv("PGPASSWORD", postgres_server.env["PGPASSWORD"])
     conn = psycopg2.connect(postgres_database(postgres_server, "newer_mlflow").replace("+psycopg2", ""))
     conn.autocommit = True
@@ -163,8 +167,6 @@ def test_both_servers_refuse_clients_without_or_with_wrong_credentials(team):
 def test_the_smoke_pipeline_runs_through_both_servers_into_postgres(team, tmp_path, monkeypatch):
     """Every stage's run, metrics, artifacts and the logged model reach MLflow; the flow run and its task states are
     rows of the Prefect database in PostgreSQL."""
-    import psycopg2
-
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY]
     args += [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-smoke"]
     args += ["tracking.experiment=team-smoke", f"runtime.output_dir={tmp_path}/out"]
@@ -194,6 +196,84 @@ def test_the_smoke_pipeline_runs_through_both_servers_into_postgres(team, tmp_pa
         states = {name.rsplit("-", 1)[0]: state for name, state in cursor.fetchall()}
     conn.close()
     assert set(stages) <= set(states) and set(states.values()) == {"COMPLETED"}, states
+
+
+@pytest.mark.slow
+def test_a_sweep_on_two_workers_lands_every_variant_exactly_once(team, tmp_path, monkeypatch):
+    """4 variants, `max_concurrency: 2`, as flow runs of the deployed pipeline picked up by two process workers:
+    every variant's PPO and evaluation run is in MLflow once, with every PPO step once; nothing is left RUNNING."""
+    storage = tmp_path / "results"  # Prefect's result store (the stage cache): shared by the sweep and the workers
+    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    workers = []
+    try:
+        for name in ("w1", "w2"):
+            log = tmp_path / f"{name}.log"
+            workers.append(
+                (name, start([prefect, "worker", "start", "--pool", "rlhf-local", "--limit", "1"], env, log))
+            )
+            wait_until(lambda log=log: "started!" in log.read_text(errors="replace"), 120, f"{name} start", None, log)
+        tracking = [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-sweep"]
+        tracking += ["tracking.experiment=team-sweep", f"runtime.output_dir={tmp_path}/out"]
+        base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking])
+        space = {"name": "team", "deployment": "rlhf-pipeline/run-pipeline-every-setting", "max_concurrency": 2}
+        space = parse_space(space | {"parameters": {"ppo.kl_coef": [0.02, 0.05, 0.1, 0.2]}})
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+        login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
+        with temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}):
+            try:
+                table = rlhf_sweep(base, space)["ranking"]
+            finally:
+                drain_prefect_services()
+    finally:
+        for _, proc in workers:
+            stop(proc)
+    assert sorted(row["status"] for row in table) == ["completed"] * 4, table
+    tracker = Tracker(team["mlflow"], "team-sweep")
+    variants = [run for run in tracker.pipeline_runs() if run.tags.get("sweep.name") == "team"]
+    assert sorted(run.params["ppo.kl_coef"] for run in variants) == ["0.02", "0.05", "0.1", "0.2"]
+    for variant in variants:
+        stages = [run.tags["stage"] for run in tracker.child_runs(variant.run_id)]
+        assert stages.count("train_policy_ppo") == 1 and stages.count("evaluate_policies") == 1, stages
+        (ppo,) = tracker.child_runs(variant.run_id, "train_policy_ppo")
+        assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+    assert [run.name for run in tracker.search_runs() if run.status == "RUNNING"] == []
+    assert len(list((team["tmp"] / "artifacts" / "team-sweep").rglob("rollout_samples.json"))) == 4
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_ppo_is_crashed_on_the_shared_server_and_the_rerun_names_it(team, tmp_path, monkeypatch):
+    """SIGKILL to the process running a pipeline (and its group) mid-PPO: the rerun on this machine marks its flow
+    run Crashed on the shared server (a row of PostgreSQL), resumes PPO in the same MLflow run, every update logged
+    once, and names the crashed run in its tags."""
+    for key, value in team["env"].items():
+        if key.startswith(("PREFECT_API_", "MLFLOW_TRACKING_")):
+            monkeypatch.setenv(key, value)
+    extra = (*TINY, f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-kill")
+    extra += ("tracking.experiment=team-kill",)
+    proc, _ = faults.start(tmp_path, name="killed", extra=extra)
+    faults.kill_when(proc, lambda: faults.saved_state(tmp_path, "train_policy_ppo"))
+    output = faults.finish(*faults.start(tmp_path, name="rerun", extra=extra))
+
+    conn = psycopg2.connect(team["database"], password=team["pgpassword"])
+    with conn, conn.cursor() as cursor:
+        cursor.execute(
+            "SELECT r.name, r.state_type, s.message, r.tags FROM flow_run r JOIN flow_run_state s ON s.id = r.state_id"
+            " WHERE r.labels->>'rlhf.process' LIKE %s",
+            (f"%:{proc.pid}:%",),
+        )
+        ((name, state, message, _),) = cursor.fetchall()
+        cursor.execute("SELECT state_type, tags FROM flow_run WHERE tags @> %s::jsonb", (f'["resumed-from:{name}"]',))
+        rerun = cursor.fetchall()
+    conn.close()
+    assert state == "CRASHED" and f"pid {proc.pid} on" in message, (state, message)
+    assert f"flow run {name} marked Crashed" in output
+    assert [row[0] for row in rerun] == ["COMPLETED"]
+    tracker = Tracker(team["mlflow"], "team-kill")
+    (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
+    assert ppo.status == "FINISHED"
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
 
 
 @pytest.mark.slow
