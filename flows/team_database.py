@@ -38,8 +38,8 @@ class TeamDatabases:
 
     @property
     def names(self) -> tuple[str, str, str]:
-        """Prefect's, MLflow's tracking store, and the users of MLflow's login (its own database: MLflow's store
-        takes tables it does not know in its database for a schema of another version)."""
+        """Prefect's, MLflow's tracking store, and the users of MLflow's login (a database of their own, apart from
+        the tracking store's tables, which MLflow's own checks of its schema look at)."""
         base = self.url.database or "postgres"
         return f"{base}_prefect", f"{base}_mlflow", f"{base}_mlflow_auth"
 
@@ -85,9 +85,6 @@ class TeamDatabases:
         if "does not exist" in message:
             return f"PostgreSQL at {self.where} has no database {database} or no role {self.url.username} ({first})"
         return f"no PostgreSQL server answered at {self.where} ({first}): start it, or fix --database"
-
-    def masked(self) -> str:
-        return self.url.render_as_string(hide_password=True)
 
 
 def parse_database(text: str, from_command_line: bool) -> TeamDatabases:

@@ -30,7 +30,14 @@ from pathlib import Path
 
 import httpx
 
-from flows.team_database import DatabaseError, TeamDatabases, check_schema_versions, create_databases, parse_database
+from flows.team_database import (
+    EXAMPLE,
+    DatabaseError,
+    TeamDatabases,
+    check_schema_versions,
+    create_databases,
+    parse_database,
+)
 from rlhf.processes import StopRequest, stop_servers
 
 AUTH_ENV, DATABASE_ENV = "RLHF_SERVE_AUTH", "RLHF_DATABASE_URL"
@@ -105,7 +112,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """Every check that needs no server: the URL, the login, the ports, the database and its schema versions."""
     text = args.database or os.environ.get(DATABASE_ENV)
     if not text:
-        raise ServeError(f"give the team's PostgreSQL with --database {DATABASE_ENV_EXAMPLE} (or {DATABASE_ENV})")
+        raise ServeError(f"give the team's PostgreSQL with --database {EXAMPLE} (or {DATABASE_ENV})")
     team = parse_database(text, from_command_line=bool(args.database))
     login = read_login(args.auth_file)
     if args.prefect_port == args.mlflow_port:
@@ -118,9 +125,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(
         team, login, args.host, public, args.prefect_port, args.mlflow_port, args.artifacts, Path(args.state).resolve()
     )
-
-
-DATABASE_ENV_EXAMPLE = "postgresql://USER@HOST:5432/NAME"
 
 
 def server_envs(plan: Plan, root: Path) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
@@ -249,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf serve", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2]
     )
-    parser.add_argument("--database", default=None, help=f"the team's PostgreSQL ({DATABASE_ENV_EXAMPLE}); no password")
+    parser.add_argument("--database", default=None, help=f"the team's PostgreSQL ({EXAMPLE}); no password")
     parser.add_argument("--artifacts", default="mlruns/team-artifacts", help="MLflow's artifact store: a folder or URI")
     parser.add_argument("--host", default="127.0.0.1", help="address both servers bind to (0.0.0.0: all)")
     parser.add_argument("--public-host", default=None, help="the name other machines reach this one by")
