@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run run-real real-model test lint docs bench bench-sweep bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
+.PHONY: install run run-real real-model test test-team lint docs bench bench-sweep bench-store bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || { echo "installing torch==$(TORCH_VERSION)"; \
 		$(PY) -m pip install -q --no-compile "torch==$(TORCH_VERSION)" $(PIP_QUIET); }
 	@echo "installing the project into $(VENV)"
-	@$(PY) -m pip install -q --no-compile -e ".[dev,lora,sweeps,gguf]" $(PIP_QUIET)
+	@$(PY) -m pip install -q --no-compile -e ".[dev,lora,sweeps,gguf,team]" $(PIP_QUIET)
 	@echo "compiling the installed packages"
 	@$(PY) -m compileall -q -j 0 -x '/tests/' $$($(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
 		>/dev/null 2>&1 || true
@@ -70,7 +70,14 @@ TEST_WORKERS ?= 2
 # is skipped, and says so.
 test: lint
 	@$(PY) tools/fetch_real_model.py --dest models || echo "the real model is not installed: tests/test_real_model.py is skipped"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not team" $(ARGS)
+
+# `make test-team`: the team setup's long runs on a real PostgreSQL (tests/test_team_servers.py, the MLflow server
+# restarted mid-PPO on PostgreSQL): a sweep on two process workers, a run killed mid-PPO. About 10 minutes on the
+# 2-core machine; `make test` runs the rest of the PostgreSQL tests (bad input, the login, the smoke pipeline through
+# both servers, SIGTERM).
+test-team: lint
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m team $(ARGS)
 
 # `make bench PEER=1` also runs the peers on the same shape, each in its own venv (created on first use): TRL 0.19.1
 # (.bench-peer, transformers 4.5x) and TRL 1.12.0 (.bench-peer-trl112, transformers 5.x), then this project
@@ -89,6 +96,13 @@ bench: $(STAMP)
 # (ARGS="--concurrency 4"); the last line is `speedup: X`.
 bench-sweep: $(STAMP)
 	$(PY) benchmarks/sweep_bench.py $(ARGS)
+
+# `make bench-store DATABASE=postgresql://USER@HOST:5432/NAME`: N = 1, 2, 4, 8 smoke pipelines at once on the embedded
+# SQLite default and on `rlhf serve` over that PostgreSQL (PGPASSWORD in the environment): failed runs, `database is
+# locked` lines, lost and duplicated metric points, wall time (benchmarks/store_concurrency.py; docs/scaling.md).
+DATABASE ?=
+bench-store: $(STAMP)
+	$(PY) benchmarks/store_concurrency.py $(if $(DATABASE),--database $(DATABASE),--backends sqlite) $(ARGS)
 
 # `make bench-overhead`: the default pipeline through Prefect and MLflow against the same library calls alone, each a
 # fresh process, alternating (ARGS="--rounds 3", ARGS="--config conf/smoke.yaml --rounds 1" for a quick run); per-stage

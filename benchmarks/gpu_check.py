@@ -299,7 +299,7 @@ def pipeline_row(plan: Plan, results: dict, config: str, budget: float) -> Row:
         env = {**os.environ, "PREFECT_HOME": f"{tmp}/prefect", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         env |= {"DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *sys.path[1:]])
-        cmd = [sys.executable, "-m", "rlhf.cli", "run", "--config", config, "runtime.progress=false"]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--config", config, "runtime.progress=false"]
         cmd += [f"runtime.output_dir={tmp}/out", f"tracking.uri=sqlite:///{tmp}/mlflow.db"]
         cmd += [f"tracking.artifact_location={tmp}/art"]
         t0 = time.perf_counter()

@@ -3,6 +3,7 @@
     rlhf run [--config conf/default.yaml] [key.sub=value ...]     the whole pipeline (make run)
     rlhf sweep --space conf/sweeps/kl_coef.yaml [--config ...] [key.sub=value ...]   every variant, ranked
     rlhf ui [--host 127.0.0.1] [--config ...] [--sweep-space ...] [--sweep-cron CRON]   the UIs (make ui)
+    rlhf serve --database postgresql://USER@HOST/NAME [--host 0.0.0.0] [--auth-file FILE]   a team's servers
     rlhf compare [--experiment rlhf-ppo] [--sweep NAME] ...      runs side by side, plots in outputs/compare
     rlhf bench [--shape cpu] [--updates 10] ...                  PPO throughput on a fixed shape (docs/benchmark.md)
     rlhf memory [--config ...] [--gpu-gb 24 80]                  per-stage memory estimate, before anything is loaded
@@ -30,11 +31,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from pathlib import Path
+
+from rlhf.processes import StopRequest, stop_group, stop_servers
 
 # The environment `make` exports (Makefile); values already set win.
 DEFAULT_ENV = {
@@ -80,6 +80,12 @@ def cmd_run(argv: list[str]) -> int:
 
 def cmd_sweep(argv: list[str]) -> int:
     from flows.sweep_command import main  # heavy: the sweep's checks
+
+    return main(argv)
+
+
+def cmd_serve(argv: list[str]) -> int:
+    from flows.team_servers import main  # heavy: Prefect's client, SQLAlchemy, MLflow
 
     return main(argv)
 
@@ -154,6 +160,12 @@ def cmd_ui(argv: list[str]) -> int:
     parser.epilog = "Any other option goes to flows/serve.py: --pipeline-cron CRON, --gpu-slots N, --limit N, --wait S."
     args, serve_args = parser.parse_known_args(argv)
     root = ROOT
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: no login on {args.host}: anyone who reaches it can start runs and read every artifact; "
+            "a team serves with `rlhf serve --auth-file FILE` (docs/scaling.md)",
+            file=sys.stderr,
+        )
     for path, what in ((args.config, "config"), (args.sweep_space, "sweep space")):
         if not Path(path).is_file():
             print(f"error: the {what} {path} does not exist", file=sys.stderr)
@@ -195,7 +207,7 @@ def cmd_ui(argv: list[str]) -> int:
     serve: subprocess.Popen | None = None
     # Every process gets a session of its own: a terminal's Ctrl-C reaches this process only, and it stops them in
     # order, the same way as a SIGTERM from a service manager (which may signal this process alone).
-    stop = _StopRequest()
+    stop = StopRequest()
     with open(prefect_home / "server.log", "w") as prefect_log, open("mlruns/mlflow-ui.log", "w") as mlflow_log:
         try:
             servers.append(
@@ -222,84 +234,19 @@ def cmd_ui(argv: list[str]) -> int:
             with stop.ignored():  # a second Ctrl-C does not cut the shutdown short: it is bounded
                 if serve is not None:
                     # the serve process pauses its schedules through the running server on SIGINT (Ctrl-C)
-                    _stop_group(serve, signal.SIGINT, SERVE_STOP_S)
-                for proc in servers:
-                    _signal_group(proc, signal.SIGTERM)
-                deadline = time.monotonic() + SERVER_STOP_S
-                for proc in servers:
-                    _stop_group(proc, None, max(0.1, deadline - time.monotonic()))
+                    stop_group(serve, signal.SIGINT, SERVE_STOP_S)
+                stop_servers(servers, SERVER_STOP_S)
 
 
 SERVE_STOP_S = 20  # how long the serve process may take to pause its schedules and stop (then SIGTERM, SIGKILL)
 SERVER_STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
 
 
-class _StopRequest:
-    """SIGINT and SIGTERM, in the main thread, recorded rather than raised: the `rlhf ui` loop then stops its
-    processes in order (Python's default would raise KeyboardInterrupt, or end the process at once on SIGTERM and
-    leave the servers running)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._event = threading.Event()
-        self._previous: dict[int, object] = {}
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._record)
-
-    def _record(self, signum: int, frame: object) -> None:
-        if self.signum is None:
-            self.signum = signum
-            print(f"\n{signal.Signals(signum).name}: stopping the deployments and the servers ...", flush=True)
-        self._event.set()
-
-    def wait(self, seconds: float) -> None:
-        self._event.wait(seconds)
-
-    def ignored(self):
-        """While the processes are stopped: further signals are recorded only; the handlers before, restored after."""
-
-        @contextmanager
-        def scope():
-            try:
-                yield
-            finally:
-                for signum, handler in self._previous.items():
-                    signal.signal(signum, handler)
-
-        return scope()
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    """`signum` to the process group of `proc` (a session of its own), while it runs."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-
-def _stop_group(proc: subprocess.Popen, signum: int | None, seconds: float) -> None:
-    """Send `signum` (None: none) to the group of `proc`, wait up to `seconds` for it, then SIGTERM its group and
-    wait 5 s, then SIGKILL it; the group's other processes (a flow run of the serve process) get the same signals."""
-    for sig, wait in ((signum, seconds), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        if sig is not None:
-            _signal_group(proc, sig)
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # what is left of its group (children that outlived it)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "run": ("run the whole pipeline: rlhf run [--config FILE] [key.sub=value ...]", cmd_run),
     "sweep": ("run every variant of a sweep space and rank them: rlhf sweep --space FILE ...", cmd_sweep),
     "ui": ("Prefect server and UI, MLflow UI, and the pipeline and sweep deployments", cmd_ui),
+    "serve": ("a team's Prefect and MLflow servers on PostgreSQL, behind a login (docs/scaling.md)", cmd_serve),
     "compare": ("compare pipeline runs side by side (tables and plots in outputs/compare)", cmd_compare),
     "bench": ("PPO throughput on a fixed shape (docs/benchmark.md)", cmd_bench),
     "memory": ("estimate the memory of each stage of a config, before anything is loaded", cmd_memory),

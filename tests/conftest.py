@@ -274,6 +274,15 @@ def shared_prefect_api(tmp_path_factory):
             proc.wait()
 
 
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for this worker's session (tests/postgres.py): the tests that use it carry
+    `xdist_group("postgres")`, so one worker starts it once. Skips, naming what to install, where there is none."""
+    from tests.postgres import start_postgres
+
+    yield from start_postgres(free_port())
+
+
 def free_port() -> int:
     """A free loopback port for a server a test starts."""
     with socket.socket() as s:

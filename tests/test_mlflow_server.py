@@ -20,6 +20,7 @@ import pytest
 from rlhf.config import load_config
 from rlhf.tracking.client import Tracker, prepare_store
 from tests.conftest import REPO, free_port, seed_prefect_home
+from tests.postgres import postgres_database
 
 pytestmark = pytest.mark.slow  # end-to-end: real servers and processes (deselect with -m "not slow")
 
@@ -27,15 +28,18 @@ BIN = Path(sys.executable).parent
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 
 
-def start_server(tmp: Path, port: int) -> subprocess.Popen:
-    """`mlflow server` on `port` over the store in `tmp`, in its own process group; returns once it answers."""
+def start_server(tmp: Path, port: int, store: str | None = None) -> subprocess.Popen:
+    """`mlflow server` on `port` over the store in `tmp` (or the database URL `store`), in its own process group;
+    returns once it answers."""
     url = f"http://127.0.0.1:{port}"
-    prepare_store(f"sqlite:///{tmp}/db.sqlite")  # as `rlhf ui` does: the server finds a migrated store
+    if store is None:
+        store = f"sqlite:///{tmp}/db.sqlite"
+        prepare_store(store)  # as `rlhf ui` does: the server finds a migrated store
     cmd = [
         str(BIN / "mlflow"),
         "server",
         "--backend-store-uri",
-        f"sqlite:///{tmp}/db.sqlite",
+        store,
         "--artifacts-destination",
         str(tmp / "artifacts"),  # proxied: clients upload over HTTP, as they would from other machines
         "--host",
@@ -133,9 +137,13 @@ def test_smoke_pipeline_logs_to_a_tracking_server(mlflow_server, harness, tmp_pa
     assert list((server_tmp / "artifacts" / "remote-smoke").rglob("model.safetensors"))
 
 
-def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path, shared_prefect_api):
+@pytest.mark.parametrize(
+    "backend", ["sqlite", pytest.param("postgres", marks=[pytest.mark.xdist_group("postgres"), pytest.mark.team])]
+)
+def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path, shared_prefect_api, backend, request):
     """The tracking server dies while PPO trains: the run fails with PPO's saved state kept; once the server is back,
-    the same command resumes PPO from that state in the same MLflow run, every update logged once.
+    the same command resumes PPO from that state in the same MLflow run, every update logged once. On SQLite, and on
+    a real PostgreSQL (tests/postgres.py; the store of `rlhf serve`).
 
     MLflow's client retries a request that finds no server (7 times, exponential backoff: minutes) before the stage
     fails; this test turns those retries off to see the failure at once."""
@@ -149,8 +157,11 @@ def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path, shared_pref
     args += [f"runtime.output_dir={tmp_path}/out", "ppo.save_every=1", "tracking.experiment=server-goes-away"]
     args += ["tracking.log_checkpoints=false", f"tracking.artifact_location={tmp_path}/artifacts"]
     ppo_states = tmp_path / "out" / "train_policy_ppo"
+    database = None
+    if backend == "postgres":
+        database = postgres_database(request.getfixturevalue("postgres_server"), f"restart_{os.getpid()}")
 
-    server = start_server(store, port)
+    server = start_server(store, port, database)
     with open(tmp_path / "first.log", "w") as log:
         run = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -167,7 +178,7 @@ def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path, shared_pref
     (state,) = ppo_states.glob("*/state/trainer_state.pt")  # the training done so far is on disk
     assert not any(ppo_states.glob("*/final/manifest.json"))
 
-    server = start_server(store, port)  # back, with the same store
+    server = start_server(store, port, database)  # back, with the same store
     try:
         rerun = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert rerun.returncode == 0, rerun.stdout + rerun.stderr

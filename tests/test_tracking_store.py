@@ -51,3 +51,22 @@ def test_only_a_missing_sqlite_store_is_copied(tmp_path):
     assert existing.read_bytes() == b"not touched"
     assert not start_from_empty_store("http://127.0.0.1:5000", must_not_build)
     assert not start_from_empty_store("file:///tmp/mlruns", must_not_build)
+
+
+def test_an_experiment_another_process_created_meanwhile_is_used(tmp_path, monkeypatch):
+    """Runs started together on a tracking server all find no experiment, then all but one fail to create it
+    (RESOURCE_ALREADY_EXISTS, measured by benchmarks/store_concurrency.py): the loser reads its id back."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = Tracker(uri, "together", str(tmp_path / "art"))
+    lookups = []
+    real = MlflowClient.get_experiment_by_name
+
+    def late(self, name):  # the first lookup happens before the other process created it
+        lookups.append(name)
+        return None if len(lookups) == 1 else real(self, name)
+
+    monkeypatch.setattr(MlflowClient, "get_experiment_by_name", late)
+    assert Tracker(uri, "together", str(tmp_path / "art")).experiment_id == first.experiment_id
+    assert lookups == ["together", "together"]

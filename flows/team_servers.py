@@ -1,0 +1,321 @@
+"""`rlhf serve`: a team's Prefect server and MLflow tracking server on one PostgreSQL, behind a login.
+
+    export RLHF_SERVE_AUTH=alice:s3cret-team-password      # or --auth-file FILE holding USER:PASSWORD
+    export PGPASSWORD=...                                   # or ~/.pgpass, or the whole URL in RLHF_DATABASE_URL
+    rlhf serve --database postgresql://rlhf@db.internal:5432/rlhf --artifacts /srv/rlhf/artifacts --host 0.0.0.0
+
+It creates the databases `<name>_prefect`, `<name>_mlflow` and `<name>_mlflow_auth` where they are missing, starts
+`prefect server start` (PostgreSQL through asyncpg, the login in PREFECT_SERVER_API_AUTH_STRING) and `mlflow server
+--app-name basic-auth` (PostgreSQL through psycopg2, proxying the artifacts to `--artifacts`), deploys prefect.yaml
+to the process pool `rlhf-local`, prints what every other machine must export, and waits. Ctrl-C or SIGTERM stops
+both servers, each with its own processes, within seconds. Credentials come from the environment or a file, never
+from the command line (`ps` shows it); the servers get them through their environment.
+
+Exit codes: 0 stopped by Ctrl-C or SIGTERM; 1 a server stopped by itself (its log is named); 2 bad input, one
+sentence (an unreachable database, a URL without a driver, wrong credentials, a port in use, a schema of another
+Prefect or MLflow version). One person on one machine keeps the embedded SQLite default (`make ui`, `make run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from flows.team_database import (
+    EXAMPLE,
+    DatabaseError,
+    TeamDatabases,
+    check_schema_versions,
+    create_databases,
+    parse_database,
+)
+from rlhf.processes import StopRequest, stop_servers
+
+AUTH_ENV, DATABASE_ENV = "RLHF_SERVE_AUTH", "RLHF_DATABASE_URL"
+POOL = "rlhf-local"
+START_S = 180  # how long each server may take to answer its health check (Prefect migrates a new database)
+STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class ServeError(Exception):
+    """Bad input to `rlhf serve`: one sentence, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Login:
+    user: str
+    password: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `rlhf serve` starts, checked before anything starts."""
+
+    team: TeamDatabases
+    login: Login | None
+    host: str
+    public: str  # the address the other machines use
+    prefect_port: int
+    mlflow_port: int
+    artifacts: str
+    state: Path
+
+    @property
+    def prefect_api(self) -> str:
+        return f"http://{self.public}:{self.prefect_port}/api"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.public}:{self.mlflow_port}"
+
+
+def read_login(auth_file: str | None) -> Login | None:
+    """The login, from `--auth-file` (one line USER:PASSWORD) or RLHF_SERVE_AUTH; None where neither is given."""
+    if auth_file is not None:
+        path = Path(auth_file)
+        if not path.is_file():
+            raise ServeError(f"the auth file {auth_file} does not exist: write USER:PASSWORD into it (chmod 600)")
+        text, where = path.read_text().strip(), f"the auth file {auth_file}"
+    elif os.environ.get(AUTH_ENV):
+        text, where = os.environ[AUTH_ENV].strip(), AUTH_ENV
+    else:
+        return None
+    user, sep, password = text.partition(":")
+    if not sep or not user or not password or "\n" in text:
+        raise ServeError(f"{where} must hold one line USER:PASSWORD")
+    if len(password) < 12:  # MLflow's basic-auth app refuses shorter passwords
+        raise ServeError(f"the password in {where} has {len(password)} characters; MLflow's login needs 12 or more")
+    return Login(user, password)
+
+
+def check_port(host: str, port: int, option: str) -> None:
+    """Refuse a port another process holds, before any server starts."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise ServeError(f"port {port} on {host} is in use or not available ({err.strerror}): {option}") from None
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Every check that needs no server: the URL, the login, the ports, the database and its schema versions."""
+    text = args.database or os.environ.get(DATABASE_ENV)
+    if not text:
+        raise ServeError(f"give the team's PostgreSQL with --database {EXAMPLE} (or {DATABASE_ENV})")
+    team = parse_database(text, from_command_line=bool(args.database))
+    login = read_login(args.auth_file)
+    if args.prefect_port == args.mlflow_port:
+        raise ServeError(f"--prefect-port and --mlflow-port are both {args.mlflow_port}: give them different ports")
+    check_port(args.host, args.prefect_port, "pick another with --prefect-port")
+    check_port(args.host, args.mlflow_port, "pick another with --mlflow-port")
+    create_databases(team)
+    check_schema_versions(team)
+    public = args.public_host or (socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host)
+    return Plan(
+        team, login, args.host, public, args.prefect_port, args.mlflow_port, args.artifacts, Path(args.state).resolve()
+    )
+
+
+def server_envs(plan: Plan, root: Path) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """The environments of the Prefect server, of the MLflow server and of a client (the deploy step): every URL
+    and secret goes through them, none through a command line."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "MLFLOW_TRACKING_"))}
+    paths = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # the deploy step imports the flows
+    base["PREFECT_HOME"] = str(plan.state / "prefect")
+    prefect = {**base, "PREFECT_SERVER_DATABASE_CONNECTION_URL": plan.team.prefect_url}
+    prefect["PREFECT_UI_API_URL"] = plan.prefect_api
+    mlflow = {**base, "MLFLOW_BACKEND_STORE_URI": plan.team.mlflow_url, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    client = {**base, "PREFECT_API_URL": f"http://127.0.0.1:{plan.prefect_port}/api"}
+    if plan.login is not None:
+        prefect["PREFECT_SERVER_API_AUTH_STRING"] = f"{plan.login.user}:{plan.login.password}"
+        client["PREFECT_API_AUTH_STRING"] = prefect["PREFECT_SERVER_API_AUTH_STRING"]
+        mlflow["MLFLOW_AUTH_CONFIG_PATH"] = str(write_auth_config(plan))
+        # the key of the login's CSRF tokens, one for the server's workers: new at each start unless the user set one
+        mlflow.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", secrets.token_hex(32))
+        mlflow["MLFLOW_AUTH_ADMIN_USERNAME"] = plan.login.user
+        mlflow["MLFLOW_AUTH_ADMIN_PASSWORD"] = plan.login.password
+    return prefect, mlflow, client
+
+
+def write_auth_config(plan: Plan) -> Path:
+    """MLflow's basic-auth settings (its users in the `_mlflow_auth` database; the admin from the environment),
+    readable by this user alone (the URL may hold the database's password)."""
+    path = plan.state / "mlflow-auth.ini"
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = {plan.team.mlflow_auth_url}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    return path
+
+
+def server_commands(plan: Plan) -> tuple[list[str], list[str]]:
+    bindir = Path(sys.executable).parent
+    prefect = [str(bindir / "prefect"), "server", "start", "--host", plan.host, "--port", str(plan.prefect_port)]
+    mlflow = [str(bindir / "mlflow"), "server", "--host", plan.host, "--port", str(plan.mlflow_port)]
+    mlflow += ["--artifacts-destination", plan.artifacts, "--workers", "2"]
+    # MLflow 3 answers only Host headers of localhost and private addresses unless the others are allowed
+    mlflow += ["--allowed-hosts", ",".join(dict.fromkeys([plan.public, f"{plan.public}:{plan.mlflow_port}", "*"]))]
+    if plan.login is not None:
+        mlflow += ["--app-name", "basic-auth"]
+    return prefect, mlflow
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, what: str, stop: StopRequest) -> None:
+    """Until `url` answers 200 (or Ctrl-C); a server that exits first, or never answers, is an error naming its log."""
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline and stop.signum is None:
+        if proc.poll() is not None:
+            raise ServeError(f"the {what} exited with code {proc.returncode} at its start: see {log}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    if stop.signum is None:
+        raise ServeError(f"the {what} did not answer {url} within {START_S} s: see {log}")
+
+
+def check_login(plan: Plan) -> None:
+    """The login works on both servers (an MLflow admin created earlier with another password does not)."""
+    if plan.login is None:
+        return
+    auth = (plan.login.user, plan.login.password)
+    mlflow = httpx.get(
+        f"http://127.0.0.1:{plan.mlflow_port}/api/2.0/mlflow/experiments/search",
+        params={"max_results": 1},
+        auth=auth,
+        timeout=30,
+    )
+    if mlflow.status_code in (401, 403):
+        raise ServeError(
+            f"MLflow's login refused user {plan.login.user!r}: its users (in {plan.team.names[2]}) hold another "
+            "password for it; give that one, or change it through MLflow's update-password API"
+        )
+    prefect = httpx.post(f"http://127.0.0.1:{plan.prefect_port}/api/flows/filter", json={}, auth=auth, timeout=30)
+    if prefect.status_code in (401, 403):
+        raise ServeError(f"the Prefect server refused user {plan.login.user!r}")
+
+
+def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
+    """The process pool, the `gpu` tag limit and every deployment of prefect.yaml, on the new server."""
+    prefect = str(Path(sys.executable).parent / "prefect")
+    log = plan.state / "deploy.log"
+    with open(log, "w") as out:
+        for cmd in (
+            [prefect, "work-pool", "create", POOL, "--type", "process", "--overwrite"],
+            [prefect, "concurrency-limit", "create", "gpu", "1"],
+            [prefect, "--no-prompt", "deploy", "--all"],
+        ):
+            done = subprocess.run(cmd, cwd=root, env=client_env, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+            if done.returncode != 0:
+                raise ServeError(f"`{' '.join(cmd[1:])}` failed with exit code {done.returncode}: see {log}")
+
+
+def exports(plan: Plan) -> str:
+    """What every other machine exports (the secrets read from where the user keeps them, never printed)."""
+    lines = [
+        "On every machine that runs or starts flows (workers, laptops):",
+        f"  export PREFECT_API_URL={plan.prefect_api}",
+        f"  export MLFLOW_TRACKING_URI={plan.mlflow_url} MLFLOW_UI_URL={plan.mlflow_url}",
+    ]
+    if plan.login is not None:
+        secret = "RLHF_SERVE_AUTH=USER:PASSWORD (from where you keep it)"
+        lines += [
+            f"  export {secret}",
+            '  export PREFECT_API_AUTH_STRING="$RLHF_SERVE_AUTH"',
+            f'  export MLFLOW_TRACKING_USERNAME={plan.login.user} MLFLOW_TRACKING_PASSWORD="${{RLHF_SERVE_AUTH#*:}}"',
+        ]
+    lines += [
+        f"  prefect worker start --pool {POOL}      # in the checkout, on each machine that runs flows",
+        "Runs log to the server with these overrides (the form's `overrides`, or `rlhf run ... key=value`):",
+        f"  tracking.uri={plan.mlflow_url} tracking.artifact_location=mlflow-artifacts:/rlhf-ppo",
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlhf serve", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2]
+    )
+    parser.add_argument("--database", default=None, help=f"the team's PostgreSQL ({EXAMPLE}); no password")
+    parser.add_argument("--artifacts", default="mlruns/team-artifacts", help="MLflow's artifact store: a folder or URI")
+    parser.add_argument("--host", default="127.0.0.1", help="address both servers bind to (0.0.0.0: all)")
+    parser.add_argument("--public-host", default=None, help="the name other machines reach this one by")
+    parser.add_argument("--prefect-port", type=int, default=4200)
+    parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument("--auth-file", default=None, help=f"a file holding USER:PASSWORD (or set {AUTH_ENV})")
+    parser.add_argument("--state", default=".serve", help="logs and the Prefect home of the servers")
+    parser.add_argument("--no-deploy", action="store_true", help="do not deploy prefect.yaml")
+    return parser
+
+
+def main(argv: list[str] | None = None, root: Path | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    root = root or Path(__file__).resolve().parent.parent
+    try:
+        plan = make_plan(args)
+    except (ServeError, DatabaseError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if plan.login is None and plan.host not in LOOPBACK:
+        print(f"warning: no login: anyone who reaches {plan.host} can start runs and read every artifact", flush=True)
+    (plan.state / "prefect").mkdir(parents=True, exist_ok=True)
+    return run(plan, root, deploy_yaml=not args.no_deploy)
+
+
+def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
+    """Start both servers, check the login, deploy prefect.yaml, print the exports, and wait for Ctrl-C, SIGTERM or
+    a server's end; both servers are stopped in every case."""
+    prefect_env, mlflow_env, client_env = server_envs(plan, root)
+    commands = server_commands(plan)
+    logs = (plan.state / "prefect-server.log", plan.state / "mlflow-server.log")
+    stop, servers = StopRequest("the Prefect and MLflow servers"), []
+    try:
+        for cmd, env, log in zip(commands, (prefect_env, mlflow_env), logs, strict=True):
+            with open(log, "w") as out:
+                servers.append(
+                    subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                )
+        wait_healthy(f"http://127.0.0.1:{plan.prefect_port}/api/health", servers[0], logs[0], "Prefect server", stop)
+        wait_healthy(f"http://127.0.0.1:{plan.mlflow_port}/health", servers[1], logs[1], "MLflow server", stop)
+        if stop.signum is not None:
+            return 0
+        check_login(plan)
+        if deploy_yaml:
+            deploy(plan, client_env, root)
+        print(f"Prefect: {plan.prefect_api.removesuffix('/api')}  (database {plan.team.names[0]}; log {logs[0]})")
+        print(f"MLflow:  {plan.mlflow_url}  (database {plan.team.names[1]}; artifacts {plan.artifacts}; log {logs[1]})")
+        print(exports(plan))
+        print("ready; Ctrl-C stops both servers", flush=True)
+        while stop.signum is None:
+            for proc, log, what in zip(servers, logs, ("Prefect", "MLflow"), strict=True):
+                if proc.poll() is not None:
+                    print(
+                        f"error: the {what} server stopped with exit code {proc.returncode}: see {log}", file=sys.stderr
+                    )
+                    return 1
+            stop.wait(1.0)
+        return 0
+    except ServeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        with stop.ignored():
+            stop_servers(servers, STOP_S)
+        (plan.state / "mlflow-auth.ini").unlink(missing_ok=True)

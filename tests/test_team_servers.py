@@ -1,0 +1,292 @@
+"""`rlhf serve` (flows/team_servers.py) against a real PostgreSQL started by the tests (tests/postgres.py): bad input
+as one sentence and exit code 2; the login refusing clients without or with wrong credentials on both servers;
+prefect.yaml deployed; the smoke pipeline through both servers, its flow run and task states in PostgreSQL; and
+SIGTERM stopping both servers with nothing left running. Skipped where PostgreSQL is not installed (the skip names
+what to install). One xdist worker runs the module (one PostgreSQL and one `rlhf serve` for all of it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+import tests.test_process_faults as faults
+from flows.sweep import rlhf_sweep
+from flows.team_servers import main as serve_main
+from rlhf.config import load_config
+from rlhf.sweeps.space import parse_space
+from rlhf.tracking.client import Tracker
+from tests.conftest import REPO, drain_prefect_services, free_port, seed_prefect_home
+from tests.postgres import postgres_database
+from tests.test_ui_server import TINY, start, stop, wait_until
+
+pytestmark = pytest.mark.xdist_group("postgres")
+psycopg2 = pytest.importorskip("psycopg2", reason="the team extra is not installed: pip install -e '.[team]'")
+
+LOGIN = ("alice", "team-password-123")
+RLHF = str(Path(sys.executable).parent / "rlhf")
+
+
+def serve_error(capsys, argv: list[str]) -> str:
+    """`rlhf serve argv` in this process: exit code 2 and one line on stderr, returned."""
+    assert serve_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("db.internal/rlhf", "names no driver"),
+        ("mysql://u@db.internal/rlhf", "needs PostgreSQL"),
+        ("postgresql://u:secret@db.internal/rlhf", "would show in `ps`"),
+    ],
+)
+def test_a_database_url_that_cannot_serve_is_one_sentence(capsys, url, expected):
+    assert expected in serve_error(capsys, ["--database", url])
+
+
+def test_an_unreachable_database_is_one_sentence_without_a_traceback():
+    port = free_port()  # nothing listens there
+    done = subprocess.run(
+        [RLHF, "serve", "--database", f"postgresql://rlhf@127.0.0.1:{port}/rlhf"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == done.stderr.strip().splitlines()[0], done.stderr
+    assert f"no PostgreSQL server answered at 127.0.0.1:{port}" in done.stderr
+
+
+def test_wrong_database_credentials_are_one_sentence(postgres_server, capsys, monkeypatch):
+    monkeypatch.setenv("PGPASSWORD", "not-the-password")
+    assert "wrong or missing password" in serve_error(capsys, ["--database", postgres_server.url])
+
+
+def test_a_port_in_use_is_one_sentence(postgres_server, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PGPASSWORD", postgres_server.env["PGPASSWORD"])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = serve_error(capsys, ["--database", postgres_server.url, "--prefect-port", str(port)])
+    assert f"port {port} on 127.0.0.1 is in use" in err and "--prefect-port" in err
+
+
+def test_a_login_file_without_a_password_is_one_sentence(postgres_server, capsys, tmp_path):
+    (tmp_path / "login").write_text("alice\n")
+    err = serve_error(capsys, ["--database", postgres_server.url, "--auth-file", str(tmp_path / "login")])
+    assert "must hold one line USER:PASSWORD" in err
+
+
+def test_a_database_of_another_mlflow_version_is_refused(postgres_server, capsys, monkeypatch):
+    """A schema revision the installed MLflow does not know: a server of another version uses the database."""
+    monkeypatch.setenv("PGPASSWORD", postgres_server.env["PGPASSWORD"])
+    conn = psycopg2.connect(postgres_database(postgres_server, "newer_mlflow").replace("+psycopg2", ""))
+    conn.autocommit = True
+    with conn.cursor() as cursor:
+        cursor.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
+        cursor.execute("INSERT INTO alembic_version VALUES ('ffffffffffff')")
+    conn.close()
+    err = serve_error(capsys, ["--database", postgres_server.url_for("newer")])
+    assert "newer_mlflow" in err and "another mlflow version" in err and "ffffffffffff" in err
+
+
+# -- the servers ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
+    """`rlhf serve` on the test PostgreSQL (database `team_*`), behind LOGIN, prefect.yaml deployed; yields the
+    serve process, the URLs, the client environment and the folders. The last test of the module stops it."""
+    tmp = tmp_path_factory.mktemp("team")
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "MLFLOW_TRACKING_"))}
+    env |= postgres_server.env | {"RLHF_SERVE_AUTH": ":".join(LOGIN), "PREFECT_HOME": seed_prefect_home(tmp / "home")}
+    args = [RLHF, "serve", "--database", postgres_server.url_for("team"), "--state", str(tmp)]
+    args += ["--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]
+    args += ["--artifacts", str(tmp / "artifacts")]
+    log = tmp / "serve.log"
+    serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: "ready;" in log.read_text(), 300, "rlhf serve's start", serve, log)
+        client = {k: v for k, v in env.items() if k != "RLHF_SERVE_AUTH"}
+        client |= {
+            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+            "PREFECT_API_AUTH_STRING": ":".join(LOGIN),
+        }
+        client |= {"MLFLOW_TRACKING_USERNAME": LOGIN[0], "MLFLOW_TRACKING_PASSWORD": LOGIN[1]}
+        yield {
+            "serve": serve,
+            "log": log,
+            "api": client["PREFECT_API_URL"],
+            "mlflow": f"http://127.0.0.1:{mlflow_port}",
+            "env": client,
+            "tmp": tmp,
+            "database": postgres_server.url_for("team_prefect"),
+            "pgpassword": postgres_server.env["PGPASSWORD"],
+            "servers": [p.pid for p in psutil.Process(serve.pid).children(recursive=True)],
+        }
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(60)
+
+
+@pytest.mark.slow
+def test_both_servers_refuse_clients_without_or_with_wrong_credentials(team):
+    mlflow = f"{team['mlflow']}/api/2.0/mlflow/experiments/search"
+    prefect = f"{team['api']}/flows/filter"
+    for auth, expected in ((None, 401), (("alice", "wrong-password-123"), 401), (("mallory", LOGIN[1]), 401)):
+        assert httpx.get(mlflow, params={"max_results": 1}, auth=auth, timeout=30).status_code == expected, auth
+        assert httpx.post(prefect, json={}, auth=auth, timeout=30).status_code == expected, auth
+    assert httpx.get(mlflow, params={"max_results": 1}, auth=LOGIN, timeout=30).status_code == 200
+    assert httpx.post(prefect, json={}, auth=LOGIN, timeout=30).status_code == 200
+    # prefect.yaml is deployed to the process pool that workers start on
+    deployment = httpx.get(f"{team['api']}/deployments/name/rlhf-run/run-pipeline", auth=LOGIN, timeout=30).json()
+    assert deployment["work_pool_name"] == "rlhf-local"
+    # the exports every other machine needs, without the password
+    out = team["log"].read_text()
+    assert f"export PREFECT_API_URL={team['api']}" in out and LOGIN[1] not in out
+
+
+@pytest.mark.slow
+def test_the_smoke_pipeline_runs_through_both_servers_into_postgres(team, tmp_path, monkeypatch):
+    """Every stage's run, metrics, artifacts and the logged model reach MLflow; the flow run and its task states are
+    rows of the Prefect database in PostgreSQL."""
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY]
+    args += [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-smoke"]
+    args += ["tracking.experiment=team-smoke", f"runtime.output_dir={tmp_path}/out"]
+    done = subprocess.run(args, cwd=REPO, env=team["env"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    tracker = Tracker(team["mlflow"], "team-smoke")
+    (parent,) = tracker.pipeline_runs()
+    assert parent.status == "FINISHED" and "eval/kl" in parent.metrics
+    stages = {run.tags["stage"]: run for run in tracker.child_runs(parent.run_id)}
+    assert {"prepare_preferences", "supervised_finetune", "train_reward_model", "train_policy_ppo"} <= set(stages)
+    assert all(run.status == "FINISHED" for run in stages.values())
+    ppo = stages["train_policy_ppo"]
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/scores")] == [1, 2]
+    artifacts = team["tmp"] / "artifacts" / "team-smoke"
+    assert list(artifacts.rglob("model.safetensors"))  # checkpoints through the server's proxy
+    assert list(artifacts.rglob("MLmodel"))  # the logged transformers model of the PPO run
+
+    flow_run_id = parent.tags["prefect.flow_run_id"]
+    conn = psycopg2.connect(team["database"], password=team["pgpassword"])
+    with conn, conn.cursor() as cursor:
+        cursor.execute("SELECT state_type FROM flow_run WHERE id = %s", (flow_run_id,))
+        assert cursor.fetchone() == ("COMPLETED",)
+        cursor.execute("SELECT name, state_type FROM task_run WHERE flow_run_id = %s", (flow_run_id,))
+        states = {name.rsplit("-", 1)[0]: state for name, state in cursor.fetchall()}
+    conn.close()
+    assert set(stages) <= set(states) and set(states.values()) == {"COMPLETED"}, states
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_a_sweep_on_two_workers_lands_every_variant_exactly_once(team, tmp_path, monkeypatch):
+    """4 variants, `max_concurrency: 2`, as flow runs of the deployed pipeline picked up by two process workers:
+    every variant's PPO and evaluation run is in MLflow once, with every PPO step once; nothing is left RUNNING."""
+    storage = tmp_path / "results"  # Prefect's result store (the stage cache): shared by the sweep and the workers
+    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    prefect = str(Path(sys.executable).parent / "prefect")
+    workers = []
+    try:
+        for name in ("w1", "w2"):
+            log = tmp_path / f"{name}.log"
+            workers.append(
+                (name, start([prefect, "worker", "start", "--pool", "rlhf-local", "--limit", "1"], env, log))
+            )
+            wait_until(lambda log=log: "started!" in log.read_text(errors="replace"), 120, f"{name} start", None, log)
+        tracking = [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-sweep"]
+        tracking += ["tracking.experiment=team-sweep", f"runtime.output_dir={tmp_path}/out"]
+        base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, *tracking])
+        space = {"name": "team", "deployment": "rlhf-pipeline/run-pipeline-every-setting", "max_concurrency": 2}
+        space = parse_space(space | {"parameters": {"ppo.kl_coef": [0.02, 0.05, 0.1, 0.2]}})
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+        login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
+        with temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}):
+            try:
+                table = rlhf_sweep(base, space)["ranking"]
+            finally:
+                drain_prefect_services()
+    finally:
+        for _, proc in workers:
+            stop(proc)
+    assert sorted(row["status"] for row in table) == ["completed"] * 4, table
+    tracker = Tracker(team["mlflow"], "team-sweep")
+    variants = [run for run in tracker.pipeline_runs() if run.tags.get("sweep.name") == "team"]
+    assert sorted(run.params["ppo.kl_coef"] for run in variants) == ["0.02", "0.05", "0.1", "0.2"]
+    for variant in variants:
+        stages = [run.tags["stage"] for run in tracker.child_runs(variant.run_id)]
+        assert stages.count("train_policy_ppo") == 1 and stages.count("evaluate_policies") == 1, stages
+        (ppo,) = tracker.child_runs(variant.run_id, "train_policy_ppo")
+        assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+    assert [run.name for run in tracker.search_runs() if run.status == "RUNNING"] == []
+    assert len(list((team["tmp"] / "artifacts" / "team-sweep").rglob("rollout_samples.json"))) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_a_run_killed_mid_ppo_is_crashed_on_the_shared_server_and_the_rerun_names_it(team, tmp_path, monkeypatch):
+    """SIGKILL to the process running a pipeline (and its group) mid-PPO: the rerun on this machine marks its flow
+    run Crashed on the shared server (a row of PostgreSQL), resumes PPO in the same MLflow run, every update logged
+    once, and names the crashed run in its tags."""
+    for key, value in team["env"].items():
+        if key.startswith(("PREFECT_API_", "MLFLOW_TRACKING_")):
+            monkeypatch.setenv(key, value)
+    extra = (*TINY, f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-kill")
+    extra += ("tracking.experiment=team-kill",)
+    proc, _ = faults.start(tmp_path, name="killed", extra=extra)
+    faults.kill_when(proc, lambda: faults.saved_state(tmp_path, "train_policy_ppo"))
+    output = faults.finish(*faults.start(tmp_path, name="rerun", extra=extra))
+
+    conn = psycopg2.connect(team["database"], password=team["pgpassword"])
+    with conn, conn.cursor() as cursor:
+        cursor.execute(
+            "SELECT r.name, r.state_type, s.message, r.tags FROM flow_run r JOIN flow_run_state s ON s.id = r.state_id"
+            " WHERE r.labels->>'rlhf.process' LIKE %s",
+            (f"%:{proc.pid}:%",),
+        )
+        ((name, state, message, _),) = cursor.fetchall()
+        cursor.execute("SELECT state_type, tags FROM flow_run WHERE tags @> %s::jsonb", (f'["resumed-from:{name}"]',))
+        rerun = cursor.fetchall()
+    conn.close()
+    assert state == "CRASHED" and f"pid {proc.pid} on" in message, (state, message)
+    assert f"flow run {name} marked Crashed" in output
+    assert [row[0] for row in rerun] == ["COMPLETED"]
+    tracker = Tracker(team["mlflow"], "team-kill")
+    (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
+    assert ppo.status == "FINISHED"
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_both_servers_with_nothing_left_running(team):
+    """Last in the module: a service manager's SIGTERM to `rlhf serve` alone stops both servers and their workers."""
+    serve, servers = team["serve"], team["servers"]
+    assert servers and all(psutil.pid_exists(pid) for pid in servers)
+    serve.send_signal(signal.SIGTERM)
+    assert serve.wait(60) == 0, team["log"].read_text()[-3000:]
+    alive = [pid for pid in servers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert alive == []
+    for url in (team["mlflow"] + "/health", team["api"] + "/health"):
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url, timeout=5)
