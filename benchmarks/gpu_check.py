@@ -216,6 +216,7 @@ def first_update_row(plan: Plan, results: dict, lora: bool) -> Row:
     from rlhf.models.reference import match_autocast
     from rlhf.models.training import apply_lora
     from rlhf.ppo.optimise import optimize
+    from rlhf.ppo.prompts import PromptBatch
     from rlhf.ppo.state import fresh_state
     from rlhf.ppo.update import compute_advantages, generate_and_score
 
@@ -233,15 +234,15 @@ def first_update_row(plan: Plan, results: dict, lora: bool) -> Row:
         models.reference = None  # the policy with its adapters off, as the trainer does with LoRA
         bench.state = fresh_state(models, bench.cfg, bench.seed, plan.device)
     query, mask = bench.query()
+    batch, execution = PromptBatch(query, mask, list(range(len(query)))), bench.plan()
     rollout = generate_and_score(
-        bench.models, query, mask, list(range(len(query))), None, bench.cfg, bench.settings,
-        bench.state.sample_generator, dtype,
-    )  # fmt: skip
+        bench.models, batch, None, bench.cfg, bench.settings, bench.state.sample_generator, execution
+    )
     scored = rollout.scored
     token_mask = scored.resp.mask.bool()
     kl = (scored.logprobs - scored.ref_logprobs)[token_mask]
     compute_advantages(rollout, bench.cfg, bench.state.kl_ctl.value)
-    result = optimize(bench.models, bench.state, rollout, bench.cfg, bench.plan())
+    result = optimize(bench.models, bench.state, rollout, bench.cfg, execution)
     first = result.minibatch_stats[0]
     figures = {
         "KL mean": float(kl.mean()),
