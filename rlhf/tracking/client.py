@@ -94,9 +94,8 @@ class Tracker:
                 self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, default_view_json())
 
     def _create_experiment(self, name: str, location: str | None) -> str:
-        """Create the experiment; where another process created it in the meantime, its id. Runs started together
-        against a tracking server race here (no file lock serialises them): measured with 2 to 8 pipelines at once
-        on `rlhf serve`, all but one failed with RESOURCE_ALREADY_EXISTS (benchmarks/store_concurrency.py)."""
+        """Create the experiment, or read back the id of the one another process created meanwhile: runs started
+        together on a tracking server race here (`make bench-store` saw all but one fail without this)."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -365,11 +364,10 @@ class Tracker:
         return self.search_runs(query)
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
-        """``[(step, value), ...]`` of one metric of a run, in step order (under an earlier name of the metric, for a
-        run logged before it was renamed)."""
-        history = self.client.get_metric_history(run_id, key)
-        for earlier in earlier_metric_names(key) if not history else []:
-            history = history or self.client.get_metric_history(run_id, earlier)
+        """``[(step, value), ...]`` of one metric of a run, in step order (its earlier name for a run logged before)."""
+        for name in (key, *earlier_metric_names(key)):
+            if history := self.client.get_metric_history(run_id, name):
+                break
         return sorted((m.step, m.value) for m in history)
 
     def metric_histories(self, run_id: str, keys: list[str]) -> pd.DataFrame:
