@@ -19,9 +19,11 @@ run, its task runs and its in-process subflows (a sweep's variants) would stay R
 When (docs/orchestration.md, "A run killed from outside"): a CLI run's zombies are marked by the next pipeline or
 sweep that starts on the same Prefect home on this machine, before its first stage (no server runs in between).
 A served run's process killed alone is marked Crashed at once by Prefect's runner, its task runs by the next run's
-check-in; with the serve process gone too, the heartbeats of served runs and the automation `ensure_zombie_automation`
-sets up mark the flow run Crashed within `ZOMBIE_AFTER_S` seconds, and the server revokes an expired slot lease
-(60 s) itself.
+check-in. A run on a Prefect server whose process died with whatever watched it (the serve process, a worker, the
+machine) is marked Crashed by the server: every flow run sends a heartbeat every HEARTBEAT_S seconds (flows/__init__.py;
+prefect.yaml for a worker's runs; flows/serve.py for served ones), and the automation `ensure_zombie_automation`
+creates (`make ui`, `rlhf serve`, and the check-in of a run on a server) marks Crashed a run without one for
+`ZOMBIE_AFTER_S` seconds; the server revokes an expired slot lease (60 s) itself.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType, TaskRun
 from prefect.context import FlowRunContext
-from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+from prefect.settings import PREFECT_API_URL, PREFECT_HOME, get_current_settings
 from prefect.states import Crashed
 
+from flows import HEARTBEAT_S
 from flows.terminal import prefect_api_problem
 from rlhf.checkpoints import stage_lock
 from tasks.stage_runs import RESUMED_FROM_TAG
@@ -63,7 +66,7 @@ RESUMED_TAG = "resumed-from"  # the Prefect tag `resumed-from:<flow run name>` o
 RESUMED_FROM_RUN_TAG = "rlhf.resumed_from_run"  # the MLflow pipeline run of the flow run a rerun resumed
 UNFINISHED = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
 UNFINISHED_TASK = [*UNFINISHED, StateType.SCHEDULED]  # Scheduled: AwaitingRetry
-HEARTBEAT_S, ZOMBIE_AFTER_S = 30, 90  # served runs' heartbeats; the automation's wait for one (Prefect's documented)
+ZOMBIE_AFTER_S = 3 * HEARTBEAT_S  # the automation's wait for a heartbeat (Prefect's documented 30 s and 90 s)
 ZOMBIE_AUTOMATION = "rlhf: crash flow runs without heartbeats"
 _PAGE = 200
 
@@ -261,6 +264,17 @@ def check_in() -> list[CrashedRun]:
     if context is None or context.flow_run is None:
         return []
     logger = get_run_logger()
+    shared, every = server_label() != TEMPORARY, get_current_settings().flows.heartbeat_frequency
+    if shared and every is not None and every > HEARTBEAT_S:
+        logger.warning(
+            "this flow run sends a heartbeat every %s s, and the server's automation '%s' marks Crashed a run without "
+            "one for %s s: set PREFECT_FLOWS_HEARTBEAT_FREQUENCY=%s where its process starts (prefect.yaml does for a "
+            "worker's runs)",
+            every,
+            ZOMBIE_AUTOMATION,
+            ZOMBIE_AFTER_S,
+            HEARTBEAT_S,
+        )
     try:
         with get_client(sync_client=True) as client:
             client.update_flow_run_labels(
@@ -268,6 +282,8 @@ def check_in() -> list[CrashedRun]:
             )
             with _lock():
                 crashed = crash_dead_runs_with(client, f"flow run {context.flow_run.name}")
+                if shared and every is not None and every <= HEARTBEAT_S:
+                    ensure_zombie_automation()  # a run whose machine dies is marked Crashed by the server
     except Exception as err:  # noqa: BLE001 (bookkeeping: the run itself goes on)
         logger.warning("could not look for flow runs of killed processes: %s", err)
         return []
@@ -299,7 +315,8 @@ def crash_dead_runs(command: str) -> list[CrashedRun]:
 
 def zombie_automation() -> Any:
     """Prefect's documented zombie-run detection: an automation that marks Crashed a flow run whose heartbeats (every
-    HEARTBEAT_S seconds, from the runs `flows/serve.py` serves) stop for ZOMBIE_AFTER_S seconds before it ends."""
+    HEARTBEAT_S seconds: flows/__init__.py, prefect.yaml, flows/serve.py) stop for ZOMBIE_AFTER_S seconds before it
+    ends."""
     from prefect.automations import Automation
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import EventTrigger, Posture

@@ -45,6 +45,9 @@ POOL = "rlhf-local"
 START_S = 180  # how long each server may take to answer its health check (Prefect migrates a new database)
 STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# MLflow's login checks a password with scrypt on every request (about 0.3 s of a core on the 2-core machine): a
+# checked login is trusted for this long in each server worker (a changed password takes up to this long to apply)
+AUTH_CACHE_S = 60
 
 
 class ServeError(Exception):
@@ -159,6 +162,7 @@ def write_auth_config(plan: Plan) -> Path:
         "[mlflow]\ndefault_permission = READ\n"
         f"database_uri = {plan.team.mlflow_auth_url}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        f"auth_cache_ttl_seconds = {AUTH_CACHE_S}\n"
     )
     return path
 
@@ -213,14 +217,17 @@ def check_login(plan: Plan) -> None:
 
 
 def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
-    """The process pool, the `gpu` tag limit and every deployment of prefect.yaml, on the new server."""
+    """The process pool, the `gpu` tag limit, every deployment of prefect.yaml, and the automation that marks Crashed
+    a flow run whose heartbeats stop (its worker or machine died; flows/crashed_runs.py), on the new server."""
     prefect = str(Path(sys.executable).parent / "prefect")
     log = plan.state / "deploy.log"
+    automation = "from flows.crashed_runs import ensure_zombie_automation as ensure; ensure()"
     with open(log, "w") as out:
         for cmd in (
             [prefect, "work-pool", "create", POOL, "--type", "process", "--overwrite"],
             [prefect, "concurrency-limit", "create", "gpu", "1"],
             [prefect, "--no-prompt", "deploy", "--all"],
+            [sys.executable, "-c", automation],
         ):
             done = subprocess.run(cmd, cwd=root, env=client_env, stdout=out, stderr=subprocess.STDOUT, timeout=300)
             if done.returncode != 0:

@@ -18,17 +18,23 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import StateType
+from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 
 import tests.test_process_faults as faults
+from flows.crashed_runs import ZOMBIE_AFTER_S
 from flows.sweep import rlhf_sweep
+from flows.team_database import migration_revisions
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
 from rlhf.sweeps.space import parse_space
 from rlhf.tracking.client import Tracker
 from tests.conftest import REPO, drain_prefect_services, free_port, seed_prefect_home
 from tests.postgres import postgres_database
-from tests.test_ui_server import TINY, start, stop, wait_until
+from tests.test_ui_server import PIPELINE_FULL, TINY, start, stop, wait_until
 
 pytestmark = pytest.mark.xdist_group("postgres")
 psycopg2 = pytest.importorskip("psycopg2", reason="the team extra is not installed: pip install -e '.[team]'")
@@ -92,17 +98,36 @@ def test_a_login_file_without_a_password_is_one_sentence(postgres_server, capsys
     assert "must hold one line USER:PASSWORD" in err
 
 
-def test_a_database_of_another_mlflow_version_is_refused(postgres_server, capsys, monkeypatch):
-    """A schema revision the installed MLflow does not know: a server of another version uses the database."""
+def older_mlflow_revision() -> str:
+    """A revision of the installed MLflow's migrations that is not its head: a database an older MLflow wrote."""
+    known, heads = migration_revisions("mlflow", "store/db_migrations/versions")
+    assert len(heads) == 1 and len(known) > 10, heads
+    return sorted(known - heads)[0]
+
+
+@pytest.mark.parametrize(
+    "database, revision, expected",
+    [
+        ("mlflow", "ffffffffffff", "holds the schema of another mlflow version than the installed"),
+        ("prefect", "ffffffffffff", "holds the schema of another prefect version than the installed"),
+        ("mlflow", older_mlflow_revision(), "holds an older MLflow's schema"),
+    ],
+)
+def test_a_database_of_another_version_is_refused(postgres_server, capsys, monkeypatch, database, revision, expected):
+    """An Alembic revision the installed MLflow or Prefect does not know (a server of another version uses the
+    database), or an MLflow schema older than the installed one (named with the command that upgrades it)."""
     monkeypatch.setenv("PGPASSWORD", postgres_server.env["PGPASSWORD"])
-    conn = psycopg2.connect(postgres_database(postgres_server, "newer_mlflow").replace("+psycopg2", ""))
+    base = f"{database}_{revision[:6]}"  # a server of its own for each case: `<base>_prefect`, `<base>_mlflow`
+    conn = psycopg2.connect(postgres_database(postgres_server, f"{base}_{database}").replace("+psycopg2", ""))
     conn.autocommit = True
     with conn.cursor() as cursor:
         cursor.execute("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
-        cursor.execute("INSERT INTO alembic_version VALUES ('ffffffffffff')")
+        cursor.execute("INSERT INTO alembic_version VALUES (%s)", (revision,))
     conn.close()
-    err = serve_error(capsys, ["--database", postgres_server.url_for("newer")])
-    assert "newer_mlflow" in err and "another mlflow version" in err and "ffffffffffff" in err
+    err = serve_error(capsys, ["--database", postgres_server.url_for(base)])
+    assert f"the database {base}_{database} on " in err and expected in err and revision in err, err
+    if "older" in expected:
+        assert f"mlflow db upgrade postgresql://postgres@127.0.0.1:{postgres_server.port}/{base}_mlflow" in err, err
 
 
 # -- the servers ---------------------------------------------------------------------------------------------------
@@ -148,13 +173,21 @@ def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
 
 @pytest.mark.slow
 def test_both_servers_refuse_clients_without_or_with_wrong_credentials(team):
+    """Also after the right login was let in: MLflow's server trusts a checked login for a while (AUTH_CACHE_S),
+    never another password."""
     mlflow = f"{team['mlflow']}/api/2.0/mlflow/experiments/search"
     prefect = f"{team['api']}/flows/filter"
-    for auth, expected in ((None, 401), (("alice", "wrong-password-123"), 401), (("mallory", LOGIN[1]), 401)):
-        assert httpx.get(mlflow, params={"max_results": 1}, auth=auth, timeout=30).status_code == expected, auth
-        assert httpx.post(prefect, json={}, auth=auth, timeout=30).status_code == expected, auth
-    assert httpx.get(mlflow, params={"max_results": 1}, auth=LOGIN, timeout=30).status_code == 200
-    assert httpx.post(prefect, json={}, auth=LOGIN, timeout=30).status_code == 200
+    for auth, expected in (
+        (None, 401),
+        (LOGIN, 200),
+        (("alice", "wrong-password-123"), 401),
+        (("mallory", LOGIN[1]), 401),
+        (LOGIN, 200),
+        (("alice", LOGIN[1] + "x"), 401),
+    ):
+        for _ in range(2):  # the server's two workers
+            assert httpx.get(mlflow, params={"max_results": 1}, auth=auth, timeout=30).status_code == expected, auth
+            assert httpx.post(prefect, json={}, auth=auth, timeout=30).status_code == expected, auth
     # prefect.yaml is deployed to the process pool that workers start on
     deployment = httpx.get(f"{team['api']}/deployments/name/rlhf-run/run-pipeline", auth=LOGIN, timeout=30).json()
     assert deployment["work_pool_name"] == "rlhf-local"
@@ -276,6 +309,70 @@ def test_a_run_killed_mid_ppo_is_crashed_on_the_shared_server_and_the_rerun_name
     (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
     assert ppo.status == "FINISHED"
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_rerun_names_it(
+    team, tmp_path, monkeypatch
+):
+    """A `prefect worker` and the flow run it started, killed together with SIGKILL mid-PPO (its machine lost): with no
+    other run's help, the server's automation marks the flow run Crashed once its heartbeats stop (prefect.yaml gives
+    a worker's runs one every HEARTBEAT_S); a rerun of the deployment on a new worker resumes PPO in the same MLflow
+    run, every update once, names the crashed run, and marks its task runs Crashed."""
+    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"), "PYTHONPATH": str(REPO)}
+    overrides = [*TINY, "ppo.save_every=1", "reward.save_every=1", f"runtime.output_dir={tmp_path}/out"]
+    overrides += [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-worker"]
+    config = load_config(REPO / "conf" / "smoke.yaml", [*overrides, "tracking.experiment=team-worker"])
+    parameters = {"config": config.model_dump(mode="json")}
+
+    def worker(name: str) -> tuple[subprocess.Popen, Path]:
+        log = tmp_path / f"{name}.log"
+        prefect = str(Path(sys.executable).parent / "prefect")
+        proc = start([prefect, "worker", "start", "--pool", "rlhf-local"], env, log)
+        wait_until(lambda: "started!" in log.read_text(errors="replace"), 120, f"{name} start", proc, log)
+        return proc, log
+
+    login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
+    with temporary_settings(updates=login), get_client(sync_client=True) as client:
+        first, log = worker("w1")
+        try:
+            killed = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=0)
+            faults.kill_when(first, lambda: faults.saved_state(tmp_path, "train_policy_ppo"), stop=False)
+            tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+            assert any("prefect.engine" in " ".join(p.cmdline()) for p in tree[1:]), [p.cmdline() for p in tree]
+            for process in tree:  # the worker and its flow run's process (a process group of its own)
+                process.kill()
+            psutil.wait_procs(tree, timeout=30)
+        finally:
+            stop(first)
+        assert client.read_flow_run(killed.id).state_type == StateType.RUNNING
+
+        def crashed():
+            run = client.read_flow_run(killed.id)
+            return run if run.state_type == StateType.CRASHED else None
+
+        marked = wait_until(crashed, ZOMBIE_AFTER_S + 180, "the automation marking the killed run Crashed", None, log)
+        assert f"no heartbeat for {ZOMBIE_AFTER_S} s" in marked.state.message, marked.state.message
+
+        second, log = worker("w2")
+        try:
+            rerun = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=600)
+        finally:
+            stop(second)
+        rerun = client.read_flow_run(rerun.id)
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[killed.id])))
+    assert rerun.state_type == StateType.COMPLETED, (rerun.state, log.read_text()[-3000:])
+    assert f"resumed-from:{killed.name}" in rerun.tags, rerun.tags
+    assert {task.state_type for task in tasks} <= {StateType.COMPLETED, StateType.CRASHED}, tasks
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    tracker = Tracker(team["mlflow"], "team-worker")
+    (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
+    assert ppo.status == "FINISHED"
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+    (pipeline,) = [run for run in tracker.pipeline_runs() if run.status == "FINISHED"]
+    assert pipeline.tags["rlhf.resumed_from_flow_run_name"] == killed.name
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from flows.crashed_runs import HEARTBEAT_S
 from flows.form import PipelineRun, SweepRun, form_parameters, sweep_form_parameters
 from rlhf.config import PipelineConfig, load_config
 from rlhf.sweeps.space import load_space
@@ -326,3 +327,7 @@ def test_prefect_yaml_parameters_match_the_conf_files():
     for name in ("rlhf-sweep-run/run-sweep", "rlhf-sweep-run/sweep-nightly"):
         sweep = SweepRun.model_validate(deployments[name]["parameters"]["run"])
         assert (sweep.base.config(), sweep.space()) == (default, space), name
+    # every deployment's flow runs send the heartbeats that the zombie automation watches (flows/crashed_runs.py)
+    for name, deployment in deployments.items():
+        env = deployment["work_pool"]["job_variables"]["env"]
+        assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_S), name
