@@ -12,7 +12,8 @@ PostgreSQL servers (`rlhf serve`), for N = 1, 2, 4 and 8.
 
 Run i has `seed=i` (the stage cache is shared; another seed makes every stage its own). For each N the table gives
 the runs that failed, the lines with `database is locked` in their output, the metric points lost and duplicated
-(every metric history of every stage's MLflow run, against the N = 1 run of the same backend) and the wall time
+(every metric history of every stage's MLflow run, read from the store's tables, against the N = 1 run of the same
+backend) and the wall time
 from the first start to the last end. Serialise it with other benchmarks on a shared machine: `flock
 /tmp/rlhf-bench.lock make bench-store ...`.
 """
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             failed = sum(code != 0 for code in codes)
             load = os.getloadavg()[0]
             print(f"| {backend} | {n} | {failed} | {locked} | {lost} | {dup} | {wall:.0f} (load {load:.1f}) |")
-            print(f"  (logs: {folder})", file=sys.stderr, flush=True)
+            points = sum(sum(counts.values()) for counts in found)
+            print(f"  ({len(found)} pipeline runs, {points} metric points counted; logs: {folder})", file=sys.stderr)
     return 0
 
 

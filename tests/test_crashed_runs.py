@@ -15,13 +15,17 @@ import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder, StateType
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect.states import Crashed, Running
 
+from flows import HEARTBEAT_S
 from flows.crashed_runs import (
     PROCESS_LABEL,
     SERVER_LABEL,
     TEMPORARY,
+    ZOMBIE_AFTER_S,
     ZOMBIE_AUTOMATION,
+    check_in,
     crash_dead_runs_with,
     ensure_zombie_automation,
     process_gone,
@@ -117,6 +121,30 @@ def test_the_zombie_automation_is_prefects_documented_one_and_made_once():
     assert ensure_zombie_automation() is False
     with get_client(sync_client=True) as client:
         assert len(client.read_automations_by_name(ZOMBIE_AUTOMATION)) == 1
+
+
+@flow(name="check-in-test-flow")
+def _checking_in() -> None:
+    check_in()
+
+
+@pytest.mark.parametrize("every, watched", [(HEARTBEAT_S, True), (180, False)])
+def test_a_run_on_a_server_is_watched_only_with_heartbeats_often_enough(caplog, every, watched):
+    """The check-in of a run on a Prefect server creates the zombie automation when the run's heartbeats come every
+    HEARTBEAT_S; slower ones (Prefect's default, 180 s) would be marked Crashed while alive: a warning says so, and
+    the run creates no automation."""
+    with get_client(sync_client=True) as client:
+        for automation in client.read_automations_by_name(ZOMBIE_AUTOMATION):
+            client.delete_automation(automation.id)
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: every}), caplog.at_level("WARNING"):
+            _checking_in()
+        assert len(client.read_automations_by_name(ZOMBIE_AUTOMATION)) == int(watched)
+    warned = [r.getMessage() for r in caplog.records if "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" in r.getMessage()]
+    if watched:
+        assert warned == []
+    else:
+        (message,) = warned
+        assert "a heartbeat every 180 s" in message and f"without one for {ZOMBIE_AFTER_S} s" in message
 
 
 def test_a_pid_label_is_this_process():
