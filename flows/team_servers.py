@@ -58,6 +58,7 @@ class ServeError(Exception):
 class Login:
     user: str
     password: str
+    file: Path | None = None  # the --auth-file it was read from (None: RLHF_SERVE_AUTH)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def read_login(auth_file: str | None) -> Login | None:
         raise ServeError(f"{where} must hold one line USER:PASSWORD")
     if len(password) < 12:  # MLflow's basic-auth app refuses shorter passwords
         raise ServeError(f"the password in {where} has {len(password)} characters; MLflow's login needs 12 or more")
-    return Login(user, password)
+    return Login(user, password, Path(auth_file).resolve() if auth_file is not None else None)
 
 
 def check_port(host: str, port: int, option: str) -> None:
@@ -242,14 +243,17 @@ def exports(plan: Plan) -> str:
         f"  export MLFLOW_TRACKING_URI={plan.mlflow_url} MLFLOW_UI_URL={plan.mlflow_url}",
     ]
     if plan.login is not None:
-        secret = "RLHF_SERVE_AUTH=USER:PASSWORD (from where you keep it)"
+        lines.append(
+            f'  export RLHF_SERVE_AUTH="$(cat {plan.login.file})"    # USER:PASSWORD: elsewhere, a copy (chmod 600)'
+            if plan.login.file is not None
+            else f"  # set {AUTH_ENV}=USER:PASSWORD as on this machine (in a file or a profile, not on a command line)"
+        )
         lines += [
-            f"  export {secret}",
-            '  export PREFECT_API_AUTH_STRING="$RLHF_SERVE_AUTH"',
-            f'  export MLFLOW_TRACKING_USERNAME={plan.login.user} MLFLOW_TRACKING_PASSWORD="${{RLHF_SERVE_AUTH#*:}}"',
+            f'  export PREFECT_API_AUTH_STRING="${AUTH_ENV}"',
+            f'  export MLFLOW_TRACKING_USERNAME={plan.login.user} MLFLOW_TRACKING_PASSWORD="${{{AUTH_ENV}#*:}}"',
         ]
     lines += [
-        f"  prefect worker start --pool {POOL}      # in the checkout, on each machine that runs flows",
+        f"  .venv/bin/prefect worker start --pool {POOL}    # in the checkout (make install), where runs should run",
         "Runs log to the server with these overrides (the form's `overrides`, or `rlhf run ... key=value`):",
         f"  tracking.uri={plan.mlflow_url} tracking.artifact_location=mlflow-artifacts:/rlhf-ppo",
     ]

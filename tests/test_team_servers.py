@@ -27,7 +27,8 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_L
 import tests.test_process_faults as faults
 from flows.crashed_runs import ZOMBIE_AFTER_S
 from flows.sweep import rlhf_sweep
-from flows.team_database import migration_revisions
+from flows.team_database import migration_revisions, parse_database
+from flows.team_servers import Plan, exports, read_login
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
 from rlhf.sweeps.space import parse_space
@@ -128,6 +129,33 @@ def test_a_database_of_another_version_is_refused(postgres_server, capsys, monke
     assert f"the database {base}_{database} on " in err and expected in err and revision in err, err
     if "older" in expected:
         assert f"mlflow db upgrade postgresql://postgres@127.0.0.1:{postgres_server.port}/{base}_mlflow" in err, err
+
+
+def test_the_printed_exports_run_as_they_are_in_a_shell(tmp_path):
+    """What `rlhf serve` prints for the other machines is pasted into a shell as it is: with the login read from
+    the auth file, both servers' credentials are set, and no line holds the password."""
+    login_file = tmp_path / "login"
+    login_file.write_text(":".join(LOGIN) + "\n")
+    plan = Plan(
+        parse_database("postgresql://rlhf@db.internal/rlhf", True),
+        read_login(str(login_file)),
+        "0.0.0.0",
+        "rlhf.internal",
+        4200,
+        5000,
+        "/srv/artifacts",
+        tmp_path,
+    )
+    text = exports(plan)
+    assert LOGIN[1] not in text
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("export ")]
+    script = "\n".join([*lines, "env"])
+    done = subprocess.run(["bash", "-euc", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    env = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert env["PREFECT_API_URL"] == "http://rlhf.internal:4200/api"
+    assert env["PREFECT_API_AUTH_STRING"] == ":".join(LOGIN)
+    assert (env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"]) == LOGIN
 
 
 # -- the servers ---------------------------------------------------------------------------------------------------
