@@ -21,6 +21,8 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+import flows  # noqa: F401 (its environment defaults, the flow runs' heartbeat among them, before Prefect's import)
+
 REPO = Path(__file__).resolve().parent.parent
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"

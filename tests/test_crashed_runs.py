@@ -117,6 +117,9 @@ def test_the_zombie_automation_is_prefects_documented_one_and_made_once():
     assert automation.trigger.posture == "Proactive" and automation.trigger.within.total_seconds() == 90
     assert automation.trigger.after == {"prefect.flow-run.heartbeat"}
     assert automation.actions[0].state == StateType.CRASHED
+    with get_client(sync_client=True) as client:  # another test's run may have made it on this harness
+        for made in client.read_automations_by_name(ZOMBIE_AUTOMATION):
+            client.delete_automation(made.id)
     assert ensure_zombie_automation() is True
     assert ensure_zombie_automation() is False
     with get_client(sync_client=True) as client:

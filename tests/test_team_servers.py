@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import httpx
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
@@ -339,6 +341,27 @@ def test_a_run_killed_mid_ppo_is_crashed_on_the_shared_server_and_the_rerun_name
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
 
 
+def ppo_saved(out: Path) -> bool:
+    """PPO saved a state, anywhere under `out` (a sweep's variants have folders of their own)."""
+    return any(out.rglob("train_policy_ppo/*/state/trainer_state.pt"))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to a process and every process under it (a worker and its flow runs: groups of their own)."""
+    tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    for process in tree:
+        process.kill()
+    psutil.wait_procs(tree, timeout=30)
+
+
+def kill_at_ppo(pid: int, out: Path) -> None:
+    """`kill_tree(pid)` as soon as PPO saved a state under `out` (or after 300 s)."""
+    deadline = time.monotonic() + 300
+    while not ppo_saved(out) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kill_tree(pid)
+
+
 @pytest.mark.slow
 @pytest.mark.team
 def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_rerun_names_it(
@@ -366,12 +389,9 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
         first, log = worker("w1")
         try:
             killed = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=0)
-            faults.kill_when(first, lambda: faults.saved_state(tmp_path, "train_policy_ppo"), stop=False)
-            tree = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
-            assert any("prefect.engine" in " ".join(p.cmdline()) for p in tree[1:]), [p.cmdline() for p in tree]
-            for process in tree:  # the worker and its flow run's process (a process group of its own)
-                process.kill()
-            psutil.wait_procs(tree, timeout=30)
+            faults.kill_when(first, lambda: ppo_saved(tmp_path / "out"), stop=False)
+            assert any("prefect.engine" in " ".join(p.cmdline()) for p in psutil.Process(first.pid).children(True))
+            kill_tree(first.pid)  # the worker and its flow run's process (a process group of its own)
         finally:
             stop(first)
         assert client.read_flow_run(killed.id).state_type == StateType.RUNNING
@@ -401,6 +421,60 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
     (pipeline,) = [run for run in tracker.pipeline_runs() if run.status == "FINISHED"]
     assert pipeline.tags["rlhf.resumed_from_flow_run_name"] == killed.name
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_rerun_resumes_it(
+    team, tmp_path, monkeypatch
+):
+    """A sweep whose variant runs on a worker, and that worker killed with its flow run mid-PPO: the sweep gets the
+    variant's Crashed state from the server's automation (its heartbeats stopped) and ends, its one variant failed,
+    where it used to wait for good; the same sweep run again, with a new worker, resumes the variant's PPO."""
+    storage = tmp_path / "results"
+    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    tracking = [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-dead-worker"]
+    tracking += ["tracking.experiment=team-dead-worker", f"runtime.output_dir={tmp_path}/out"]
+    base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, "ppo.save_every=1", "reward.save_every=1", *tracking])
+    space = {"name": "dead-worker", "deployment": PIPELINE_FULL, "max_concurrency": 1}
+    space = parse_space(space | {"parameters": {"ppo.kl_coef": [0.05]}})
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    prefect = str(Path(sys.executable).parent / "prefect")
+    login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
+    with (
+        temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}),
+        get_client(sync_client=True) as client,
+    ):
+        for attempt in ("killed", "rerun"):
+            log = tmp_path / f"worker-{attempt}.log"
+            worker = start([prefect, "worker", "start", "--pool", "rlhf-local"], env, log)
+            wait_until(lambda log=log: "started!" in log.read_text(errors="replace"), 120, "worker start", worker, log)
+            try:
+                if attempt == "killed":
+                    killer = threading.Thread(target=kill_at_ppo, args=(worker.pid, tmp_path / "out"), daemon=True)
+                    killer.start()
+                    with pytest.raises(RuntimeError, match="every variant of sweep 'dead-worker' failed"):
+                        rlhf_sweep(base, space)
+                    killer.join(330)
+                    crashed = client.read_flow_runs(
+                        flow_run_filter=FlowRunFilter(
+                            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED]))
+                        )
+                    )
+                else:
+                    (row,) = rlhf_sweep(base, space)["ranking"]
+            finally:
+                stop(worker)
+                drain_prefect_services()
+    experiment = [run.parameters.get("config", {}).get("tracking", {}).get("experiment") for run in crashed]
+    (variant,) = [run for run, name in zip(crashed, experiment, strict=True) if name == "team-dead-worker"]
+    assert f"no heartbeat for {ZOMBIE_AFTER_S} s" in variant.state.message, variant.state.message
+    assert row["status"] == "completed", row
+    tracker = Tracker(team["mlflow"], "team-dead-worker")
+    (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
+    assert ppo.status == "FINISHED"
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
 
 
 @pytest.mark.slow
