@@ -74,7 +74,7 @@ test: lint
 
 # `make test-team`: the team setup's long runs on a real PostgreSQL (tests/test_team_servers.py, the MLflow server
 # restarted mid-PPO on PostgreSQL): a sweep on two process workers, a run killed mid-PPO, a worker killed with its run
-# mid-PPO, a sweep whose worker dies. About TEAMMIN minutes on the 2-core machine; `make test` runs the rest of the PostgreSQL tests (bad input, the login, the smoke pipeline through
+# mid-PPO, a sweep whose worker dies. About 11 minutes on the 2-core machine; `make test` runs the rest of the PostgreSQL tests (bad input, the login, the smoke pipeline through
 # both servers, SIGTERM).
 test-team: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m team $(ARGS)
