@@ -45,13 +45,13 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from prefect_rest import artifacts_of, deployment, free_port, logs_of, start_run, wait_for, wait_run
 
 REPO = Path(__file__).resolve().parent.parent
 CHROME_FLAGS = [
@@ -64,25 +64,6 @@ CHROME_FLAGS = [
     "--no-first-run",
     "--window-size=1920,1200",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        time.sleep(1.0)
-    raise SystemExit(f"ui-check: {what} did not happen within {timeout:.0f}s")
 
 
 def browser():
@@ -199,50 +180,6 @@ def refused_in_form(driver, api: str, deployment_id: str, field_label: str, path
     shown, after = REFUSED[field_label] in page_text(driver), count()
     print(f"ui-check: {path.relative_to(REPO)}  <- {field_label} 3: the error shown: {shown}; runs {before} -> {after}")
     return shown and after == before
-
-
-def deployment(api: str, name: str, timeout: float = 180) -> dict:
-    """A served deployment (serve registers them one after the other)."""
-    return wait_for(
-        lambda: (r := httpx.get(f"{api}/deployments/name/{name}", timeout=10)).status_code == 200 and r.json(),
-        timeout,
-        f"the {name} deployment",
-    )
-
-
-def start_run(api: str, deployment_id: str, run: dict) -> str:
-    """A flow run of the deployment with the form's parameters, as the form's Run button creates it."""
-    created = httpx.post(
-        f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": run}}, timeout=30
-    )
-    created.raise_for_status()
-    print(f"ui-check: flow run {created.json()['id']} started from the form's parameters {run}", flush=True)
-    return created.json()["id"]
-
-
-def wait_run(api: str, flow_run_id: str, timeout: float, states=("COMPLETED", "FAILED", "CRASHED", "CANCELLED")):
-    def reached():
-        state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
-        return state if state and state["type"] in states else None
-
-    state = wait_for(reached, timeout, f"the flow run {flow_run_id}")
-    print(f"ui-check: flow run {flow_run_id} {state['type']}", flush=True)
-    return state
-
-
-def artifacts_of(api: str, flow_run_id: str) -> dict[str, dict]:
-    """The flow run's keyed artifacts (its tasks' too) by key."""
-    found = httpx.post(
-        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
-    ).json()
-    return {a["key"]: a for a in found if a.get("key")}
-
-
-def logs_of(api: str, flow_run_id: str) -> list[str]:
-    found = httpx.post(
-        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=10
-    ).json()
-    return [log["message"] for log in found]
 
 
 def check_forms(driver, api: str, ui_url: str, out: Path, check: Checks) -> dict:
