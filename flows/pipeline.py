@@ -26,6 +26,7 @@ from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned
+from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY, TIME_POLICY_TRAIN, TIME_TRAIN
@@ -207,6 +208,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         sft_model=sft_model,
         reward_model=reward_model,
         prepared=prepared,
+        benchmark_digest=benchmark.files_digest(config.eval.benchmarks),
         **rewarding,
         **common,
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
+from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from rlhf.metrics import (
@@ -167,6 +168,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                     f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
                 )
             )
+    lines += benchmark.summary_lines(summary, label)  # instruction-following benchmarks (IFEval's, IFBench's)
     if ALARM_STEP_KEY in summary:  # the gold-free over-optimisation alarm of PPO's periodic evaluations
         step, kept = int(summary[ALARM_STEP_KEY]), int(summary.get(KEPT_STEP_KEY, -1))
         said = "quiet at every periodic evaluation" if step < 0 else f"fired after update {step} (WARNING below)"

@@ -9,9 +9,12 @@ from typing import Any
 
 from rlhf.config import PipelineConfig
 from rlhf.data.prepare import check_source
+from rlhf.data.row_columns import check_wanted
 from rlhf.errors import ConfigError
+from rlhf.eval.benchmark import read_benchmark
 from rlhf.memory import StageEstimate, model_positions, read_model_config
 from rlhf.memory_fit import plan_memory
+from rlhf.rollout.reward_function import load_reward_function
 from rlhf.tracking.store import check_tracking_uri
 
 
@@ -78,8 +81,19 @@ def check_inputs(config: PipelineConfig) -> None:
     check_device(config.runtime.device)
     check_output_dir(config.runtime.output_dir)
     check_source(config.data)
+    check_reward_function(config)
+    for bench in config.eval.benchmarks:  # every row checked: a bad one is named before a model loads
+        read_benchmark(bench.name, bench.path, bench.verifier, bench.n_prompts)
     if config.sft.model is not None:
         check_sft_model(config)
+
+
+def check_reward_function(config: PipelineConfig) -> None:
+    """reward.function imports, and every data column it takes by name is one data.row_columns keeps."""
+    if not config.reward.uses_function or config.reward.function is None:
+        return
+    fn = load_reward_function(config.reward.function).fn
+    check_wanted(config.reward.function, fn, config.data.row_columns, "reward.function")
 
 
 def check_fit(config: PipelineConfig) -> list[StageEstimate]:

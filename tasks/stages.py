@@ -353,10 +353,12 @@ def evaluate_policies(
     tracking: TrackingContext,
     reward_cfg: RewardConfig | None = None,
     reward_function_digest: str | None = None,
+    benchmark_digest: str | None = None,
 ) -> Evaluation:
     """Generate with the trained (PPO's estimator or DPO) and SFT policies on held-out prompts; scores (the reward
     model's, or the reward function's), KL, win rates (also at equal length), response lengths and empty answers,
-    reward-hacking flags, completions table."""
+    reward-hacking flags, completions table; the eval.benchmarks' figures (`benchmark_digest`, their files' content,
+    is in the cache key only)."""
     with stage_scope(tracking, runtime, flatten(eval_cfg, "eval")) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "eval.parquet")
@@ -369,13 +371,15 @@ def evaluate_policies(
             reward_model.path if reward_model is not None else None,
             f"{prepared.path}/eval.parquet",
             folder,
-            prepare.gold_scorer(prepared.manifest),
+            prepare.gold_scorer(prepared.manifest, prepared.path),
             tracker.metric_logger(run_id),
             reward_cfg,
         )
         completions = pd.read_parquet(result.completions)
         tracker.log_table(run_id, completions, "completions.json")
         tracker.log_artifacts(run_id, result.completions, "evaluation")
+        for path in result.benchmark_files:  # each benchmark's report (.md) and per-instruction verdicts (.parquet)
+            tracker.log_artifacts(run_id, path, "evaluation")
         if result.warnings:
             tracker.set_tags(run_id, {EVAL_WARNING_TAG: "\n".join(result.warnings)})
     return Evaluation(

@@ -264,9 +264,16 @@ class DataConfig(Section):
     gold_reward: str | None = Field(
         None,
         description="A gold reward of the data set's task, 'module:callable' with the signature of reward.function "
-        "(prompts, responses) -> list[float] (e.g. rlhf.data.instructions:gold_reward, the real tier's constraint "
-        "checker): the evaluation and the PPO stage's periodic evaluation score responses with it (gold win rate, "
+        "(prompts, responses, **row_columns) -> list[float] (e.g. rlhf.data.verifiers:ifeval_strict, IFEval's "
+        "checkers): the evaluation and the PPO stage's periodic evaluation score responses with it (gold win rate, "
         "mean gold). None: the data has no gold reward (the synthetic task has its own).",
+    )
+    row_columns: list[str] = Field(
+        default_factory=list,
+        description="Columns of the source kept beside every pair and prompt, and passed by name to a reward "
+        "function (reward.function, data.gold_reward) that takes them as keyword arguments, TRL's convention: a "
+        "row's own truth, e.g. [instruction_id_list, kwargs] for IFEval's verifiers (rlhf.data.verifiers). Values may "
+        "be nested (lists, dicts); they are part of the data's digest.",
     )
     num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
     batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
@@ -298,6 +305,8 @@ class DataConfig(Section):
                 "data.prompts_path/prompts_name apply to 'local' and 'hub' sources: the synthetic task's gold reward "
                 "is defined on its own prompts"
             )
+        if self.source == "synthetic" and self.row_columns:
+            raise ValueError("data.row_columns applies to 'local' and 'hub' sources: the synthetic task has no columns")
         if self.source == "synthetic" and self.gold_reward:
             raise ValueError("data.gold_reward applies to 'local' and 'hub' sources: the synthetic task has its own")
         if self.source == "hub" and not self.name:

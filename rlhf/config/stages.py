@@ -98,8 +98,10 @@ class RewardConfig(Section):
     function: str | None = Field(
         None,
         description="A reward function 'module:callable', (prompts: list[str], responses: list[str]) -> "
-        "list[float], importable in the run's environment (e.g. rlhf.data.synthetic:gold_reward). Used alone with "
-        "source: function, or added to the model's score with function_weight.",
+        "list[float], importable in the run's environment (e.g. rlhf.data.synthetic:gold_reward). It may take the "
+        "data's row columns (data.row_columns) as keyword arguments, TRL's convention: (prompts, completions, "
+        "instruction_id_list, kwargs), or **kwargs for all. Used alone with source: function, or added to the "
+        "model's score with function_weight.",
     )
     function_weight: float = Field(
         0.0,
@@ -252,6 +254,26 @@ class DPOConfig(Section):
         return self.loss_type == "ipo"
 
 
+class BenchmarkConfig(Section):
+    """One instruction-following benchmark of the evaluation stage (rlhf.eval.benchmark, docs/evaluation.md)."""
+
+    name: str = Field(description="The benchmark's name in metric keys and tables, e.g. 'ifbench'.")
+    path: str = Field(
+        description="A JSON-lines file in IFEval's layout: key, prompt, instruction_id_list, kwargs (google/IFEval, "
+        "allenai/IFBench_test; `make real-model` installs IFBench's test set as data/ifbench/IFBench_test.jsonl)."
+    )
+    verifier: Literal["ifeval", "ifbench"] = Field(
+        description="Whose checkers score it: IFEval's (25 types) or IFBench's (58 types), from if-verifiable."
+    )
+    n_prompts: int | None = Field(None, ge=1, description="The file's first N prompts; None: all of them.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Response length on this benchmark; None uses eval.max_new_tokens."
+    )
+    max_prompt_tokens: int = Field(
+        512, ge=8, description="Prompts longer than this keep their last tokens (IFBench's run to ~700 tokens)."
+    )
+
+
 class EvalConfig(Section):
     n_prompts: int = Field(256, ge=1, description="Held-out prompts to generate for.")
     batch_size: int = Field(64, ge=1, description="Generation batch size.")
@@ -263,4 +285,10 @@ class EvalConfig(Section):
         ge=0,
         description="Length-matched win rates count the prompts whose PPO and SFT responses differ in length by at "
         "most this fraction of the longer one (docs/evaluation.md).",
+    )
+    benchmarks: list[BenchmarkConfig] = Field(
+        default_factory=list,
+        description="Instruction-following benchmarks the SFT and the trained policy are both sampled on and scored "
+        "with IFEval's or IFBench's checkers: prompt- and instruction-level accuracy, strict and loose, with 95% "
+        "intervals, and a table by instruction type (docs/evaluation.md).",
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.data import row_columns
 from rlhf.errors import DataError
 
 PAIR_SCHEMA = pa.schema(
@@ -88,9 +90,17 @@ def take_rows(table: pa.Table, batches: list[pa.RecordBatch], offsets: np.ndarra
     return grouped.take(pa.array(np.argsort(order, kind="stable")))  # (grouped order) -> (positions order)
 
 
-def write_rows(table: pa.Table, positions: np.ndarray, path: Path, kind: str) -> int:
-    """Write the rows at `positions` as a pairs ('pairs'), SFT ('sft') or prompts ('prompts') file, chunk by chunk."""
-    schema = {"pairs": PAIR_SCHEMA, "sft": SFT_SCHEMA, "prompts": PROMPT_SCHEMA}[kind]
+def write_rows(
+    table: pa.Table, positions: np.ndarray, path: Path, kind: str, source: Any = None, columns: list[str] | None = None
+) -> int:
+    """Write the rows at `positions` as a pairs ('pairs'), SFT ('sft') or prompts ('prompts') file, chunk by chunk.
+
+    `columns` (data.row_columns) are taken from the `source` rows (a ``datasets.Dataset``) each kept row came from
+    (the table's ``row``), JSON-encoded (``rlhf.data.row_columns``)."""
+    columns = columns or []
+    schema = row_columns.with_metadata(
+        {"pairs": PAIR_SCHEMA, "sft": SFT_SCHEMA, "prompts": PROMPT_SCHEMA}[kind], columns
+    )
     batches = table.to_batches()
     offsets = np.cumsum([0] + [len(b) for b in batches])
     with pq.ParquetWriter(path, schema) as writer:
@@ -103,6 +113,9 @@ def write_rows(table: pa.Table, positions: np.ndarray, path: Path, kind: str) ->
                 arrays = [part["prompt"], part["chosen"]]
             else:
                 arrays = [part["prompt"]]
+            if columns:
+                kept = source.select(part["row"].to_numpy())
+                arrays += [row_columns.encode(kept[name]) for name in columns]
             arrays = [a.cast(field.type) for a, field in zip(arrays, schema, strict=True)]
             writer.write_table(pa.Table.from_arrays(arrays, schema=schema))
     return len(positions)

@@ -30,7 +30,7 @@ import pandas as pd
 
 from rlhf.checkpoints import atomic_dir, dir_digest, file_digest, text_digest, write_manifest
 from rlhf.config import DataConfig
-from rlhf.data import output, scan, sources, synthetic, validate
+from rlhf.data import output, row_columns, scan, sources, synthetic, validate
 from rlhf.data.formats import ChatRenderer, Markers, Plan, plan_columns
 from rlhf.data.lengths import LengthLimits, length_report, length_table
 from rlhf.data.output import PAIR_COLUMNS
@@ -77,6 +77,11 @@ def check_source(cfg: DataConfig, scan_limit: int = scan.PREFLIGHT_SCAN_BYTES) -
         sources.check_local_path("data.path", cfg.path, cfg.data_dir)
         sources.check_local_path("data.eval_path", cfg.eval_path)
         names = sources.peek_columns(cfg.path, cfg.encoding) if cfg.path else None
+        if names is not None:
+            row_columns.check_source_columns(cfg.row_columns, names, str(cfg.path))
+        eval_names = sources.peek_columns(cfg.eval_path, cfg.encoding) if cfg.eval_path else None
+        if eval_names is not None:
+            row_columns.check_source_columns(cfg.row_columns, eval_names, str(cfg.eval_path))
         for role, column in cfg.columns.items():
             if names is not None and column not in names:
                 raise DataError(
@@ -88,7 +93,8 @@ def check_source(cfg: DataConfig, scan_limit: int = scan.PREFLIGHT_SCAN_BYTES) -
             plan = plan_columns(list(sample), sample, cfg.format, cfg.columns, str(cfg.path))
         _scan_pairs(cfg, plan, scan_limit)
     if cfg.gold_reward:  # a gold function that does not import stops the run now, not after training
-        load_reward_function(cfg.gold_reward, "data.gold_reward")
+        gold = load_reward_function(cfg.gold_reward, "data.gold_reward")
+        row_columns.check_wanted(cfg.gold_reward, gold.fn, cfg.row_columns, "data.gold_reward")
     if cfg.source != "synthetic":
         sources.check_local_path("data.prompts_path", cfg.prompts_path)
         if _scannable(cfg.prompts_path, scan_limit):
@@ -260,13 +266,21 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str, length_limits: Leng
         eval_pos, eval_table = outcome.kept[1], checked[1].table
         if not len(eval_pos):
             raise DataError(f"{eval_src.label}: no usable held-out pairs remain after validation")
+    kept_columns = cfg.row_columns
+    for src in (train_src, eval_src):
+        if src is not None:
+            row_columns.check_source_columns(kept_columns, src.rows.column_names, src.label)
+            _check_row_values(cfg, src)
+    eval_rows = train_src.rows if eval_src is None else eval_src.rows
     rows = {
-        "train": output.write_rows(train_table, train_pos, tmp / "train.parquet", "pairs"),
-        "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs"),
+        "train": output.write_rows(
+            train_table, train_pos, tmp / "train.parquet", "pairs", train_src.rows, kept_columns
+        ),
+        "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs", eval_rows, kept_columns),
         "sft": output.write_rows(train_table, train_pos, tmp / "sft.parquet", "sft"),
     }
     prompt_info, prompt_table, prompt_pos = _write_prompts(
-        cfg, chat, plan.format, tmp, scratch, train_table, train_pos, tokenizer
+        cfg, chat, plan.format, tmp, scratch, train_table, train_pos, tokenizer, train_src.rows
     )
     rows["prompts"] = prompt_info.pop("rows")
 
@@ -302,16 +316,36 @@ def _split_label(cfg: DataConfig) -> str:
     return f"{cfg.eval_fraction} of train" + (", by prompt" if cfg.split_by_prompt else "")
 
 
+def _check_row_values(cfg: DataConfig, src: sources.Source) -> None:
+    """Every row's row columns checked by the gold reward's own `check_row` where it has one (IFEval's and IFBench's
+    verifiers: known instruction ids, kwargs their checkers take): DataError naming the row of the source."""
+    check = getattr(load_reward_function(cfg.gold_reward).fn, "check_row", None) if cfg.gold_reward else None
+    if check is None or not cfg.row_columns:
+        return
+    for row, values in enumerate(src.rows.select_columns(cfg.row_columns)):
+        check(values, f"row {row} of {src.label}")
+
+
 def _write_prompts(
-    cfg: DataConfig, chat: ChatRenderer, fmt: str, tmp: Path, scratch: str, train_table, train_pos, tokenizer: Any
+    cfg: DataConfig,
+    chat: ChatRenderer,
+    fmt: str,
+    tmp: Path,
+    scratch: str,
+    train_table,
+    train_pos,
+    tokenizer: Any,
+    train_rows: Any,
 ) -> tuple[dict, Any, np.ndarray]:
     """Write prompts.parquet; returns its manifest fields, and the checked table and positions it was written from."""
     path = tmp / "prompts.parquet"
     src = sources.open_prompts(cfg, scratch)
     if src is None:
         positions = output.first_prompt_positions(train_table, train_pos)
-        n = output.write_rows(train_table, positions, path, "prompts")
+        n = output.write_rows(train_table, positions, path, "prompts", train_rows, cfg.row_columns)
         return {"rows": n, "prompts_source": "train"}, train_table, positions
+    row_columns.check_source_columns(cfg.row_columns, src.rows.column_names, src.label)
+    _check_row_values(cfg, src)
     if cfg.prompts_column not in src.rows.column_names:
         raise DataError(
             f"data.prompts_column: column '{cfg.prompts_column}' is not in {src.label} "
@@ -322,7 +356,7 @@ def _write_prompts(
     checked = _check(src, validate.validate_prompts, kwargs, cfg, scratch, "prompts")
     outcome = validate.tally([checked])
     validate.check_drops(outcome, cfg.max_drop_fraction, src.label)
-    n = output.write_rows(checked.table, outcome.kept[0], path, "prompts")
+    n = output.write_rows(checked.table, outcome.kept[0], path, "prompts", src.rows, cfg.row_columns)
     info = {"rows": n, "prompts_source": src.label, "prompts_dropped": outcome.dropped}
     info |= {"prompts_revision": cfg.prompts_revision} if cfg.prompts_name else {}
     return info, checked.table, outcome.kept[0]
@@ -365,14 +399,18 @@ def drop_report(manifest: dict) -> list[dict[str, Any]]:
     ]
 
 
-def gold_scorer(manifest: dict):
+def gold_scorer(manifest: dict, folder: str | Path | None = None):
     """The gold score of one (prompt, response) of the data set whose manifest is given: the synthetic task's, or
-    the data.gold_reward function's (called one pair at a time, its checks on the returned values applied); None
-    when the data set has no gold reward."""
+    the data.gold_reward function's (called one pair at a time, its checks on the returned values applied, given
+    the row columns of the prepared `folder`'s prompts and held-out pairs); None when the data set has no gold
+    reward."""
     name = manifest.get("gold_reward")
     if name == synthetic.GOLD_REWARD_NAME:
         return synthetic.gold_score
     if not name:
         return None
-    function = load_reward_function(name, "data.gold_reward")
+    columns = None
+    if folder is not None:
+        columns = row_columns.RowColumns.read(Path(folder) / "eval.parquet", Path(folder) / "prompts.parquet")
+    function = load_reward_function(name, "data.gold_reward").with_columns(columns)
     return lambda prompt, response: function([prompt], [response])[0]

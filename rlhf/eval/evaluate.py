@@ -6,7 +6,7 @@ equal length, and flags a gain over SFT that length or empty answers explain (``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,9 @@ from tqdm.auto import tqdm
 
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
-from rlhf.eval import length_control
+from rlhf.data.formats import ChatRenderer
+from rlhf.data.row_columns import RowColumns
+from rlhf.eval import benchmark, length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
 from rlhf.metrics import (
     EVAL_HACKING_EMPTY,
@@ -34,13 +36,13 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_GOLD,
     EVAL_WIN_RATE_RM,
 )
-from rlhf.models.device import compute_dtype, resolve_device
+from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
 from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward
 from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
 from rlhf.ops import kl_per_token
 from rlhf.rollout.batching import pad_left
-from rlhf.rollout.generation import GenerationSettings, response_texts
+from rlhf.rollout.generation import GenerationSettings, response_texts, sample_responses
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.reward_function import reward_function
 from rlhf.rollout.scoring import ScoringModels, generate_and_score
@@ -58,6 +60,11 @@ class EvalResult:
     @property
     def completions(self) -> Path:
         return Path(self.folder) / "completions.parquet"
+
+    @property
+    def benchmark_files(self) -> list[Path]:
+        """Each benchmark's report (benchmark-<name>.md) and per-instruction verdicts (benchmark-<name>.parquet)."""
+        return sorted(Path(self.folder).glob("benchmark-*"))
 
 
 def eval_prompts(eval_file: str | Path, n: int) -> list[str]:
@@ -107,6 +114,83 @@ def generate_and_score_prompts(
     return pd.DataFrame(rows)
 
 
+def read_benchmarks(cfg: EvalConfig) -> list[benchmark.BenchmarkRows]:
+    """The rows of each of eval.benchmarks, checked (one sentence naming the file and line otherwise)."""
+    return [benchmark.read_benchmark(b.name, b.path, b.verifier, b.n_prompts) for b in cfg.benchmarks]
+
+
+@torch.no_grad()
+def benchmark_responses(
+    policy: torch.nn.Module,
+    tokenizer,
+    rows: benchmark.BenchmarkRows,
+    settings: GenerationSettings,
+    max_prompt_tokens: int,
+    batch_size: int,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """One policy's responses to a benchmark's prompts (each the user turn of a conversation, rendered with the
+    tokenizer's chat template): key, response, length (tokens before the stop token)."""
+    chat = ChatRenderer(tokenizer)
+    rendered = [chat.prompt([{"role": "user", "content": prompt}]) for prompt in rows.prompts]
+    device = generator.device
+    texts, lengths = [], []
+    for start in tqdm(range(0, len(rendered), batch_size), desc=rows.name, disable=not progress):
+        ids = fit_prompts(tokenizer, rendered[start : start + batch_size], max_prompt_tokens).ids
+        query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
+        with autocast(device, dtype):
+            resp = sample_responses(policy, query, query_mask, settings, generator)
+        texts += tokenizer.batch_decode(  # as a reward function reads them (rlhf.rollout.scoring.function_scores)
+            resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
+        )
+        lengths += (resp.mask.sum(1) - resp.contains_stop.long()).tolist()
+    return pd.DataFrame({"key": rows.keys, "response": texts, "length": lengths})
+
+
+def score_benchmark(
+    rows: benchmark.BenchmarkRows, answers: dict[str, pd.DataFrame], tolerance: float
+) -> tuple[dict[str, float], pd.DataFrame]:
+    """A benchmark's figures as metric keys (``rlhf.eval.benchmark``) and its responses with their per-instruction
+    verdicts (one row per prompt and policy)."""
+    scored = {name: benchmark.score_rows(rows, frame["response"].tolist()) for name, frame in answers.items()}
+    figures = benchmark.figures(scored)
+    lengths = {name: frame["length"].tolist() for name, frame in answers.items()}
+    figures |= benchmark.length_controlled(scored, lengths, rows.keys, tolerance)
+    table = benchmark.by_type(scored)
+    verdicts = pd.concat(
+        [
+            frame.assign(policy=name, prompt=rows.prompts, instruction_id_list=rows.instruction_ids).merge(
+                scored[name]
+                .groupby("key", sort=False)
+                .agg(strict=("strict", list), loose=("loose", list))
+                .reset_index(),
+                on="key",
+            )
+            for name, frame in answers.items()
+        ]
+    )
+    return benchmark.metrics(rows.name, figures, table), verdicts
+
+
+def benchmark_markdown(summary: dict[str, float], name: str) -> str:
+    """A benchmark's report: its figures in words and the table by instruction type (the stage's .md artifact)."""
+    lines = benchmark.report_lines(summary, name)
+    return "\n".join(
+        [
+            f"# {name}",
+            "",
+            "```",
+            *lines,
+            "```",
+            "",
+            benchmark.type_table_markdown(benchmark.type_table(summary, name)),
+            "",
+        ]
+    )
+
+
 def member_columns(member_scores: Tensor | None) -> dict[str, Tensor]:
     """An ensemble's per-response columns: its members' mean, std (population) and minimum. Shape: (K, b) -> (b,)
     each; none without an ensemble."""
@@ -137,6 +221,7 @@ def evaluate_policies(
     None), or the model's plus the weighted function (reward.function_weight), as in training."""
     device = resolve_device(runtime.device)
     trust_remote_code = runtime.trust_remote_code
+    benchmarks = read_benchmarks(cfg)  # a bad benchmark file stops the stage before any model loads
     tokenizer = load_tokenizer(policy_path, trust_remote_code=trust_remote_code)
     reward_tokenizer = (
         tokenizer if reward_path is None else load_tokenizer(reward_path, trust_remote_code=trust_remote_code)
@@ -145,7 +230,7 @@ def evaluate_policies(
     reference = load_causal_lm(sft_path, device, **frozen).eval()
     objective = ensemble_objective(reward_cfg)
     reward = None if reward_path is None else load_reward(reward_path, device, *objective, **frozen)
-    reward_fn, reward_fn_weight = reward_function(reward_cfg)
+    reward_fn, reward_fn_weight = reward_function(reward_cfg, RowColumns.read(eval_file))
     settings = GenerationSettings(
         cfg.max_new_tokens or ppo_cfg.max_new_tokens,
         cfg.temperature or ppo_cfg.temperature,
@@ -159,6 +244,7 @@ def evaluate_policies(
     dtype = compute_dtype(runtime.dtype, device)
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
+    answers: dict[str, dict[str, pd.DataFrame]] = {rows.name: {} for rows in benchmarks}
     for name, path in (("sft", sft_path), ("policy", policy_path)):
         policy = reference if name == "sft" else load_causal_lm(path, device, **frozen).eval()
         models = ScoringModels(
@@ -175,13 +261,26 @@ def evaluate_policies(
         frames[name] = generate_and_score_prompts(
             models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress
         )
+        for rows, bench_cfg in zip(benchmarks, cfg.benchmarks, strict=True):
+            bench_settings = replace(settings, max_new_tokens=bench_cfg.max_new_tokens or settings.max_new_tokens)
+            answers[rows.name][name] = benchmark_responses(
+                policy, tokenizer, rows, bench_settings, bench_cfg.max_prompt_tokens, cfg.batch_size,
+                generator.manual_seed(cfg.seed), dtype, runtime.progress,
+            )  # fmt: skip
     table, summary, warnings = summarize(prompts, frames["sft"], frames["policy"], gold_fn, cfg.length_tolerance)
+    tables = {}
+    for rows in benchmarks:
+        figures, tables[rows.name] = score_benchmark(rows, answers[rows.name], cfg.length_tolerance)
+        summary |= figures
     signs, alarm = overoptimisation_signs(frames["sft"], frames["policy"], in_distribution_std(reward))
     summary |= signs
     warnings += alarm
     log(summary, 0)
     with atomic_dir(out_dir) as tmp:
         table.to_parquet(tmp / "completions.parquet", index=False)
+        for name, responses in tables.items():
+            responses.to_parquet(tmp / f"benchmark-{name}.parquet", index=False)
+            (tmp / f"benchmark-{name}.md").write_text(benchmark_markdown(summary, name))
         manifest = write_manifest(tmp, stage="evaluate", summary=summary, warnings=warnings)
     return EvalResult(str(out_dir), manifest["digest"], summary, warnings)
 

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
+from rlhf.data.row_columns import RowColumns
 from rlhf.errors import ConfigError
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import MODEL_BUILD_LOCK
@@ -97,8 +98,11 @@ def load_models(
     value_path: str | None,
     device: torch.device,
     reward_cfg: RewardConfig | None = None,
+    columns: RowColumns | None = None,
 ) -> PPOModels:
     """Policy and frozen reference from the SFT checkpoint; value model and frozen reward model from the RM.
+
+    `columns`: the row columns (data.row_columns) of the prompts the reward function of `reward_cfg` scores.
 
     A critic-free estimator (`cfg.critic_free`) loads no value model at all; `reward_path` None (reward.source:
     function) no reward model: the reward function of `reward_cfg` scores alone, and gae's value model starts from
@@ -137,7 +141,7 @@ def load_models(
     reward = (
         None if reward_path is None else load_reward(reward_path, device, *ensemble_objective(reward_cfg), **frozen)
     )
-    reward_fn, reward_fn_weight = reward_function(reward_cfg)
+    reward_fn, reward_fn_weight = reward_function(reward_cfg, columns)
     for frozen_model in (reference, reward):
         if frozen_model is not None:
             frozen_model.requires_grad_(False)

@@ -22,6 +22,7 @@ import yaml
 from rlhf.checkpoints import MANIFEST, atomic_write_text
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.prepare import gold_scorer
+from rlhf.data.row_columns import RowColumns
 from rlhf.errors import ConfigError
 from rlhf.eval.evaluate import eval_prompts
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
@@ -52,6 +53,7 @@ class PolicyRun:
     eval_prompts: list[str] | None = None  # the held-out prompts of ppo.eval_every's periodic evaluation
     on_eval: EvalCallback | None = None  # called after each periodic evaluation (rank 0); may raise to stop
     reward_cfg: RewardConfig | None = None  # with reward.function: its scores replace or add to the model's
+    row_columns: RowColumns | None = None  # data.row_columns of the prompts and held-out prompts, by prompt
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -72,7 +74,7 @@ def gold_fn_of(manifest_path: str | Path | None):
     if not manifest_path:
         return None
 
-    return gold_scorer(json.loads(Path(manifest_path).read_text()))
+    return gold_scorer(json.loads(Path(manifest_path).read_text()), Path(manifest_path).parent)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class PolicyInputs:
             gold_fn=gold_fn_of(self.data_manifest), stop_after=self.stop_after, param_digest=digests,
             eval_prompts=eval_prompts(self.eval_file, self.ppo.eval_n_prompts) if evaluated else None,
             on_eval=on_eval, reward_cfg=self.reward,
+            row_columns=RowColumns.read(self.prompts_file, self.eval_file or ""),
         )  # fmt: skip
 
     def write(self, path: Path) -> None:

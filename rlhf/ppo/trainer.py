@@ -106,8 +106,9 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     sharded = runtime.sharding == "fsdp"
     reset_peak_memory(dist.device)
     models = load_models(
-        cfg, runtime, run.policy_path, run.reward_path, run.value_path or run.reward_path, dist.device, run.reward_cfg
-    )
+        cfg, runtime, run.policy_path, run.reward_path, run.value_path or run.reward_path, dist.device, run.reward_cfg,
+        run.row_columns,
+    )  # fmt: skip
     place_models(models, dist, sharded)
     # how every step executes: device, dtype, processes, sharding, threads, non-finite handling
     dtype = compute_dtype(runtime.dtype, dist.device)

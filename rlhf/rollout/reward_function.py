@@ -1,6 +1,10 @@
 """Rule-based rewards: a Python callable ``(prompts: list[str], responses: list[str]) -> list[float]`` scores the
 responses instead of (``reward.source: function``) or on top of (``reward.function_weight``) the reward model.
 
+A function may also take the data set's own columns as keyword arguments (TRL's convention,
+``reward(prompts, completions, instruction_id_list, kwargs)``, or ``**kwargs`` for all of them): the columns
+``data.row_columns`` keeps reach it row by row (``rlhf.data.row_columns``).
+
 The callable is named ``"module:callable"`` (``rlhf.data.synthetic:gold_reward`` is the built-in task's gold
 reward) and must be importable in the run's environment. Every way it can go wrong is one sentence naming the
 function (and the row where one is to blame): it cannot be imported, it raises, it returns the wrong number of
@@ -19,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf.config import RewardConfig
+from rlhf.data.row_columns import RowColumns, wanted_columns
 from rlhf.errors import ConfigError, UserInputError
 
-RewardCallable = Callable[[list[str], list[str]], Sequence[float]]
+RewardCallable = Callable[..., Sequence[float]]  # (prompts, responses, **row_columns) -> one score per response
 
 
 class RewardFunctionError(UserInputError):
@@ -32,13 +37,33 @@ class RewardFunctionError(UserInputError):
 class RewardFunction:
     spec: str  # "module:callable"
     fn: RewardCallable
+    columns: RowColumns | None = None  # the data's row columns, for a function that takes them
+
+    def with_columns(self, columns: RowColumns | None) -> RewardFunction:
+        """This function, given the row columns of the prompts it will score."""
+        return RewardFunction(self.spec, self.fn, columns)
+
+    def column_kwargs(self, prompts: list[str]) -> dict[str, list]:
+        """The row columns the function takes, one value per prompt (none for a two-argument function)."""
+        wanted = wanted_columns(self.fn)
+        if not wanted.named and not wanted.takes_all:
+            return {}
+        if self.columns is None:
+            if wanted.required:
+                raise RewardFunctionError(
+                    f"reward function {self.spec} takes the keyword argument '{wanted.required[0]}' but the data "
+                    "keeps no row columns: set data.row_columns"
+                )
+            return {}
+        return self.columns.values(prompts, wanted.of(self.columns.names))
 
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         """The scores of the (prompt, response) pairs, checked: one finite float per pair."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        kwargs = self.column_kwargs(list(prompts))
         try:
-            values = self.fn(list(prompts), list(responses))
+            values = self.fn(list(prompts), list(responses), **kwargs)
         except Exception as err:  # noqa: BLE001 (the user's code: any error is reported in one sentence)
             raise RewardFunctionError(
                 f"reward function {self.spec} raised {type(err).__name__}: {_first_line(err)} (on a batch of "
@@ -97,14 +122,16 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFunct
     return RewardFunction(spec, target)  # type: ignore[arg-type]
 
 
-def reward_function(reward_cfg: RewardConfig | None) -> tuple[RewardFunction | None, float]:
-    """The reward function of `reward_cfg` (reward.function) and its weight beside a reward model (1 where it scores
-    alone, reward.source: function); (None, 1.0) where none is used."""
+def reward_function(
+    reward_cfg: RewardConfig | None, columns: RowColumns | None = None
+) -> tuple[RewardFunction | None, float]:
+    """The reward function of `reward_cfg` (reward.function), given the prompts' row `columns`, and its weight beside
+    a reward model (1 where it scores alone, reward.source: function); (None, 1.0) where none is used."""
     if reward_cfg is None or not reward_cfg.uses_function:
         return None, 1.0
     assert reward_cfg.function is not None
     weight = 1.0 if reward_cfg.source == "function" else reward_cfg.function_weight
-    return load_reward_function(reward_cfg.function), weight
+    return load_reward_function(reward_cfg.function).with_columns(columns), weight
 
 
 def function_digest(spec: str) -> str:
