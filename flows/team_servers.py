@@ -41,6 +41,9 @@ from flows.team_database import (
 from rlhf.processes import StopRequest, stop_servers
 
 AUTH_ENV, DATABASE_ENV = "RLHF_SERVE_AUTH", "RLHF_DATABASE_URL"
+# Prefect's setting of the folder that holds task results, the stages' cache (also read as PREFECT_LOCAL_STORAGE_PATH:
+# the docs use this name only); without it a worker keeps its own under ~/.prefect/storage and rebuilds shared stages
+RESULTS_ENV = "PREFECT_RESULTS_LOCAL_STORAGE_PATH"
 POOL = "rlhf-local"
 START_S = 180  # how long each server may take to answer its health check (Prefect migrates a new database)
 STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
@@ -73,6 +76,7 @@ class Plan:
     mlflow_port: int
     artifacts: str
     state: Path
+    results: Path  # Prefect's result store (the stage cache) that every worker and `rlhf` command of the team shares
 
     @property
     def prefect_api(self) -> str:
@@ -126,8 +130,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
     create_databases(team)
     check_schema_versions(team)
     public = args.public_host or (socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host)
+    results = Path(args.results).resolve()
     return Plan(
-        team, login, args.host, public, args.prefect_port, args.mlflow_port, args.artifacts, Path(args.state).resolve()
+        team,
+        login,
+        args.host,
+        public,
+        args.prefect_port,
+        args.mlflow_port,
+        args.artifacts,
+        Path(args.state).resolve(),
+        results,
     )
 
 
@@ -238,9 +251,10 @@ def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
 def exports(plan: Plan) -> str:
     """What every other machine exports (the secrets read from where the user keeps them, never printed)."""
     lines = [
-        "On every machine that runs or starts flows (workers, laptops):",
+        "On every machine that runs or starts flows (workers, laptops), in the checkout:",
         f"  export PREFECT_API_URL={plan.prefect_api}",
         f"  export MLFLOW_TRACKING_URI={plan.mlflow_url} MLFLOW_UI_URL={plan.mlflow_url}",
+        f"  export {RESULTS_ENV}={plan.results}    # the stage cache; elsewhere: this folder on a shared file system",
     ]
     if plan.login is not None:
         lines.append(
@@ -253,9 +267,9 @@ def exports(plan: Plan) -> str:
             f'  export MLFLOW_TRACKING_USERNAME={plan.login.user} MLFLOW_TRACKING_PASSWORD="${{{AUTH_ENV}#*:}}"',
         ]
     lines += [
-        f"  .venv/bin/prefect worker start --pool {POOL}    # in the checkout (make install), where runs should run",
-        "Runs log to the server with these overrides (the form's `overrides`, or `rlhf run ... key=value`):",
-        f"  tracking.uri={plan.mlflow_url} tracking.artifact_location=mlflow-artifacts:/rlhf-ppo",
+        f"  .venv/bin/prefect worker start --pool {POOL}    # where runs should run (make install first)",
+        "Runs started there log to this MLflow server (MLFLOW_TRACKING_URI is the default tracking.uri) and share the",
+        "stages that another run built (the result store).",
     ]
     return "\n".join(lines)
 
@@ -272,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mlflow-port", type=int, default=5000)
     parser.add_argument("--auth-file", default=None, help=f"a file holding USER:PASSWORD (or set {AUTH_ENV})")
     parser.add_argument("--state", default=".serve", help="logs and the Prefect home of the servers")
+    parser.add_argument(
+        "--results",
+        default=str(Path(__file__).resolve().parent.parent / ".prefect" / "storage"),
+        help=f"the stage cache that workers and `rlhf` commands share ({RESULTS_ENV}; default: the one `rlhf` commands "
+        "in this checkout use)",
+    )
     parser.add_argument("--no-deploy", action="store_true", help="do not deploy prefect.yaml")
     return parser
 
@@ -287,6 +307,7 @@ def main(argv: list[str] | None = None, root: Path | None = None) -> int:
     if plan.login is None and plan.host not in LOOPBACK:
         print(f"warning: no login: anyone who reaches {plan.host} can start runs and read every artifact", flush=True)
     (plan.state / "prefect").mkdir(parents=True, exist_ok=True)
+    plan.results.mkdir(parents=True, exist_ok=True)
     return run(plan, root, deploy_yaml=not args.no_deploy)
 
 

@@ -24,15 +24,22 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
-from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.settings import (
+    PREFECT_API_AUTH_STRING,
+    PREFECT_API_URL,
+    PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+    temporary_settings,
+)
 
 import tests.test_process_faults as faults
 from flows.crashed_runs import ZOMBIE_AFTER_S
+from flows.summary import TRACKING_URI_FROM
 from flows.sweep import rlhf_sweep
 from flows.team_database import migration_revisions, parse_database
-from flows.team_servers import Plan, exports, read_login
+from flows.team_servers import RESULTS_ENV, Plan, exports, read_login
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
+from rlhf.config.sections import TRACKING_URI_ENV
 from rlhf.sweeps.space import parse_space
 from rlhf.tracking.client import Tracker
 from tests.conftest import REPO, drain_prefect_services, free_port, seed_prefect_home
@@ -147,6 +154,7 @@ def test_the_printed_exports_run_as_they_are_in_a_shell(tmp_path):
         5000,
         "/srv/artifacts",
         tmp_path,
+        Path("/srv/rlhf/results"),
     )
     text = exports(plan)
     assert LOGIN[1] not in text
@@ -158,6 +166,9 @@ def test_the_printed_exports_run_as_they_are_in_a_shell(tmp_path):
     assert env["PREFECT_API_URL"] == "http://rlhf.internal:4200/api"
     assert env["PREFECT_API_AUTH_STRING"] == ":".join(LOGIN)
     assert (env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"]) == LOGIN
+    assert env["MLFLOW_TRACKING_URI"] == "http://rlhf.internal:5000"  # the default tracking.uri of the runs there
+    assert env[RESULTS_ENV] == "/srv/rlhf/results"  # the stage cache, under Prefect's one name for it
+    assert "PREFECT_LOCAL_STORAGE_PATH" not in text and "tracking.uri=" not in text
 
 
 # -- the servers ---------------------------------------------------------------------------------------------------
@@ -173,7 +184,7 @@ def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
     env |= postgres_server.env | {"RLHF_SERVE_AUTH": ":".join(LOGIN), "PREFECT_HOME": seed_prefect_home(tmp / "home")}
     args = [RLHF, "serve", "--database", postgres_server.url_for("team"), "--state", str(tmp)]
     args += ["--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]
-    args += ["--artifacts", str(tmp / "artifacts")]
+    args += ["--artifacts", str(tmp / "artifacts"), "--results", str(tmp / "results")]
     log = tmp / "serve.log"
     serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
@@ -267,7 +278,7 @@ def test_a_sweep_on_two_workers_lands_every_variant_exactly_once(team, tmp_path,
     """4 variants, `max_concurrency: 2`, as flow runs of the deployed pipeline picked up by two process workers:
     every variant's PPO and evaluation run is in MLflow once, with every PPO step once; nothing is left RUNNING."""
     storage = tmp_path / "results"  # Prefect's result store (the stage cache): shared by the sweep and the workers
-    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    env = team["env"] | {RESULTS_ENV: str(storage), "PYTHONPATH": str(REPO)}
     prefect = str(Path(sys.executable).parent / "prefect")
     workers = []
     try:
@@ -285,7 +296,7 @@ def test_a_sweep_on_two_workers_lands_every_variant_exactly_once(team, tmp_path,
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
         login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
-        with temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}):
+        with temporary_settings(updates=login | {PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}):
             try:
                 table = rlhf_sweep(base, space)["ranking"]
             finally:
@@ -341,6 +352,25 @@ def test_a_run_killed_mid_ppo_is_crashed_on_the_shared_server_and_the_rerun_name
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
 
 
+def printed_worker_script(team: dict) -> str:
+    """The lines `rlhf serve` printed for other machines, as they are (the venv's `prefect` named by its path), ending
+    with the worker it prints: what a team member pastes into a shell."""
+    printed = team["log"].read_text().split("On every machine that runs or starts flows", 1)[1].splitlines()
+    lines = [line.strip() for line in printed if line.strip().startswith(("export ", ".venv/bin/prefect worker"))]
+    assert lines[-1].startswith(".venv/bin/prefect worker start --pool rlhf-local"), lines
+    lines[-1] = "exec " + lines[-1].replace(".venv/bin/", f"{Path(sys.executable).parent}/", 1)
+    return "\n".join(lines)
+
+
+def printed_worker_env(team: dict) -> dict[str, str]:
+    """A team member's shell before the printed lines: the login in RLHF_SERVE_AUTH (as `rlhf serve` says), no
+    Prefect, MLflow or result settings of its own."""
+    env = {
+        k: v for k, v in team["env"].items() if not k.startswith(("PREFECT_API_", "MLFLOW_TRACKING_", "PREFECT_RES"))
+    }
+    return env | {"RLHF_SERVE_AUTH": ":".join(LOGIN)}
+
+
 def ppo_saved(out: Path) -> bool:
     """PPO saved a state, anywhere under `out` (a sweep's variants have folders of their own)."""
     return any(out.rglob("train_policy_ppo/*/state/trainer_state.pt"))
@@ -371,16 +401,14 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
     other run's help, the server's automation marks the flow run Crashed once its heartbeats stop (prefect.yaml gives
     a worker's runs one every HEARTBEAT_S); a rerun of the deployment on a new worker resumes PPO in the same MLflow
     run, every update once, names the crashed run, and marks its task runs Crashed."""
-    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"), "PYTHONPATH": str(REPO)}
     overrides = [*TINY, "ppo.save_every=1", "reward.save_every=1", f"runtime.output_dir={tmp_path}/out"]
-    overrides += [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-worker"]
     config = load_config(REPO / "conf" / "smoke.yaml", [*overrides, "tracking.experiment=team-worker"])
-    parameters = {"config": config.model_dump(mode="json")}
+    # as prefect.yaml's deployment holds it: no tracking.uri, no artifact location (the worker's environment decides)
+    parameters = {"config": config.model_dump(mode="json", exclude={"tracking": {"uri", "artifact_location"}})}
 
     def worker(name: str) -> tuple[subprocess.Popen, Path]:
         log = tmp_path / f"{name}.log"
-        prefect = str(Path(sys.executable).parent / "prefect")
-        proc = start([prefect, "worker", "start", "--pool", "rlhf-local"], env, log)
+        proc = start(["bash", "-euc", printed_worker_script(team)], printed_worker_env(team), log)
         wait_until(lambda: "started!" in log.read_text(errors="replace"), 120, f"{name} start", proc, log)
         return proc, log
 
@@ -421,6 +449,10 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
     (pipeline,) = [run for run in tracker.pipeline_runs() if run.status == "FINISHED"]
     assert pipeline.tags["rlhf.resumed_from_flow_run_name"] == killed.name
+    # the store came from the printed MLFLOW_TRACKING_URI, and the run says so; its artifacts are the server's
+    assert (pipeline.params["tracking.uri"], pipeline.tags[TRACKING_URI_FROM]) == (team["mlflow"], TRACKING_URI_ENV)
+    assert list((team["tmp"] / "artifacts").rglob("rollout_samples.json"))
+    assert [p.name for p in (team["tmp"] / "results").iterdir()], "the workers' results are in the printed store"
 
 
 @pytest.mark.slow
@@ -432,7 +464,7 @@ def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_reru
     variant's Crashed state from the server's automation (its heartbeats stopped) and ends, its one variant failed,
     where it used to wait for good; the same sweep run again, with a new worker, resumes the variant's PPO."""
     storage = tmp_path / "results"
-    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    env = team["env"] | {RESULTS_ENV: str(storage), "PYTHONPATH": str(REPO)}
     tracking = [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-dead-worker"]
     tracking += ["tracking.experiment=team-dead-worker", f"runtime.output_dir={tmp_path}/out"]
     base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, "ppo.save_every=1", "reward.save_every=1", *tracking])
@@ -443,7 +475,7 @@ def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_reru
     prefect = str(Path(sys.executable).parent / "prefect")
     login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
     with (
-        temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}),
+        temporary_settings(updates=login | {PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}),
         get_client(sync_client=True) as client,
     ):
         for attempt in ("killed", "rerun"):
