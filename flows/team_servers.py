@@ -11,7 +11,10 @@ to the process pool `rlhf-local`, prints what every other machine must export, a
 both servers, each with its own processes, within seconds. Credentials come from the environment or a file, never
 from the command line (`ps` shows it); the servers get them through their environment.
 
-Exit codes: 0 stopped by Ctrl-C or SIGTERM; 1 a server stopped by itself (its log is named); 2 bad input, one
+A server that dies is started again, alone, after a back-off of 1, 2, 4, 8 and 16 s (the count starts over once it
+has stayed up 2 minutes), and each restart is logged; runs ride through the gap on their clients' retries.
+
+Exit codes: 0 stopped by Ctrl-C or SIGTERM; 1 a server died 6 times in a row (its log is named); 2 bad input, one
 sentence (an unreachable database, a URL without a driver, wrong credentials, a port in use, a schema of another
 Prefect or MLflow version). One person on one machine keeps the embedded SQLite default (`make ui`, `make run`).
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from flows.prefect_home import PERSISTENT_LEASES
 from flows.team_database import (
     EXAMPLE,
     DatabaseError,
@@ -38,7 +42,8 @@ from flows.team_database import (
     create_databases,
     parse_database,
 )
-from rlhf.processes import StopRequest, stop_servers
+from rlhf.processes import StopRequest, SupervisedServer, stop_servers
+from rlhf.stages import GPU_TAG
 
 AUTH_ENV, DATABASE_ENV = "RLHF_SERVE_AUTH", "RLHF_DATABASE_URL"
 # Prefect's setting of the folder that holds task results, the stages' cache (also read as PREFECT_LOCAL_STORAGE_PATH:
@@ -151,7 +156,7 @@ def server_envs(plan: Plan, root: Path) -> tuple[dict[str, str], dict[str, str],
     paths = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # the deploy step imports the flows
     base["PREFECT_HOME"] = str(plan.state / "prefect")
-    prefect = {**base, "PREFECT_SERVER_DATABASE_CONNECTION_URL": plan.team.prefect_url}
+    prefect = {**base, "PREFECT_SERVER_DATABASE_CONNECTION_URL": plan.team.prefect_url, **PERSISTENT_LEASES}
     prefect["PREFECT_UI_API_URL"] = plan.prefect_api
     mlflow = {**base, "MLFLOW_BACKEND_STORE_URI": plan.team.mlflow_url, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     client = {**base, "PREFECT_API_URL": f"http://127.0.0.1:{plan.prefect_port}/api"}
@@ -230,6 +235,26 @@ def check_login(plan: Plan) -> None:
         raise ServeError(f"the Prefect server refused user {plan.login.user!r}")
 
 
+def free_orphaned_slots(plan: Plan) -> int:
+    """Give back the slots of the `gpu` limit that no lease holds: taken before a restart of a server that kept its
+    leases in memory (an earlier `rlhf serve`), they would never be released, and every `gpu` stage would wait for
+    good. Returns how many. (Leases now survive a restart: PERSISTENT_LEASES.)"""
+    api = f"http://127.0.0.1:{plan.prefect_port}/api"
+    auth = (plan.login.user, plan.login.password) if plan.login is not None else None
+    limit = httpx.get(f"{api}/v2/concurrency_limits/tag:{GPU_TAG}", auth=auth, timeout=30)
+    if limit.status_code == 404:  # a new server: no limit yet (the deploy step creates it)
+        return 0
+    limit.raise_for_status()
+    # the slots first, then their holders: a slot taken in between is counted as held, never freed
+    holders = httpx.get(f"{api}/concurrency_limits/tag/{GPU_TAG}", auth=auth, timeout=30)
+    holders.raise_for_status()
+    orphaned = limit.json()["active_slots"] - len(holders.json()["active_slots"])
+    if orphaned > 0:
+        body = {"names": [f"tag:{GPU_TAG}"], "slots": orphaned}
+        httpx.post(f"{api}/v2/concurrency_limits/decrement", json=body, auth=auth, timeout=30).raise_for_status()
+    return max(orphaned, 0)
+
+
 def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
     """The process pool, the `gpu` tag limit, every deployment of prefect.yaml, and the automation that marks Crashed
     a flow run whose heartbeats stop (its worker or machine died; flows/crashed_runs.py), on the new server."""
@@ -239,7 +264,7 @@ def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
     with open(log, "w") as out:
         for cmd in (
             [prefect, "work-pool", "create", POOL, "--type", "process", "--overwrite"],
-            [prefect, "concurrency-limit", "create", "gpu", "1"],
+            [prefect, "concurrency-limit", "create", GPU_TAG, "1"],
             [prefect, "--no-prompt", "deploy", "--all"],
             [sys.executable, "-c", automation],
         ):
@@ -312,23 +337,28 @@ def main(argv: list[str] | None = None, root: Path | None = None) -> int:
 
 
 def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
-    """Start both servers, check the login, deploy prefect.yaml, print the exports, and wait for Ctrl-C, SIGTERM or
-    a server's end; both servers are stopped in every case."""
+    """Start both servers, check the login, deploy prefect.yaml, print the exports, and keep both up until Ctrl-C or
+    SIGTERM: one that dies is started again alone, after a back-off (RESTART_BACKOFF_S), while the other serves on;
+    after repeated deaths it gives up. Both servers are stopped in every case."""
     prefect_env, mlflow_env, client_env = server_envs(plan, root)
     commands = server_commands(plan)
     logs = (plan.state / "prefect-server.log", plan.state / "mlflow-server.log")
-    stop, servers = StopRequest("the Prefect and MLflow servers"), []
+    prefect = SupervisedServer("the Prefect server", commands[0], prefect_env, logs[0])
+    mlflow = SupervisedServer("the MLflow server", commands[1], mlflow_env, logs[1])
+    servers = [prefect, mlflow]
+    stop = StopRequest("the Prefect and MLflow servers")
     try:
-        for cmd, env, log in zip(commands, (prefect_env, mlflow_env), logs, strict=True):
-            with open(log, "w") as out:
-                servers.append(
-                    subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-                )
-        wait_healthy(f"http://127.0.0.1:{plan.prefect_port}/api/health", servers[0], logs[0], "Prefect server", stop)
-        wait_healthy(f"http://127.0.0.1:{plan.mlflow_port}/health", servers[1], logs[1], "MLflow server", stop)
+        for server in servers:
+            server.start()
+        wait_healthy(
+            f"http://127.0.0.1:{plan.prefect_port}/api/health", prefect.proc, prefect.log, "Prefect server", stop
+        )
+        wait_healthy(f"http://127.0.0.1:{plan.mlflow_port}/health", mlflow.proc, mlflow.log, "MLflow server", stop)
         if stop.signum is not None:
             return 0
         check_login(plan)
+        if freed := free_orphaned_slots(plan):
+            print(f"freed {freed} slot(s) of the '{GPU_TAG}' limit that no task held (taken before a restart)")
         if deploy_yaml:
             deploy(plan, client_env, root)
         print(f"Prefect: {plan.prefect_api.removesuffix('/api')}  (database {plan.team.names[0]}; log {logs[0]})")
@@ -336,11 +366,10 @@ def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
         print(exports(plan))
         print("ready; Ctrl-C stops both servers", flush=True)
         while stop.signum is None:
-            for proc, log, what in zip(servers, logs, ("Prefect", "MLflow"), strict=True):
-                if proc.poll() is not None:
-                    print(
-                        f"error: the {what} server stopped with exit code {proc.returncode}: see {log}", file=sys.stderr
-                    )
+            for server in servers:
+                given_up = server.keep_up(lambda line: print(f"{time.strftime('%H:%M:%S')} {line}", flush=True))
+                if given_up is not None:
+                    print(f"error: {given_up}", file=sys.stderr)
                     return 1
             stop.wait(1.0)
         return 0
@@ -349,5 +378,5 @@ def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
         return 2
     finally:
         with stop.ignored():
-            stop_servers(servers, STOP_S)
+            stop_servers([server.proc for server in servers if server.proc is not None], STOP_S)
         (plan.state / "mlflow-auth.ini").unlink(missing_ok=True)

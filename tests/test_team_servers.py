@@ -36,7 +36,7 @@ from flows.crashed_runs import ZOMBIE_AFTER_S
 from flows.summary import TRACKING_URI_FROM
 from flows.sweep import rlhf_sweep
 from flows.team_database import migration_revisions, parse_database
-from flows.team_servers import RESULTS_ENV, Plan, exports, read_login
+from flows.team_servers import RESULTS_ENV, Login, Plan, exports, free_orphaned_slots, read_login
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
 from rlhf.config.sections import TRACKING_URI_ENV
@@ -50,7 +50,8 @@ pytestmark = pytest.mark.xdist_group("postgres")
 psycopg2 = pytest.importorskip("psycopg2", reason="the team extra is not installed: pip install -e '.[team]'")
 
 LOGIN = ("alice", "team-password-123")
-RLHF = str(Path(sys.executable).parent / "rlhf")
+BIN = Path(sys.executable).parent
+RLHF = str(BIN / "rlhf")
 
 
 def serve_error(capsys, argv: list[str]) -> str:
@@ -186,18 +187,16 @@ def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
     args += ["--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]
     args += ["--artifacts", str(tmp / "artifacts"), "--results", str(tmp / "results")]
     log = tmp / "serve.log"
-    serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    serve = start_serve(args, env, log)
+    team = {"serve": serve, "log": log, "args": args, "serve_env": env}
     try:
-        wait_until(lambda: "ready;" in log.read_text(), 300, "rlhf serve's start", serve, log)
         client = {k: v for k, v in env.items() if k != "RLHF_SERVE_AUTH"}
         client |= {
             "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
             "PREFECT_API_AUTH_STRING": ":".join(LOGIN),
         }
         client |= {"MLFLOW_TRACKING_USERNAME": LOGIN[0], "MLFLOW_TRACKING_PASSWORD": LOGIN[1]}
-        yield {
-            "serve": serve,
-            "log": log,
+        team |= {
             "api": client["PREFECT_API_URL"],
             "mlflow": f"http://127.0.0.1:{mlflow_port}",
             "env": client,
@@ -206,10 +205,19 @@ def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
             "pgpassword": postgres_server.env["PGPASSWORD"],
             "servers": [p.pid for p in psutil.Process(serve.pid).children(recursive=True)],
         }
+        yield team
     finally:
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(60)
+        if team["serve"].poll() is None:
+            team["serve"].send_signal(signal.SIGTERM)
+            team["serve"].wait(60)
+
+
+def start_serve(args: list[str], env: dict[str, str], log: Path, ready: bool = True) -> subprocess.Popen:
+    """`rlhf serve args`, its output in `log`; with `ready`, once it printed that it is ready."""
+    serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    if ready:
+        wait_until(lambda: "ready;" in log.read_text(), 300, "rlhf serve's start", serve, log)
+    return serve
 
 
 @pytest.mark.slow
@@ -507,6 +515,124 @@ def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_reru
     (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
     assert ppo.status == "FINISHED"
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+
+
+def gpu_slots(team: dict) -> tuple[int, list[str]]:
+    """The `gpu` limit's taken slots, and the task runs whose leases hold them (what `prefect concurrency-limit
+    inspect gpu` lists)."""
+    taken = httpx.get(f"{team['api']}/v2/concurrency_limits/tag:gpu", auth=LOGIN, timeout=30).json()["active_slots"]
+    holders = httpx.get(f"{team['api']}/concurrency_limits/tag/gpu", auth=LOGIN, timeout=30).json()["active_slots"]
+    return taken, holders
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team, tmp_path, monkeypatch):
+    """`rlhf serve` stopped (SIGTERM) and started again with the same command while PPO, a `gpu` stage, holds the
+    limit's one slot (its process paused across the restart, so it holds it throughout): the restarted server still
+    knows the slot's lease and its holder, so the PPO stage gives the slot back when it ends, the evaluation (a `gpu`
+    stage too) starts, the run completes, and no slot is left taken. With leases kept in memory (Prefect's default) the
+    restarted server had lost the lease: the slot stayed taken and the evaluation waited for good."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY, "ppo.save_every=1"]
+    args += [f"runtime.output_dir={out}", "tracking.experiment=team-restart"]
+    log = tmp_path / "pipeline.log"
+    run = start(args, team["env"] | {"MLFLOW_TRACKING_URI": team["mlflow"]}, log)
+    try:
+        wait_until(lambda: ppo_saved(out), 300, "PPO's first saved state", run, log)
+        os.killpg(run.pid, signal.SIGSTOP)  # PPO holds the slot until it is let go on
+        try:
+            taken, (holder,) = gpu_slots(team)
+            assert taken == 1
+            team["serve"].send_signal(signal.SIGTERM)
+            assert team["serve"].wait(60) == 0
+            team["log"] = team["tmp"] / "serve-restarted.log"
+            team["serve"] = start_serve(team["args"], team["serve_env"], team["log"], ready=False)
+            health = f"{team['api']}/health"
+            wait_until(
+                lambda: httpx.get(health, timeout=5).status_code == 200, 300, "restart", team["serve"], team["log"]
+            )
+            assert gpu_slots(team) == (1, [holder])  # the lease survived the restart, its holder with it
+        finally:
+            os.killpg(run.pid, signal.SIGCONT)
+        wait_until(lambda: "ready;" in team["log"].read_text(), 300, "rlhf serve's restart", team["serve"], team["log"])
+        team["servers"] = [p.pid for p in psutil.Process(team["serve"].pid).children(recursive=True)]
+        assert run.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        stop(run)
+    assert "freed" not in team["log"].read_text()  # nothing was orphaned
+    assert gpu_slots(team) == (0, [])
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    tracker = Tracker(team["mlflow"], "team-restart")
+    stages = {run.tags.get("stage"): run.status for run in tracker.search_runs()}
+    assert stages["evaluate_policies"] == stages["train_policy_ppo"] == "FINISHED", stages
+
+
+def server_pid(team: dict, name: str) -> int:
+    """The pid of `rlhf serve`'s `prefect server` or `mlflow server` process (a child of its own session)."""
+    (pid,) = [
+        p.pid for p in psutil.Process(team["serve"].pid).children() if p.cmdline()[1:3] == [str(BIN / name), "server"]
+    ]
+    return pid
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_the_mlflow_server_killed_mid_ppo_is_started_again_alone_and_the_run_loses_nothing(team, tmp_path, monkeypatch):
+    """SIGKILL to the MLflow server's processes while PPO trains: `rlhf serve` logs it and starts it again after its
+    back-off, the Prefect server serving on (the same process throughout); the run rides through on MLflow's retries
+    and completes, every PPO update logged once."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY, "ppo.save_every=1"]
+    args += [f"runtime.output_dir={out}", "tracking.experiment=team-mlflow-killed"]
+    log = tmp_path / "pipeline.log"
+    prefect, mlflow = server_pid(team, "prefect"), server_pid(team, "mlflow")
+    run = start(args, team["env"] | {"MLFLOW_TRACKING_URI": team["mlflow"]}, log)
+    try:
+        wait_until(lambda: ppo_saved(out), 300, "PPO's first saved state", run, log)
+        os.killpg(mlflow, signal.SIGKILL)  # the server and its uvicorn workers
+        assert run.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        stop(run)
+    said = team["log"].read_text()
+    assert "the MLflow server stopped with exit code -9" in said and "the MLflow server started again" in said, said
+    assert "the Prefect server stopped" not in said and team["serve"].poll() is None
+    assert server_pid(team, "prefect") == prefect and server_pid(team, "mlflow") != mlflow
+    team["servers"] = [p.pid for p in psutil.Process(team["serve"].pid).children(recursive=True)]
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    tracker = Tracker(team["mlflow"], "team-mlflow-killed")
+    (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
+    assert ppo.status == "FINISHED"
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+    (pipeline,) = tracker.pipeline_runs()
+    assert pipeline.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_an_orphaned_gpu_slot_is_freed_when_rlhf_serve_starts(team):
+    """A slot of the `gpu` limit that no lease holds (left by a restart of a server that kept its leases in memory, as
+    `rlhf serve` did before) is given back by `free_orphaned_slots`, which `rlhf serve` runs at its start (a held one
+    is not: the restart test above)."""
+    plan = Plan(
+        parse_database("postgresql://rlhf@127.0.0.1/team", True),
+        Login(*LOGIN),
+        "127.0.0.1",
+        "127.0.0.1",
+        int(team["api"].rsplit(":", 1)[1].split("/")[0]),
+        int(team["mlflow"].rsplit(":", 1)[1]),
+        str(team["tmp"] / "artifacts"),
+        team["tmp"],
+        team["tmp"] / "results",
+    )
+    assert gpu_slots(team) == (0, [])
+    assert free_orphaned_slots(plan) == 0
+    update = httpx.patch(f"{team['api']}/v2/concurrency_limits/tag:gpu", json={"active_slots": 1}, auth=LOGIN)
+    assert update.status_code == 204, update.text
+    assert gpu_slots(team) == (1, [])
+    assert free_orphaned_slots(plan) == 1
+    assert gpu_slots(team) == (0, [])
 
 
 @pytest.mark.slow
