@@ -82,6 +82,7 @@ class Plan:
     artifacts: str
     state: Path
     results: Path  # Prefect's result store (the stage cache) that every worker and `rlhf` command of the team shares
+    extra_hosts: tuple[str, ...] = ()  # other names the MLflow server answers to (--allowed-hosts)
 
     @property
     def prefect_api(self) -> str:
@@ -146,6 +147,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         args.artifacts,
         Path(args.state).resolve(),
         results,
+        tuple(name.strip() for name in (args.allowed_hosts or "").split(",") if name.strip()),
     )
 
 
@@ -186,13 +188,22 @@ def write_auth_config(plan: Plan) -> Path:
     return path
 
 
+def allowed_hosts(plan: Plan) -> list[str]:
+    """The Host headers the MLflow server answers (MLflow's check against DNS rebinding): the names it is served on,
+    loopback, and those the user named, each bare and with the port. No wildcard: `*` would switch the check off."""
+    names = [plan.public, *([] if plan.host in ("0.0.0.0", "::") else [plan.host]), *LOOPBACK, *plan.extra_hosts]
+    if plan.host in ("0.0.0.0", "::"):
+        names.append(socket.gethostname())
+    names = [f"[{name}]" if ":" in name else name for name in dict.fromkeys(names)]  # IPv6 as a Host header has it
+    return [host for name in names for host in (name, f"{name}:{plan.mlflow_port}")]
+
+
 def server_commands(plan: Plan) -> tuple[list[str], list[str]]:
     bindir = Path(sys.executable).parent
     prefect = [str(bindir / "prefect"), "server", "start", "--host", plan.host, "--port", str(plan.prefect_port)]
     mlflow = [str(bindir / "mlflow"), "server", "--host", plan.host, "--port", str(plan.mlflow_port)]
     mlflow += ["--artifacts-destination", plan.artifacts, "--workers", "2"]
-    # MLflow 3 answers only Host headers of localhost and private addresses unless the others are allowed
-    mlflow += ["--allowed-hosts", ",".join(dict.fromkeys([plan.public, f"{plan.public}:{plan.mlflow_port}", "*"]))]
+    mlflow += ["--allowed-hosts", ",".join(allowed_hosts(plan))]
     if plan.login is not None:
         mlflow += ["--app-name", "basic-auth"]
     return prefect, mlflow
@@ -309,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--public-host", default=None, help="the name other machines reach this one by")
     parser.add_argument("--prefect-port", type=int, default=4200)
     parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="more names the MLflow server answers to, comma-separated (it answers its own and loopback's)",
+    )
     parser.add_argument("--auth-file", default=None, help=f"a file holding USER:PASSWORD (or set {AUTH_ENV})")
     parser.add_argument("--state", default=".serve", help="logs and the Prefect home of the servers")
     parser.add_argument(

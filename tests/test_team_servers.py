@@ -36,7 +36,16 @@ from flows.crashed_runs import ZOMBIE_AFTER_S
 from flows.summary import TRACKING_URI_FROM
 from flows.sweep import rlhf_sweep
 from flows.team_database import migration_revisions, parse_database
-from flows.team_servers import RESULTS_ENV, Login, Plan, exports, free_orphaned_slots, read_login
+from flows.team_servers import (
+    RESULTS_ENV,
+    Login,
+    Plan,
+    build_parser,
+    exports,
+    free_orphaned_slots,
+    read_login,
+    server_commands,
+)
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
 from rlhf.config.sections import TRACKING_URI_ENV
@@ -172,6 +181,30 @@ def test_the_printed_exports_run_as_they_are_in_a_shell(tmp_path):
     assert "PREFECT_LOCAL_STORAGE_PATH" not in text and "tracking.uri=" not in text
 
 
+def test_the_mlflow_server_answers_the_names_it_is_served_on_and_no_wildcard(tmp_path):
+    """MLflow's check of the Host header (against DNS rebinding) stays on: the public name, the bound address,
+    loopback and the names given with --allowed-hosts, each bare and with the port; never `*`."""
+    args = build_parser().parse_args(["--host", "10.0.0.5", "--public-host", "rlhf.internal", "--mlflow-port", "5000"])
+    args.allowed_hosts = "mlflow.team.example, 192.168.1.9"
+    plan = Plan(
+        parse_database("postgresql://rlhf@db.internal/rlhf", True),
+        None,
+        args.host,
+        args.public_host,
+        4200,
+        args.mlflow_port,
+        "/srv/artifacts",
+        tmp_path,
+        tmp_path / "results",
+        tuple(name.strip() for name in args.allowed_hosts.split(",")),
+    )
+    (_, mlflow) = server_commands(plan)
+    hosts = mlflow[mlflow.index("--allowed-hosts") + 1].split(",")
+    assert not any("*" in host for host in hosts), hosts
+    for name in ("rlhf.internal", "10.0.0.5", "127.0.0.1", "localhost", "[::1]", "mlflow.team.example", "192.168.1.9"):
+        assert {name, f"{name}:5000"} <= set(hosts), (name, hosts)
+
+
 # -- the servers ---------------------------------------------------------------------------------------------------
 
 
@@ -237,6 +270,9 @@ def test_both_servers_refuse_clients_without_or_with_wrong_credentials(team):
         for _ in range(2):  # the server's two workers
             assert httpx.get(mlflow, params={"max_results": 1}, auth=auth, timeout=30).status_code == expected, auth
             assert httpx.post(prefect, json={}, auth=auth, timeout=30).status_code == expected, auth
+    # MLflow's check against DNS rebinding is on: a name the server is not served on is refused
+    rebound = httpx.get(mlflow, params={"max_results": 1}, auth=LOGIN, headers={"Host": "rebind.example"}, timeout=30)
+    assert rebound.status_code in (400, 403), rebound.status_code
     # prefect.yaml is deployed to the process pool that workers start on
     deployment = httpx.get(f"{team['api']}/deployments/name/rlhf-run/run-pipeline", auth=LOGIN, timeout=30).json()
     assert deployment["work_pool_name"] == "rlhf-local"
