@@ -298,3 +298,27 @@ def test_mlflow_tracking_uri_is_the_default_store_and_a_config_or_an_override_st
     (tmp_path / "mine.yaml").write_text("tracking:\n  uri: http://other:5000\n  artifact_location: s3://bucket/x\n")
     named = load_config(tmp_path / "mine.yaml").tracking
     assert (named.uri, named.artifact_location) == ("http://other:5000", "s3://bucket/x")
+
+
+def test_an_old_min_length_config_read_differently_now_gets_one_warning(caplog, monkeypatch):
+    """Before ppo.min_length_mode was split out, ppo.missing_eos_mode: replace also made ppo.min_length_penalty
+    replace the score; such a config (no min_length_mode) now subtracts, and says so in one line, once; a config that
+    names the mode, or keeps missing_eos_mode at subtract, is read as before and says nothing."""
+    import logging
+
+    from rlhf.config import base
+
+    monkeypatch.setattr(base, "_warned", set())  # once per process: this test sees its own
+    old = ["ppo.min_response_length=4", "ppo.min_length_penalty=-1", "ppo.missing_eos_mode=replace"]
+    with caplog.at_level(logging.WARNING, logger="rlhf.config"):
+        assert load_config(None, [*old, "ppo.min_length_mode=replace"]).ppo.min_length_mode == "replace"
+        load_config(None, old[:2])
+        assert [r for r in caplog.records if r.name == "rlhf.config"] == []
+        assert load_config(None, old).ppo.min_length_mode == "subtract"
+        load_config(None, old)
+    warned = [r.getMessage() for r in caplog.records if r.name == "rlhf.config"]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert (
+        warned[0].startswith("warning: ppo.min_length_penalty now subtracts")
+        and "min_length_mode: replace" in warned[0]
+    )

@@ -478,6 +478,11 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
         second, log = worker("w2")
         try:
             rerun = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=600)
+            # the way docs/scaling.md gives to stop a worker: one SIGTERM, to the worker alone; with its runs ended,
+            # it stops at once (its exit code is Prefect's)
+            second.send_signal(signal.SIGTERM)
+            second.wait(60)
+            assert "stopped!" in log.read_text(errors="replace"), log.read_text(errors="replace")[-2000:]
         finally:
             stop(second)
         rerun = client.read_flow_run(rerun.id)
