@@ -22,7 +22,7 @@ export HF_DATASETS_OFFLINE ?= $(HF_HUB_OFFLINE)
 
 PIP_QUIET := 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
 
-.PHONY: install run run-real run-rlvr real-model test test-team lint docs bench bench-sweep bench-store bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
+.PHONY: install run run-real run-rlvr real-model test test-team lint docs serve bench bench-sweep bench-store bench-overhead bench-peer bench-peer-trl112 gpu-check gpu-deps ui ui-check sweep study mlflow-ui prefect-ui compare clean
 
 install: $(STAMP)
 
@@ -180,6 +180,13 @@ EXPERIMENT ?= rlhf-ppo
 ui: $(STAMP)
 	$(RLHF) ui --host $(UI_HOST) --prefect-port $(PREFECT_PORT) --mlflow-port $(MLFLOW_PORT) --config $(CONFIG) \
 		--sweep-space $(SWEEP) $(if $(SWEEP_CRON),--sweep-cron "$(SWEEP_CRON)") $(ARGS)
+
+# `make serve DATABASE=postgresql://USER@HOST:5432/NAME [ARGS="--host 0.0.0.0 --public-host rlhf.internal --auth-file
+# ~/.rlhf-login"]`: a team's Prefect and MLflow servers on that PostgreSQL, behind a login (`rlhf serve`, flows/
+# team_servers.py; PGPASSWORD or ~/.pgpass for the database's password; docs/scaling.md). Without DATABASE, `rlhf serve`
+# reads RLHF_DATABASE_URL.
+serve: $(STAMP)
+	$(RLHF) serve $(if $(DATABASE),--database $(DATABASE)) $(ARGS)
 
 # `make ui-check`: start `make ui` (conf/smoke.yaml, free ports), open both UIs in headless Chromium, start a small
 # run from the short form, wait for it, and write screenshots to outputs/ui-check/ (tools/ui_check.py). Needs

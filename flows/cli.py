@@ -34,6 +34,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from flows.prefect_home import PERSISTENT_LEASES
 from rlhf.processes import StopRequest, stop_group, stop_servers
 
 # The environment `make` exports (Makefile); values already set win.
@@ -200,7 +201,7 @@ def cmd_ui(argv: list[str]) -> int:
     # the API address the Prefect UI (in the browser) calls: Prefect derives it from its own port setting, not from
     # `server start --port`, so any other port than 4200 gave a UI that "can't connect to Server API"
     ui_host = "127.0.0.1" if args.host in ("127.0.0.1", "0.0.0.0", "localhost") else args.host
-    prefect_env = {"PREFECT_UI_API_URL": f"http://{ui_host}:{args.prefect_port}/api", **env}
+    prefect_env = {"PREFECT_UI_API_URL": f"http://{ui_host}:{args.prefect_port}/api", **PERSISTENT_LEASES, **env}
     serve_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{args.prefect_port}/api", "MLFLOW_UI_URL": mlflow_url}
 
     servers: list[subprocess.Popen] = []

@@ -20,9 +20,10 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.summary import POLICY_LABEL, budget, policy_label, summary_notes
+from flows.summary import POLICY_LABEL, TRACKING_URI_FROM, budget, policy_label, summary_notes
 from flows.terminal import quiet_stop_in_served_run
 from rlhf.config import PipelineConfig, RewardConfig
+from rlhf.config.sections import tracking_uri_origin
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
 from rlhf.errors import TrialPruned
@@ -229,6 +230,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         "mlflow_run_id": tracking.parent_run_id,
         "mlflow_experiment_id": tracker_for(tracking).experiment_id,
         "tracking_uri": tracking.uri,
+        TRACKING_URI_FROM: tracking_uri_origin(config.tracking.uri),  # $MLFLOW_TRACKING_URI, the default or the config
         # the run's budget, by which the summary tells a plumbing check from learning (flows/summary.py)
         **budget(config),
         # the measured peak memory of the training stages (logged beside the preflight estimate)

@@ -7,6 +7,12 @@ from pathlib import Path
 
 from rlhf.checkpoints import stage_lock
 
+# A Prefect server keeps the leases of concurrency slots in memory by default: a restarted server has none left, so a
+# slot taken before the restart is never given back, and every later `gpu` stage on that server waits for good.
+# Prefect's file-backed lease storage keeps them in $PREFECT_HOME/concurrency_leases: they survive the restart, and are
+# released by their task or expire as usual. Set for the servers of `make ui` and `rlhf serve`.
+PERSISTENT_LEASES = {"PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem"}
+
 # Written into PREFECT_HOME once its database is migrated and its block types registered: the Prefect version that
 # did it. A later process with the same version skips both (5 s of a pipeline's start; a new database takes 20 s).
 READY_FILE = "database.ready"

@@ -49,9 +49,9 @@ from flows.sweep_command import check_variants
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
 from rlhf.models.device import device_names
+from rlhf.stages import GPU_TAG
 from rlhf.sweeps.space import load_space
 
-GPU_TAG = "gpu"
 # how often the served process asks the server for runs submitted from the forms: Prefect's default, 10 s, was most of
 # the 10 to 16 s between Submit and a run starting (a query a second is nothing to a local server)
 POLL_S = 1.0

@@ -8,6 +8,7 @@ from typing import Any
 
 from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
+from rlhf.config.sections import is_tracking_server
 from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
@@ -41,6 +42,8 @@ PLUMBING_SFT_STEPS = 100
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
 # The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
 POLICY_LABEL = "rlhf.objective_label"
+# Where the run's MLflow store came from: $MLFLOW_TRACKING_URI, the default or the config (a tag of the pipeline run)
+TRACKING_URI_FROM = "rlhf.tracking_uri_from"
 
 
 def policy_label(config: PipelineConfig) -> str:
@@ -131,6 +134,28 @@ def _origin_rows(summary: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _mlflow_rows(summary: dict[str, Any]) -> list[str]:
+    """The MLflow store the run logged to and where it came from (MLFLOW_TRACKING_URI, the default or the config),
+    and how to open the run."""
+    uri, origin = summary["tracking_uri"], summary.get(TRACKING_URI_FROM, "tracking.uri")
+    experiment = summary.get("mlflow_experiment_id")
+    lines = ["", f"{'MLflow store':<40}{uri} ({origin})"]
+    if is_tracking_server(uri):  # a tracking server is its own UI
+        run = summary["mlflow_run_id"]
+        lines.append(f"MLflow run {run}: {uri.rstrip('/')}/#/experiments/{experiment}/runs/{run}")
+    else:
+        lines += [
+            f"MLflow run {summary['mlflow_run_id']}; open the UI with:",
+            f"  make mlflow-ui     (or: .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000)",
+            *(
+                [f"  then the experiment (the project's columns and charts): {mlflow_experiment_url(experiment)}"]
+                if experiment
+                else []
+            ),
+        ]
+    return lines
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = ["", "== RLHF pipeline summary"]
     notes = summary_notes(summary)
@@ -182,16 +207,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
     if "registered_policy" in summary:
         lines.append(f"{'registered policy':<40}{summary['registered_policy']}")
+    lines += _mlflow_rows(summary)
     lines += [
-        "",
-        f"MLflow run {summary['mlflow_run_id']}; open the UI with:",
-        "  make mlflow-ui     (or: .venv/bin/mlflow ui --backend-store-uri "
-        f"{summary['tracking_uri']} --host 127.0.0.1 --port 5000)",
-        *(
-            [f"  then the experiment (the project's columns and charts): {mlflow_experiment_url(experiment)}"]
-            if (experiment := summary.get("mlflow_experiment_id"))
-            else []
-        ),
         "Prefect UI (flow runs, task states, logs, artifacts; deployments to trigger runs from a form):",
         "  make ui            (both UIs and the deployments; or just: make prefect-ui)",
     ]

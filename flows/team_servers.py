@@ -11,7 +11,10 @@ to the process pool `rlhf-local`, prints what every other machine must export, a
 both servers, each with its own processes, within seconds. Credentials come from the environment or a file, never
 from the command line (`ps` shows it); the servers get them through their environment.
 
-Exit codes: 0 stopped by Ctrl-C or SIGTERM; 1 a server stopped by itself (its log is named); 2 bad input, one
+A server that dies is started again, alone, after a back-off of 1, 2, 4, 8 and 16 s (the count starts over once it
+has stayed up 2 minutes), and each restart is logged; runs ride through the gap on their clients' retries.
+
+Exit codes: 0 stopped by Ctrl-C or SIGTERM; 1 a server died 6 times in a row (its log is named); 2 bad input, one
 sentence (an unreachable database, a URL without a driver, wrong credentials, a port in use, a schema of another
 Prefect or MLflow version). One person on one machine keeps the embedded SQLite default (`make ui`, `make run`).
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from flows.prefect_home import PERSISTENT_LEASES
 from flows.team_database import (
     EXAMPLE,
     DatabaseError,
@@ -38,9 +42,13 @@ from flows.team_database import (
     create_databases,
     parse_database,
 )
-from rlhf.processes import StopRequest, stop_servers
+from rlhf.processes import StopRequest, SupervisedServer, stop_servers
+from rlhf.stages import GPU_TAG
 
 AUTH_ENV, DATABASE_ENV = "RLHF_SERVE_AUTH", "RLHF_DATABASE_URL"
+# Prefect's setting of the folder that holds task results, the stages' cache (also read as PREFECT_LOCAL_STORAGE_PATH:
+# the docs use this name only); without it a worker keeps its own under ~/.prefect/storage and rebuilds shared stages
+RESULTS_ENV = "PREFECT_RESULTS_LOCAL_STORAGE_PATH"
 POOL = "rlhf-local"
 START_S = 180  # how long each server may take to answer its health check (Prefect migrates a new database)
 STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
@@ -73,6 +81,8 @@ class Plan:
     mlflow_port: int
     artifacts: str
     state: Path
+    results: Path  # Prefect's result store (the stage cache) that every worker and `rlhf` command of the team shares
+    extra_hosts: tuple[str, ...] = ()  # other names the MLflow server answers to (--allowed-hosts)
 
     @property
     def prefect_api(self) -> str:
@@ -126,8 +136,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
     create_databases(team)
     check_schema_versions(team)
     public = args.public_host or (socket.getfqdn() if args.host in ("0.0.0.0", "::") else args.host)
+    results = Path(args.results).resolve()
     return Plan(
-        team, login, args.host, public, args.prefect_port, args.mlflow_port, args.artifacts, Path(args.state).resolve()
+        team,
+        login,
+        args.host,
+        public,
+        args.prefect_port,
+        args.mlflow_port,
+        args.artifacts,
+        Path(args.state).resolve(),
+        results,
+        tuple(name.strip() for name in (args.allowed_hosts or "").split(",") if name.strip()),
     )
 
 
@@ -138,7 +158,7 @@ def server_envs(plan: Plan, root: Path) -> tuple[dict[str, str], dict[str, str],
     paths = [str(root), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     base["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # the deploy step imports the flows
     base["PREFECT_HOME"] = str(plan.state / "prefect")
-    prefect = {**base, "PREFECT_SERVER_DATABASE_CONNECTION_URL": plan.team.prefect_url}
+    prefect = {**base, "PREFECT_SERVER_DATABASE_CONNECTION_URL": plan.team.prefect_url, **PERSISTENT_LEASES}
     prefect["PREFECT_UI_API_URL"] = plan.prefect_api
     mlflow = {**base, "MLFLOW_BACKEND_STORE_URI": plan.team.mlflow_url, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     client = {**base, "PREFECT_API_URL": f"http://127.0.0.1:{plan.prefect_port}/api"}
@@ -168,13 +188,22 @@ def write_auth_config(plan: Plan) -> Path:
     return path
 
 
+def allowed_hosts(plan: Plan) -> list[str]:
+    """The Host headers the MLflow server answers (MLflow's check against DNS rebinding): the names it is served on,
+    loopback, and those the user named, each bare and with the port. No wildcard: `*` would switch the check off."""
+    names = [plan.public, *([] if plan.host in ("0.0.0.0", "::") else [plan.host]), *LOOPBACK, *plan.extra_hosts]
+    if plan.host in ("0.0.0.0", "::"):
+        names.append(socket.gethostname())
+    names = [f"[{name}]" if ":" in name else name for name in dict.fromkeys(names)]  # IPv6 as a Host header has it
+    return [host for name in names for host in (name, f"{name}:{plan.mlflow_port}")]
+
+
 def server_commands(plan: Plan) -> tuple[list[str], list[str]]:
     bindir = Path(sys.executable).parent
     prefect = [str(bindir / "prefect"), "server", "start", "--host", plan.host, "--port", str(plan.prefect_port)]
     mlflow = [str(bindir / "mlflow"), "server", "--host", plan.host, "--port", str(plan.mlflow_port)]
     mlflow += ["--artifacts-destination", plan.artifacts, "--workers", "2"]
-    # MLflow 3 answers only Host headers of localhost and private addresses unless the others are allowed
-    mlflow += ["--allowed-hosts", ",".join(dict.fromkeys([plan.public, f"{plan.public}:{plan.mlflow_port}", "*"]))]
+    mlflow += ["--allowed-hosts", ",".join(allowed_hosts(plan))]
     if plan.login is not None:
         mlflow += ["--app-name", "basic-auth"]
     return prefect, mlflow
@@ -217,6 +246,26 @@ def check_login(plan: Plan) -> None:
         raise ServeError(f"the Prefect server refused user {plan.login.user!r}")
 
 
+def free_orphaned_slots(plan: Plan) -> int:
+    """Give back the slots of the `gpu` limit that no lease holds: taken before a restart of a server that kept its
+    leases in memory (an earlier `rlhf serve`), they would never be released, and every `gpu` stage would wait for
+    good. Returns how many. (Leases now survive a restart: PERSISTENT_LEASES.)"""
+    api = f"http://127.0.0.1:{plan.prefect_port}/api"
+    auth = (plan.login.user, plan.login.password) if plan.login is not None else None
+    limit = httpx.get(f"{api}/v2/concurrency_limits/tag:{GPU_TAG}", auth=auth, timeout=30)
+    if limit.status_code == 404:  # a new server: no limit yet (the deploy step creates it)
+        return 0
+    limit.raise_for_status()
+    # the slots first, then their holders: a slot taken in between is counted as held, never freed
+    holders = httpx.get(f"{api}/concurrency_limits/tag/{GPU_TAG}", auth=auth, timeout=30)
+    holders.raise_for_status()
+    orphaned = limit.json()["active_slots"] - len(holders.json()["active_slots"])
+    if orphaned > 0:
+        body = {"names": [f"tag:{GPU_TAG}"], "slots": orphaned}
+        httpx.post(f"{api}/v2/concurrency_limits/decrement", json=body, auth=auth, timeout=30).raise_for_status()
+    return max(orphaned, 0)
+
+
 def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
     """The process pool, the `gpu` tag limit, every deployment of prefect.yaml, and the automation that marks Crashed
     a flow run whose heartbeats stop (its worker or machine died; flows/crashed_runs.py), on the new server."""
@@ -226,7 +275,7 @@ def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
     with open(log, "w") as out:
         for cmd in (
             [prefect, "work-pool", "create", POOL, "--type", "process", "--overwrite"],
-            [prefect, "concurrency-limit", "create", "gpu", "1"],
+            [prefect, "concurrency-limit", "create", GPU_TAG, "1"],
             [prefect, "--no-prompt", "deploy", "--all"],
             [sys.executable, "-c", automation],
         ):
@@ -238,9 +287,10 @@ def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
 def exports(plan: Plan) -> str:
     """What every other machine exports (the secrets read from where the user keeps them, never printed)."""
     lines = [
-        "On every machine that runs or starts flows (workers, laptops):",
+        "On every machine that runs or starts flows (workers, laptops), in the checkout:",
         f"  export PREFECT_API_URL={plan.prefect_api}",
         f"  export MLFLOW_TRACKING_URI={plan.mlflow_url} MLFLOW_UI_URL={plan.mlflow_url}",
+        f"  export {RESULTS_ENV}={plan.results}    # the stage cache; elsewhere: this folder on a shared file system",
     ]
     if plan.login is not None:
         lines.append(
@@ -253,9 +303,9 @@ def exports(plan: Plan) -> str:
             f'  export MLFLOW_TRACKING_USERNAME={plan.login.user} MLFLOW_TRACKING_PASSWORD="${{{AUTH_ENV}#*:}}"',
         ]
     lines += [
-        f"  .venv/bin/prefect worker start --pool {POOL}    # in the checkout (make install), where runs should run",
-        "Runs log to the server with these overrides (the form's `overrides`, or `rlhf run ... key=value`):",
-        f"  tracking.uri={plan.mlflow_url} tracking.artifact_location=mlflow-artifacts:/rlhf-ppo",
+        f"  .venv/bin/prefect worker start --pool {POOL}    # where runs should run (make install first)",
+        "Runs started there log to this MLflow server (MLFLOW_TRACKING_URI is the default tracking.uri) and share the",
+        "stages that another run built (the result store).",
     ]
     return "\n".join(lines)
 
@@ -270,8 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--public-host", default=None, help="the name other machines reach this one by")
     parser.add_argument("--prefect-port", type=int, default=4200)
     parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="more names the MLflow server answers to, comma-separated (it answers its own and loopback's)",
+    )
     parser.add_argument("--auth-file", default=None, help=f"a file holding USER:PASSWORD (or set {AUTH_ENV})")
     parser.add_argument("--state", default=".serve", help="logs and the Prefect home of the servers")
+    parser.add_argument(
+        "--results",
+        default=str(Path(__file__).resolve().parent.parent / ".prefect" / "storage"),
+        help=f"the stage cache that workers and `rlhf` commands share ({RESULTS_ENV}; default: the one `rlhf` commands "
+        "in this checkout use)",
+    )
     parser.add_argument("--no-deploy", action="store_true", help="do not deploy prefect.yaml")
     return parser
 
@@ -287,27 +348,33 @@ def main(argv: list[str] | None = None, root: Path | None = None) -> int:
     if plan.login is None and plan.host not in LOOPBACK:
         print(f"warning: no login: anyone who reaches {plan.host} can start runs and read every artifact", flush=True)
     (plan.state / "prefect").mkdir(parents=True, exist_ok=True)
+    plan.results.mkdir(parents=True, exist_ok=True)
     return run(plan, root, deploy_yaml=not args.no_deploy)
 
 
 def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
-    """Start both servers, check the login, deploy prefect.yaml, print the exports, and wait for Ctrl-C, SIGTERM or
-    a server's end; both servers are stopped in every case."""
+    """Start both servers, check the login, deploy prefect.yaml, print the exports, and keep both up until Ctrl-C or
+    SIGTERM: one that dies is started again alone, after a back-off (RESTART_BACKOFF_S), while the other serves on;
+    after repeated deaths it gives up. Both servers are stopped in every case."""
     prefect_env, mlflow_env, client_env = server_envs(plan, root)
     commands = server_commands(plan)
     logs = (plan.state / "prefect-server.log", plan.state / "mlflow-server.log")
-    stop, servers = StopRequest("the Prefect and MLflow servers"), []
+    prefect = SupervisedServer("the Prefect server", commands[0], prefect_env, logs[0])
+    mlflow = SupervisedServer("the MLflow server", commands[1], mlflow_env, logs[1])
+    servers = [prefect, mlflow]
+    stop = StopRequest("the Prefect and MLflow servers")
     try:
-        for cmd, env, log in zip(commands, (prefect_env, mlflow_env), logs, strict=True):
-            with open(log, "w") as out:
-                servers.append(
-                    subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-                )
-        wait_healthy(f"http://127.0.0.1:{plan.prefect_port}/api/health", servers[0], logs[0], "Prefect server", stop)
-        wait_healthy(f"http://127.0.0.1:{plan.mlflow_port}/health", servers[1], logs[1], "MLflow server", stop)
+        for server in servers:
+            server.start()
+        wait_healthy(
+            f"http://127.0.0.1:{plan.prefect_port}/api/health", prefect.proc, prefect.log, "Prefect server", stop
+        )
+        wait_healthy(f"http://127.0.0.1:{plan.mlflow_port}/health", mlflow.proc, mlflow.log, "MLflow server", stop)
         if stop.signum is not None:
             return 0
         check_login(plan)
+        if freed := free_orphaned_slots(plan):
+            print(f"freed {freed} slot(s) of the '{GPU_TAG}' limit that no task held (taken before a restart)")
         if deploy_yaml:
             deploy(plan, client_env, root)
         print(f"Prefect: {plan.prefect_api.removesuffix('/api')}  (database {plan.team.names[0]}; log {logs[0]})")
@@ -315,11 +382,10 @@ def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
         print(exports(plan))
         print("ready; Ctrl-C stops both servers", flush=True)
         while stop.signum is None:
-            for proc, log, what in zip(servers, logs, ("Prefect", "MLflow"), strict=True):
-                if proc.poll() is not None:
-                    print(
-                        f"error: the {what} server stopped with exit code {proc.returncode}: see {log}", file=sys.stderr
-                    )
+            for server in servers:
+                given_up = server.keep_up(lambda line: print(f"{time.strftime('%H:%M:%S')} {line}", flush=True))
+                if given_up is not None:
+                    print(f"error: {given_up}", file=sys.stderr)
                     return 1
             stop.wait(1.0)
         return 0
@@ -328,5 +394,5 @@ def run(plan: Plan, root: Path, deploy_yaml: bool = True) -> int:
         return 2
     finally:
         with stop.ignored():
-            stop_servers(servers, STOP_S)
+            stop_servers([server.proc for server in servers if server.proc is not None], STOP_S)
         (plan.state / "mlflow-auth.ini").unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import PipelineConfig
+from rlhf.config.sections import TRACKING_URI_ENV, tracking_uri_origin
 from rlhf.data.prepare import check_source
 from rlhf.data.row_columns import check_wanted
 from rlhf.errors import ConfigError
@@ -77,7 +78,12 @@ def check_inputs(config: PipelineConfig) -> None:
     """The half of `preflight` that checks what the user named: the tracking store, the device's name, the output
     folder, the data source and the SFT checkpoint. Without sft.model it needs neither torch nor transformers (a
     fraction of a second)."""
-    check_tracking_uri(config.tracking.uri)  # first: a tracking server that is down fails before any work
+    try:  # first: a tracking server that is down fails before any work
+        check_tracking_uri(config.tracking.uri)
+    except ConfigError as err:
+        if tracking_uri_origin(config.tracking.uri) != TRACKING_URI_ENV:
+            raise
+        raise ConfigError(f"{err} (tracking.uri came from ${TRACKING_URI_ENV}; unset it or set tracking.uri)") from None
     check_device(config.runtime.device)
     check_output_dir(config.runtime.output_dir)
     check_source(config.data)

@@ -1,5 +1,5 @@
 """Servers started as children of a command (`rlhf ui`, `rlhf serve`): each in a session of its own, stopped in
-order on Ctrl-C or SIGTERM, with nothing left running."""
+order on Ctrl-C or SIGTERM, with nothing left running; `rlhf serve`'s started again where one dies."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 
 class StopRequest:
@@ -78,3 +80,63 @@ def stop_servers(servers: Sequence[subprocess.Popen], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for proc in servers:
         stop_group(proc, None, max(0.1, deadline - time.monotonic()))
+
+
+# A server that died is started again after the first of these delays, after the next one if it dies again before it
+# stayed up STABLE_S, and so on; after the last, its command gives up (a server that cannot stay up needs a person).
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
+STABLE_S = 120.0
+
+
+@dataclass
+class SupervisedServer:
+    """A server that its command keeps up (`rlhf serve`): started in a session of its own, its output in `log`;
+    where it dies, what is left of its processes is killed and it is started again, alone, after a back-off."""
+
+    name: str  # as a sentence names it: "the MLflow server"
+    cmd: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    deaths: int = 0  # in a row: since it last stayed up STABLE_S
+    restart_at: float | None = None  # when a dead server is started again
+    backoff_s: tuple[float, ...] = RESTART_BACKOFF_S
+
+    def start(self, append: bool = False) -> subprocess.Popen:
+        with open(self.log, "a" if append else "w") as out:
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.started_at = time.monotonic()
+        return self.proc
+
+    def keep_up(self, say: Callable[[str], None]) -> str | None:
+        """Once a second: note a death and schedule the restart, or restart it when its back-off is over, saying
+        what happened through `say`. Returns the sentence that gives up after repeated deaths, else None."""
+        assert self.proc is not None, "start() first"
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.start(append=True)
+                say(f"{self.name} started again (pid {self.proc.pid})")
+            return None
+        code = self.proc.poll()
+        if code is None:
+            if now - self.started_at >= STABLE_S:
+                self.deaths = 0
+            return None
+        stop_group(self.proc, None, 0.0)  # its processes that outlived it (uvicorn's workers would keep the port)
+        if self.deaths >= len(self.backoff_s):
+            return (
+                f"{self.name} stopped {self.deaths + 1} times in a row, the last with exit code {code}: see {self.log}"
+            )
+        delay = self.backoff_s[self.deaths]
+        self.deaths += 1
+        self.restart_at = now + delay
+        say(
+            f"{self.name} stopped with exit code {code} (see {self.log}); starting it again in {delay:.0f} s "
+            f"(restart {self.deaths} of {len(self.backoff_s)} in a row)"
+        )
+        return None

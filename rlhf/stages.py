@@ -28,6 +28,9 @@ PPO = Stage("train_policy_ppo", "ppo", "PPO")
 DPO = Stage("train_policy_dpo", "dpo", "DPO")
 EVALUATE = Stage("evaluate_policies", "eval", "evaluation")
 STAGES: tuple[Stage, ...] = (PREPARE, SFT, REWARD, ENSEMBLE, INIT, PPO, DPO, EVALUATE)
+# The Prefect tag of the stages that compute on the device: a tag concurrency limit on it (`make ui`, `rlhf serve`)
+# lets that many of them run at once across all flow runs
+GPU_TAG = "gpu"
 STAGE_TASKS: tuple[str, ...] = tuple(stage.task for stage in STAGES)
 _BY_TASK = {stage.task: stage for stage in STAGES}
 

@@ -30,7 +30,7 @@ import rlhf
 import tasks
 from rlhf.checkpoints import is_complete, stage_lock
 from rlhf.config import RuntimeConfig
-from rlhf.stages import INIT, PPO, PREPARE
+from rlhf.stages import GPU_TAG, INIT, PPO, PREPARE
 from tasks.outputs import StageOutput
 
 # Parameters that never change a stage's result, so they are left out of its key (`trial`: the sweep trial a PPO
@@ -147,7 +147,7 @@ def run_stage(task, **parameters: Any) -> Any:
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
         complete = is_complete(folder) or is_complete(folder / "final")
         runtime = parameters.get("runtime")
-        slot = getattr(runtime, "device_slot", None) if "gpu" in task.tags and not complete else None
+        slot = getattr(runtime, "device_slot", None) if GPU_TAG in task.tags and not complete else None
         with device_slot(slot):
             tags = limited_tags(task.tags)
             state = task.with_options(refresh_cache=not complete, tags=tags)(**parameters, return_state=True)

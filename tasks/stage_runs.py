@@ -27,6 +27,8 @@ RUN_ID_FILE = ".mlflow_run_id"
 # The flow run a stage run belongs to, and the earlier flow run (killed: a rerun, not a retry) whose stage run it
 # continued; also a tag of the pipeline run (with `stage.<stage>.resumed_from_flow_run`), flows/crashed_runs.py
 FLOW_RUN_TAG, RESUMED_FROM_TAG = "prefect.flow_run_id", "rlhf.resumed_from_flow_run"
+# MLflow's tag of a child run's parent, and the pipeline run a resumed stage run was a child of before
+PARENT_RUN_TAG, RESUMED_FROM_PARENT_TAG = "mlflow.parentRunId", "rlhf.resumed_from_parent_run"
 
 
 def stage_run_name(pipeline_run_name: str | None, stage: str) -> str:
@@ -79,12 +81,19 @@ def stage_run(
 
 def reopen(tracker: Tracker, run_id: str, tracking: TrackingContext, stage: str) -> None:
     """Reopen a stage's run. Started by an earlier flow run (a rerun after a killed one, not a retry), it becomes
-    this flow run's, and it and the pipeline run name that earlier flow run (`RESUMED_FROM_TAG`)."""
+    this flow run's and a child of this pipeline run (its former parent in `RESUMED_FROM_PARENT_TAG`), and it and the
+    pipeline run name that earlier flow run (`RESUMED_FROM_TAG`)."""
     earlier = tracker.get_run(run_id).data.tags.get(FLOW_RUN_TAG)
     tracker.reopen_run(run_id)
     current = str(tracking.flow_run_id) if tracking.flow_run_id else None
     if earlier and current and earlier != current:
-        tracker.set_tags(run_id, {RESUMED_FROM_TAG: earlier, FLOW_RUN_TAG: current})
+        # it moves under this pipeline run, which holds the rest of the rerun; the killed one stays named
+        former = tracker.get_run(run_id).data.tags.get(PARENT_RUN_TAG, "")
+        tracker.set_tags(
+            run_id,
+            {RESUMED_FROM_TAG: earlier, FLOW_RUN_TAG: current, PARENT_RUN_TAG: tracking.parent_run_id}
+            | ({RESUMED_FROM_PARENT_TAG: former} if former else {}),
+        )
         tracker.set_tags(
             tracking.parent_run_id, {RESUMED_FROM_TAG: earlier, f"stage.{stage}.resumed_from_flow_run": earlier}
         )

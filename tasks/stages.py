@@ -20,7 +20,7 @@ from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.run import PolicyInputs
-from rlhf.stages import DPO, ENSEMBLE, EVALUATE, INIT, PPO, PREPARE, REWARD, SFT
+from rlhf.stages import DPO, ENSEMBLE, EVALUATE, GPU_TAG, INIT, PPO, PREPARE, REWARD, SFT
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
 from rlhf.train import dpo as dpo_training
 from rlhf.train import reward as reward_training
@@ -97,7 +97,7 @@ def prepare_preferences(
     )
 
 
-@task(name=SFT.task, tags=["gpu"], **STAGE)
+@task(name=SFT.task, tags=[GPU_TAG], **STAGE)
 def supervised_finetune(
     sft_cfg: SFTConfig, prepared: PreparedData, seed: int, runtime: RuntimeConfig, tracking: TrackingContext
 ) -> SFTModel:
@@ -128,7 +128,7 @@ def supervised_finetune(
     )
 
 
-@task(name=REWARD.task, tags=["gpu"], **STAGE)
+@task(name=REWARD.task, tags=[GPU_TAG], **STAGE)
 def train_reward_model(
     reward_cfg: RewardConfig,
     sft_model: SFTModel,
@@ -162,7 +162,7 @@ def train_reward_model(
     )
 
 
-@task(name=ENSEMBLE.task, tags=["gpu"], **STAGE)
+@task(name=ENSEMBLE.task, tags=[GPU_TAG], **STAGE)
 def combine_reward_ensemble(
     reward_cfg: RewardConfig,
     members: list[RewardModel],
@@ -190,7 +190,7 @@ def combine_reward_ensemble(
     )
 
 
-@task(name=INIT.task, tags=["gpu"], **STAGE)
+@task(name=INIT.task, tags=[GPU_TAG], **STAGE)
 def init_policy_models(
     sft_model: SFTModel,
     reward_model: RewardModel | None,
@@ -229,7 +229,7 @@ def init_policy_models(
     )
 
 
-@task(name=PPO.task, tags=["gpu"], **STAGE)
+@task(name=PPO.task, tags=[GPU_TAG], **STAGE)
 def train_policy_ppo(
     ppo_cfg: PPOConfig,
     ppo_init: PolicyInit,
@@ -299,7 +299,7 @@ def train_policy_ppo(
     )
 
 
-@task(name=DPO.task, tags=["gpu"], **STAGE)
+@task(name=DPO.task, tags=[GPU_TAG], **STAGE)
 def train_policy_dpo(
     dpo_cfg: DPOConfig,
     sft_model: SFTModel,
@@ -341,7 +341,7 @@ def train_policy_dpo(
     )
 
 
-@task(name=EVALUATE.task, tags=["gpu"], **STAGE)
+@task(name=EVALUATE.task, tags=[GPU_TAG], **STAGE)
 def evaluate_policies(
     eval_cfg: EvalConfig,
     ppo_cfg: PPOConfig,

@@ -619,6 +619,13 @@ CASES: list[Case] = [
         lambda f, a: [f"tracking.uri=http://127.0.0.1:{_free_port()}"],
         ("tracking.uri: no MLflow tracking server answers",),
     ),
+    Case(  # MLflow's convention: MLFLOW_TRACKING_URI is tracking.uri where the config names none
+        "environment",
+        "tracking-server-down-from-the-environment",
+        lambda f, a: [],
+        ("tracking.uri: no MLflow tracking server answers at http://127.0.0.1:", "came from $MLFLOW_TRACKING_URI"),
+        env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:{port}"},
+    ),
     Case(
         "environment",
         "tracking-store-in-a-file",
@@ -703,7 +710,7 @@ def _argv(case: Case, folder: Path, assets: Assets) -> list[str]:
     if case.whole_argv:
         return made
     store = [f"tracking.uri=sqlite:///{folder}/mlflow.db", f"tracking.artifact_location={folder}/artifacts"]
-    if not any(m.startswith("tracking.uri=") for m in made):
+    if not any(m.startswith("tracking.uri=") for m in made) and "MLFLOW_TRACKING_URI" not in case.env:
         made = [*store, *made]
     return ["--config", SMOKE, f"runtime.output_dir={folder}/out", *made]
 

@@ -274,3 +274,51 @@ def test_data_encoding_is_a_codec_python_knows():
     assert load_config(None, ["data.encoding=latin-1"]).data.encoding == "latin-1"
     with pytest.raises(ConfigError, match=r"data.encoding 'latin-42' is not a text encoding Python knows"):
         load_config(None, ["data.encoding=latin-42"])
+
+
+def test_mlflow_tracking_uri_is_the_default_store_and_a_config_or_an_override_still_wins(tmp_path, monkeypatch):
+    """MLflow's convention: where MLFLOW_TRACKING_URI is set, it is tracking.uri unless the config file or an
+    override names one; a tracking server keeps its own artifact store, a local store gets mlruns/artifacts."""
+    from rlhf.config.sections import DEFAULT_TRACKING_URI, LOCAL_ARTIFACTS, tracking_uri_origin
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    unset = load_config(REPO / "conf" / "default.yaml").tracking
+    assert (unset.uri, unset.artifact_location) == (DEFAULT_TRACKING_URI, LOCAL_ARTIFACTS)
+    assert tracking_uri_origin(unset.uri) == "the default"
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.team:5000")
+    for path in (None, REPO / "conf" / "default.yaml", REPO / "conf" / "smoke.yaml"):
+        tracking = load_config(path).tracking
+        assert (tracking.uri, tracking.artifact_location) == ("http://mlflow.team:5000", None), path
+        assert tracking_uri_origin(tracking.uri) == "MLFLOW_TRACKING_URI"
+    assert flatten(load_config(None))["tracking.uri"] == "http://mlflow.team:5000"  # the run's params
+    override = load_config(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]).tracking
+    assert (override.uri, override.artifact_location) == (f"sqlite:///{tmp_path}/mlflow.db", LOCAL_ARTIFACTS)
+    assert tracking_uri_origin(override.uri) == "tracking.uri"
+    (tmp_path / "mine.yaml").write_text("tracking:\n  uri: http://other:5000\n  artifact_location: s3://bucket/x\n")
+    named = load_config(tmp_path / "mine.yaml").tracking
+    assert (named.uri, named.artifact_location) == ("http://other:5000", "s3://bucket/x")
+
+
+def test_an_old_min_length_config_read_differently_now_gets_one_warning(caplog, monkeypatch):
+    """Before ppo.min_length_mode was split out, ppo.missing_eos_mode: replace also made ppo.min_length_penalty
+    replace the score; such a config (no min_length_mode) now subtracts, and says so in one line, once; a config that
+    names the mode, or keeps missing_eos_mode at subtract, is read as before and says nothing."""
+    import logging
+
+    from rlhf.config import base
+
+    monkeypatch.setattr(base, "_warned", set())  # once per process: this test sees its own
+    old = ["ppo.min_response_length=4", "ppo.min_length_penalty=-1", "ppo.missing_eos_mode=replace"]
+    with caplog.at_level(logging.WARNING, logger="rlhf.config"):
+        assert load_config(None, [*old, "ppo.min_length_mode=replace"]).ppo.min_length_mode == "replace"
+        load_config(None, old[:2])
+        assert [r for r in caplog.records if r.name == "rlhf.config"] == []
+        assert load_config(None, old).ppo.min_length_mode == "subtract"
+        load_config(None, old)
+    warned = [r.getMessage() for r in caplog.records if r.name == "rlhf.config"]
+    assert len(warned) == 1 and "\n" not in warned[0], warned
+    assert (
+        warned[0].startswith("warning: ppo.min_length_penalty now subtracts")
+        and "min_length_mode: replace" in warned[0]
+    )

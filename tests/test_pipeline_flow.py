@@ -37,6 +37,8 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert (summary[PPO_EPISODES], summary[SFT_STEPS]) == (cfg.ppo.total_episodes, cfg.sft.steps)
     assert format_summary(summary).splitlines()[2].startswith("NOTE: a plumbing check, not learning: 64 PPO episodes")
     assert plumbing_check(summary) and "NOTE" not in format_summary({**summary, PPO_EPISODES: 6400, SFT_STEPS: 400})
+    # the store the run logged to, and where that came from (the override: MLFLOW_TRACKING_URI is not set here)
+    assert f"{'MLflow store':<40}{uri} (tracking.uri)" in format_summary(summary).splitlines()
     # ... and so does every place a run started from the browser is looked at: the flow run's log, the evaluation
     # table's description (and a row), the MLflow run's description
     note = "NOTE: a plumbing check, not learning: 64 PPO episodes"

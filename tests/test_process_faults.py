@@ -334,5 +334,9 @@ def test_sigkill_mid_critic_free_ppo_leaves_a_crashed_flow_run_the_rerun_names(t
     )
     assert tags["rlhf.resumed_from_run"] == parents["KILLED"].info.run_id
     assert tags["stage.train_policy_ppo.resumed_from"] == crashed["name"]
+    # the resumed PPO run is a child of the rerun's pipeline run, beside its evaluation, and names the killed one
+    (run,) = stage_runs(tmp_path, "train_policy_ppo")
+    assert run.data.tags["mlflow.parentRunId"] == parents["FINISHED"].info.run_id
+    assert run.data.tags["rlhf.resumed_from_parent_run"] == parents["KILLED"].info.run_id
     (final,) = (tmp_path / "out" / "train_policy_ppo").glob("*/final")
     assert (final / "policy").is_dir() and not (final / "value").exists()  # critic-free: no value model

@@ -24,15 +24,31 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
-from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+from prefect.settings import (
+    PREFECT_API_AUTH_STRING,
+    PREFECT_API_URL,
+    PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+    temporary_settings,
+)
 
 import tests.test_process_faults as faults
 from flows.crashed_runs import ZOMBIE_AFTER_S
+from flows.summary import TRACKING_URI_FROM
 from flows.sweep import rlhf_sweep
 from flows.team_database import migration_revisions, parse_database
-from flows.team_servers import Plan, exports, read_login
+from flows.team_servers import (
+    RESULTS_ENV,
+    Login,
+    Plan,
+    build_parser,
+    exports,
+    free_orphaned_slots,
+    read_login,
+    server_commands,
+)
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
+from rlhf.config.sections import TRACKING_URI_ENV
 from rlhf.sweeps.space import parse_space
 from rlhf.tracking.client import Tracker
 from tests.conftest import REPO, drain_prefect_services, free_port, seed_prefect_home
@@ -43,7 +59,8 @@ pytestmark = pytest.mark.xdist_group("postgres")
 psycopg2 = pytest.importorskip("psycopg2", reason="the team extra is not installed: pip install -e '.[team]'")
 
 LOGIN = ("alice", "team-password-123")
-RLHF = str(Path(sys.executable).parent / "rlhf")
+BIN = Path(sys.executable).parent
+RLHF = str(BIN / "rlhf")
 
 
 def serve_error(capsys, argv: list[str]) -> str:
@@ -147,6 +164,7 @@ def test_the_printed_exports_run_as_they_are_in_a_shell(tmp_path):
         5000,
         "/srv/artifacts",
         tmp_path,
+        Path("/srv/rlhf/results"),
     )
     text = exports(plan)
     assert LOGIN[1] not in text
@@ -158,6 +176,33 @@ def test_the_printed_exports_run_as_they_are_in_a_shell(tmp_path):
     assert env["PREFECT_API_URL"] == "http://rlhf.internal:4200/api"
     assert env["PREFECT_API_AUTH_STRING"] == ":".join(LOGIN)
     assert (env["MLFLOW_TRACKING_USERNAME"], env["MLFLOW_TRACKING_PASSWORD"]) == LOGIN
+    assert env["MLFLOW_TRACKING_URI"] == "http://rlhf.internal:5000"  # the default tracking.uri of the runs there
+    assert env[RESULTS_ENV] == "/srv/rlhf/results"  # the stage cache, under Prefect's one name for it
+    assert "PREFECT_LOCAL_STORAGE_PATH" not in text and "tracking.uri=" not in text
+
+
+def test_the_mlflow_server_answers_the_names_it_is_served_on_and_no_wildcard(tmp_path):
+    """MLflow's check of the Host header (against DNS rebinding) stays on: the public name, the bound address,
+    loopback and the names given with --allowed-hosts, each bare and with the port; never `*`."""
+    args = build_parser().parse_args(["--host", "10.0.0.5", "--public-host", "rlhf.internal", "--mlflow-port", "5000"])
+    args.allowed_hosts = "mlflow.team.example, 192.168.1.9"
+    plan = Plan(
+        parse_database("postgresql://rlhf@db.internal/rlhf", True),
+        None,
+        args.host,
+        args.public_host,
+        4200,
+        args.mlflow_port,
+        "/srv/artifacts",
+        tmp_path,
+        tmp_path / "results",
+        tuple(name.strip() for name in args.allowed_hosts.split(",")),
+    )
+    (_, mlflow) = server_commands(plan)
+    hosts = mlflow[mlflow.index("--allowed-hosts") + 1].split(",")
+    assert not any("*" in host for host in hosts), hosts
+    for name in ("rlhf.internal", "10.0.0.5", "127.0.0.1", "localhost", "[::1]", "mlflow.team.example", "192.168.1.9"):
+        assert {name, f"{name}:5000"} <= set(hosts), (name, hosts)
 
 
 # -- the servers ---------------------------------------------------------------------------------------------------
@@ -173,20 +218,18 @@ def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
     env |= postgres_server.env | {"RLHF_SERVE_AUTH": ":".join(LOGIN), "PREFECT_HOME": seed_prefect_home(tmp / "home")}
     args = [RLHF, "serve", "--database", postgres_server.url_for("team"), "--state", str(tmp)]
     args += ["--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]
-    args += ["--artifacts", str(tmp / "artifacts")]
+    args += ["--artifacts", str(tmp / "artifacts"), "--results", str(tmp / "results")]
     log = tmp / "serve.log"
-    serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    serve = start_serve(args, env, log)
+    team = {"serve": serve, "log": log, "args": args, "serve_env": env}
     try:
-        wait_until(lambda: "ready;" in log.read_text(), 300, "rlhf serve's start", serve, log)
         client = {k: v for k, v in env.items() if k != "RLHF_SERVE_AUTH"}
         client |= {
             "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
             "PREFECT_API_AUTH_STRING": ":".join(LOGIN),
         }
         client |= {"MLFLOW_TRACKING_USERNAME": LOGIN[0], "MLFLOW_TRACKING_PASSWORD": LOGIN[1]}
-        yield {
-            "serve": serve,
-            "log": log,
+        team |= {
             "api": client["PREFECT_API_URL"],
             "mlflow": f"http://127.0.0.1:{mlflow_port}",
             "env": client,
@@ -195,10 +238,19 @@ def team(postgres_server, tmp_path_factory) -> Iterator[dict]:
             "pgpassword": postgres_server.env["PGPASSWORD"],
             "servers": [p.pid for p in psutil.Process(serve.pid).children(recursive=True)],
         }
+        yield team
     finally:
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(60)
+        if team["serve"].poll() is None:
+            team["serve"].send_signal(signal.SIGTERM)
+            team["serve"].wait(60)
+
+
+def start_serve(args: list[str], env: dict[str, str], log: Path, ready: bool = True) -> subprocess.Popen:
+    """`rlhf serve args`, its output in `log`; with `ready`, once it printed that it is ready."""
+    serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    if ready:
+        wait_until(lambda: "ready;" in log.read_text(), 300, "rlhf serve's start", serve, log)
+    return serve
 
 
 @pytest.mark.slow
@@ -218,6 +270,9 @@ def test_both_servers_refuse_clients_without_or_with_wrong_credentials(team):
         for _ in range(2):  # the server's two workers
             assert httpx.get(mlflow, params={"max_results": 1}, auth=auth, timeout=30).status_code == expected, auth
             assert httpx.post(prefect, json={}, auth=auth, timeout=30).status_code == expected, auth
+    # MLflow's check against DNS rebinding is on: a name the server is not served on is refused
+    rebound = httpx.get(mlflow, params={"max_results": 1}, auth=LOGIN, headers={"Host": "rebind.example"}, timeout=30)
+    assert rebound.status_code in (400, 403), rebound.status_code
     # prefect.yaml is deployed to the process pool that workers start on
     deployment = httpx.get(f"{team['api']}/deployments/name/rlhf-run/run-pipeline", auth=LOGIN, timeout=30).json()
     assert deployment["work_pool_name"] == "rlhf-local"
@@ -267,7 +322,7 @@ def test_a_sweep_on_two_workers_lands_every_variant_exactly_once(team, tmp_path,
     """4 variants, `max_concurrency: 2`, as flow runs of the deployed pipeline picked up by two process workers:
     every variant's PPO and evaluation run is in MLflow once, with every PPO step once; nothing is left RUNNING."""
     storage = tmp_path / "results"  # Prefect's result store (the stage cache): shared by the sweep and the workers
-    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    env = team["env"] | {RESULTS_ENV: str(storage), "PYTHONPATH": str(REPO)}
     prefect = str(Path(sys.executable).parent / "prefect")
     workers = []
     try:
@@ -285,7 +340,7 @@ def test_a_sweep_on_two_workers_lands_every_variant_exactly_once(team, tmp_path,
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
         login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
-        with temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}):
+        with temporary_settings(updates=login | {PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}):
             try:
                 table = rlhf_sweep(base, space)["ranking"]
             finally:
@@ -341,6 +396,25 @@ def test_a_run_killed_mid_ppo_is_crashed_on_the_shared_server_and_the_rerun_name
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
 
 
+def printed_worker_script(team: dict) -> str:
+    """The lines `rlhf serve` printed for other machines, as they are (the venv's `prefect` named by its path), ending
+    with the worker it prints: what a team member pastes into a shell."""
+    printed = team["log"].read_text().split("On every machine that runs or starts flows", 1)[1].splitlines()
+    lines = [line.strip() for line in printed if line.strip().startswith(("export ", ".venv/bin/prefect worker"))]
+    assert lines[-1].startswith(".venv/bin/prefect worker start --pool rlhf-local"), lines
+    lines[-1] = "exec " + lines[-1].replace(".venv/bin/", f"{Path(sys.executable).parent}/", 1)
+    return "\n".join(lines)
+
+
+def printed_worker_env(team: dict) -> dict[str, str]:
+    """A team member's shell before the printed lines: the login in RLHF_SERVE_AUTH (as `rlhf serve` says), no
+    Prefect, MLflow or result settings of its own."""
+    env = {
+        k: v for k, v in team["env"].items() if not k.startswith(("PREFECT_API_", "MLFLOW_TRACKING_", "PREFECT_RES"))
+    }
+    return env | {"RLHF_SERVE_AUTH": ":".join(LOGIN)}
+
+
 def ppo_saved(out: Path) -> bool:
     """PPO saved a state, anywhere under `out` (a sweep's variants have folders of their own)."""
     return any(out.rglob("train_policy_ppo/*/state/trainer_state.pt"))
@@ -371,16 +445,14 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
     other run's help, the server's automation marks the flow run Crashed once its heartbeats stop (prefect.yaml gives
     a worker's runs one every HEARTBEAT_S); a rerun of the deployment on a new worker resumes PPO in the same MLflow
     run, every update once, names the crashed run, and marks its task runs Crashed."""
-    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"), "PYTHONPATH": str(REPO)}
     overrides = [*TINY, "ppo.save_every=1", "reward.save_every=1", f"runtime.output_dir={tmp_path}/out"]
-    overrides += [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-worker"]
     config = load_config(REPO / "conf" / "smoke.yaml", [*overrides, "tracking.experiment=team-worker"])
-    parameters = {"config": config.model_dump(mode="json")}
+    # as prefect.yaml's deployment holds it: no tracking.uri, no artifact location (the worker's environment decides)
+    parameters = {"config": config.model_dump(mode="json", exclude={"tracking": {"uri", "artifact_location"}})}
 
     def worker(name: str) -> tuple[subprocess.Popen, Path]:
         log = tmp_path / f"{name}.log"
-        prefect = str(Path(sys.executable).parent / "prefect")
-        proc = start([prefect, "worker", "start", "--pool", "rlhf-local"], env, log)
+        proc = start(["bash", "-euc", printed_worker_script(team)], printed_worker_env(team), log)
         wait_until(lambda: "started!" in log.read_text(errors="replace"), 120, f"{name} start", proc, log)
         return proc, log
 
@@ -406,6 +478,11 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
         second, log = worker("w2")
         try:
             rerun = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=600)
+            # the way docs/scaling.md gives to stop a worker: one SIGTERM, to the worker alone; with its runs ended,
+            # it stops at once (its exit code is Prefect's)
+            second.send_signal(signal.SIGTERM)
+            second.wait(60)
+            assert "stopped!" in log.read_text(errors="replace"), log.read_text(errors="replace")[-2000:]
         finally:
             stop(second)
         rerun = client.read_flow_run(rerun.id)
@@ -421,6 +498,10 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
     (pipeline,) = [run for run in tracker.pipeline_runs() if run.status == "FINISHED"]
     assert pipeline.tags["rlhf.resumed_from_flow_run_name"] == killed.name
+    # the store came from the printed MLFLOW_TRACKING_URI, and the run says so; its artifacts are the server's
+    assert (pipeline.params["tracking.uri"], pipeline.tags[TRACKING_URI_FROM]) == (team["mlflow"], TRACKING_URI_ENV)
+    assert list((team["tmp"] / "artifacts").rglob("rollout_samples.json"))
+    assert [p.name for p in (team["tmp"] / "results").iterdir()], "the workers' results are in the printed store"
 
 
 @pytest.mark.slow
@@ -432,7 +513,7 @@ def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_reru
     variant's Crashed state from the server's automation (its heartbeats stopped) and ends, its one variant failed,
     where it used to wait for good; the same sweep run again, with a new worker, resumes the variant's PPO."""
     storage = tmp_path / "results"
-    env = team["env"] | {"PREFECT_LOCAL_STORAGE_PATH": str(storage), "PYTHONPATH": str(REPO)}
+    env = team["env"] | {RESULTS_ENV: str(storage), "PYTHONPATH": str(REPO)}
     tracking = [f"tracking.uri={team['mlflow']}", "tracking.artifact_location=mlflow-artifacts:/team-dead-worker"]
     tracking += ["tracking.experiment=team-dead-worker", f"runtime.output_dir={tmp_path}/out"]
     base = load_config(REPO / "conf" / "smoke.yaml", [*TINY, "ppo.save_every=1", "reward.save_every=1", *tracking])
@@ -443,7 +524,7 @@ def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_reru
     prefect = str(Path(sys.executable).parent / "prefect")
     login = {PREFECT_API_URL: team["api"], PREFECT_API_AUTH_STRING: ":".join(LOGIN)}
     with (
-        temporary_settings(updates=login | {PREFECT_LOCAL_STORAGE_PATH: storage}),
+        temporary_settings(updates=login | {PREFECT_RESULTS_LOCAL_STORAGE_PATH: storage}),
         get_client(sync_client=True) as client,
     ):
         for attempt in ("killed", "rerun"):
@@ -475,6 +556,124 @@ def test_a_sweep_whose_worker_dies_records_the_variant_failed_and_the_sweep_reru
     (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
     assert ppo.status == "FINISHED"
     assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+
+
+def gpu_slots(team: dict) -> tuple[int, list[str]]:
+    """The `gpu` limit's taken slots, and the task runs whose leases hold them (what `prefect concurrency-limit
+    inspect gpu` lists)."""
+    taken = httpx.get(f"{team['api']}/v2/concurrency_limits/tag:gpu", auth=LOGIN, timeout=30).json()["active_slots"]
+    holders = httpx.get(f"{team['api']}/concurrency_limits/tag/gpu", auth=LOGIN, timeout=30).json()["active_slots"]
+    return taken, holders
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team, tmp_path, monkeypatch):
+    """`rlhf serve` stopped (SIGTERM) and started again with the same command while PPO, a `gpu` stage, holds the
+    limit's one slot (its process paused across the restart, so it holds it throughout): the restarted server still
+    knows the slot's lease and its holder, so the PPO stage gives the slot back when it ends, the evaluation (a `gpu`
+    stage too) starts, the run completes, and no slot is left taken. With leases kept in memory (Prefect's default) the
+    restarted server had lost the lease: the slot stayed taken and the evaluation waited for good."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY, "ppo.save_every=1"]
+    args += [f"runtime.output_dir={out}", "tracking.experiment=team-restart"]
+    log = tmp_path / "pipeline.log"
+    run = start(args, team["env"] | {"MLFLOW_TRACKING_URI": team["mlflow"]}, log)
+    try:
+        wait_until(lambda: ppo_saved(out), 300, "PPO's first saved state", run, log)
+        os.killpg(run.pid, signal.SIGSTOP)  # PPO holds the slot until it is let go on
+        try:
+            taken, (holder,) = gpu_slots(team)
+            assert taken == 1
+            team["serve"].send_signal(signal.SIGTERM)
+            assert team["serve"].wait(60) == 0
+            team["log"] = team["tmp"] / "serve-restarted.log"
+            team["serve"] = start_serve(team["args"], team["serve_env"], team["log"], ready=False)
+            health = f"{team['api']}/health"
+            wait_until(
+                lambda: httpx.get(health, timeout=5).status_code == 200, 300, "restart", team["serve"], team["log"]
+            )
+            assert gpu_slots(team) == (1, [holder])  # the lease survived the restart, its holder with it
+        finally:
+            os.killpg(run.pid, signal.SIGCONT)
+        wait_until(lambda: "ready;" in team["log"].read_text(), 300, "rlhf serve's restart", team["serve"], team["log"])
+        team["servers"] = [p.pid for p in psutil.Process(team["serve"].pid).children(recursive=True)]
+        assert run.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        stop(run)
+    assert "freed" not in team["log"].read_text()  # nothing was orphaned
+    assert gpu_slots(team) == (0, [])
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    tracker = Tracker(team["mlflow"], "team-restart")
+    stages = {run.tags.get("stage"): run.status for run in tracker.search_runs()}
+    assert stages["evaluate_policies"] == stages["train_policy_ppo"] == "FINISHED", stages
+
+
+def server_pid(team: dict, name: str) -> int:
+    """The pid of `rlhf serve`'s `prefect server` or `mlflow server` process (a child of its own session)."""
+    (pid,) = [
+        p.pid for p in psutil.Process(team["serve"].pid).children() if p.cmdline()[1:3] == [str(BIN / name), "server"]
+    ]
+    return pid
+
+
+@pytest.mark.slow
+@pytest.mark.team
+def test_the_mlflow_server_killed_mid_ppo_is_started_again_alone_and_the_run_loses_nothing(team, tmp_path, monkeypatch):
+    """SIGKILL to the MLflow server's processes while PPO trains: `rlhf serve` logs it and starts it again after its
+    back-off, the Prefect server serving on (the same process throughout); the run rides through on MLflow's retries
+    and completes, every PPO update logged once."""
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY, "ppo.save_every=1"]
+    args += [f"runtime.output_dir={out}", "tracking.experiment=team-mlflow-killed"]
+    log = tmp_path / "pipeline.log"
+    prefect, mlflow = server_pid(team, "prefect"), server_pid(team, "mlflow")
+    run = start(args, team["env"] | {"MLFLOW_TRACKING_URI": team["mlflow"]}, log)
+    try:
+        wait_until(lambda: ppo_saved(out), 300, "PPO's first saved state", run, log)
+        os.killpg(mlflow, signal.SIGKILL)  # the server and its uvicorn workers
+        assert run.wait(600) == 0, log.read_text()[-3000:]
+    finally:
+        stop(run)
+    said = team["log"].read_text()
+    assert "the MLflow server stopped with exit code -9" in said and "the MLflow server started again" in said, said
+    assert "the Prefect server stopped" not in said and team["serve"].poll() is None
+    assert server_pid(team, "prefect") == prefect and server_pid(team, "mlflow") != mlflow
+    team["servers"] = [p.pid for p in psutil.Process(team["serve"].pid).children(recursive=True)]
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", LOGIN[0])
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", LOGIN[1])
+    tracker = Tracker(team["mlflow"], "team-mlflow-killed")
+    (ppo,) = [run for run in tracker.search_runs() if run.tags.get("stage") == "train_policy_ppo"]
+    assert ppo.status == "FINISHED"
+    assert [step for step, _ in tracker.metric_history(ppo.run_id, "objective/kl")] == [1, 2]
+    (pipeline,) = tracker.pipeline_runs()
+    assert pipeline.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_an_orphaned_gpu_slot_is_freed_when_rlhf_serve_starts(team):
+    """A slot of the `gpu` limit that no lease holds (left by a restart of a server that kept its leases in memory, as
+    `rlhf serve` did before) is given back by `free_orphaned_slots`, which `rlhf serve` runs at its start (a held one
+    is not: the restart test above)."""
+    plan = Plan(
+        parse_database("postgresql://rlhf@127.0.0.1/team", True),
+        Login(*LOGIN),
+        "127.0.0.1",
+        "127.0.0.1",
+        int(team["api"].rsplit(":", 1)[1].split("/")[0]),
+        int(team["mlflow"].rsplit(":", 1)[1]),
+        str(team["tmp"] / "artifacts"),
+        team["tmp"],
+        team["tmp"] / "results",
+    )
+    assert gpu_slots(team) == (0, [])
+    assert free_orphaned_slots(plan) == 0
+    update = httpx.patch(f"{team['api']}/v2/concurrency_limits/tag:gpu", json={"active_slots": 1}, auth=LOGIN)
+    assert update.status_code == 204, update.text
+    assert gpu_slots(team) == (1, [])
+    assert free_orphaned_slots(plan) == 1
+    assert gpu_slots(team) == (0, [])
 
 
 @pytest.mark.slow

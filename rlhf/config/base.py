@@ -53,11 +53,16 @@ _warned: set[str] = set()
 LOG = logging.getLogger("rlhf.config")
 
 
+def warn_once(key: str, line: str) -> None:
+    """One line, once per process for each `key`: a config that a release reads differently from before."""
+    if key not in _warned:
+        _warned.add(key)
+        LOG.warning(line)
+
+
 def warn_renamed(old: str, new: str) -> None:
     """One line, once per process: the config used a key's old name."""
-    if old not in _warned:
-        _warned.add(old)
-        LOG.warning(f"warning: {old} is renamed {new}; the old name is read until the next release")
+    warn_once(old, f"warning: {old} is renamed {new}; the old name is read until the next release")
 
 
 def renamed_keys_table(sections: dict[str, type[Section]]) -> str:

@@ -4,12 +4,16 @@ current)."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from rlhf.config.base import Section, renamed_keys_table
 from rlhf.config.pipeline import PipelineConfig, flatten, load_config
+from rlhf.config.sections import TRACKING_URI_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 # The config `make run` uses (the embedded default): its values are shown where they differ from the model's defaults.
@@ -22,6 +26,21 @@ REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config
 def reference_markdown(default_yaml: str | Path | None = DEFAULT_YAML) -> str:
     """The config reference: every key with its type, its default in the config model (what a YAML file that leaves
     the key out gets), the value `make run` uses where conf/default.yaml sets another, and its description."""
+    with _environment_without(TRACKING_URI_ENV):  # the page shows the defaults of a machine that sets none
+        return _reference_markdown(default_yaml)
+
+
+@contextmanager
+def _environment_without(name: str) -> Iterator[None]:
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def _reference_markdown(default_yaml: str | Path | None) -> str:
     used: dict[str, object] = {}
     if default_yaml is not None and Path(default_yaml).is_file():
         used = flatten(load_config(default_yaml))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf.config.base import Section
+from rlhf.config.base import Section, warn_once
 from rlhf.config.estimators import (
     ESTIMATOR_NAMES,
     ESTIMATORS,
@@ -231,6 +231,25 @@ class PPOConfig(Section):
         "and the final policy is that of the evaluation with the best conservative score before the alarm). "
         "'stop' and 'keep_best' need eval_every.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _min_length_mode_was_missing_eos_mode(cls, data: Any) -> Any:
+        """Before min_length_mode was split out, missing_eos_mode applied to min_length_penalty too: a config that
+        sets the penalty with missing_eos_mode 'replace' and no min_length_mode is now read differently."""
+        if (
+            isinstance(data, dict)
+            and data.get("min_length_penalty") is not None
+            and data.get("missing_eos_mode") == "replace"
+            and "min_length_mode" not in data
+        ):
+            warn_once(
+                "ppo.min_length_mode",
+                "warning: ppo.min_length_penalty now subtracts from the score (ppo.min_length_mode: subtract, the "
+                "default); before, ppo.missing_eos_mode: replace made it replace the score: set ppo.min_length_mode: "
+                "replace to keep that",
+            )
+        return data
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PPOConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Literal
 
@@ -9,11 +10,41 @@ from pydantic import Field, field_validator, model_validator
 
 from rlhf.config.base import Section
 
+# MLflow's convention: the tracking URI of a process that names none. Where it is set (`rlhf serve` prints it for a
+# team's machines), it is the default of tracking.uri; a config file or an override still wins.
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_TRACKING_URI = "sqlite:///mlruns/mlflow.db"
+LOCAL_ARTIFACTS = "mlruns/artifacts"  # beside the default SQLite store
+
+
+def default_tracking_uri() -> str:
+    """tracking.uri where a config names none: $MLFLOW_TRACKING_URI where set, else the SQLite store in mlruns/."""
+    return os.environ.get(TRACKING_URI_ENV) or DEFAULT_TRACKING_URI
+
+
+def tracking_uri_origin(uri: str) -> str:
+    """Where a config's tracking.uri came from, in words: the environment variable, the default, or the config."""
+    if uri == os.environ.get(TRACKING_URI_ENV):
+        return TRACKING_URI_ENV
+    return "the default" if uri == DEFAULT_TRACKING_URI else "tracking.uri"
+
+
+def is_tracking_server(uri: str) -> bool:
+    """An MLflow tracking server (http or https), as opposed to a database or file store of this machine."""
+    return uri.startswith(("http://", "https://"))
+
 
 class TrackingConfig(Section):
-    uri: str = Field("sqlite:///mlruns/mlflow.db", description="MLflow tracking URI (SQLite file or a server URL).")
-    artifact_location: str = Field(
-        "mlruns/artifacts", description="Where new experiments store artifacts (a local folder or an object-store URI)."
+    uri: str = Field(
+        default_factory=default_tracking_uri,
+        description=f"MLflow tracking URI (SQLite file or a server URL). Default: ${TRACKING_URI_ENV} where it is "
+        f"set (MLflow's convention; `rlhf serve` prints it for a team's machines), else {DEFAULT_TRACKING_URI}.",
+    )
+    artifact_location: str | None = Field(
+        None,
+        description="Where new experiments store artifacts (a local folder or an object-store URI). None: "
+        f"{LOCAL_ARTIFACTS} for a store on this machine; the server's own artifact store for a tracking server "
+        "(http or https).",
     )
     experiment: str = Field("rlhf-ppo", description="MLflow experiment name.")
     log_checkpoints: bool = Field(True, description="Log every model checkpoint as an MLflow artifact.")
@@ -22,6 +53,12 @@ class TrackingConfig(Section):
         description="Register each pipeline run's PPO policy as a version of this MLflow registered model (tagged "
         "with the evaluation summary; a cached policy keeps its version). Needs log_checkpoints.",
     )
+
+    @model_validator(mode="after")
+    def _local_artifacts_beside_a_local_store(self) -> TrackingConfig:
+        if self.artifact_location is None and not is_tracking_server(self.uri):
+            self.artifact_location = LOCAL_ARTIFACTS
+        return self
 
     @model_validator(mode="after")
     def _registry_needs_checkpoints(self) -> TrackingConfig:
