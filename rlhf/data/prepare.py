@@ -77,11 +77,7 @@ def check_source(cfg: DataConfig, scan_limit: int = scan.PREFLIGHT_SCAN_BYTES) -
         sources.check_local_path("data.path", cfg.path, cfg.data_dir)
         sources.check_local_path("data.eval_path", cfg.eval_path)
         names = sources.peek_columns(cfg.path, cfg.encoding) if cfg.path else None
-        if names is not None:
-            row_columns.check_source_columns(cfg.row_columns, names, str(cfg.path))
-        eval_names = sources.peek_columns(cfg.eval_path, cfg.encoding) if cfg.eval_path else None
-        if eval_names is not None:
-            row_columns.check_source_columns(cfg.row_columns, eval_names, str(cfg.eval_path))
+        row_columns.check_files(cfg.row_columns, [cfg.path, cfg.eval_path], cfg.encoding)
         for role, column in cfg.columns.items():
             if names is not None and column not in names:
                 raise DataError(
@@ -266,17 +262,14 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str, length_limits: Leng
         eval_pos, eval_table = outcome.kept[1], checked[1].table
         if not len(eval_pos):
             raise DataError(f"{eval_src.label}: no usable held-out pairs remain after validation")
-    kept_columns = cfg.row_columns
-    for src in (train_src, eval_src):
-        if src is not None:
-            row_columns.check_source_columns(kept_columns, src.rows.column_names, src.label)
-            _check_row_values(cfg, src)
+    kept = cfg.row_columns
+    for src in filter(None, (train_src, eval_src)):
+        row_columns.check_source_columns(kept, src.rows.column_names, src.label)
+        _check_row_values(cfg, src)
     eval_rows = train_src.rows if eval_src is None else eval_src.rows
     rows = {
-        "train": output.write_rows(
-            train_table, train_pos, tmp / "train.parquet", "pairs", train_src.rows, kept_columns
-        ),
-        "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs", eval_rows, kept_columns),
+        "train": output.write_rows(train_table, train_pos, tmp / "train.parquet", "pairs", train_src.rows, kept),
+        "eval": output.write_rows(eval_table, eval_pos, tmp / "eval.parquet", "pairs", eval_rows, kept),
         "sft": output.write_rows(train_table, train_pos, tmp / "sft.parquet", "sft"),
     }
     prompt_info, prompt_table, prompt_pos = _write_prompts(
@@ -317,13 +310,9 @@ def _split_label(cfg: DataConfig) -> str:
 
 
 def _check_row_values(cfg: DataConfig, src: sources.Source) -> None:
-    """Every row's row columns checked by the gold reward's own `check_row` where it has one (IFEval's and IFBench's
-    verifiers: known instruction ids, kwargs their checkers take): DataError naming the row of the source."""
-    check = getattr(load_reward_function(cfg.gold_reward).fn, "check_row", None) if cfg.gold_reward else None
-    if check is None or not cfg.row_columns:
-        return
-    for row, values in enumerate(src.rows.select_columns(cfg.row_columns)):
-        check(values, f"row {row} of {src.label}")
+    """The source's row columns checked by the gold reward's own `check_row` where it has one."""
+    if cfg.gold_reward and cfg.row_columns:
+        row_columns.check_rows(load_reward_function(cfg.gold_reward).fn, cfg.row_columns, src.rows, src.label)
 
 
 def _write_prompts(

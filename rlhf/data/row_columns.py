@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf.data.sources import peek_columns
 from rlhf.errors import ConfigError, DataError
 
 SCHEMA_KEY = b"rlhf.row_columns"  # Parquet schema metadata: the JSON list of a file's row columns
@@ -77,6 +78,23 @@ def check_source_columns(names: list[str], available: list[str], label: str) -> 
                 f"data.row_columns: column '{name}' is not in {label} (found: {', '.join(available)}); a reward "
                 "function that takes it needs it in every row"
             )
+
+
+def check_files(names: list[str], paths: list[str | None], encoding: str = "utf-8") -> None:
+    """`check_source_columns` on each local file whose columns are cheap to read (before anything else runs)."""
+    for path in filter(None, paths):
+        available = peek_columns(path, encoding) if names else None
+        if available is not None:
+            check_source_columns(names, available, str(path))
+
+
+def check_rows(fn: Callable, names: list[str], rows: Any, label: str) -> None:
+    """Every row's kept columns checked by `fn`'s own ``check_row(values, where)``, where it has one (IFEval's and
+    IFBench's verifiers: known instruction ids, kwargs their checkers take); its DataError names the row."""
+    check = getattr(fn, "check_row", None)
+    if check is not None:
+        for row, values in enumerate(rows.select_columns(names)):
+            check(values, f"row {row} of {label}")
 
 
 def encode(values: list[Any]) -> pa.Array:
