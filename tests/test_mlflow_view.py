@@ -33,6 +33,9 @@ def test_the_saved_view_has_the_columns_and_the_ppo_charts_first():
     assert {"metrics.`eval/kl`", "metrics.`reward/best_eval_accuracy`", "params.`ppo.kl_coef`"} <= set(
         state["selectedColumns"]
     )
+    # the objective that trained the policy ('GRPO'), not the param `algorithm` ('ppo' for every online objective)
+    assert state["selectedColumns"][0] == "tags.`rlhf.objective_label`"
+    assert "params.`algorithm`" not in state["selectedColumns"]
     sections = [s["name"] for s in state["compareRunSections"]]
     assert sections[:2] == ["objective", "periodic_eval"] and state["isAccordionReordered"]
     assert state["compareRunCharts"] == []  # the UI adds a chart per metric to its section, in this order

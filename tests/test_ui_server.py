@@ -262,14 +262,16 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [form_run_id]}}}
     ).json()
     progress = {a["description"].split(":")[0]: a for a in artifacts if a["type"] == "progress"}
-    assert set(progress) == {"RLHF pipeline", "sft", "reward", "ppo"}  # the stages, and each trainer's steps
+    assert set(progress) == {"RLHF pipeline", "sft", "reward", "PPO"}  # the stages, and each trainer's steps
     assert all(a["data"] == 100.0 for a in progress.values())
     assert progress["RLHF pipeline"]["description"] == "RLHF pipeline: evaluation done (6/6), finished"
-    assert progress["ppo"]["description"].startswith("ppo: step 2 of 2; score ")
-    assert "KL " in progress["ppo"]["description"]
+    assert progress["PPO"]["description"].startswith("PPO: step 2 of 2; score ")
+    assert "KL " in progress["PPO"]["description"]
     by_key = {a["key"]: a for a in artifacts if a["key"]}
-    table = json.loads(by_key["rlhf-evaluation"]["data"])
+    table = json.loads(by_key["rlhf-evaluation-figures"]["data"])
     assert {"eval/kl", "reward/best_eval_accuracy"} <= {row["metric"] for row in table}
+    # the short table links the full one on the server's UI
+    assert f"/artifacts/artifact/{by_key['rlhf-evaluation-figures']['id']})" in by_key["rlhf-evaluation"]["data"]
 
     experiment = form_client.get_experiment_by_name(config.tracking.experiment)
     link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{form_parent.info.run_id}"

@@ -18,6 +18,7 @@ import os
 import zlib
 from urllib.parse import quote
 
+from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.metrics import (
     EVAL_KL,
     EVAL_POLICY_GOLD,
@@ -47,9 +48,11 @@ COLUMN_METRICS = (
     EVAL_POLICY_LENGTH,
     TIME_POLICY_TRAIN,
 )
-# the algorithm first: a study's runs (make study) read as arm and seed beside their win rates
+# What trained the policy first, as the summary names it ('PPO', 'GRPO', 'GSPO', 'DPO'; the param `algorithm` says
+# 'ppo' for every objective of the online stage): a study's runs (make study) read as arm and seed beside their win
+# rates
+COLUMN_TAGS = (OBJECTIVE_LABEL_TAG,)
 COLUMN_PARAMS = (
-    "algorithm",
     "ppo.advantage_estimator",
     "policy_seed",
     "ppo.kl_coef",
@@ -96,7 +99,7 @@ def copy_ppo_curves(tracker, ppo_run_id: str | None, pipeline_run_id: str) -> No
 
 
 def column_key(kind: str, name: str) -> str:
-    """The runs table's id of a column: ``metrics.`eval/kl```, ``params.`ppo.kl_coef```."""
+    """The runs table's id of a column: ``metrics.`eval/kl```, ``params.`ppo.kl_coef```, ``tags.`rlhf.cached```."""
     return f"{kind}.`{name}`"
 
 
@@ -118,6 +121,7 @@ def default_view() -> dict:
         "orderByKey": "attributes.start_time",
         "orderByAsc": False,
         "selectedColumns": [
+            *(column_key("tags", t) for t in COLUMN_TAGS),
             *(column_key("metrics", m) for m in COLUMN_METRICS),
             *(column_key("params", p) for p in COLUMN_PARAMS),
         ],
