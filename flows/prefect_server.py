@@ -94,7 +94,7 @@ class RetryBusyRequests:
                     await send(message)
 
             try:
-                await self.app(scope, replay, forward)
+                await self.app(dict(scope), replay, forward)  # a copy: routing writes into the scope it is given
             except Exception:  # Starlette raises the error again once its handler has answered (the 503)
                 if not busy:
                     raise

@@ -25,7 +25,7 @@ def _asgi_call(app, body: bytes) -> tuple[int, bytes]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(app({"type": "http", "method": "POST", "path": "/api/x"}, receive, send))
+    asyncio.run(app({"type": "http", "method": "POST", "path": "/api/x", "root_path": ""}, receive, send))
     (start,) = [m for m in sent if m["type"] == "http.response.start"]
     return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
@@ -36,6 +36,8 @@ def _busy_then_created(busy_answers: int, raise_after_busy: bool = False):
     seen: list[bytes] = []
 
     async def app(scope, receive, send) -> None:
+        assert scope["root_path"] == "", "the scope the client sent, not one an earlier try changed"
+        scope["root_path"] += "/api"  # as Starlette's Mount does
         message = await receive()
         seen.append(message["body"])
         status = BUSY if len(seen) <= busy_answers else 201
