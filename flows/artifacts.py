@@ -70,8 +70,9 @@ def link_mlflow_comparison(tracking: TrackingConfig | TrackingContext, run_ids: 
             link_text=text,
             key=key,
             description=f"MLflow's comparison of {len(run_ids)} runs of experiment '{tracking.experiment}' in its "
-            "model-training view (MLflow's own Compare button opens the GenAI view instead). The link needs the MLflow "
-            "UI running: make ui starts it with the Prefect UI, make mlflow-ui alone.",
+            "model-training view (MLflow's own Compare button opens the GenAI view in a browser that has not chosen "
+            "Model training in MLflow's side bar: docs/orchestration.md). The link needs the MLflow UI running: make "
+            "ui starts it with the Prefect UI, make mlflow-ui alone.",
         )
     except Exception as err:
         _warn("MLflow comparison link", err)

@@ -46,6 +46,7 @@ def test_the_tracker_writes_the_view_on_new_and_existing_experiments(tmp_path):
     tracker = Tracker(uri, "views", str(tmp_path / "art"))
     tags = tracker.client.get_experiment(tracker.experiment_id).tags
     assert tags[VIEW_TAG] == default_view_json()
+    assert tags["mlflow.experimentKind"] == "custom_model_development"  # model training, not GenAI
     tracker.client.set_experiment_tag(tracker.experiment_id, VIEW_TAG, "{}")  # e.g. written by an older version
     again = Tracker(uri, "views")
     assert again.client.get_experiment(again.experiment_id).tags[VIEW_TAG] == default_view_json()

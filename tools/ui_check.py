@@ -24,6 +24,10 @@ the form's parameters, waits for it, and writes screenshots to outputs/ui-check/
     04b-mlflow-experiment-charts.png  the same view's charts: the PPO sections first
     05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens): its description the NOTE
     06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
+    09-mlflow-home-experiment-new-browser.png  MLflow's home -> rlhf-ppo in a browser that never chose a view
+                               (MLflow 3.17: GenAI)
+    09b-mlflow-home-experiment.png, 09c-mlflow-native-compare.png  the same path and MLflow's own Compare page after
+                               the user's one step, the side bar's Model training: the model-training navigation
     07-prefect-sweep-artifacts.png  a two-arm study started from the sweep form: its flow run's Artifacts tab, the
                                ranking and the study table both on the flow run
     07b-prefect-sweep-ranking.png, 07c-prefect-study-table.png  the two tables, the KL column in view
@@ -323,6 +327,60 @@ def check_mlflow(driver, mlflow_url: str, flow_run_id: str, out: Path, check: Ch
         shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
 
 
+GENAI_ONLY = ("Judges", "Sessions")  # side-bar entries of MLflow's GenAI navigation, not of model training
+WORKFLOW_KEY = "mlflow.workflowType_v1"  # where MLflow 3.17's UI keeps the side bar's choice (browser local storage)
+
+
+def check_mlflow_navigation(driver, mlflow_url: str, out: Path, check: Checks) -> None:
+    """The ways into MLflow the project does not write: its root, Recent Experiments, the native Compare. MLflow 3.17
+    opens them in the view chosen last in the browser (GenAI before any choice): first as a new browser sees them,
+    then after the user's one step (docs/orchestration.md), the side bar's *Model training*, where each must land in
+    the model-training navigation."""
+    from mlflow.tracking import MlflowClient
+    from selenium.webdriver.common.by import By
+
+    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf-ppo")
+    check(exp.tags.get("mlflow.experimentKind") == "custom_model_development", "the experiment's kind: model training")
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=2)
+    ids, compact = [r.info.run_id for r in runs], {"separators": (",", ":")}
+    # the page MLflow's own Compare button opens (no workflowType)
+    compare = f"{mlflow_url}/#/compare-runs?runs={json.dumps(ids, **compact)}"
+    compare += f"&experiments={json.dumps([exp.experiment_id], **compact)}"
+
+    def home_to_experiment(name: str) -> str:
+        driver.get(f"{mlflow_url}/#/")
+        time.sleep(8.0)
+        links = [e for e in driver.find_elements(By.XPATH, "//a[normalize-space(.)='rlhf-ppo']") if e.is_displayed()]
+        if links:
+            links[0].click()
+            time.sleep(6.0)
+        driver.save_screenshot(str(out / name))
+        print(f"ui-check: {name}: MLflow home -> rlhf-ppo lands on {driver.current_url}", flush=True)
+        return driver.current_url
+
+    driver.get(f"{mlflow_url}/#/")
+    driver.execute_script(f"window.localStorage.removeItem('{WORKFLOW_KEY}')")  # a browser that never chose
+    home_to_experiment("09-mlflow-home-experiment-new-browser.png")
+    driver.get(f"{mlflow_url}/#/")
+    time.sleep(8.0)
+    switch = [e for e in driver.find_elements(By.XPATH, "//*[normalize-space(.)='Model training']") if e.is_displayed()]
+    if switch:
+        switch[-1].click()
+        time.sleep(2.0)
+    chosen = driver.execute_script(f"return window.localStorage.getItem('{WORKFLOW_KEY}')")
+    check(chosen == '"machine_learning"', f"the side bar's Model training is kept in the browser: {chosen}")
+    url = home_to_experiment("09b-mlflow-home-experiment.png")
+    shown = page_text(driver)
+    check(
+        "genai" not in url and not any(entry in shown for entry in GENAI_ONLY),
+        f"MLflow home -> rlhf-ppo lands in model training: {url}",
+    )
+    shoot(driver, compare, out / "09c-mlflow-native-compare.png", 8)
+    shown = page_text(driver)
+    check(not any(entry in shown for entry in GENAI_ONLY), "MLflow's own Compare page stays in model training")
+
+
 def check_ctrl_c(ui: subprocess.Popen, api: str, form_id: str, log_path: Path, out: Path, check: Checks) -> None:
     """Start a long run, stop `make ui` with SIGINT (Ctrl-C reaches make and `rlhf ui`) once a stage's MLflow run is
     open: what is printed after the signal has no traceback, and the run's MLflow runs end KILLED."""
@@ -399,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "03-prefect-artifacts.png", tab="Artifacts")
         check_pipeline_run(driver, api, ui_url, flow_run_id, out, check)
         check_mlflow(driver, mlflow_url, flow_run_id, out, check)
+        check_mlflow_navigation(driver, mlflow_url, out, check)
         if not args.no_study:
             sweep_form = deployment(api, "rlhf-sweep-run/run-sweep", 60)
             base = {"config_file": "conf/smoke.yaml", "overrides": []}

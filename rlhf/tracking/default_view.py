@@ -132,6 +132,18 @@ def default_view() -> dict:
     }
 
 
+# MLflow 3's kind of an experiment (the tag its experiment-type selector writes): model training, not GenAI. MLflow
+# 3.17's UI does not choose its navigation from it: it takes the URL's `workflowType`, else the choice last made in
+# the browser's side-bar switch (kept in local storage), else GenAI. The tag says what the experiment is to the
+# MLflow versions and clients that read it; docs/orchestration.md has the user's one click for 3.17.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+
+
+def experiment_tags() -> dict[str, str]:
+    """The tags every experiment the pipeline logs to carries: its kind and the saved view."""
+    return {KIND_TAG: KIND, VIEW_TAG: default_view_json()}
+
+
 def default_view_json() -> str:
     """The tag's value, as the UI's "Save as new view" writes it: a name, and the state deflated and base64-encoded
     (the UI lists such tags under *Views*)."""
