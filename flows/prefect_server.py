@@ -15,9 +15,9 @@ the write (a reader's snapshot cannot become a writer after another commit), Pre
 1. The schema check is done once per schema (`check_schemas_once`): the deployments' schemas do not change while
    the server runs, and a schema that fails the check is checked again every time (and refused, as before). The
    parameters themselves are still validated against the schema on every run created.
-2. A request answered 503 (Prefect's answer to SQLite's "database is locked" and its other retryable errors,
-   after rolling the transaction back) is tried again, up to `RETRIES` times (`RetryBusyRequests`), as Prefect's
-   own Python client does; the browser UI does not retry.
+2. The form's Submit answered 503 (Prefect's answer to SQLite's "database is locked" and its other retryable
+   errors, after rolling the transaction back) is tried again, up to `RETRIES` times (`RetryBusyRequests`), as
+   Prefect's own Python client retries its requests; the browser UI does not retry.
 
 Everything else is ``prefect server start``'s foreground server: the API, the UI and the background services in
 one process, its settings from the environment.
@@ -40,6 +40,9 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message],
 RETRIES = 6  # tries of a request answered 503, after the first
 RETRY_WAIT_S = 0.25  # the wait before the first retry, doubled before each next one (0.25 + 0.5 + ... = 15.75 s)
 BUSY = 503  # what Prefect answers for a retryable database error (SQLite busy or locked), nothing written
+# the request retried: the form's Submit (POST /api/deployments/<id>/create_flow_run). Prefect's Python clients (the
+# serve process, the runs) retry a 503 themselves, each try within their own timeout; the browser UI does not.
+RETRIED_PATH = "/create_flow_run"
 
 
 def check_schemas_once() -> None:
@@ -61,14 +64,15 @@ def check_schemas_once() -> None:
 
 
 class RetryBusyRequests:
-    """ASGI middleware: an HTTP request answered `BUSY` is sent to the app again (its body replayed), up to
-    `RETRIES` times with doubling waits; the last answer goes to the client. Other answers pass as they come."""
+    """ASGI middleware: a request to create a flow run (`RETRIED_PATH`) answered `BUSY` is sent to the app again (its
+    body replayed), up to `RETRIES` times with doubling waits; the last answer goes to the client. Other requests and
+    answers pass as they come."""
 
     def __init__(self, app: ASGIApp, retries: int = RETRIES, wait_s: float = RETRY_WAIT_S) -> None:
         self.app, self.retries, self.wait_s = app, retries, wait_s
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]], send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not scope["path"].endswith(RETRIED_PATH):
             await self.app(scope, receive, send)
             return
         body = b""

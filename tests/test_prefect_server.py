@@ -14,7 +14,7 @@ from prefect.utilities.schema_tools import validation as prefect_validation
 from flows.prefect_server import BUSY, RetryBusyRequests, check_schemas_once
 
 
-def _asgi_call(app, body: bytes) -> tuple[int, bytes]:
+def _asgi_call(app, body: bytes, path: str = "/api/deployments/d/create_flow_run") -> tuple[int, bytes]:
     """One POST through an ASGI app, its body in two parts; returns (status, response body)."""
     parts = [body[:3], body[3:]]
     sent: list[dict] = []
@@ -25,7 +25,7 @@ def _asgi_call(app, body: bytes) -> tuple[int, bytes]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(app({"type": "http", "method": "POST", "path": "/api/x", "root_path": ""}, receive, send))
+    asyncio.run(app({"type": "http", "method": "POST", "path": path, "root_path": ""}, receive, send))
     (start,) = [m for m in sent if m["type"] == "http.response.start"]
     return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
@@ -61,6 +61,13 @@ def test_the_last_busy_answer_reaches_the_client():
     app, seen = _busy_then_created(5)
     assert _asgi_call(RetryBusyRequests(app, retries=2, wait_s=0.01), b"{}") == (BUSY, b"busy")
     assert len(seen) == 3
+
+
+def test_only_the_forms_submit_is_retried():
+    """Prefect's Python clients (serve, the runs) retry a 503 themselves, each try within their own timeout."""
+    app, seen = _busy_then_created(1)
+    assert _asgi_call(RetryBusyRequests(app, retries=2, wait_s=0.01), b"{}", "/api/deployments/") == (BUSY, b"busy")
+    assert len(seen) == 1
 
 
 def test_the_schema_is_checked_once_and_the_parameters_every_time(monkeypatch):
