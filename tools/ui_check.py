@@ -295,6 +295,17 @@ def check_study(driver, api: str, ui_url: str, mlflow_url: str, flow_run_id: str
         [exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.run_type = 'sweep'"
     )
     check(run.data.tags.get("mlflow.note.content", "").startswith(SWEEP_NOTE), "the MLflow sweep run's description")
+    # the GRPO arm is called GRPO: its MLflow run's objective (the saved view's first column) and its Prefect log
+    variants = client.search_runs([exp], filter_string=f"tags.sweep_run_id = '{run.info.run_id}'")
+    grpo = [v for v in variants if v.data.tags.get("rlhf.objective_label") == "GRPO"]
+    objectives = [v.data.tags.get("rlhf.objective_label") for v in variants]
+    check(len(grpo) == 1, f"one variant's objective is GRPO: {objectives}")
+    if grpo:
+        said = logs_of(api, grpo[0].data.tags.get("prefect.flow_run_id", ""))
+        check(
+            any(m.startswith("GRPO step ") for m in said) and not any(m.startswith("ppo step") for m in said),
+            "the GRPO variant's Prefect log says 'GRPO step', never 'ppo step'",
+        )
     url = f"{mlflow_url}/#/experiments/{exp}/runs/{run.info.run_id}"
     shoot(driver, f"{url}?{VIEW}", out / "08-mlflow-sweep-run.png")
     shoot(driver, f"{url}/artifacts/study_table.md?{VIEW}", out / "08b-mlflow-study-table.png", 8)
