@@ -11,18 +11,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefect import get_run_logger
-from prefect.artifacts import (
-    create_link_artifact,
-    create_table_artifact,
-)
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.settings import get_current_settings
 
-from flows.summary import summary_notes
+from flows.summary import figure_rows, stage_label, summary_notes
 from rlhf.config import TrackingConfig
-from rlhf.eval.length_control import EVAL_WARNING_TAG
-from rlhf.stages import STAGE_TASKS
+from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
+from rlhf.stages import STAGES
 from rlhf.tracking.default_view import COLUMN_METRICS, mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
 from tasks.progress import ProgressBar
-from tasks.stages import OVEROPTIMISATION_TAG
 from tasks.tracking import TrackingContext, tracker_for
 
 
@@ -73,8 +70,9 @@ def link_mlflow_comparison(tracking: TrackingConfig | TrackingContext, run_ids: 
             link_text=text,
             key=key,
             description=f"MLflow's comparison of {len(run_ids)} runs of experiment '{tracking.experiment}' in its "
-            "model-training view (MLflow's own Compare button opens the GenAI view instead). The link needs the MLflow "
-            "UI running: make ui starts it with the Prefect UI, make mlflow-ui alone.",
+            "model-training view (MLflow's own Compare button opens the GenAI view in a browser that has not chosen "
+            "Model training in MLflow's side bar: docs/orchestration.md). The link needs the MLflow UI running: make "
+            "ui starts it with the Prefect UI, make mlflow-ui alone.",
         )
     except Exception as err:
         _warn("MLflow comparison link", err)
@@ -98,61 +96,112 @@ def link_mlflow_run(tracking: TrackingConfig | TrackingContext, run_id: str, tex
         _warn("MLflow link", err)
 
 
-def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[dict[str, Any]]:
-    """One row per stage: whether it ran (continuing the stage of a crashed flow run, when it did) or came from the
-    cache, and the URL of its MLflow run (for a cached stage, the run that computed the result)."""
-    rows = []
-    for stage in STAGE_TASKS:
-        run_id = summary.get(f"stage.{stage}.run_id")
+def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[tuple[str, str, str]]:
+    """One row per stage: its label, whether it ran (continuing the stage of a crashed flow run, when it did) or came
+    from the cache, and the URL of its MLflow run (for a cached stage, the run that computed the result)."""
+    rows, label = [], summary.get(OBJECTIVE_LABEL_TAG, "PPO")
+    for stage in STAGES:
+        run_id = summary.get(f"stage.{stage.task}.run_id")
         if run_id is None:
             continue
-        cached = summary.get(f"stage.{stage}.cached") == "true"
-        resumed = summary.get(f"stage.{stage}.resumed_from")  # flows/crashed_runs.py
-        how = "cached: " if cached else f"ran (resumed from crashed flow run {resumed}): " if resumed else "ran: "
-        rows.append({"metric": f"stage {stage}", "value": how + mlflow_run_url(experiment_id, run_id)})
+        cached = summary.get(f"stage.{stage.task}.cached") == "true"
+        resumed = summary.get(f"stage.{stage.task}.resumed_from")  # flows/crashed_runs.py
+        how = "cached (an earlier run computed it)" if cached else "ran"
+        how += f", resuming crashed flow run {resumed}" if resumed and not cached else ""
+        rows.append((stage_label(stage.task, label), how, mlflow_run_url(experiment_id, run_id)))
     return rows
 
 
-def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig | TrackingContext) -> None:
-    """The link to the pipeline's MLflow run and a table of its evaluation summary, the stages (ran or cached) and
-    their MLflow runs; the summary's notes and warnings (`summary_notes`) open the table's description."""
+def _cell(text: str) -> str:
+    """A Markdown table cell: its pipes escaped ('KL(GRPO || SFT)'), on one line."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def evaluation_markdown(
+    summary: dict[str, Any], stages: list[tuple[str, str, str]], links: list[tuple[str, str]]
+) -> str:
+    """The evaluation as a person reads it: the notes, the summary's figures in words (the terminal's lines, the
+    over-optimisation alarm's among them), the warnings, each stage (ran or cached) with its MLflow run, and `links`
+    ((text, URL): the comparison in MLflow, every figure)."""
     notes = summary_notes(summary)
+    parts = [f"**{n.split(': ', 1)[0]}:** {n.split(': ', 1)[1]}" for n in notes if n.startswith("NOTE: ")]
+    rows = figure_rows(summary)
+    table = ["| what | value |", "|---|---|", *(f"| {_cell(what)} | {_cell(value)} |" for what, value in rows)]
+    parts.append("\n".join(table))
+    parts += [f"**WARNING:** {n.split(': ', 1)[1]}" for n in notes if n.startswith("WARNING: ")]
+    if stages:
+        lines = ["| stage | result | MLflow |", "|---|---|---|"]
+        lines += [f"| {_cell(label)} | {_cell(how)} | [its run]({url}) |" for label, how, url in stages]
+        parts.append("\n".join(lines))
+    if links:
+        parts.append(" · ".join(f"[{text}]({url})" for text, url in links))
+    return "\n\n".join(parts)
+
+
+def figures_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every figure of the summary (the key figures first, as the MLflow view's columns), and where the outputs are:
+    the full table behind the evaluation's short one."""
+    figures = {k: v for k, v in summary.items() if isinstance(v, float)}
+    first = [k for k in COLUMN_METRICS if k in figures]
+    rows = [{"metric": k, "value": _number(figures[k])} for k in first + [k for k in figures if k not in first]]
+    rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
+    return rows
+
+
+def artifact_url(artifact_id: Any) -> str | None:
+    """The artifact's page in the Prefect UI, where the UI's address is known (a server's API URL is set)."""
+    ui = get_current_settings().ui_url
+    return f"{ui.rstrip('/')}/artifacts/artifact/{artifact_id}" if ui and artifact_id else None
+
+
+def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig | TrackingContext) -> None:
+    """The link to the pipeline's MLflow run; the evaluation as a short Markdown table in words (`rlhf-evaluation`:
+    the summary's lines, the alarm's among them, the stages and their MLflow runs, a link to MLflow's comparison with
+    the previous runs) and every figure in a table of its own (`rlhf-evaluation-figures`); the summary's notes and
+    warnings (`summary_notes`) open their descriptions."""
+    notes = summary_notes(summary)
+    label = summary.get(OBJECTIVE_LABEL_TAG, "PPO")
     link_mlflow_run(
         tracking,
         summary["mlflow_run_id"],
         "MLflow run of this pipeline (stages are its child runs)",
         key="rlhf-mlflow-run",
     )
-    warning = summary.get(EVAL_WARNING_TAG)
-    rows = [{"metric": "note", "value": note} for note in notes if note.startswith("NOTE: ")]
-    rows += [{"metric": EVAL_WARNING_TAG, "value": warning}] if warning else []
-    alarm = summary.get(OVEROPTIMISATION_TAG)  # the over-optimisation alarm of PPO's periodic evaluations
-    rows += [{"metric": OVEROPTIMISATION_TAG, "value": alarm}] if alarm else []
-    figures = {k: v for k, v in summary.items() if isinstance(v, float)}
-    first = [k for k in COLUMN_METRICS if k in figures]  # the key figures (the MLflow view's columns) on top
-    rows += [{"metric": k, "value": _number(figures[k])} for k in first + [k for k in figures if k not in first]]
-    rows += [{"metric": k, "value": v} for k, v in summary.items() if k.endswith(("_checkpoint", "completions"))]
+    about = (
+        f"Evaluation of the {label} policy against the SFT policy on held-out prompts (gold reward where the task "
+        "has one, reward-model score, win rates at equal length, response lengths and empty answers, KL)"
+    )
+    figures = figures_rows(summary)
+    figures_id = None
+    try:
+        figures_id = create_table_artifact(
+            figures,
+            key="rlhf-evaluation-figures",
+            description=" ".join([*notes, f"{about}: every figure by its MLflow key, and where the outputs are."]),
+        )
+    except Exception as err:
+        _warn("evaluation figures", err)
+    stages, links = [], []
     try:
         tracker = tracker_for(tracking)
-        rows += stage_rows(summary, tracker.experiment_id)
+        stages = stage_rows(summary, tracker.experiment_id)
         # this run beside the experiment's previous pipeline runs, in MLflow's model-training view
         recent = [summary["mlflow_run_id"]] + [
             r.run_id for r in tracker.pipeline_runs(COMPARED_RUNS) if r.run_id != summary["mlflow_run_id"]
         ]
         recent = recent[:COMPARED_RUNS]
-        url = mlflow_compare_url(tracker.experiment_id, recent)
-        rows.append({"metric": f"compare with the last {len(recent) - 1} runs in MLflow", "value": url})
+        if len(recent) > 1:
+            text = f"this run beside the last {len(recent) - 1} in MLflow"
+            links.append((text, mlflow_compare_url(tracker.experiment_id, recent)))
+        links.append(("the MLflow run", mlflow_run_url(tracker.experiment_id, summary["mlflow_run_id"])))
     except Exception as err:  # noqa: BLE001
         _warn("evaluation table's stage links", err)
-    description = (
-        "Evaluation of the PPO policy against the SFT policy on held-out prompts (gold reward where the task has "
-        "one, reward-model score, win rates at equal length, response lengths and empty answers, KL), where the "
-        "outputs are, and each stage (ran, or cached: from an earlier run) with its MLflow run."
-    )
-    if notes:
-        description = " ".join(notes) + " " + description
+    if url := artifact_url(figures_id):
+        links.append((f"all {len(figures)} figures", url))
+    description = " ".join([*notes, f"{about}; each stage (ran, or cached: from an earlier run) with its MLflow run."])
     try:
-        create_table_artifact(rows, key="rlhf-evaluation", description=description)
+        markdown = evaluation_markdown(summary, stages, links)
+        create_markdown_artifact(markdown, key="rlhf-evaluation", description=description)
     except Exception as err:
         _warn("evaluation table", err)
 

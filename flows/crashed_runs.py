@@ -51,6 +51,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType, TaskRun
 from prefect.context import FlowRunContext
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL, PREFECT_HOME, get_current_settings
 from prefect.states import Crashed
 
@@ -376,16 +377,27 @@ def resume_links(tracking: TrackingContext) -> dict[str, str]:
     suffix = ".resumed_from_flow_run"
     stages = {key.removesuffix(suffix): value for key, value in tags.items() if key.endswith(suffix)}
     names = {flow_run: flow_run for flow_run in {earlier, *stages.values()}}
+    elsewhere = []  # flow runs of another Prefect server (`make run`'s temporary one, for a run resumed under make ui)
     try:
         with get_client(sync_client=True) as client:
-            names = {flow_run: client.read_flow_run(UUID(flow_run)).name for flow_run in names}
+            for flow_run in names:
+                try:
+                    names[flow_run] = client.read_flow_run(UUID(flow_run)).name
+                except ObjectNotFound:
+                    elsewhere.append(flow_run)
             context = FlowRunContext.get()
             if context is not None and context.flow_run is not None:
                 current = client.read_flow_run(context.flow_run.id)
                 resumed = {f"{RESUMED_TAG}:{names[flow_run]}" for flow_run in names}
                 client.update_flow_run(current.id, tags=sorted({*current.tags, *resumed}))
     except Exception as err:  # noqa: BLE001 (a link, never a failed run)
-        get_run_logger().warning("could not name the flow run this run resumed in Prefect: %s", err)
+        get_run_logger().warning("could not name the flow run this run resumed in Prefect: %r", err)
+    for flow_run in elsewhere:
+        get_run_logger().info(
+            "this run resumed the saved state of flow run %s, which ran on another Prefect server (such as the "
+            "temporary one of `make run`): it is named by its id",
+            flow_run,
+        )
     links = {RESUMED_FROM_TAG: earlier, f"{RESUMED_FROM_TAG}_name": names[earlier]}
     if (mlflow_run := tracker.pipeline_run_of_flow_run(earlier)) is not None:
         links[RESUMED_FROM_RUN_TAG] = mlflow_run

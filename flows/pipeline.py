@@ -20,9 +20,10 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.summary import POLICY_LABEL, TRACKING_URI_FROM, budget, policy_label, summary_notes
-from flows.terminal import quiet_stop_in_served_run
+from flows.summary import TRACKING_URI_FROM, budget, policy_label, stage_label, summary_block, summary_notes
+from flows.terminal import BROWSER_ONLY, quiet_stop_in_served_run
 from rlhf.config import PipelineConfig, RewardConfig
+from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.config.sections import tracking_uri_origin
 from rlhf.data.lengths import LengthLimits
 from rlhf.data.prepare import source_fingerprint
@@ -83,6 +84,9 @@ def rlhf_pipeline(
     notes = summary_notes(summary)
     for line in notes:
         get_run_logger().warning(line)
+    # ... and the summary's figures, the alarm's line among them: the end of the flow run's log (the command prints them
+    # on the terminal itself)
+    get_run_logger().info("%s", summary_block(summary).strip("\n"), extra={BROWSER_ONLY: True})
     close_pipeline_run(tracking, summary, description="\n\n".join(notes))
     publish_pipeline_results(summary, config.tracking)  # MLflow link and evaluation table
     return summary
@@ -168,7 +172,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
     common = {"runtime": config.runtime, "tracking": tracking}
     stages = stages_of(config.algorithm, config.reward.source, config.reward.is_ensemble)
-    progress = StageProgress([stage.label for stage in stages])  # a progress artifact in the Prefect UI
+    objective = policy_label(config)  # what trains the policy: 'PPO', 'GRPO', ..., 'DPO'
+    progress = StageProgress([stage_label(stage.task, objective) for stage in stages])  # a progress artifact in Prefect
     prepared, sft_model, reward_model = run_upstream(config, tracking, progress)
     # the reward function, where one scores: its name and source file are in the cache keys of the stages using it
     rewarding = {"reward_cfg": config.reward, "reward_function_digest": reward_function_digest(config.reward)}
@@ -179,7 +184,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         ppo_init = run_stage(
             init_policy_models, sft_model=sft_model, reward_model=reward_model, critic=critic, **common
         )
-        progress.done(stage_of(ppo_init.stage).label)
+        progress.done(stage_label(ppo_init.stage, objective))
         policy = run_stage(
             train_policy_ppo,
             ppo_cfg=config.ppo,
@@ -200,7 +205,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
             seed=config.policy_stage_seed,
             **common,
         )
-    progress.done(stage_of(policy.stage).label)
+    progress.done(stage_label(policy.stage, objective))
     evaluation = run_stage(
         evaluate_policies,
         eval_cfg=config.eval,
@@ -213,13 +218,13 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         **rewarding,
         **common,
     )
-    progress.done(stage_of(evaluation.stage).label)
+    progress.done(stage_label(evaluation.stage, objective))
     outputs = tuple(o for o in (prepared, sft_model, reward_model, ppo_init, policy, evaluation) if o is not None)
     summary: dict[str, Any] = {
         **({REWARD_BEST_EVAL_ACCURACY: reward_model.metrics[REWARD_BEST_EVAL_ACCURACY]} if reward_model else {}),
         **evaluation.metrics,
         **{k: v for k, v in policy.metrics.items() if k in (ALARM_STEP_KEY, KEPT_STEP_KEY)},
-        POLICY_LABEL: policy_label(config),
+        OBJECTIVE_LABEL_TAG: objective,
         "data": prepared.path,
         "data_digest": prepared.digest,
         "sft_checkpoint": sft_model.path,
@@ -249,7 +254,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     alarm = getattr(policy, "alarm", "")  # the PPO stage's over-optimisation alarm, at a periodic evaluation
     if alarm:
         summary[OVEROPTIMISATION_TAG] = alarm
-    warnings = [f"PPO's periodic evaluation: {alarm}"] * bool(alarm) + evaluation.warnings
+    warnings = [f"{objective}'s periodic evaluation: {alarm}"] * bool(alarm) + evaluation.warnings
     if warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
         summary[EVAL_WARNING_TAG] = "\n".join(warnings)
     if tracking.registered_model:

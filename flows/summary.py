@@ -8,6 +8,7 @@ from typing import Any
 
 from flows.pipeline_run import RESULTS_FROM_TAG
 from rlhf.config import PipelineConfig
+from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.config.sections import is_tracking_server
 from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG
@@ -28,7 +29,7 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_RM_LC,
     REWARD_BEST_EVAL_ACCURACY,
 )
-from rlhf.stages import STAGES
+from rlhf.stages import INIT, PPO, STAGES, stage_of
 from rlhf.tracking.default_view import mlflow_experiment_url
 from tasks.stage_runs import RESUMED_FROM_TAG
 
@@ -40,8 +41,6 @@ PLUMBING_PPO_EPISODES = 1024
 PLUMBING_SFT_STEPS = 100
 # The run's budget in the summary (ints: neither MLflow metrics nor tags; the run's params hold them already)
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
-# The name of the algorithm that trained the policy, as the summary's lines call it (a tag of the pipeline run)
-POLICY_LABEL = "rlhf.objective_label"
 # Where the run's MLflow store came from: $MLFLOW_TRACKING_URI, the default or the config (a tag of the pipeline run)
 TRACKING_URI_FROM = "rlhf.tracking_uri_from"
 
@@ -49,6 +48,15 @@ TRACKING_URI_FROM = "rlhf.tracking_uri_from"
 def policy_label(config: PipelineConfig) -> str:
     """'PPO', 'GRPO', 'GSPO', ..., or 'DPO': what trained the policy."""
     return "DPO" if config.algorithm == "dpo" else config.ppo.label
+
+
+def stage_label(task: str, objective: str) -> str:
+    """What the summary, the progress bar and the evaluation table call a stage: the online policy stage and its init
+    by the objective that trains (`objective`, `policy_label`'s: 'GRPO', 'GRPO init'), the others by their label in
+    rlhf/stages.py."""
+    if task == PPO.task:
+        return objective
+    return f"{objective} init" if task == INIT.task else stage_of(task).label
 
 
 def _row(label: str, value: str) -> str:
@@ -68,10 +76,11 @@ def _equal_length(summary: dict[str, Any], score: str) -> str:
 def hacking_warnings(summary: dict[str, Any]) -> list[str]:
     """The evaluation's reward-hacking warnings, one per line; a generic one for a flag set without its text."""
     lines = [line for line in str(summary.get(EVAL_WARNING_TAG, "")).splitlines() if line.strip()]
+    label = summary.get(OBJECTIVE_LABEL_TAG, "PPO")
     if not lines and summary.get(EVAL_HACKING_LENGTH):
-        lines.append("PPO's gain over SFT is mostly explained by response length (see docs/evaluation.md).")
+        lines.append(f"{label}'s gain over SFT is mostly explained by response length (see docs/evaluation.md).")
     if not lines and summary.get(EVAL_HACKING_EMPTY):
-        lines.append("PPO gives more empty answers than SFT and the reward model scores them highly.")
+        lines.append(f"{label} gives more empty answers than SFT and the reward model scores them highly.")
     return lines
 
 
@@ -96,18 +105,18 @@ def summary_notes(summary: dict[str, Any]) -> list[str]:
 def sweep_note(configs: Iterable[PipelineConfig]) -> str:
     """'NOTE: ...' when the variants of a sweep are plumbing checks (the first such variant's reason), else ''."""
     for config in configs:
-        if note := plumbing_check(budget(config)):
+        if note := plumbing_check({**budget(config), OBJECTIVE_LABEL_TAG: policy_label(config)}):
             return f"NOTE: every variant whose budget is this small is {note}"
     return ""
 
 
 def plumbing_check(summary: dict[str, Any]) -> str | None:
-    """Why this run checks the plumbing rather than learning (its budget under `PLUMBING_PPO_EPISODES` PPO episodes,
-    or under `PLUMBING_SFT_STEPS` SFT steps from scratch), else None."""
+    """Why this run checks the plumbing rather than learning (its budget under `PLUMBING_PPO_EPISODES` episodes of
+    the policy stage's objective, or under `PLUMBING_SFT_STEPS` SFT steps from scratch), else None."""
     small = []
     episodes, steps = summary.get(PPO_EPISODES), summary.get(SFT_STEPS)
     if episodes is not None and episodes < PLUMBING_PPO_EPISODES:
-        small.append(f"{episodes} PPO episodes (under {PLUMBING_PPO_EPISODES})")
+        small.append(f"{episodes} {summary.get(OBJECTIVE_LABEL_TAG, 'PPO')} episodes (under {PLUMBING_PPO_EPISODES})")
     if steps is not None and steps < PLUMBING_SFT_STEPS:
         small.append(f"{steps} SFT steps of a policy trained from scratch (under {PLUMBING_SFT_STEPS})")
     if not small:
@@ -118,19 +127,65 @@ def plumbing_check(summary: dict[str, Any]) -> str | None:
     )
 
 
-def _origin_rows(summary: dict[str, Any]) -> list[str]:
+def _origin_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """Where the results came from: the stages from the cache, and the crashed run whose saved state a stage resumed."""
     rows = []
     ran = [stage for stage in STAGES if f"stage.{stage.task}.run_id" in summary]  # this pipeline's stages
-    cached = [stage.label for stage in ran if summary.get(f"stage.{stage.task}.cached") == "true"]
+    label = summary.get(OBJECTIVE_LABEL_TAG, "PPO")
+    cached = [stage_label(s.task, label) for s in ran if summary.get(f"stage.{s.task}.cached") == "true"]
     if cached:
         origin = summary.get(f"{RESULTS_FROM_TAG}_name") or summary.get(RESULTS_FROM_TAG)
-        rows.append(
-            _row("stages from the cache", f"{len(cached)} of {len(ran)}")
-            + (f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})")
-        )
+        said = f"{len(cached)} of {len(ran)}"
+        said += f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})"
+        rows.append(("stages from the cache", said))
     if resumed := summary.get(f"{RESUMED_FROM_TAG}_name"):  # flows/crashed_runs.py
-        rows.append(_row("resumed from", f"crashed flow run {resumed} (its saved state)"))
+        rows.append(("resumed from", f"crashed flow run {resumed} (its saved state)"))
+    return rows
+
+
+ALARM_ROW = "over-optimisation alarm (no gold)"  # the alarm's line: what the terminal, the log and the table call it
+
+
+def figure_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary's figures as (what, value) pairs, in the order the terminal prints them: reward-model accuracy,
+    win rates, gold reward, KL, lengths and the over-optimisation alarm's line."""
+    rows = []
+    label = summary.get(OBJECTIVE_LABEL_TAG, "PPO")
+    if REWARD_BEST_EVAL_ACCURACY in summary:
+        rows.append(("reward-model accuracy (held-out pairs)", f"{summary[REWARD_BEST_EVAL_ACCURACY]:.3f}"))
+    if EVAL_WIN_RATE_GOLD in summary:
+        rows.append(
+            (
+                f"{label} beats SFT on gold reward",
+                f"{summary[EVAL_WIN_RATE_GOLD]:.1%} of {int(summary[EVAL_N_PROMPTS])} held-out prompts "
+                f"(ties {summary[EVAL_TIE_RATE_GOLD]:.1%})",
+            )
+        )
+        if EVAL_WIN_RATE_GOLD_LC in summary:
+            rows.append(("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
+        gold = f"{summary[EVAL_POLICY_GOLD]:.3f} / {summary[EVAL_SFT_GOLD]:.3f}"
+        rows.append((f"mean gold reward {label} / SFT", gold))
+    score = "reward-model score" if REWARD_BEST_EVAL_ACCURACY in summary else "reward-function score"
+    rows.append((f"{label} beats SFT on {score}", f"{summary[EVAL_WIN_RATE_RM]:.1%}"))
+    if EVAL_WIN_RATE_RM_LC in summary:
+        rows.append(("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
+    rows.append((f"mean KL({label} || SFT) per response", f"{summary[EVAL_KL]:.3f}"))
+    if EVAL_POLICY_LENGTH in summary:
+        for name in ("policy", "sft"):
+            mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
+            rows.append(
+                (
+                    f"{label if name == 'policy' else 'SFT'} response tokens",
+                    f"mean {mean:.1f}, p10/p50/p90 {p10:g}/{p50:g}/{p90:g}; "
+                    f"empty {summary[f'eval/{name}_empty_rate']:.1%}, "
+                    f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
+                )
+            )
+    if ALARM_STEP_KEY in summary:  # the gold-free over-optimisation alarm of the policy stage's periodic evaluations
+        step, kept = int(summary[ALARM_STEP_KEY]), int(summary.get(KEPT_STEP_KEY, -1))
+        said = "quiet at every periodic evaluation" if step < 0 else f"fired after update {step} (WARNING below)"
+        said += f"; the final policy is update {kept}'s" if kept >= 0 else ""
+        rows.append((ALARM_ROW, said))
     return rows
 
 
@@ -156,53 +211,24 @@ def _mlflow_rows(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def summary_block(summary: dict[str, Any]) -> str:
+    """The summary's head: its title, notes, figures, warnings and where the results came from. What a terminal run
+    prints first and what a flow run's log ends with (the browser user's view of the same run)."""
     lines = ["", "== RLHF pipeline summary"]
     notes = summary_notes(summary)
     for note in (n for n in notes if n.startswith("NOTE: ")):
         lines += [*textwrap.wrap(note, 116, subsequent_indent="      "), ""]
-    label = summary.get(POLICY_LABEL, "PPO")
-    if REWARD_BEST_EVAL_ACCURACY in summary:
-        lines.append(_row("reward-model accuracy (held-out pairs)", f"{summary[REWARD_BEST_EVAL_ACCURACY]:.3f}"))
-    if EVAL_WIN_RATE_GOLD in summary:
-        lines.append(
-            _row(
-                f"{label} beats SFT on gold reward",
-                f"{summary[EVAL_WIN_RATE_GOLD]:.1%} of {int(summary[EVAL_N_PROMPTS])} held-out prompts "
-                f"(ties {summary[EVAL_TIE_RATE_GOLD]:.1%})",
-            )
-        )
-        if EVAL_WIN_RATE_GOLD_LC in summary:
-            lines.append(_row("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
-        lines.append(
-            _row(f"mean gold reward {label} / SFT", f"{summary[EVAL_POLICY_GOLD]:.3f} / {summary[EVAL_SFT_GOLD]:.3f}")
-        )
-    score = "reward-model score" if REWARD_BEST_EVAL_ACCURACY in summary else "reward-function score"
-    lines.append(_row(f"{label} beats SFT on {score}", f"{summary[EVAL_WIN_RATE_RM]:.1%}"))
-    if EVAL_WIN_RATE_RM_LC in summary:
-        lines.append(_row("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
-    lines.append(_row(f"mean KL({label} || SFT) per response", f"{summary[EVAL_KL]:.3f}"))
-    if EVAL_POLICY_LENGTH in summary:
-        for name in ("policy", "sft"):
-            mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))
-            lines.append(
-                _row(
-                    f"{label if name == 'policy' else 'SFT'} response tokens",
-                    f"mean {mean:.1f}, p10/p50/p90 {p10:g}/{p50:g}/{p90:g}; "
-                    f"empty {summary[f'eval/{name}_empty_rate']:.1%}, "
-                    f"stopped {summary[f'eval/{name}_stop_rate']:.1%}",
-                )
-            )
-    lines += benchmark.summary_lines(summary, label)  # instruction-following benchmarks (IFEval's, IFBench's)
-    if ALARM_STEP_KEY in summary:  # the gold-free over-optimisation alarm of PPO's periodic evaluations
-        step, kept = int(summary[ALARM_STEP_KEY]), int(summary.get(KEPT_STEP_KEY, -1))
-        said = "quiet at every periodic evaluation" if step < 0 else f"fired after update {step} (WARNING below)"
-        said += f"; the final policy is update {kept}'s" if kept >= 0 else ""
-        lines.append(_row("over-optimisation alarm (no gold)", said))
+    lines += [_row(what, value) for what, value in figure_rows(summary)]
+    lines += benchmark.summary_lines(summary, summary.get(OBJECTIVE_LABEL_TAG, "PPO"))  # IFEval's, IFBench's
     warnings = [n for n in notes if n.startswith("WARNING: ")]
     if warnings:
         lines += ["", *warnings, ""]
-    lines += _origin_rows(summary)
+    lines += [_row(what, value) for what, value in _origin_rows(summary)]
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [summary_block(summary)]
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
     if "registered_policy" in summary:

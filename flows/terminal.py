@@ -121,15 +121,28 @@ class HideUserErrorRecords(logging.Filter):
         return "MlflowException" in message and _TRACKING_LOST.search(message) is not None
 
 
+# A log record's attribute (`extra={BROWSER_ONLY: True}`): the command prints the same text itself, so the record is
+# for the flow run's log in the Prefect UI (the summary at the end of a run), not for the terminal a second time.
+BROWSER_ONLY = "rlhf_browser_only"
+
+
+class HidePrintedRecords(logging.Filter):
+    """Drops the records marked `BROWSER_ONLY`; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, BROWSER_ONLY, False)
+
+
 def quiet_user_errors_on_console() -> None:
-    """Attach the filter to the console (stream) handlers of the root and Prefect loggers, not to the API one."""
-    the_filter = HideUserErrorRecords()
-    for logger in (logging.getLogger(), logging.getLogger("prefect")):
-        for handler in logger.handlers:
-            if isinstance(handler, logging.StreamHandler) and not any(
-                isinstance(f, HideUserErrorRecords) for f in handler.filters
-            ):
-                handler.addFilter(the_filter)
+    """Attach the filters (`HideUserErrorRecords`, `HidePrintedRecords`) to the console (stream) handlers of the root
+    and Prefect loggers, not to the API one."""
+    for the_filter in (HideUserErrorRecords(), HidePrintedRecords()):
+        for logger in (logging.getLogger(), logging.getLogger("prefect")):
+            for handler in logger.handlers:
+                if isinstance(handler, logging.StreamHandler) and not any(
+                    isinstance(f, type(the_filter)) for f in handler.filters
+                ):
+                    handler.addFilter(the_filter)
 
 
 # -- Stopping on Ctrl-C and SIGTERM --------------------------------------------------------------------------------

@@ -68,16 +68,19 @@ def watched_text(stage: str, values: dict[str, float]) -> str:
 
 class StepProgress:
     """The progress bar of a training task, advanced as steps are logged: at most one update every
-    `min_interval` seconds, plus the last step. Its text carries the stage's watched numbers (`WATCHED`).
+    `min_interval` seconds, plus the last step. Its text, '<name>: step 20 of 30; ...' (`name`: what ran, 'GRPO' for
+    the policy stage of a GRPO run; the stage's short name by default), carries the stage's watched numbers
+    (`WATCHED`).
 
     Each update is a request to the Prefect API that the training thread waits for (and work for the server
     process, which shares the machine): hence the interval, not one request per step."""
 
-    def __init__(self, stage: str, total: int, min_interval: float = 10.0) -> None:
+    def __init__(self, stage: str, total: int, min_interval: float = 10.0, name: str | None = None) -> None:
         self.stage, self.total, self.min_interval = stage, max(1, total), min_interval
+        self.name = name or stage
         self.last_update = 0.0
         self.values: dict[str, float] = {}
-        self.bar = ProgressBar(f"{stage}: step 0 of {self.total}")
+        self.bar = ProgressBar(f"{self.name}: step 0 of {self.total}")
 
     def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
         self.values |= {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float))}
@@ -87,16 +90,18 @@ class StepProgress:
         self.last_update = now
         done = min(step, self.total)
         numbers = watched_text(self.stage, self.values)
-        text = f"{self.stage}: step {done} of {self.total}" + (f"; {numbers}" if numbers else "")
+        text = f"{self.name}: step {done} of {self.total}" + (f"; {numbers}" if numbers else "")
         self.bar.set(100.0 * done / self.total, text)
 
 
-def progress_logger(stage: str, every: int, total: int | None = None):
+def progress_logger(stage: str, every: int, total: int | None = None, name: str | None = None):
     """Echo the stage's watched numbers (`WATCHED`: PPO's score, KL, KL coefficient and gold score; the reward
     model's loss and held-out accuracy; SFT's loss) to the Prefect run's log every `every` steps, as last known; with
-    `total`, also advance a progress artifact of the task that shows them."""
+    `total`, also advance a progress artifact of the task that shows them. The lines read '<name> step 20 of 30: ...'
+    (`name`: what ran, the objective's label for the policy stage; the stage's short name by default)."""
     logger = get_run_logger()
-    progress = StepProgress(stage, total) if total else None
+    name = name or stage
+    progress = StepProgress(stage, total, name=name) if total else None
     known: dict[str, float] = {}
     shown_steps: set[int] = set()
 
@@ -106,7 +111,7 @@ def progress_logger(stage: str, every: int, total: int | None = None):
         if due and step not in shown_steps:  # a trainer's final metrics come at its last step again: one line
             shown_steps.add(step)
             shown = watched_text(stage, known) or ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:6])
-            logger.info("%s step %d%s: %s", stage, step, f" of {total}" if total else "", shown)
+            logger.info("%s step %d%s: %s", name, step, f" of {total}" if total else "", shown)
         if progress is not None:
             progress.update(step, metrics)
 
@@ -121,11 +126,11 @@ def line_stats(line: str) -> dict[str, float]:
     return {key: float(value) for key, value in STAT.findall(line)}
 
 
-def echo_with_progress(stage: str, total: int, pattern: str):
+def echo_with_progress(stage: str, total: int, pattern: str, name: str | None = None):
     """For a child command's output (data-parallel PPO): each line goes to the task's log, and lines matching
     `pattern` advance a progress artifact to the step they name, with the ``key=value`` numbers they print (the
     stage's watched numbers, as in a single process)."""
-    logger, progress, step_line = get_run_logger(), StepProgress(stage, total), re.compile(pattern)
+    logger, progress, step_line = get_run_logger(), StepProgress(stage, total, name=name), re.compile(pattern)
 
     def echo(line: str) -> None:
         logger.info("%s", line)

@@ -119,9 +119,10 @@ class StageScope:
     run_id: str
     stop_after: int | None
 
-    def training_log(self, runtime: RuntimeConfig, every: int, total: int) -> LogFn:
-        """The training loop's `log`: MLflow (batched), and the Prefect progress bar every `every` of `total` steps."""
-        progress = progress_logger(stage_of(self.name).short, every, total)
+    def training_log(self, runtime: RuntimeConfig, every: int, total: int, name: str | None = None) -> LogFn:
+        """The training loop's `log`: MLflow (batched), and the Prefect progress bar every `every` of `total` steps
+        (its lines and bar named `name`: the objective that trains, for the policy stage; else the stage)."""
+        progress = progress_logger(stage_of(self.name).short, every, total, name)
         return training_logger(self.tracker, self.run_id, progress, runtime)
 
 

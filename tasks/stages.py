@@ -271,8 +271,10 @@ def train_policy_ppo(
             inputs,
             processes=processes,
             # one process logs here; several log from their rank 0 and print progress lines
-            log=None if several else stage.training_log(runtime, 10, updates),
-            echo=echo_with_progress(PPO.short, updates, launch.UPDATE_LINE_PATTERN) if several else print,
+            log=None if several else stage.training_log(runtime, 10, updates, ppo_cfg.label),
+            echo=(
+                echo_with_progress(PPO.short, updates, launch.UPDATE_LINE_PATTERN, ppo_cfg.label) if several else print
+            ),
             tracking_uri=tracking.uri,
             run_id=run_id,
             on_eval=pruning_reporter(trial) if trial is not None else None,

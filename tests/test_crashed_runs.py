@@ -153,3 +153,30 @@ def test_a_run_on_a_server_is_watched_only_with_heartbeats_often_enough(caplog, 
 def test_a_pid_label_is_this_process():
     host, pid, _ = process_label().split(":")
     assert (host, int(pid)) == (socket.gethostname(), os.getpid())
+
+
+def test_a_resumed_flow_run_of_another_server_is_named_by_its_id(tmp_path, caplog):
+    """A run that resumed the saved state of a flow run this server never had (killed under `make run`'s temporary
+    server, resumed under make ui): the links name it by its id, and the log says why, without a warning."""
+    from uuid import uuid4
+
+    from flows.crashed_runs import resume_links
+    from rlhf.tracking.client import Tracker
+    from tasks.stage_runs import RESUMED_FROM_TAG
+    from tasks.tracking import TrackingContext
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "resumed", str(tmp_path / "art"))
+    earlier = str(uuid4())
+    parent = tracker.start_run("pipeline", tags={RESUMED_FROM_TAG: earlier})
+    context = TrackingContext(uri=uri, experiment="resumed", parent_run_id=parent)
+
+    @flow(name="resumed-elsewhere")
+    def resumed() -> dict[str, str]:
+        return resume_links(context)
+
+    links = resumed()
+    assert links[RESUMED_FROM_TAG] == earlier and links[f"{RESUMED_FROM_TAG}_name"] == earlier
+    said = [r.getMessage() for r in caplog.records if "resumed" in r.getMessage()]
+    assert any(f"flow run {earlier}, which ran on another Prefect server" in m for m in said), said
+    assert not any(r.levelname == "WARNING" and "could not name" in r.getMessage() for r in caplog.records)

@@ -167,10 +167,10 @@ def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monke
     ppo_bars = [
         a
         for a in flow_run_artifacts(state.state_details.flow_run_id)
-        if a.type == "progress" and a.description.startswith("ppo:")
+        if a.type == "progress" and a.description.startswith("PPO:")
     ]
     # newest first; the data-parallel bar shows the numbers a single process shows
-    assert ppo_bars and ppo_bars[0].data == 100.0 and ppo_bars[0].description.startswith("ppo: step 4 of 4; score ")
+    assert ppo_bars and ppo_bars[0].data == 100.0 and ppo_bars[0].description.startswith("PPO: step 4 of 4; score ")
     assert all(part in ppo_bars[0].description for part in ("KL ", "KL coef ", "gold ")), ppo_bars[0].description
 
     # a process count the batches cannot be split into is refused before anything runs
@@ -263,14 +263,16 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     assert 0 < alarm < 12, "the alarm fires before the last update"
     assert "distinct bigrams" in summary["rlhf.overoptimisation_alarm"]
     assert (
-        f"PPO's periodic evaluation: the policy looks like it games its reward from update {alarm:.0f}"
+        f"RLOO's periodic evaluation: the policy looks like it games its reward from update {alarm:.0f}"
         in (summary["eval.warning"])
     )
     client = MlflowClient(_config(folder).tracking.uri)
     pipeline = client.get_run(summary["mlflow_run_id"])
     assert "rlhf.overoptimisation_alarm" in pipeline.data.tags
     (table,) = [a for a in flow_run_artifacts(state.state_details.flow_run_id) if a.key == "rlhf-evaluation"]
-    assert "rlhf.overoptimisation_alarm" in json.dumps(table.data), "a row of the Prefect evaluation table"
+    assert f"| over-optimisation alarm (no gold) | fired after update {alarm:.0f} (WARNING below)" in table.data
+    warning = f"RLOO's periodic evaluation: the policy looks like it games its reward from update {alarm:.0f}"
+    assert f"**WARNING:** {warning}" in table.data
     ppo_run = client.get_run(summary["stage.train_policy_ppo.run_id"])
     assert "rlhf.overoptimisation_alarm" in ppo_run.data.tags
     updates = [m.step for m in client.get_metric_history(ppo_run.info.run_id, "objective/kl")]

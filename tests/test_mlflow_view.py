@@ -33,6 +33,9 @@ def test_the_saved_view_has_the_columns_and_the_ppo_charts_first():
     assert {"metrics.`eval/kl`", "metrics.`reward/best_eval_accuracy`", "params.`ppo.kl_coef`"} <= set(
         state["selectedColumns"]
     )
+    # the objective that trained the policy ('GRPO'), not the param `algorithm` ('ppo' for every online objective)
+    assert state["selectedColumns"][0] == "tags.`rlhf.objective_label`"
+    assert "params.`algorithm`" not in state["selectedColumns"]
     sections = [s["name"] for s in state["compareRunSections"]]
     assert sections[:2] == ["objective", "periodic_eval"] and state["isAccordionReordered"]
     assert state["compareRunCharts"] == []  # the UI adds a chart per metric to its section, in this order
@@ -43,6 +46,7 @@ def test_the_tracker_writes_the_view_on_new_and_existing_experiments(tmp_path):
     tracker = Tracker(uri, "views", str(tmp_path / "art"))
     tags = tracker.client.get_experiment(tracker.experiment_id).tags
     assert tags[VIEW_TAG] == default_view_json()
+    assert tags["mlflow.experimentKind"] == "custom_model_development"  # model training, not GenAI
     tracker.client.set_experiment_tag(tracker.experiment_id, VIEW_TAG, "{}")  # e.g. written by an older version
     again = Tracker(uri, "views")
     assert again.client.get_experiment(again.experiment_id).tags[VIEW_TAG] == default_view_json()

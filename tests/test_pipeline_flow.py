@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from prefect.results import ResultStore
 
 from flows.pipeline import rlhf_pipeline
-from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary, plumbing_check
+from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary, plumbing_check, summary_block, sweep_note
 from rlhf.config import load_config
 from rlhf.stages import STAGE_TASKS, STAGES, stages_of
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
@@ -43,14 +44,23 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     # table's description (and a row), the MLflow run's description
     note = "NOTE: a plumbing check, not learning: 64 PPO episodes"
     flow_run = first.state_details.flow_run_id
-    assert any(message.startswith(note) for message in flow_run_logs(flow_run))
+    logs = flow_run_logs(flow_run)
+    assert any(message.startswith(note) for message in logs)
+    # the log ends with the summary the terminal prints: the win rates, the KL and the alarm's line
+    (block,) = [message for message in logs if message.startswith("== RLHF pipeline summary")]
+    assert block == summary_block(summary).strip("\n")
+    assert "PPO beats SFT on gold reward:" in block and "mean KL(PPO || SFT) per response:" in block
+    assert "over-optimisation alarm (no gold):      quiet at every periodic evaluation" in block
+    # the evaluation artifact: the same lines as a short table in words, the alarm's among them
     (table,) = [a for a in flow_run_artifacts(flow_run) if a.key == "rlhf-evaluation"]
-    assert table.description.startswith(note) and note in json.dumps(table.data)
-    # and a link that compares the run with the experiment's previous ones and stays in MLflow's model-training view
-    (compare_row,) = [row for row in json.loads(table.data) if row["metric"].startswith("compare with the last")]
-    assert "#/compare-runs?runs=" in compare_row["value"] and compare_row["value"].endswith(
-        "workflowType=machine_learning"
-    )
+    assert table.type == "markdown" and table.description.startswith(note)
+    assert note.removeprefix("NOTE: ") in table.data and "| PPO beats SFT on gold reward | " in table.data
+    assert "| mean KL(PPO \\|\\| SFT) per response | " in table.data  # pipes escaped in a cell
+    assert "| over-optimisation alarm (no gold) | quiet at every periodic evaluation |" in table.data
+    assert "eval/" not in table.data  # words, not metric keys: those are in the figures table it links
+    (figures,) = [a for a in flow_run_artifacts(flow_run) if a.key == "rlhf-evaluation-figures"]
+    assert {"eval/kl", "eval/win_rate_gold"} <= {row["metric"] for row in json.loads(figures.data)}
+    assert "this run beside the last" not in table.data  # the experiment's first run: nothing to compare it with
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -178,11 +188,11 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert run_url in link.data and uri in link.description and " or ." not in link.description
     # the evaluation table links each stage's MLflow run, marked as run here
     (table,) = [a for a in first_artifacts if a.key == "rlhf-evaluation"]
-    rows = {row["metric"]: row["value"] for row in json.loads(table.data)}
-    assert rows["stage train_policy_ppo"].startswith("ran: http") and ppo.info.run_id in rows["stage train_policy_ppo"]
-    # the training tasks' progress bars carry the numbers users watch
+    (ppo_row,) = [line for line in table.data.splitlines() if line.startswith("| PPO | ")]
+    assert ppo_row.startswith("| PPO | ran | [its run](http") and f"/runs/{ppo.info.run_id}?" in ppo_row
+    # the training tasks' progress bars carry the numbers users watch, named by the objective that trains
     bars = {a.description.split(":")[0]: a.description for a in first_artifacts if a.type == "progress"}
-    assert "score" in bars["ppo"] and "KL" in bars["ppo"] and "KL coef" in bars["ppo"] and "gold" in bars["ppo"]
+    assert "score" in bars["PPO"] and "KL" in bars["PPO"] and "KL coef" in bars["PPO"] and "gold" in bars["PPO"]
     assert "loss" in bars["reward"] and "held-out acc" in bars["reward"]
 
     # every stage wrote exactly one folder, named by the key Prefect cached its result under (its typed output), the
@@ -225,8 +235,11 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert tags["rlhf.cached"] == "true" and tags["rlhf.results_from_run"] == parent[0].info.run_id
     assert all(tags[f"stage.{stage}.cached"] == "true" for stage in children)
     (table,) = [a for a in flow_run_artifacts(second.state_details.flow_run_id) if a.key == "rlhf-evaluation"]
-    rows = {row["metric"]: row["value"] for row in json.loads(table.data)}
-    assert rows["stage train_policy_ppo"].startswith("cached: ") and ppo.info.run_id in rows["stage train_policy_ppo"]
+    (ppo_row,) = [line for line in table.data.splitlines() if line.startswith("| PPO | ")]
+    assert ppo_row.startswith("| PPO | cached (an earlier run computed it) |") and ppo.info.run_id in ppo_row
+    # and a link that compares the run with the experiment's previous one, in MLflow's model-training view
+    (compare,) = re.findall(r"\[this run beside the last 1 in MLflow\]\((\S+)\)", table.data)
+    assert "#/compare-runs?runs=" in compare and compare.endswith("workflowType=machine_learning")
 
     # a changed PPO setting re-runs PPO and evaluation only
     changed = cfg.model_copy(deep=True)
@@ -243,7 +256,6 @@ def test_the_stage_table_names_the_flows_tasks_in_order():
     """rlhf/stages.py is the one list of stages: the Prefect tasks' names, in the order the flow runs them,
     each with its own MLflow run suffix."""
     import inspect
-    import re
 
     from prefect import Task
 
@@ -276,6 +288,29 @@ def test_a_tiny_budget_is_called_a_plumbing_check(budget, says):
     assert note is None if says is None else says in note
 
 
+def test_the_summary_names_the_objective_that_trained():
+    """A GRPO run's summary says GRPO in its note, its figures and its stages, never PPO (the terminal's lines, the
+    flow run's log and the evaluation table are these)."""
+    summary = {
+        "rlhf.objective_label": "GRPO",
+        PPO_EPISODES: 64,
+        "eval/win_rate_rm": 0.5,
+        "eval/kl": 0.1,
+        "overoptimisation/alarm_step": 3.0,
+        "stage.init_policy_models.run_id": "a",
+        "stage.init_policy_models.cached": "true",
+        "stage.train_policy_ppo.run_id": "b",
+        "stage.train_policy_ppo.cached": "true",
+    }
+    block = summary_block(summary)
+    assert "64 GRPO episodes (under 1024)" in block and "GRPO beats SFT on reward-function score:" in block
+    assert "mean KL(GRPO || SFT) per response:" in block and "(GRPO init, GRPO)" in block
+    assert "over-optimisation alarm (no gold):      fired after update 3 (WARNING below)" in block
+    assert "PPO" not in block
+    grpo = load_config(REPO / "conf" / "smoke.yaml", ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
+    assert "64 GRPO episodes" in sweep_note([grpo])
+
+
 @pytest.mark.slow
 def test_dpo_and_a_rule_rewarded_grpo_run_the_dag_and_share_its_cached_stages(harness, tmp_path):
     """algorithm: dpo trains the DPO stage instead of init and PPO and is evaluated as PPO is; reward.source: function
@@ -299,8 +334,22 @@ def test_dpo_and_a_rule_rewarded_grpo_run_the_dag_and_share_its_cached_stages(ha
     grpo = load_config(
         REPO / "conf" / "smoke.yaml", [*base, *rule, "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"]
     )
-    summary = rlhf_pipeline(grpo)
+    state = rlhf_pipeline(grpo, return_state=True)
+    summary = state.result()
     assert "stage.train_reward_model.run_id" not in summary and "reward/best_eval_accuracy" not in summary
+    # a GRPO run is called GRPO wherever it is described: the log's step lines and note, the progress bars, the
+    # evaluation table, the MLflow run's tag (the saved view's first column)
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    assert any(re.match(r"GRPO step \d+ of \d+: score ", m) for m in logs) and not any("ppo step" in m for m in logs)
+    assert any(m.startswith("NOTE: a plumbing check, not learning: 64 GRPO episodes") for m in logs)
+    artifacts = flow_run_artifacts(state.state_details.flow_run_id)
+    bars = {a.description for a in artifacts if a.type == "progress"}
+    assert "RLHF pipeline: evaluation done (5/5), finished" in bars and any(b.startswith("GRPO: step ") for b in bars)
+    (table,) = [a for a in artifacts if a.key == "rlhf-evaluation"]
+    assert "| GRPO beats SFT on gold reward |" in table.data and "| GRPO | ran |" in table.data
+    assert "PPO" not in table.data
+    tags = MlflowClient(base[0].split("=", 1)[1]).get_run(summary["mlflow_run_id"]).data.tags
+    assert tags["rlhf.objective_label"] == "GRPO"
     assert summary["stage.supervised_finetune.cached"] == "true"  # shared with the DPO run
     assert summary["value_checkpoint"].startswith("none")
     assert summary["eval/win_rate_rm"] == summary["eval/win_rate_gold"]  # the function is the gold reward

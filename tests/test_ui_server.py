@@ -97,7 +97,8 @@ def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None =
 
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path]]:
-    """`prefect server start` on a free port with its own PREFECT_HOME; yields (api url, env, temp folder)."""
+    """`make ui`'s Prefect server (flows/prefect_server.py: `prefect server start` with the schema checked once and
+    busy requests retried) on a free port with its own PREFECT_HOME; yields (api url, env, temp folder)."""
     tmp = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
@@ -110,12 +111,30 @@ def prefect_server(tmp_path_factory) -> Iterator[tuple[str, dict[str, str], Path
         "MLFLOW_UI_URL": MLFLOW_UI_URL,
     }
     log = tmp / "server.log"
-    proc = start([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log)
+    proc = start([sys.executable, "-m", "flows.prefect_server", "--host", "127.0.0.1", "--port", str(port)], env, log)
     try:
         wait_until(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, 120, "server start", proc, log)
         yield api, env, tmp
     finally:
         stop(proc)
+
+
+SUBMITS = 12  # form submits while a run trains
+
+
+def submit_later(api: str, deployment_id: str, run: dict) -> tuple[int, str]:
+    """The run form's Submit (its parameters, Prefect's schema validation), once, not retried: a flow run scheduled
+    a day ahead, so that no runner starts it. Returns (status code, flow-run id or the answer's text)."""
+    when = (datetime.now(timezone.utc) + timedelta(days=1)).isoformat()
+    body = {"parameters": {"run": run}, "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": when}}}
+    created = httpx.post(f"{api}/deployments/{deployment_id}/create_flow_run", json=body, timeout=120)
+    return created.status_code, created.json()["id"] if created.status_code == 201 else created.text
+
+
+def _training(api: str, flow_run_id: str) -> bool:
+    """A training task of the flow run has logged a step ('sft step 10 of 20: ...')."""
+    found = request("POST", f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    return any(" step " in log["message"] for log in found)
 
 
 def trigger_tiny_run(
@@ -243,6 +262,15 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         form_runs = request("POST", f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [form["id"]]}}})
         assert [r["id"] for r in form_runs.json()] == [form_run_id]
 
+        # Submit while that run trains: the form's call, sent once each (no retry here), is accepted every time
+        wait_until(lambda: _training(api, form_run_id), 300, "a training step of the form's run", serve, log)
+        submitted = [submit_later(api, form["id"], run) for _ in range(SUBMITS)]
+        assert [code for code, _ in submitted] == [201] * SUBMITS, submitted
+        still = request("GET", f"{api}/flow_runs/{form_run_id}").json()["state"]["type"]
+        assert still == "RUNNING", f"the submits were meant to overlap the training run, which is {still}"
+        for _, flow_run_id in submitted:
+            request("DELETE", f"{api}/flow_runs/{flow_run_id}")
+
         state = wait_until(lambda: _flow_run_state(api, form_run_id), 300, "the form's flow run", serve, log)
         assert state["type"] == "COMPLETED", (state, log.read_text(errors="replace")[-3000:])
     finally:
@@ -262,14 +290,16 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
         "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [form_run_id]}}}
     ).json()
     progress = {a["description"].split(":")[0]: a for a in artifacts if a["type"] == "progress"}
-    assert set(progress) == {"RLHF pipeline", "sft", "reward", "ppo"}  # the stages, and each trainer's steps
+    assert set(progress) == {"RLHF pipeline", "sft", "reward", "PPO"}  # the stages, and each trainer's steps
     assert all(a["data"] == 100.0 for a in progress.values())
     assert progress["RLHF pipeline"]["description"] == "RLHF pipeline: evaluation done (6/6), finished"
-    assert progress["ppo"]["description"].startswith("ppo: step 2 of 2; score ")
-    assert "KL " in progress["ppo"]["description"]
+    assert progress["PPO"]["description"].startswith("PPO: step 2 of 2; score ")
+    assert "KL " in progress["PPO"]["description"]
     by_key = {a["key"]: a for a in artifacts if a["key"]}
-    table = json.loads(by_key["rlhf-evaluation"]["data"])
+    table = json.loads(by_key["rlhf-evaluation-figures"]["data"])
     assert {"eval/kl", "reward/best_eval_accuracy"} <= {row["metric"] for row in table}
+    # the short table links the full one on the server's UI
+    assert f"/artifacts/artifact/{by_key['rlhf-evaluation-figures']['id']})" in by_key["rlhf-evaluation"]["data"]
 
     experiment = form_client.get_experiment_by_name(config.tracking.experiment)
     link = f"{MLFLOW_UI_URL}/#/experiments/{experiment.experiment_id}/runs/{form_parent.info.run_id}"

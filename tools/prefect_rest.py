@@ -4,7 +4,9 @@ for, and their artifacts and logs; with the polling and the free port the check 
 from __future__ import annotations
 
 import socket
+import statistics
 import time
+from datetime import datetime, timedelta, timezone
 
 import httpx
 
@@ -70,3 +72,35 @@ def logs_of(api: str, flow_run_id: str) -> list[str]:
         f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=10
     ).json()
     return [log["message"] for log in found]
+
+
+def training(api: str, flow_run_id: str) -> bool:
+    """A training task of the flow run has logged a step ('sft step 10 of 20: ...')."""
+    found = httpx.post(
+        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=30
+    ).json()
+    return any(" step " in log["message"] for log in found)
+
+
+def submit_repeatedly(api: str, deployment_id: str, run: dict, count: int) -> tuple[list[int], list[float]]:
+    """The run form's Submit `count` times, each sent once (no retry by this client), a flow run scheduled a day ahead
+    so that no runner starts it; the runs are deleted afterwards. Returns the status codes and the seconds each took."""
+    when = (datetime.now(timezone.utc) + timedelta(days=1)).isoformat()
+    body = {"parameters": {"run": run}, "state": {"type": "SCHEDULED", "state_details": {"scheduled_time": when}}}
+    codes, seconds, created = [], [], []
+    for _ in range(count):
+        started = time.monotonic()
+        answer = httpx.post(f"{api}/deployments/{deployment_id}/create_flow_run", json=body, timeout=180)
+        seconds.append(time.monotonic() - started)
+        codes.append(answer.status_code)
+        if answer.status_code == 201:
+            created.append(answer.json()["id"])
+    for flow_run_id in created:
+        httpx.delete(f"{api}/flow_runs/{flow_run_id}", timeout=30)
+    ordered = sorted(seconds)
+    print(
+        f"ui-check: {count} submits: {codes.count(201)} created; seconds median {statistics.median(ordered):.2f}, "
+        f"p95 {ordered[round(0.95 * (count - 1))]:.2f}, max {ordered[-1]:.2f}",
+        flush=True,
+    )
+    return codes, seconds

@@ -15,25 +15,33 @@ the form's parameters, waits for it, and writes screenshots to outputs/ui-check/
     01e-prefect-deployments.png  the Deployments page: four names that say what each does
     02-prefect-run.png         the finished flow run (task graph and states)
     03-prefect-artifacts.png   its Artifacts tab (progress bars, evaluation table, MLflow link)
-    03b-prefect-evaluation.png the evaluation table: the plumbing check's NOTE first, the compare link
+    02b-prefect-run-logs.png   its Logs tab, ending with the summary the terminal prints (win rates, KL, the alarm)
+    03b-prefect-evaluation.png the evaluation: the NOTE, the summary's lines in words (the alarm's among them), the
+                               stages with their MLflow runs
     03c-prefect-mlflow-link.png  the MLflow link artifact (its text without a literal '&amp;')
     04-mlflow-experiment.png   the experiment in the project's saved view (columns: win rates, KL, RM accuracy, key
                                parameters), as the links the project writes open it
     04b-mlflow-experiment-charts.png  the same view's charts: the PPO sections first
     05-mlflow-run.png          the pipeline's MLflow run (the page the Prefect link opens): its description the NOTE
     06-mlflow-ppo-run.png      the PPO stage's MLflow run, its `objective/` charts (score, KL, gold score, ...)
+    09-mlflow-home-experiment-new-browser.png  MLflow's home -> rlhf-ppo in a browser that never chose a view
+                               (MLflow 3.17: GenAI)
+    09b-mlflow-home-experiment.png, 09c-mlflow-native-compare.png  the same path and MLflow's own Compare page after
+                               the user's one step, the side bar's Model training: the model-training navigation
     07-prefect-sweep-artifacts.png  a two-arm study started from the sweep form: its flow run's Artifacts tab, the
                                ranking and the study table both on the flow run
     07b-prefect-sweep-ranking.png, 07c-prefect-study-table.png  the two tables, the KL column in view
     08-mlflow-sweep-run.png    the study's MLflow run (its description the NOTE)
     08b-mlflow-study-table.png its study_table.md artifact
 
-It also asserts what the user reads, through the UI's own API (the form's validation, the flow run's logs and
-artifacts, the MLflow runs): the plumbing check's NOTE in the log, the evaluation table and the MLflow run's
-description; the compare links' ``workflowType=machine_learning``; the form's error text (the grpo rule through the
-validation endpoint the form calls); distinct deployment names; the sweep form's space sizes. Last, it starts a long
-run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and checks that what the run's process prints after
-the signal has no traceback and that its MLflow runs end KILLED (``ctrl-c.log``: what was printed).
+While that run trains it submits the form 10 times (`--submits`) through the API call the form makes, each once: all
+must be created (they failed with 503 while runs wrote; flows/prefect_server.py), with their median and 95th
+percentile times printed. It also asserts what the user reads, through the UI's own API (the form's validation, the
+flow run's logs and artifacts, the MLflow runs): the plumbing check's NOTE in the log, the evaluation table and the
+MLflow run's description; the compare links' ``workflowType=machine_learning``; the form's error text (the grpo rule
+through the validation endpoint the form calls); distinct deployment names; the sweep form's space sizes. Last, it
+starts a long run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and checks that what the run's process
+prints after the signal has no traceback and that its MLflow runs end KILLED (``ctrl-c.log``: what was printed).
 
 Needs Debian's chromium and chromium-driver (``apt-get install -y chromium chromium-driver``) and selenium (the
 make target installs it into .venv). Not part of `make test`.
@@ -51,7 +59,17 @@ import time
 from pathlib import Path
 
 import httpx
-from prefect_rest import artifacts_of, deployment, free_port, logs_of, start_run, wait_for, wait_run
+from prefect_rest import (
+    artifacts_of,
+    deployment,
+    free_port,
+    logs_of,
+    start_run,
+    submit_repeatedly,
+    training,
+    wait_for,
+    wait_run,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CHROME_FLAGS = [
@@ -129,6 +147,14 @@ SPACE_SIZES = ("kl_coef.yaml (3 runs)", "algorithms.yaml (9 arms x 3 points = 27
 NOTE = "NOTE: a plumbing check, not learning"
 SWEEP_NOTE = "NOTE: every variant whose budget is this small is a plumbing check"
 VIEW = "workflowType=machine_learning"
+# what the terminal prints at the end of a run, in the browser too: the summary's title, the win rates, the KL and
+# the over-optimisation alarm's line
+SUMMARY_LINES = (
+    "== RLHF pipeline summary",
+    "PPO beats SFT on gold reward",
+    "mean KL(PPO || SFT) per response",
+    "over-optimisation alarm (no gold)",
+)
 # a study of two arms, one seed, on the smoke config: started from the sweep form's fields
 STUDY_RUN = {
     "space_file": "conf/sweeps/algorithms.yaml",
@@ -227,12 +253,20 @@ def check_pipeline_run(driver, api: str, ui_url: str, flow_run_id: str, out: Pat
     """A plumbing check's NOTE in the flow run's log and its evaluation table; the compare link's view; the MLflow
     link's text."""
     check(any(m.startswith(NOTE) for m in logs_of(api, flow_run_id)), f"the flow run's log says {NOTE!r}")
+    # the summary the terminal prints, at the end of the Logs tab in the browser
+    shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "02b-prefect-run-logs.png", tab="Logs")
+    logs_tab = page_text(driver)
+    for line in SUMMARY_LINES:
+        check(line in logs_tab, f"the Logs tab in the browser shows {line!r}")
     found = artifacts_of(api, flow_run_id)
     evaluation, link = found.get("rlhf-evaluation", {}), found.get("rlhf-mlflow-run", {})
     check((evaluation.get("description") or "").startswith(NOTE), f"the evaluation table's description opens {NOTE!r}")
-    check(f"&{VIEW}" in (evaluation.get("data") or ""), f"the evaluation table's compare link has {VIEW}")
     if evaluation:
         shoot(driver, f"{ui_url}/artifacts/artifact/{evaluation['id']}", out / "03b-prefect-evaluation.png")
+        shown = page_text(driver)
+        for line in SUMMARY_LINES[1:]:
+            check(line in shown, f"the evaluation artifact in the browser shows {line!r}")
+        check("eval/" not in shown, "the evaluation artifact shows words, not metric keys")
     if link:
         shoot(driver, f"{ui_url}/artifacts/artifact/{link['id']}", out / "03c-prefect-mlflow-link.png")
         check("&amp;" not in page_text(driver), "the MLflow link artifact shows no literal '&amp;'")
@@ -261,6 +295,17 @@ def check_study(driver, api: str, ui_url: str, mlflow_url: str, flow_run_id: str
         [exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.run_type = 'sweep'"
     )
     check(run.data.tags.get("mlflow.note.content", "").startswith(SWEEP_NOTE), "the MLflow sweep run's description")
+    # the GRPO arm is called GRPO: its MLflow run's objective (the saved view's first column) and its Prefect log
+    variants = client.search_runs([exp], filter_string=f"tags.sweep_run_id = '{run.info.run_id}'")
+    grpo = [v for v in variants if v.data.tags.get("rlhf.objective_label") == "GRPO"]
+    objectives = [v.data.tags.get("rlhf.objective_label") for v in variants]
+    check(len(grpo) == 1, f"one variant's objective is GRPO: {objectives}")
+    if grpo:
+        said = logs_of(api, grpo[0].data.tags.get("prefect.flow_run_id", ""))
+        check(
+            any(m.startswith("GRPO step ") for m in said) and not any(m.startswith("ppo step") for m in said),
+            "the GRPO variant's Prefect log says 'GRPO step', never 'ppo step'",
+        )
     url = f"{mlflow_url}/#/experiments/{exp}/runs/{run.info.run_id}"
     shoot(driver, f"{url}?{VIEW}", out / "08-mlflow-sweep-run.png")
     shoot(driver, f"{url}/artifacts/study_table.md?{VIEW}", out / "08b-mlflow-study-table.png", 8)
@@ -291,6 +336,60 @@ def check_mlflow(driver, mlflow_url: str, flow_run_id: str, out: Path, check: Ch
     if ppo_run_id:
         url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{VIEW}"
         shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
+
+
+GENAI_ONLY = ("Judges", "Sessions")  # side-bar entries of MLflow's GenAI navigation, not of model training
+WORKFLOW_KEY = "mlflow.workflowType_v1"  # where MLflow 3.17's UI keeps the side bar's choice (browser local storage)
+
+
+def check_mlflow_navigation(driver, mlflow_url: str, out: Path, check: Checks) -> None:
+    """The ways into MLflow the project does not write: its root, Recent Experiments, the native Compare. MLflow 3.17
+    opens them in the view chosen last in the browser (GenAI before any choice): first as a new browser sees them,
+    then after the user's one step (docs/orchestration.md), the side bar's *Model training*, where each must land in
+    the model-training navigation."""
+    from mlflow.tracking import MlflowClient
+    from selenium.webdriver.common.by import By
+
+    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
+    exp = client.get_experiment_by_name("rlhf-ppo")
+    check(exp.tags.get("mlflow.experimentKind") == "custom_model_development", "the experiment's kind: model training")
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=2)
+    ids, compact = [r.info.run_id for r in runs], {"separators": (",", ":")}
+    # the page MLflow's own Compare button opens (no workflowType)
+    compare = f"{mlflow_url}/#/compare-runs?runs={json.dumps(ids, **compact)}"
+    compare += f"&experiments={json.dumps([exp.experiment_id], **compact)}"
+
+    def home_to_experiment(name: str) -> str:
+        driver.get(f"{mlflow_url}/#/")
+        time.sleep(8.0)
+        links = [e for e in driver.find_elements(By.XPATH, "//a[normalize-space(.)='rlhf-ppo']") if e.is_displayed()]
+        if links:
+            links[0].click()
+            time.sleep(6.0)
+        driver.save_screenshot(str(out / name))
+        print(f"ui-check: {name}: MLflow home -> rlhf-ppo lands on {driver.current_url}", flush=True)
+        return driver.current_url
+
+    driver.get(f"{mlflow_url}/#/")
+    driver.execute_script(f"window.localStorage.removeItem('{WORKFLOW_KEY}')")  # a browser that never chose
+    home_to_experiment("09-mlflow-home-experiment-new-browser.png")
+    driver.get(f"{mlflow_url}/#/")
+    time.sleep(8.0)
+    switch = [e for e in driver.find_elements(By.XPATH, "//*[normalize-space(.)='Model training']") if e.is_displayed()]
+    if switch:
+        switch[-1].click()
+        time.sleep(2.0)
+    chosen = driver.execute_script(f"return window.localStorage.getItem('{WORKFLOW_KEY}')")
+    check(chosen == '"machine_learning"', f"the side bar's Model training is kept in the browser: {chosen}")
+    url = home_to_experiment("09b-mlflow-home-experiment.png")
+    shown = page_text(driver)
+    check(
+        "genai" not in url and not any(entry in shown for entry in GENAI_ONLY),
+        f"MLflow home -> rlhf-ppo lands in model training: {url}",
+    )
+    shoot(driver, compare, out / "09c-mlflow-native-compare.png", 8)
+    shown = page_text(driver)
+    check(not any(entry in shown for entry in GENAI_ONLY), "MLflow's own Compare page stays in model training")
 
 
 def check_ctrl_c(ui: subprocess.Popen, api: str, form_id: str, log_path: Path, out: Path, check: Checks) -> None:
@@ -328,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/ui-check", help="folder of the screenshots and logs")
     parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for each run")
+    parser.add_argument("--submits", type=int, default=10, help="form submits while a run trains")
     parser.add_argument("--no-study", action="store_true", help="leave out the two-arm study from the sweep form")
     parser.add_argument("--no-ctrl-c", action="store_true", help="leave out stopping make ui with a run going")
     args = parser.parse_args(argv)
@@ -358,12 +458,17 @@ def main(argv: list[str] | None = None) -> int:
         # the run the form's Run button makes: the shipped smoke config and two overrides
         run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}
         flow_run_id = start_run(api, form["id"], run)
+        # the form's Submit while that run trains: every one accepted (they failed with 503 while runs wrote)
+        wait_for(lambda: training(api, flow_run_id), args.timeout, "a training step of the form's run")
+        codes, _ = submit_repeatedly(api, form["id"], run, args.submits)
+        check(codes == [201] * args.submits, f"{args.submits} submits of the form while a run trains all created")
         state = wait_run(api, flow_run_id, args.timeout)
         check(state["type"] == "COMPLETED", "the run from the form completed")
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "02-prefect-run.png")
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "03-prefect-artifacts.png", tab="Artifacts")
         check_pipeline_run(driver, api, ui_url, flow_run_id, out, check)
         check_mlflow(driver, mlflow_url, flow_run_id, out, check)
+        check_mlflow_navigation(driver, mlflow_url, out, check)
         if not args.no_study:
             sweep_form = deployment(api, "rlhf-sweep-run/run-sweep", 60)
             base = {"config_file": "conf/smoke.yaml", "overrides": []}

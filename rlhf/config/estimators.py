@@ -103,6 +103,11 @@ def estimator_descriptions() -> str:
     return "; ".join(f"'{e.name}': {e.summary}" for e in ESTIMATORS.values())
 
 
+# The pipeline run's MLflow tag naming what trained its policy (`objective_label`'s value, or 'DPO'): the summary's
+# lines, the MLflow view's first column and a study's arms read it.
+OBJECTIVE_LABEL_TAG = "rlhf.objective_label"
+
+
 def objective_label(estimator: str, importance_sampling_level: str = "token") -> str:
     """What the summary and the study call an estimator with its importance ratio: 'GRPO', 'GSPO' (GRPO with
     sequence-level ratios), 'RLOO (sequence)' (RLOO with the whole response's ratio, as TRL's RLOOTrainer), ..."""

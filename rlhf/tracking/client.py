@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from rlhf.metrics import earlier_metric_names
-from rlhf.tracking.default_view import VIEW_TAG, default_view_json
+from rlhf.tracking.default_view import experiment_tags
 from rlhf.tracking.metrics_writer import BatchedLog, LogFn, StepRecord
 from rlhf.tracking.model_logging import hub_card_warnings_off, no_requirement_check
 from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord, the source tags: imported from here)
@@ -90,8 +90,9 @@ class Tracker:
                 self.experiment_id = self._create_experiment(experiment, location)
             else:
                 self.experiment_id = found.experiment_id
-            if found is None or found.tags.get(VIEW_TAG) != default_view_json():  # the UI's default view
-                self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, default_view_json())
+            for key, value in experiment_tags().items():  # the UI's default view and the experiment's kind
+                if found is None or found.tags.get(key) != value:
+                    self.client.set_experiment_tag(self.experiment_id, key, value)
 
     def _create_experiment(self, name: str, location: str | None) -> str:
         """Create the experiment, or read back the id of the one another process created meanwhile: runs started

@@ -18,6 +18,7 @@ import os
 import zlib
 from urllib.parse import quote
 
+from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.metrics import (
     EVAL_KL,
     EVAL_POLICY_GOLD,
@@ -47,9 +48,11 @@ COLUMN_METRICS = (
     EVAL_POLICY_LENGTH,
     TIME_POLICY_TRAIN,
 )
-# the algorithm first: a study's runs (make study) read as arm and seed beside their win rates
+# What trained the policy first, as the summary names it ('PPO', 'GRPO', 'GSPO', 'DPO'; the param `algorithm` says
+# 'ppo' for every objective of the online stage): a study's runs (make study) read as arm and seed beside their win
+# rates
+COLUMN_TAGS = (OBJECTIVE_LABEL_TAG,)
 COLUMN_PARAMS = (
-    "algorithm",
     "ppo.advantage_estimator",
     "policy_seed",
     "ppo.kl_coef",
@@ -96,7 +99,7 @@ def copy_ppo_curves(tracker, ppo_run_id: str | None, pipeline_run_id: str) -> No
 
 
 def column_key(kind: str, name: str) -> str:
-    """The runs table's id of a column: ``metrics.`eval/kl```, ``params.`ppo.kl_coef```."""
+    """The runs table's id of a column: ``metrics.`eval/kl```, ``params.`ppo.kl_coef```, ``tags.`rlhf.cached```."""
     return f"{kind}.`{name}`"
 
 
@@ -118,6 +121,7 @@ def default_view() -> dict:
         "orderByKey": "attributes.start_time",
         "orderByAsc": False,
         "selectedColumns": [
+            *(column_key("tags", t) for t in COLUMN_TAGS),
             *(column_key("metrics", m) for m in COLUMN_METRICS),
             *(column_key("params", p) for p in COLUMN_PARAMS),
         ],
@@ -126,6 +130,18 @@ def default_view() -> dict:
         "isAccordionReordered": True,
         "hideEmptyCharts": True,
     }
+
+
+# MLflow 3's kind of an experiment (the tag its experiment-type selector writes): model training, not GenAI. MLflow
+# 3.17's UI does not choose its navigation from it: it takes the URL's `workflowType`, else the choice last made in
+# the browser's side-bar switch (kept in local storage), else GenAI. The tag says what the experiment is to the
+# MLflow versions and clients that read it; docs/orchestration.md has the user's one click for 3.17.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+
+
+def experiment_tags() -> dict[str, str]:
+    """The tags every experiment the pipeline logs to carries: its kind and the saved view."""
+    return {KIND_TAG: KIND, VIEW_TAG: default_view_json()}
 
 
 def default_view_json() -> str:

@@ -1,0 +1,140 @@
+"""`make ui`'s Prefect server: ``prefect server start`` on SQLite, with two changes that keep the run form's Submit
+from failing while runs train (``python -m flows.prefect_server --host 127.0.0.1 --port 4200``).
+
+Submitting the short run form (``POST /api/deployments/<id>/create_flow_run``) got "503 Service Unavailable" while
+a run trained, and nothing in the server's log (Prefect logs retryable errors only with
+PREFECT_SERVER_LOG_RETRYABLE_ERRORS). With that setting the log shows why: ``sqlite3.OperationalError: database is
+locked`` on the ``INSERT INTO flow_run``. Prefect creates the run in one SQLite transaction that first reads the
+deployment, then checks the parameters against the deployment's JSON schema, then writes. That check starts with
+``jsonschema``'s check of the schema itself against the JSON Schema metaschema (draft 2020-12), and the form's
+schema is large (about 220 KB: the batch rules of rlhf/config/schema_rules.py as if/then clauses): 5 to 25 s on two
+busy cores, during which the server's event loop does nothing else. A running flow writes its logs, task states and
+progress meanwhile; when one of those writes commits between the transaction's read and its write, SQLite refuses
+the write (a reader's snapshot cannot become a writer after another commit), Prefect rolls back and answers 503.
+
+1. The schema check is done once per schema (`check_schemas_once`): the deployments' schemas do not change while
+   the server runs, and a schema that fails the check is checked again every time (and refused, as before). The
+   parameters themselves are still validated against the schema on every run created.
+2. The form's Submit answered 503 (Prefect's answer to SQLite's "database is locked" and its other retryable
+   errors, after rolling the transaction back) is tried again, up to `RETRIES` times (`RetryBusyRequests`), as
+   Prefect's own Python client retries its requests; the browser UI does not retry.
+
+Everything else is ``prefect server start``'s foreground server: the API, the UI and the background services in
+one process, its settings from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+
+RETRIES = 6  # tries of a request answered 503, after the first
+RETRY_WAIT_S = 0.25  # the wait before the first retry, doubled before each next one (0.25 + 0.5 + ... = 15.75 s)
+BUSY = 503  # what Prefect answers for a retryable database error (SQLite busy or locked), nothing written
+# the request retried: the form's Submit (POST /api/deployments/<id>/create_flow_run). Prefect's Python clients (the
+# serve process, the runs) retry a 503 themselves, each try within their own timeout; the browser UI does not.
+RETRIED_PATH = "/create_flow_run"
+
+
+def check_schemas_once() -> None:
+    """Prefect's parameter validation checks the schema against the metaschema on every call: remember the schemas
+    that passed (by their content), so that a deployment's schema is checked once."""
+    from prefect.utilities.schema_tools import validation
+
+    validator = validation._VALIDATOR  # the validator class Prefect's `validate` and `is_valid_schema` use
+    check = validator.check_schema
+    passed: set[str] = set()
+
+    def check_once(schema: Any, *args: Any, **kwargs: Any) -> None:
+        key = hashlib.sha256(json.dumps(schema, sort_keys=True, default=str).encode()).hexdigest()
+        if key not in passed:
+            check(schema, *args, **kwargs)  # raises SchemaError for a bad schema: never remembered
+            passed.add(key)
+
+    validator.check_schema = staticmethod(check_once)
+
+
+class RetryBusyRequests:
+    """ASGI middleware: a request to create a flow run (`RETRIED_PATH`) answered `BUSY` is sent to the app again (its
+    body replayed), up to `RETRIES` times with doubling waits; the last answer goes to the client. Other requests and
+    answers pass as they come."""
+
+    def __init__(self, app: ASGIApp, retries: int = RETRIES, wait_s: float = RETRY_WAIT_S) -> None:
+        self.app, self.retries, self.wait_s = app, retries, wait_s
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]], send) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith(RETRIED_PATH):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:  # the whole request body, to send it again
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False) or message["type"] != "http.request":
+                break
+
+        async def replay() -> Message:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        wait = self.wait_s
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            busy = False
+
+            async def forward(message: Message, last: bool = last) -> None:
+                nonlocal busy
+                if message["type"] == "http.response.start":
+                    busy = message["status"] == BUSY and not last
+                if not busy:
+                    await send(message)
+
+            try:
+                await self.app(dict(scope), replay, forward)  # a copy: routing writes into the scope it is given
+            except Exception:  # Starlette raises the error again once its handler has answered (the 503)
+                if not busy:
+                    raise
+            if not busy:
+                return
+            await asyncio.sleep(wait)
+            wait *= 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=4200)
+    args = parser.parse_args(argv)
+    import uvicorn
+    from prefect.server.api.server import create_app
+    from prefect.settings import (
+        PREFECT_SERVER_API_HOST,
+        PREFECT_SERVER_API_KEEPALIVE_TIMEOUT,
+        PREFECT_SERVER_API_PORT,
+        PREFECT_SERVER_LOGGING_LEVEL,
+        temporary_settings,
+    )
+
+    check_schemas_once()
+    with temporary_settings({PREFECT_SERVER_API_HOST: args.host, PREFECT_SERVER_API_PORT: args.port}):
+        app = RetryBusyRequests(create_app(final=True))
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            timeout_keep_alive=PREFECT_SERVER_API_KEEPALIVE_TIMEOUT.value(),
+            log_level=str(PREFECT_SERVER_LOGGING_LEVEL.value()).lower(),
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
