@@ -17,6 +17,7 @@ from prefect.settings import get_current_settings
 from flows.summary import figure_rows, stage_label, summary_notes
 from rlhf.config import TrackingConfig
 from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
+from rlhf.eval import benchmark
 from rlhf.stages import STAGES
 from rlhf.tracking.default_view import COLUMN_METRICS, mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
 from tasks.progress import ProgressBar
@@ -128,6 +129,8 @@ def evaluation_markdown(
     rows = figure_rows(summary)
     table = ["| what | value |", "|---|---|", *(f"| {_cell(what)} | {_cell(value)} |" for what, value in rows)]
     parts.append("\n".join(table))
+    label = summary.get(OBJECTIVE_LABEL_TAG, "trained")
+    parts += [benchmark.markdown_table(summary, name, label) for name in benchmark.names(summary)]
     parts += [f"**WARNING:** {n.split(': ', 1)[1]}" for n in notes if n.startswith("WARNING: ")]
     if stages:
         lines = ["| stage | result | MLflow |", "|---|---|---|"]

@@ -210,6 +210,9 @@ def test_the_benchmark_figures_by_hand():
     lines = benchmark.report_lines(metrics, "toy")
     assert lines[0] == "toy: 3 prompts, 4 instructions (95% intervals)"
     assert "instruction-level strict: SFT 25.0%" in lines[3] and "+50.0 points" in lines[3]
+    table_md = benchmark.markdown_table(metrics, "toy", "GRPO").splitlines()
+    assert table_md[0] == "| toy (3 prompts, 4 instructions) | SFT | GRPO | gain (points) |"
+    assert table_md[4].startswith("| instruction-level strict | 25.0% [") and "| +50.0 [" in table_md[4]
     read_back = benchmark.type_table(metrics, "toy").set_index("instruction_id")
     assert read_back.loc["detectable_format:title", "policy_strict"] == 1.0
 

@@ -259,6 +259,25 @@ def report_lines(summary: dict[str, Any], name: str, label: str = "trained") -> 
     return lines
 
 
+def markdown_table(summary: dict[str, Any], name: str, label: str = "trained") -> str:
+    """Benchmark `name`'s four figures as a short Markdown table: SFT, the trained policy and the gain, each with
+    its 95% interval (the Prefect evaluation artifact)."""
+    s = {k[len(f"benchmark/{name}/") :]: v for k, v in summary.items() if k.startswith(f"benchmark/{name}/")}
+
+    def cell(key: str, sign: str = "") -> str:
+        point, lo, hi = (100 * s[f"{key}{end}"] for end in ("", "_lo", "_hi"))
+        return f"{point:{sign}.1f}{'' if sign else '%'} [{lo:{sign}.1f}, {hi:{sign}.1f}]"
+
+    n = f"{int(s['n_prompts'])} prompts, {int(s['n_instructions'])} instructions"
+    lines = [f"| {name} ({n}) | SFT | {label} | gain (points) |", "|---|---|---|---|"]
+    for figure in FIGURES:
+        what = figure.replace("_", "-level ", 1)
+        lines.append(
+            f"| {what} | {cell(f'sft/{figure}')} | {cell(f'policy/{figure}')} | {cell(f'gain/{figure}', '+')} |"
+        )
+    return "\n".join(lines)
+
+
 def summary_lines(summary: dict[str, Any], label: str = "trained") -> list[str]:
     """`report_lines` of every benchmark a summary holds."""
     return [line for name in names(summary) for line in report_lines(summary, name, label)]
