@@ -338,7 +338,7 @@ def test_dpo_and_a_rule_rewarded_grpo_run_the_dag_and_share_its_cached_stages(ha
     summary = state.result()
     assert "stage.train_reward_model.run_id" not in summary and "reward/best_eval_accuracy" not in summary
     # a GRPO run is called GRPO wherever it is described: the log's step lines and note, the progress bars, the
-    # evaluation table, the MLflow run's tag (the saved view's first column)
+    # evaluation table, the MLflow run's tag (a column of the saved view)
     logs = flow_run_logs(state.state_details.flow_run_id)
     assert any(re.match(r"GRPO step \d+ of \d+: score ", m) for m in logs) and not any("ppo step" in m for m in logs)
     assert any(m.startswith("NOTE: a plumbing check, not learning: 64 GRPO episodes") for m in logs)

@@ -40,9 +40,10 @@ def deployment(api: str, name: str, timeout: float = 180) -> dict:
 
 
 def start_run(api: str, deployment_id: str, run: dict) -> str:
-    """A flow run of the deployment with the form's parameters, as the form's Run button creates it."""
+    """A flow run of the deployment with the form's parameters, as the form's Run button creates it (a form's first
+    run after the server started waits for its one schema check: tens of seconds on a loaded machine)."""
     created = httpx.post(
-        f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": run}}, timeout=30
+        f"{api}/deployments/{deployment_id}/create_flow_run", json={"parameters": {"run": run}}, timeout=180
     )
     created.raise_for_status()
     print(f"ui-check: flow run {created.json()['id']} started from the form's parameters {run}", flush=True)

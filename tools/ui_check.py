@@ -295,7 +295,7 @@ def check_study(driver, api: str, ui_url: str, mlflow_url: str, flow_run_id: str
         [exp], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.run_type = 'sweep'"
     )
     check(run.data.tags.get("mlflow.note.content", "").startswith(SWEEP_NOTE), "the MLflow sweep run's description")
-    # the GRPO arm is called GRPO: its MLflow run's objective (the saved view's first column) and its Prefect log
+    # the GRPO arm is called GRPO: its MLflow run's objective (a column of the saved view) and its Prefect log
     variants = client.search_runs([exp], filter_string=f"tags.sweep_run_id = '{run.info.run_id}'")
     grpo = [v for v in variants if v.data.tags.get("rlhf.objective_label") == "GRPO"]
     objectives = [v.data.tags.get("rlhf.objective_label") for v in variants]

@@ -104,7 +104,8 @@ def estimator_descriptions() -> str:
 
 
 # The pipeline run's MLflow tag naming what trained its policy (`objective_label`'s value, or 'DPO'): the summary's
-# lines, the MLflow view's first column and a study's arms read it.
+# lines, a column of the MLflow view (MLflow shows tag columns after the metrics and parameters) and a study's arms
+# read it.
 OBJECTIVE_LABEL_TAG = "rlhf.objective_label"
 
 

@@ -48,9 +48,9 @@ COLUMN_METRICS = (
     EVAL_POLICY_LENGTH,
     TIME_POLICY_TRAIN,
 )
-# What trained the policy first, as the summary names it ('PPO', 'GRPO', 'GSPO', 'DPO'; the param `algorithm` says
-# 'ppo' for every objective of the online stage): a study's runs (make study) read as arm and seed beside their win
-# rates
+# What trained the policy, as the summary names it ('PPO', 'GRPO', 'GSPO', 'DPO'; the param `algorithm` says 'ppo'
+# for every objective of the online stage): a study's runs (make study) read as arm and seed beside their win rates.
+# MLflow shows tag columns after the metrics and parameters, whatever their order here.
 COLUMN_TAGS = (OBJECTIVE_LABEL_TAG,)
 COLUMN_PARAMS = (
     "ppo.advantage_estimator",
