@@ -181,12 +181,17 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
     assert run.data.tags[EVAL_WARNING_TAG] == text
     assert run.data.metrics["eval/hacking_flag_length"] == 1.0 and run.data.metrics["eval/policy_empty_rate"] == 0.078
 
-    tables = []
+    tables, markdowns = [], []
     monkeypatch.setattr(flows.artifacts, "link_mlflow_run", lambda *a, **k: None)
     monkeypatch.setattr(flows.artifacts, "create_table_artifact", lambda rows, **kw: tables.append((rows, kw)))
+    monkeypatch.setattr(flows.artifacts, "create_markdown_artifact", lambda md, **kw: markdowns.append((md, kw)))
     flows.artifacts.publish_pipeline_results(summary, context)
     ((rows, kw),) = tables
-    assert rows[0] == {"metric": EVAL_WARNING_TAG, "value": text}
+    ((markdown, markdown_kw),) = markdowns
+    # the sentences: in words in the evaluation's table, and opening both descriptions
+    for line in text.splitlines():
+        assert f"**WARNING:** {line}" in markdown
+        assert f"WARNING: {line}" in kw["description"] and f"WARNING: {line}" in markdown_kw["description"]
     from rlhf.tracking.default_view import COLUMN_METRICS
 
     figures = [row["metric"] for row in rows if isinstance(row["value"], float)]
