@@ -263,9 +263,7 @@ def _prepare_pairs(cfg: DataConfig, tmp: Path, scratch: str, length_limits: Leng
         if not len(eval_pos):
             raise DataError(f"{eval_src.label}: no usable held-out pairs remain after validation")
     kept = cfg.row_columns
-    for src in filter(None, (train_src, eval_src)):
-        row_columns.check_source_columns(kept, src.rows.column_names, src.label)
-        _check_row_values(cfg, src)
+    _check_row_columns(cfg, train_src, eval_src)
     eval_rows = train_src.rows if eval_src is None else eval_src.rows
     rows = {
         "train": output.write_rows(train_table, train_pos, tmp / "train.parquet", "pairs", train_src.rows, kept),
@@ -309,10 +307,13 @@ def _split_label(cfg: DataConfig) -> str:
     return f"{cfg.eval_fraction} of train" + (", by prompt" if cfg.split_by_prompt else "")
 
 
-def _check_row_values(cfg: DataConfig, src: sources.Source) -> None:
-    """The source's row columns checked by the gold reward's own `check_row` where it has one."""
-    if cfg.gold_reward and cfg.row_columns:
-        row_columns.check_rows(load_reward_function(cfg.gold_reward).fn, cfg.row_columns, src.rows, src.label)
+def _check_row_columns(cfg: DataConfig, *srcs: sources.Source | None) -> None:
+    """data.row_columns in each source, and every row's values checked by the gold reward's own `check_row`."""
+    gold = load_reward_function(cfg.gold_reward).fn if cfg.gold_reward and cfg.row_columns else None
+    for src in filter(None, srcs):
+        row_columns.check_source_columns(cfg.row_columns, src.rows.column_names, src.label)
+        if gold is not None:
+            row_columns.check_rows(gold, cfg.row_columns, src.rows, src.label)
 
 
 def _write_prompts(
@@ -333,8 +334,7 @@ def _write_prompts(
         positions = output.first_prompt_positions(train_table, train_pos)
         n = output.write_rows(train_table, positions, path, "prompts", train_rows, cfg.row_columns)
         return {"rows": n, "prompts_source": "train"}, train_table, positions
-    row_columns.check_source_columns(cfg.row_columns, src.rows.column_names, src.label)
-    _check_row_values(cfg, src)
+    _check_row_columns(cfg, src)
     if cfg.prompts_column not in src.rows.column_names:
         raise DataError(
             f"data.prompts_column: column '{cfg.prompts_column}' is not in {src.label} "
