@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+_SERVER_APP = "prefect.server.api.server:create_app"  # in the command line Prefect starts its temporary server with
 
 
 @functools.cache
@@ -37,15 +41,43 @@ def _die_with_parent() -> None:  # pragma: no cover (runs in the forked child)
         prctl(1, signal.SIGTERM)
 
 
+@functools.cache
+def _server_logging_settings() -> str | None:
+    """Prefect's own logging settings file, with SQLAlchemy's connection-pool logger quiet, written once into
+    PREFECT_HOME: the temporary server, stopped by SIGTERM when the command ends, at times cancels a connection's
+    rollback and printed that as a 30-line traceback after the command's last line."""
+    import yaml
+    from prefect.logging.configuration import DEFAULT_LOGGING_SETTINGS_PATH
+    from prefect.settings import PREFECT_HOME
+
+    try:
+        settings = yaml.safe_load(DEFAULT_LOGGING_SETTINGS_PATH.read_text())
+        settings["loggers"]["sqlalchemy.pool"] = {"level": "CRITICAL"}
+        path = Path(PREFECT_HOME.value()) / "temporary-server-logging.yml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        partial.write_text(yaml.safe_dump(settings, sort_keys=False))
+        partial.replace(path)
+    except (OSError, KeyError, TypeError, yaml.YAMLError):  # another layout or no place to write: Prefect's own
+        return None
+    return str(path)
+
+
 class _OwnSessionSubprocess:
     """The `subprocess` module as Prefect's temporary server module sees it: a server started from the main thread
-    gets a session of its own and dies with this process."""
+    gets a session of its own and dies with this process, and any temporary server logs with
+    `_server_logging_settings` (unless the user set PREFECT_LOGGING_SETTINGS_PATH)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
     @staticmethod
     def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:  # noqa: N802 (subprocess's name)
+        command, env = kwargs.get("args", args[0] if args else ()), kwargs.get("env")
+        if isinstance(env, dict) and _SERVER_APP in command and "PREFECT_LOGGING_SETTINGS_PATH" not in env:
+            settings = _server_logging_settings()
+            if settings is not None:
+                kwargs["env"] = {**env, "PREFECT_LOGGING_SETTINGS_PATH": settings}
         if threading.current_thread() is threading.main_thread() and _prctl() is not None:
             kwargs.setdefault("start_new_session", True)
             kwargs.setdefault("preexec_fn", _die_with_parent)

@@ -46,6 +46,17 @@ from prefect.client.orchestration import get_client
 with get_client(sync_client=True) as client:
     (run,) = client.read_flow_runs()
     assert run.state.is_completed() and str(port) in str(client.api_url), client.api_url
+
+# the server, stopped by SIGTERM at the end, does not print SQLAlchemy's pool-reset traceback (a cancelled rollback)
+import subprocess
+environ = dict(e.split("=", 1) for e in open(f"/proc/{process.pid}/environ").read().split(chr(0)) if "=" in e)
+probe = (
+    "import logging; from prefect.logging.configuration import setup_logging; setup_logging(); "
+    "print(logging.getLogger('sqlalchemy.pool.impl.AsyncAdaptedQueuePool').isEnabledFor(logging.ERROR), "
+    "logging.getLogger('prefect.server').isEnabledFor(logging.ERROR))"
+)
+probed = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True, text=True)
+assert probed.stdout.split()[-2:] == ["False", "True"], probed.stdout + probed.stderr
 print("ok", port)
 """
 
