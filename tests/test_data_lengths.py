@@ -125,6 +125,11 @@ def test_without_a_tokenizer_lengths_are_characters(tmp_path):
     # a model used as it is does not train on the demonstrations: no SFT limit
     as_is = LengthLimits.from_config(load_config(None, ["sft.model=gpt2"]))
     assert as_is.sft_tokens is None
+    # a reward function scores (conf/real-rlvr.yaml): no reward model trains on the pairs, so no reward.max_length
+    # share and no warning about it; DPO keeps the reward stage (its held-out pairs are scored)
+    function = ["reward.source=function", "reward.function=rlhf.data.verifiers:ifeval_strict"]
+    assert LengthLimits.from_config(load_config(None, function)).pair_tokens is None
+    assert LengthLimits.from_config(load_config(None, ["algorithm=dpo"])).pair_tokens == config.reward.max_length
 
 
 def test_synthetic_task_has_a_length_report(tmp_path):

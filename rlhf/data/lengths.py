@@ -7,7 +7,8 @@ here over what was written:
 - ``ppo.max_prompt_tokens``: the PPO prompts (``prompts.parquet``) longer than it; PPO keeps their last tokens (a
   chat prompt its template's head and its last turns: ``rlhf.rollout.prompt_fit``);
 - ``reward.max_length``: the pairs (``train.parquet`` and ``eval.parquet``) whose prompt + longer response + EOS
-  is longer; the reward stage drops or truncates them (``reward.truncation``);
+  is longer; the reward stage drops or truncates them (``reward.truncation``); not measured where no reward model
+  trains (``reward.source: function``);
 - ``sft.max_length`` (``sft.bootstrap.n_positions`` for the bootstrapped model): the demonstrations
   (``sft.parquet``) whose prompt + response + EOS is longer; fine-tuning cuts their prompts on the left.
 
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from rlhf.stages import REWARD, stages_of
+
 if TYPE_CHECKING:
     from rlhf.config import PipelineConfig
 
@@ -34,7 +37,7 @@ class LengthLimits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     prompt_tokens: int | None = None  # ppo.max_prompt_tokens
-    pair_tokens: int | None = None  # reward.max_length
+    pair_tokens: int | None = None  # reward.max_length; None: no reward model trains (a reward function scores)
     sft_tokens: int | None = None  # sft.max_length (or the bootstrap model's positions); None: no SFT training
     sft_key: str = "sft.max_length"
 
@@ -45,9 +48,10 @@ class LengthLimits(BaseModel):
             sft_tokens, sft_key = sft.bootstrap.n_positions, "sft.bootstrap.n_positions"
         else:
             sft_tokens, sft_key = (sft.max_length if sft.finetune else None), "sft.max_length"
+        trains_reward_model = REWARD in stages_of(config.algorithm, config.reward.source)
         return cls(
             prompt_tokens=config.ppo.max_prompt_tokens,
-            pair_tokens=config.reward.max_length,
+            pair_tokens=config.reward.max_length if trains_reward_model else None,
             sft_tokens=sft_tokens,
             sft_key=sft_key,
         )
