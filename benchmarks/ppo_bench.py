@@ -24,7 +24,7 @@ from rlhf.ppo.optimise import optimize
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import PromptBatch
 from rlhf.ppo.state import TrainerState, fresh_state
-from rlhf.ppo.update import compute_advantages, generate_and_score
+from rlhf.ppo.update import compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.generation import GenerationSettings, sample_responses
 from rlhf.rollout.static_decode import resolve_decode
 
@@ -123,11 +123,13 @@ class Bench:
         t0 = time.perf_counter()
         query, mask = self.query()
         batch, plan = PromptBatch(query, mask, list(range(len(query)))), self.plan()
+        first_order = first_epoch_order(self.cfg, self.state.shuffle_generator, len(query))  # as the trainer does
         rollout = generate_and_score(
-            self.models, batch, None, self.cfg, self.settings, self.state.sample_generator, plan
+            self.models, batch, None, self.cfg, self.settings, self.state.sample_generator, plan, first_order
         )
         compute_advantages(rollout, self.cfg, self.state.kl_ctl.value)
         result = optimize(self.models, self.state, rollout, self.cfg, plan)
+        refresh_kl(rollout, self.cfg)
         synchronize(self.device)
         total = time.perf_counter() - t0
         timings = {**rollout.scored.timings, "time/optimize": result.stats["time/optimize"], "time/total": total}
@@ -145,9 +147,11 @@ class Bench:
             with autocast(self.device, self.dtype):
                 _, gen = count_flops(sample_responses, unwrap(self.models.policy), query, mask, settings, sampler)
             plan, batch = self.plan(), PromptBatch(query, mask, list(range(len(query))))  # one thread: no second
+            first_order = first_epoch_order(self.cfg, self.state.shuffle_generator, len(query))
             rollout, gen_and_score = count_flops(
-                generate_and_score, self.models, batch, None, self.cfg, settings, self.state.sample_generator, plan
-            )
+                generate_and_score, self.models, batch, None, self.cfg, settings, self.state.sample_generator, plan,
+                first_order,
+            )  # fmt: skip
             _, adv = count_flops(compute_advantages, rollout, self.cfg, self.state.kl_ctl.value)
             _, opt = count_flops(optimize, self.models, self.state, rollout, self.cfg, plan)
         return {"time/generate": gen, "time/score": gen_and_score - gen, "time/advantages": adv, "time/optimize": opt}

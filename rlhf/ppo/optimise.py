@@ -4,6 +4,7 @@ micro-batches with gradient accumulation, the policy and value losses and their 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -86,11 +87,14 @@ def _policy_micro(
     dtype: torch.dtype,
     kl_coef: float,
     weights: HalfWeights | None = None,
+    fill: Callable[[Tensor], None] | None = None,
 ):
     """Policy forward, clipped loss (minus the entropy bonus, plus `kl_coef` times the KL to the reference with
     ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says (the
     clipped loss over responses with a sequence-level ratio). `weights` scale its part of the gradient when the
-    micro-batch is one of several halves (`_policy_halves`)."""
+    micro-batch is one of several halves (`_policy_halves`). `fill`: the micro-batch's rows were not scored by the
+    policy at sampling (`rlhf.ppo.update.first_epoch_order`): this forward, detached, is their old log-probs, and
+    `fill` writes them into the rollout."""
     w = weights or HalfWeights(1.0, 1.0, 1.0)
     with autocast(mb.mask.device, dtype):
         out = sharding.call(
@@ -103,6 +107,9 @@ def _policy_micro(
             with_entropy=True,
             entropy_grad=cfg.entropy_coef > 0,
         )
+    if fill is not None:  # the policy has not changed since sampling: the ratio is 1, its gradient the policy's
+        mb = mb._replace(logprobs=out.logprobs.detach().float())
+        fill(mb.logprobs)
     aggregation = dict(loss_aggregation=cfg.aggregation, norm_length=cfg.max_new_tokens)
     pl = policy_loss(
         out.logprobs, mb.logprobs, mb.advantages, mb.mask, cfg.clip_low, cliprange_high=cfg.clip_high,
@@ -140,15 +147,32 @@ def _shares(mode: str, tokens: list[float], sequences: list[float]) -> list[floa
     return [c / sum(counts) if sum(counts) else 0.5 for c in counts]
 
 
+def _filler(rollout: Rollout, rows: Tensor) -> Callable[[Tensor], None]:
+    """Writes the old log-probs (m, r') of the micro-batch of `rows` into the rollout (`_policy_micro`'s `fill`)."""
+
+    def fill(logprobs: Tensor) -> None:
+        rollout.scored.logprobs[rows, : logprobs.shape[1]] = logprobs
+
+    return fill
+
+
 def _policy_halves(
-    models: PPOModels, rollout: Rollout, rows: Tensor, cfg: PPOConfig, dtype: torch.dtype, kl_coef: float
+    models: PPOModels,
+    rollout: Rollout,
+    rows: Tensor,
+    cfg: PPOConfig,
+    dtype: torch.dtype,
+    kl_coef: float,
+    deferred: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """One micro-batch of a critic-free run on a CPU as two halves, forward and backward side by side in two threads
     (each op single-threaded: `split_policy_work`). Their losses are weighted by their share of the micro-batch's
     aggregation (real tokens for token_mean, sequences with tokens for the sequence modes; the entropy by tokens),
     so the gradients the autograd engine sums into the parameters (under its accumulation lock) are the whole
     micro-batch's; the statistics are recombined exactly. Returns (the micro-batch's statistics, its ratios)."""
-    halves = [micro_batch(rollout, part) for part in rows.tensor_split(2)]
+    parts = rows.tensor_split(2)
+    halves = [micro_batch(rollout, part) for part in parts]
+    fills = [_filler(rollout, part) if deferred else None for part in parts]
     tokens = [float(mb.mask.sum()) for mb in halves]
     sequences = [float(mb.mask.bool().any(-1).sum()) for mb in halves]
     policy_mode = cfg.aggregation if cfg.importance_sampling_level == "token" else "seq_mean_token_mean"
@@ -161,7 +185,10 @@ def _policy_halves(
             strict=True,
         )
     ]
-    sides = [partial(_policy_micro, models, mb, cfg, dtype, kl_coef, w) for mb, w in zip(halves, weights, strict=True)]
+    sides = [
+        partial(_policy_micro, models, mb, cfg, dtype, kl_coef, w, fill)
+        for mb, w, fill in zip(halves, weights, fills, strict=True)
+    ]
     outs = scoring.run_sides(sides[0], sides[1], True)
     parts = [MicroStats.of(pl, None, entropy, cfg, kl, kl_coef).metrics() for pl, entropy, _, kl in outs]
     token_w = [w.tokens for w in weights]
@@ -209,8 +236,10 @@ def minibatch_step(
     rows: Tensor,
     cfg: PPOConfig,
     plan: ExecutionPlan,
+    deferred: bool = False,
 ) -> MinibatchResult:
-    """One optimizer step of the policy and of the value model on the minibatch `rows` of `rollout`.
+    """One optimizer step of the policy and of the value model on the minibatch `rows` of `rollout` (`deferred`: rows
+    whose old log-probs its forward computes, `_policy_micro`).
 
     The gradients of its micro-batches (ppo.gradient_accumulation_steps) accumulate, the policy's and the value
     model's side by side in two threads with `plan.second_thread` (their backward passes, gradient clipping and
@@ -227,12 +256,13 @@ def minibatch_step(
     stats, ratios = OptimStats(), []
     for micro in rows.split(micro_size):
         if plan.split_policy and not critic and len(micro) > 1:  # two halves in two threads
-            metrics, mb_ratios = _policy_halves(models, rollout, micro.to(device), cfg, dtype, kl_coef)
+            metrics, mb_ratios = _policy_halves(models, rollout, micro.to(device), cfg, dtype, kl_coef, deferred)
             ratios.append(mb_ratios)
             stats.add(metrics)
             continue
         mb = micro_batch(rollout, micro.to(device))
-        policy_side = partial(_policy_micro, models, mb, cfg, dtype, kl_coef)
+        fill = _filler(rollout, micro.to(device)) if deferred else None
+        policy_side = partial(_policy_micro, models, mb, cfg, dtype, kl_coef, None, fill)
         if critic:
             (pl, entropy, mb_ratios, kl), vl = scoring.run_sides(
                 policy_side, partial(_value_micro, models, mb, cfg, dtype), second_thread
@@ -313,11 +343,14 @@ def optimize(
     if models.value is not None:
         models.value.train()
     with torch_threads(1 if plan.second_thread or plan.split_policy else None):  # two threads: each op single
-        for _epoch in range(cfg.num_ppo_epochs):
-            # step 2. a shuffled pass over the rollout: one optimizer step of each model per minibatch
-            perm = torch.randperm(n, generator=state.shuffle_generator)
+        for epoch in range(cfg.num_ppo_epochs):
+            # step 2. a shuffled pass over the rollout: one optimizer step of each model per minibatch (the first
+            # epoch's order drawn before sampling where the first minibatch computes its own old log-probs)
+            first = epoch == 0 and rollout.first_order is not None
+            perm = rollout.first_order if first else torch.randperm(n, generator=state.shuffle_generator)
             for start in range(0, n, mini_size):
-                step = minibatch_step(models, state, rollout, perm[start : start + mini_size], cfg, plan)
+                deferred = first and start == 0 and rollout.scored.deferred is not None
+                step = minibatch_step(models, state, rollout, perm[start : start + mini_size], cfg, plan, deferred)
                 per_minibatch.append(step.stats)
                 running.add(step.stats)
                 ratios.append(step.ratios)

@@ -39,7 +39,7 @@ from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
 from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
-from rlhf.ppo.update import Rollout, compute_advantages, generate_and_score
+from rlhf.ppo.update import Rollout, compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.static_decode import resolve_decode
@@ -144,6 +144,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
         # step 7. PPO epochs (gradients averaged across ranks)
         optim = optimize(models, state, rollout, cfg, plan)
+        refresh_kl(rollout, cfg)  # the KL of the rows whose log-probs the optimisation's first pass computed
         if models.sampler is not None:  # the next rollout samples from the updated policy
             rollout.scored.timings["time/weight_sync"] = models.sampler.sync_weights()
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
@@ -199,7 +200,8 @@ def rollout_sampler(
         batch = prompt_batch(
             prompt_ids, position, cfg.batch_size, run.seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
         )
-        return generate_and_score(models, batch, run.prompts, cfg, settings, state.sample_generator, plan)
+        first_order = first_epoch_order(cfg, state.shuffle_generator, len(batch.indices))
+        return generate_and_score(models, batch, run.prompts, cfg, settings, state.sample_generator, plan, first_order)
 
     return sample
 

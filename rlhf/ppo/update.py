@@ -46,6 +46,9 @@ class Rollout:
     loss_advantages: Tensor | None = None  # whitened when configured: what the loss sees
     returns: Tensor | None = None  # GAE's value targets; None without a value model
     group_stats: dict[str, float] = field(default_factory=dict)  # critic-free group estimators: group/*
+    # the first epoch's order of the rows, drawn before sampling where the first minibatch computes its own old
+    # log-probs (`first_epoch_order`); None: `rlhf.ppo.optimise` draws it
+    first_order: Tensor | None = None
 
     @property
     def mask(self) -> Tensor:
@@ -61,20 +64,54 @@ def generate_and_score(
     settings: GenerationSettings,
     generator: torch.Generator,
     plan: ExecutionPlan,
+    first_order: Tensor | None = None,
 ) -> Rollout:
     """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores, on the plan's
     device, under its autocast dtype (on CUDA; float32 turns it off) and threads.
 
     `batch.indices` are the rows of `prompts` in the batch (None: no texts, when no reward model re-tokenizes).
+    `first_order` (`first_epoch_order`): the rows of its first minibatch get no policy forward here; the
+    optimisation's first pass computes their log-probs (the policy has not changed yet) and writes them in.
     Shape: batch.ids, batch.mask (b, p).
     """
     texts = [prompts[i] for i in batch.indices] if prompts is not None else None
     query, query_mask = batch.ids.to(plan.device), batch.mask.to(plan.device)
+    deferred = None
+    if first_order is not None:
+        deferred = torch.zeros(len(batch.indices), dtype=torch.bool)
+        deferred[first_order[: cfg.mini_batch_size // plan.world_size]] = True
     scored = scoring.generate_and_score(
         models.scoring(), query, query_mask, texts, settings, generator, plan.dtype, cfg.forward_batch_size,
-        second_thread=plan.scoring_second_thread,
+        second_thread=plan.scoring_second_thread, deferred=deferred,
     )  # fmt: skip
-    return Rollout(batch.indices, scored)
+    return Rollout(batch.indices, scored, first_order=first_order)
+
+
+def first_epoch_order(cfg: PPOConfig, shuffle_generator: torch.Generator, n: int) -> Tensor | None:
+    """The first epoch's shuffled order of an update's `n` rows, drawn (from the generator the optimisation shuffles
+    with, as it would have drawn it) before sampling, where nothing before the optimisation needs the policy's
+    log-probs: the KL to the reference is in the loss (ppo.kl_in 'loss': no reward depends on it) and no dynamic
+    sampling merges batches. Its first minibatch's old log-probs are then the first optimizer step's own forward,
+    detached (the policy has not changed yet: TRL's GRPO does the same with one iteration), which saves the rollout's
+    policy forward over those rows: all of them with one minibatch and one epoch. None: every row's log-probs are
+    computed at sampling."""
+    if cfg.kl_placement != "loss" or cfg.dynamic_rounds:
+        return None
+    return torch.randperm(n, generator=shuffle_generator)
+
+
+def refresh_kl(rollout: Rollout, cfg: PPOConfig) -> None:
+    """Once the optimisation has written the deferred rows' log-probs (`first_epoch_order`): the rollout's KL to the
+    reference (its statistics and the KL controller's), which `compute_advantages` could not see there. The KL is in
+    the loss, so no reward or advantage depended on it."""
+    scored = rollout.scored
+    if scored.deferred is None:
+        return
+    token_rewards = per_token_rewards(
+        rollout.shaped_scores, scored.logprobs, scored.ref_logprobs, rollout.mask, 0.0, cfg.kl_estimator_used
+    )
+    rollout.kl, rollout.non_score_rewards = token_rewards.kl, token_rewards.non_score_rewards
+    scored.deferred = None
 
 
 def shaped_scores(scored: ScoredResponses, cfg: PPOConfig) -> ShapedScores:

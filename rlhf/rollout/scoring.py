@@ -203,16 +203,19 @@ class ScoredResponses:
     qr_mask: Tensor  # (b, p + r)
     prompt_len: int
     resp: Responses  # tokens, mask (b, r), contains_stop (b,)
-    logprobs: Tensor  # (b, r) policy log-probs at the sampling temperature
+    logprobs: Tensor  # (b, r) policy log-probs at the sampling temperature (0 at the `deferred` rows until filled)
     ref_logprobs: Tensor  # (b, r)
     values: Tensor | None  # (b, r); None without a value model
     scores: Tensor  # (b,) reward-model scores (an ensemble's: its objective's)
     timings: dict[str, float] = field(default_factory=dict)
     member_scores: Tensor | None = None  # (K, b) an ensemble's members' scores less their offsets; None without one
+    # (b,) bool: the rows whose policy log-probs the optimisation's first pass computes and writes into `logprobs`
+    # (`rlhf.ppo.optimise`); None: all computed here
+    deferred: Tensor | None = None
 
 
 def _chunks(n: int, size: int | None) -> list[slice]:
-    size = size or n
+    size = size or max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
@@ -248,11 +251,13 @@ def generate_and_score(
     dtype: torch.dtype,
     forward_batch_size: int | None = None,
     second_thread: bool = False,
+    deferred: Tensor | None = None,
 ) -> ScoredResponses:
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
     temperature, values (when there is a value model) and reward-model scores. `second_thread` (a CPU, models of
     about one size): the value and reward forwards run in a second thread beside the policy's and the reference's,
-    each op single-threaded (`rlhf.ppo.threads.use_second_thread`).
+    each op single-threaded (`rlhf.ppo.threads.use_second_thread`). `deferred` (b,) bool: rows whose policy
+    log-probs are not computed here (0 until the optimisation's first pass writes them: `rlhf.ppo.optimise`).
 
     `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
     dtype on CUDA (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
@@ -279,14 +284,15 @@ def generate_and_score(
     @torch.no_grad()
     def policy_side() -> tuple[Tensor, Tensor]:
         with autocast(device, dtype):
-            logprobs = torch.cat(
-                [
-                    sharding.call(
-                        policy, policy_forward, query_responses[s], qr_mask[s], prompt_len, temperature
-                    ).logprobs
-                    for s in chunks
-                ]
-            ).float()
+            logprobs = torch.zeros(resp.mask.shape, dtype=torch.float32, device=device)
+            rows = torch.arange(len(query), device=device)
+            if deferred is not None:
+                rows = rows[~deferred.to(device)]
+            for s in _chunks(len(rows), forward_batch_size):
+                part = rows[s]
+                logprobs[part] = sharding.call(
+                    policy, policy_forward, query_responses[part], qr_mask[part], prompt_len, temperature
+                ).logprobs.float()
             ref_logprobs = torch.cat(
                 [
                     reference_logprobs(
@@ -338,5 +344,6 @@ def generate_and_score(
     if settings.decode == "compiled":  # the compile warm-up of this call (0 once compiled), inside time/generate
         timings["time/decode_compile"] = COMPILE_LOG.seconds - compiled_before
     return ScoredResponses(
-        query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings, members
-    )
+        query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings, members,
+        None if deferred is None else deferred.to(device),
+    )  # fmt: skip
