@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 from rlhf.config import PipelineConfig
 from rlhf.errors import ConfigError
+from rlhf.stages import REWARD, stages_of
 
 GIB = 2**30
 CUDA_OVERHEAD = 1.0 * GIB  # CUDA context, cuBLAS workspaces
@@ -218,15 +219,18 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     # the best held-out checkpoint's float32 weights too (`BestCheckpoint`, kept beside the trained weights)
     # (reward.frozen_layers: the embeddings and the lowest blocks keep float32 weights only, no gradients, optimizer
     # states, best copy or activations)
-    tokens = 2 * rw.batch_size * rw.max_length
-    frozen_layers = min(rw.frozen_layers, shape.layers)
-    embeddings = shape.vocab * shape.hidden if frozen_layers else 0
-    frozen = embeddings + (shape.reward_params - embeddings) * frozen_layers / shape.layers
-    trainable = shape.reward_params - frozen
-    best_copy = 4.0 * trainable if cpu else 0.0
-    trained_layers = replace(shape, layers=shape.layers - frozen_layers)
-    reward_act = _layer_activations(trained_layers, tokens, act_b, rw.gradient_checkpointing, cpu)
-    stage("reward", _trained(trainable) + 4.0 * frozen + best_copy, reward_act)
+    # (none where a reward function scores: reward.source 'function')
+    trains_reward_model = REWARD in stages_of(config.algorithm, rw.source)
+    if trains_reward_model:
+        tokens = 2 * rw.batch_size * rw.max_length
+        frozen_layers = min(rw.frozen_layers, shape.layers)
+        embeddings = shape.vocab * shape.hidden if frozen_layers else 0
+        frozen = embeddings + (shape.reward_params - embeddings) * frozen_layers / shape.layers
+        trainable = shape.reward_params - frozen
+        best_copy = 4.0 * trainable if cpu else 0.0
+        trained_layers = replace(shape, layers=shape.layers - frozen_layers)
+        reward_act = _layer_activations(trained_layers, tokens, act_b, rw.gradient_checkpointing, cpu)
+        stage("reward", _trained(trainable) + 4.0 * frozen + best_copy, reward_act)
     # the policy stage: DPO on the pairs, or PPO (and the critic-free estimators) on sampled responses
     if config.algorithm == "dpo":
         stage("dpo", *_dpo_memory(config, shape, act_b, cpu))
@@ -236,7 +240,8 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
     eval_new = ev.max_new_tokens or ppo.max_new_tokens
     eval_kv = 2.0 * shape.layers * ev.batch_size * (ppo.max_prompt_tokens + eval_new) * shape.kv_dim * act_b
     eval_logits = _logits(shape, ev.batch_size * eval_new, act_b, False)  # log-probs of the response positions
-    scorers = shape.reward_params * rw.ensemble_size  # an ensemble's members are all loaded (reward.ensemble_size)
+    # an ensemble's members are all loaded (reward.ensemble_size)
+    scorers = shape.reward_params * rw.ensemble_size if trains_reward_model else 0
     stage("evaluate", (2 * shape.params + scorers) * frozen_b, max(eval_kv, eval_logits))
     return out
 

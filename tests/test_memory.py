@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from rlhf.memory import CPU_PROCESS_BASE, GIB, estimate, model_positions, read_model_config, shape_of
+from rlhf.memory import CPU_PROCESS_BASE, GIB, dtype_bytes, estimate, model_positions, read_model_config, shape_of
 from rlhf.memory_fit import check_fits
 
 TINY = {
@@ -71,6 +71,13 @@ def test_a_critic_free_estimator_saves_the_value_model_and_its_optimizer():
         ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4", "reward.source=function", "reward.function=m:f"],
     )
     assert _ppo(rule, shape).persistent < grpo.persistent
+    # and no reward-model stage to estimate (nor to refuse the run for), no reward model beside the evaluation's two
+    # policies
+    stages = {e.stage: e for e in estimate(rule, shape, "cuda")}
+    assert "reward" not in stages and "reward" in {
+        e.stage for e in estimate(load_config("conf/default.yaml"), shape, "cuda")
+    }
+    assert stages["evaluate"].persistent == pytest.approx(2 * shape.params * dtype_bytes(rule.runtime.dtype, "cuda"))
 
 
 def test_a_dpo_run_is_estimated_as_one_trained_policy_and_its_pairs():
