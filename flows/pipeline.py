@@ -20,7 +20,15 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.summary import TRACKING_URI_FROM, budget, policy_label, stage_label, summary_block, summary_notes
+from flows.summary import (
+    TRACKING_URI_FROM,
+    budget,
+    name_the_policy,
+    policy_label,
+    stage_label,
+    summary_block,
+    summary_notes,
+)
 from flows.terminal import BROWSER_ONLY, cancel_served_run, quiet_stop_in_served_run
 from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
@@ -255,7 +263,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     alarm = getattr(policy, "alarm", "")  # the PPO stage's over-optimisation alarm, at a periodic evaluation
     if alarm:
         summary[OVEROPTIMISATION_TAG] = alarm
-    warnings = [f"{objective}'s periodic evaluation: {alarm}"] * bool(alarm) + evaluation.warnings
+    said = name_the_policy(evaluation.warnings, objective)  # 'the GRPO policy wins ...'
+    warnings = [f"{objective}'s periodic evaluation: {alarm}"] * bool(alarm) + said
     if warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
         summary[EVAL_WARNING_TAG] = "\n".join(warnings)
     if tracking.registered_model:
