@@ -30,8 +30,8 @@ def wait_for(check, timeout: float, what: str):
     raise SystemExit(f"ui-check: {what} did not happen within {timeout:.0f}s")
 
 
-def deployment(api: str, name: str, timeout: float = 180) -> dict:
-    """A served deployment (serve registers them one after the other)."""
+def deployment(api: str, name: str, timeout: float = 600) -> dict:
+    """A served deployment (serve registers them one after the other: minutes on a loaded 2-core machine)."""
     return wait_for(
         lambda: (r := httpx.get(f"{api}/deployments/name/{name}", timeout=10)).status_code == 200 and r.json(),
         timeout,
