@@ -36,16 +36,16 @@ the form's parameters, waits for it, and writes screenshots to outputs/ui-check/
     03d-prefect-evaluation-1440.png, 07b-...-1440.png, 07c-...-1440.png  the evaluation, the ranking and the study
                                table in a window 1440 pixels wide: none may need horizontal scrolling
 
-While that run and a second one train it submits the form 10 times (`--submits`) through the API call the form makes, each once: all
-must be created (they failed with 503 while runs wrote; flows/prefect_server.py), with their median and 95th
-percentile times printed. It also asserts what the user reads, through the UI's own API (the form's validation, the
-flow run's logs and artifacts, the MLflow runs): the plumbing check's NOTE in the log, the evaluation table and the
-MLflow run's description; the compare links' ``workflowType=machine_learning``; the form's error text (the grpo rule
-through the validation endpoint the form calls); distinct deployment names; the sweep form's space sizes. Last, it
-starts a long run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and checks that what the run's process
-prints after the signal has no traceback, that its MLflow runs end KILLED and that Prefect records the flow run
-Cancelled, not Crashed (``ctrl-c.log``: what was printed). The browser's helpers are in tools/ui_browser.py, the
-MLflow checks in tools/ui_check_mlflow.py.
+While that run and a second one train it submits the form 10 times (`--submits`) through the API call the form
+makes, each once: all must be created (they failed with 503 while runs wrote; flows/prefect_server.py), with their
+median and 95th percentile times printed. It also asserts what the user reads, through the UI's own API (the form's
+validation, the flow run's logs and artifacts, the MLflow runs): the plumbing check's NOTE in the log, the
+evaluation table and the MLflow run's description; the compare links' ``workflowType=machine_learning``; the form's
+error text (the grpo rule through the validation endpoint the form calls); distinct deployment names; the sweep
+form's space sizes. Last, it starts a long run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and
+checks that what the run's process prints after the signal has no traceback, that its MLflow runs end KILLED and
+that Prefect records the flow run Cancelled, not Crashed (``ctrl-c.log``: what was printed). The browser's helpers
+are in tools/ui_browser.py, the MLflow checks in tools/ui_check_mlflow.py.
 
 Needs Debian's chromium and chromium-driver (``apt-get install -y chromium chromium-driver``) and selenium (the
 make target installs it into .venv). Not part of `make test`.
