@@ -120,7 +120,7 @@ def refused_in_form(driver, api: str, deployment_id: str, field_label: str, path
 
     def count() -> int:
         filter_ = {"deployments": {"id": {"any_": [deployment_id]}}}
-        return httpx.post(f"{api}/flow_runs/count", json=filter_, timeout=10).json()
+        return httpx.post(f"{api}/flow_runs/count", json=filter_, timeout=60).json()
 
     before = count()
     label = f"//*[starts-with(normalize-space(.), '{field_label}')]"
@@ -187,7 +187,7 @@ def check_forms(driver, api: str, ui_url: str, out: Path, check: Checks) -> dict
     text = page_text(driver)
     check(all(size in text for size in SPACE_SIZES), f"the sweep form lists the space sizes {SPACE_SIZES}")
     deployment(api, f"rlhf-sweep/{DEPLOYMENTS[-1]}")
-    names = [d["name"] for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()]
+    names = [d["name"] for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=60).json()]
     check(sorted(names) == sorted(DEPLOYMENTS), f"four distinct deployment names: {names}")
     shoot(driver, f"{ui_url}/deployments", out / "01e-prefect-deployments.png")
     return form
