@@ -361,11 +361,14 @@ def main(argv: list[str] | None = None) -> int:
         form = check_forms(driver, api, ui_url, out, check)
 
         # the run the form's Run button makes: the shipped smoke config and two overrides
-        run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}
+        # a KL coefficient of this check's own, so that its PPO stages train (not taken from an earlier check's cache)
+        # while the form is submitted; the smaller stages come from the cache
+        kl = 0.1 + (int(time.time()) % 997) / 1e6
+        run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": [f"ppo.kl_coef={kl:.6f}"]}
         flow_run_id = start_run(api, form["id"], run)
         # the form's Submit while that run trains: every one accepted (they failed with 503 while runs wrote)
         # ... and a second one: the submits while two runs train
-        second = start_run(api, form["id"], {**run, "overrides": ["ppo.kl_coef=0.2"]})
+        second = start_run(api, form["id"], {**run, "overrides": [f"ppo.kl_coef={kl + 0.1:.6f}"]})
         wait_for(lambda: training(api, flow_run_id), args.timeout, "a training step of the form's run")
         wait_for(lambda: training(api, second), args.timeout, "a training step of the second run")
         codes, _ = submit_repeatedly(api, form["id"], run, args.submits)
