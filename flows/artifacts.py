@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import pandas as pd
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.settings import get_current_settings
@@ -18,7 +19,9 @@ from flows.summary import figure_rows, stage_label, summary_notes
 from rlhf.config import TrackingConfig
 from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.eval import benchmark
+from rlhf.metrics import EVAL_KL, EVAL_POLICY_GOLD, EVAL_POLICY_SCORE, EVAL_WIN_RATE_GOLD, EVAL_WIN_RATE_RM
 from rlhf.stages import STAGES
+from rlhf.sweeps.ranking import rank_key, variant_label
 from rlhf.tracking.default_view import COLUMN_METRICS, mlflow_compare_url, mlflow_experiment_url, mlflow_run_url
 from tasks.progress import ProgressBar
 from tasks.tracking import TrackingContext, tracker_for
@@ -209,11 +212,56 @@ def publish_pipeline_results(summary: dict[str, Any], tracking: TrackingConfig |
         _warn("evaluation table", err)
 
 
-def publish_table(rows: list[dict[str, Any]], key: str, description: str) -> None:
-    """A table artifact (e.g. a sweep's ranking), floats rounded for reading."""
+def publish_table(rows: list[dict[str, Any]], key: str, description: str) -> Any:
+    """A table artifact (e.g. a sweep's ranking), floats rounded for reading. Returns its id (None: not written)."""
     try:
-        create_table_artifact(
+        return create_table_artifact(
             [{k: _number(v) for k, v in row.items()} for row in rows], key=artifact_key(key), description=description
         )
     except Exception as err:
         _warn("table", err)
+        return None
+
+
+# A sweep's short ranking: each metric column in words (the full table keeps every metric by its MLflow key)
+RANKING_WORDS = {
+    EVAL_POLICY_GOLD: "gold reward",
+    EVAL_POLICY_SCORE: "reward-model score",
+    EVAL_WIN_RATE_GOLD: "beats SFT (gold)",
+    EVAL_WIN_RATE_RM: "beats SFT (reward model)",
+    EVAL_KL: "KL to SFT",
+}
+
+
+def short_ranking(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranking as a person reads it, narrow enough for a 1440-pixel screen: rank, the variant in words (its arm
+    and swept values: 'GRPO, policy_seed=0'), the reward it is ranked by, its win rate over SFT on that reward, the KL
+    it cost, its status (and error)."""
+    if not rows:
+        return []
+    key = rank_key(pd.DataFrame(rows))
+    win = EVAL_WIN_RATE_GOLD if key == EVAL_POLICY_GOLD else EVAL_WIN_RATE_RM
+    short = []
+    for row in rows:
+        entry = {"rank": row.get("rank"), "variant": variant_label(row)}
+        entry |= {f"{RANKING_WORDS[k]}{' (ranked by)' * (k == key)}": _number(row.get(k)) for k in (key, win, EVAL_KL)}
+        entry["status"] = row.get("status")
+        if isinstance(row.get("error"), str) and row["error"]:  # NaN where another variant failed
+            entry["error"] = " ".join(str(row["error"]).split())[:120]
+        short.append(entry)
+    return short
+
+
+def publish_ranking(rows: list[dict[str, Any]], key: str, sweep: str, note: str) -> None:
+    """A sweep's ranking on its flow run: the short table (`short_ranking`) under `key`, `note` opening its
+    description, which links to the full one (every metric by its MLflow key, the run ids: `key`-full)."""
+    about = f"Sweep '{sweep}': variants ranked by {rank_key(pd.DataFrame(rows))} (best first)"
+    full_id = publish_table(rows, f"{key}-full", f"{about}: every metric by its MLflow key, and the run ids.")
+    full = f"[every metric of each variant]({url})" if (url := artifact_url(full_id)) else f"artifact {key}-full"
+    publish_table(
+        short_ranking(rows),
+        key,
+        (f"{note} " if note else "")
+        + f"{about}; KL to SFT: the trained policy's mean KL from the SFT policy per response on held-out prompts. "
+        f"The full table: {full}.",
+    )

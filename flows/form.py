@@ -74,7 +74,8 @@ def _schema_rules(schema: dict[str, Any]) -> None:
     configs = {name: load_config(REPO / name).ppo for name in shipped_configs()}
     schema["allOf"] = ppo_batch_clauses(configs, DEFAULT_CONFIG) + group_clauses(configs, DEFAULT_CONFIG)
     overrides = schema["properties"]["overrides"]["items"]
-    overrides |= {"if": {"pattern": FIELD_OVERRIDE}, "then": {"const": FIELD_OVERRIDE_EXPECTED}}
+    # a string only: an empty entry (null) says only that it is not text, not that it sets a field
+    overrides |= {"if": {"type": "string", "pattern": FIELD_OVERRIDE}, "then": {"const": FIELD_OVERRIDE_EXPECTED}}
 
 
 def _typed(key: str, what: str, **bounds: int) -> Any:

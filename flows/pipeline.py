@@ -20,8 +20,16 @@ from prefect.states import Completed
 from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
-from flows.summary import TRACKING_URI_FROM, budget, policy_label, stage_label, summary_block, summary_notes
-from flows.terminal import BROWSER_ONLY, quiet_stop_in_served_run
+from flows.summary import (
+    TRACKING_URI_FROM,
+    budget,
+    name_the_policy,
+    policy_label,
+    stage_label,
+    summary_block,
+    summary_notes,
+)
+from flows.terminal import BROWSER_ONLY, cancel_served_run, quiet_stop_in_served_run
 from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.config.sections import tracking_uri_origin
@@ -75,6 +83,7 @@ def rlhf_pipeline(
         return Completed(name=PRUNED_STATE, message=str(pruned))
     except BaseException as err:  # Ctrl-C or SIGTERM (in a served run too): KILLED, as the CLI ends it
         close_pipeline_run(tracking, {}, failed=True, killed=stopped_by_signal(err))
+        cancel_served_run(err)  # Ctrl-C on make ui: the flow run Cancelled, not Crashed
         raise
     # the memory each stage was estimated to need, beside what it measured (memory/<stage>_peak_mb)
     summary |= {f"memory/{estimate.stage}_estimate_mb": estimate.total / 2**20 for estimate in estimates}
@@ -254,7 +263,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     alarm = getattr(policy, "alarm", "")  # the PPO stage's over-optimisation alarm, at a periodic evaluation
     if alarm:
         summary[OVEROPTIMISATION_TAG] = alarm
-    warnings = [f"{objective}'s periodic evaluation: {alarm}"] * bool(alarm) + evaluation.warnings
+    said = name_the_policy(evaluation.warnings, objective)  # 'the GRPO policy wins ...'
+    warnings = [f"{objective}'s periodic evaluation: {alarm}"] * bool(alarm) + said
     if warnings:  # a tag of the pipeline run, a line of the summary and the Prefect table
         summary[EVAL_WARNING_TAG] = "\n".join(warnings)
     if tracking.registered_model:

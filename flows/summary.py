@@ -84,6 +84,12 @@ def hacking_warnings(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def name_the_policy(warnings: list[str], label: str) -> list[str]:
+    """The evaluation's warnings (rlhf/eval: 'the trained policy ...') with the objective that trained it named
+    ('the GRPO policy ...')."""
+    return [w.replace("the trained policy", f"the {label} policy") for w in warnings]
+
+
 def budget(config: PipelineConfig) -> dict[str, int]:
     """The run's budget as its summary records it (`plumbing_check` reads it): PPO episodes and SFT steps where the
     policy is bootstrapped from scratch (a pretrained one learns from hundreds of episodes)."""

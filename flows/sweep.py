@@ -35,11 +35,18 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.artifacts import StageProgress, artifact_key, link_mlflow_comparison, link_mlflow_run, publish_table
+from flows.artifacts import (
+    StageProgress,
+    artifact_key,
+    link_mlflow_comparison,
+    link_mlflow_run,
+    publish_ranking,
+    publish_table,
+)
 from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
-from flows.terminal import quiet_stop_in_served_run
+from flows.terminal import quiet_stop_in_served_run, served_stop_cancels
 from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
 from rlhf.metrics import EVAL_KL, EVAL_POLICY_GOLD, PERIODIC_GOLD, PERIODIC_SCORE
@@ -186,6 +193,12 @@ def rlhf_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
     """Run the pipeline for every variant of a search space, `max_concurrency` at a time; shared upstream stages are
     built once first."""
     quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not a traceback
+    with served_stop_cancels():  # ... and the flow run ends Cancelled, not Crashed
+        return run_sweep(base, space)
+
+
+def run_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
+    """`rlhf_sweep`'s body."""
     logger = get_run_logger()
     search = variant_search(base, space)  # every variant (grid, random) or choice (optuna) is validated here
     for config in search.configs:
@@ -266,13 +279,7 @@ def publish_sweep_results(
     """On the sweep's flow run: the ranking as a Prefect table (`note` opening its description), a study's table
     (`study`, a sweep with arms), a link to the sweep's MLflow run and one to MLflow's comparison of its finished
     variants."""
-    publish_table(
-        table.to_dict("records"),
-        key=f"sweep-{space.name}",
-        description=(f"{note} " if note else "")
-        + f"Sweep '{space.name}': variants ranked by {rank_key(table)} (best first); KL is the mean "
-        "KL(PPO || SFT) per response on held-out prompts.",
-    )
+    publish_ranking(table.to_dict("records"), f"sweep-{space.name}", space.name, note)
     if study is not None:
         publish_table(
             study,

@@ -24,6 +24,7 @@ as an error found before the flow started: ``error: <sentence>`` on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -262,6 +263,51 @@ def _on_served(signum: int, frame: Any) -> None:
     if callable(handler):
         handler(signum, frame)
     raise KeyboardInterrupt
+
+
+SERVED_STOP = "stopped by Ctrl-C on make ui"  # the message of a served run's Cancelled state
+
+
+def cancel_served_run(err: BaseException) -> bool:
+    """A served flow run that Ctrl-C on `make ui` stopped (`_on_served`; `err` its KeyboardInterrupt): the flow run
+    Cancelled in Prefect, as the terminal says and its MLflow runs end (KILLED), not Crashed. Prefect's engine records
+    any KeyboardInterrupt as a crash unless the run's state is final already, so the state is set here, before the
+    interrupt leaves the flow, and on the engine's copy of the run too; the runner's later Crashed is then refused by
+    the server (a run in a terminal state does not become Crashed). Whether the run was cancelled."""
+    if not isinstance(err, KeyboardInterrupt) or _Served.quiet is None or not _Served.quiet.stopping:
+        return False
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.states import Cancelled
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return False
+    state = Cancelled(
+        message=f"{SERVED_STOP}: its finished stages and last saved training state are kept and its MLflow runs "
+        "ended KILLED; start it again from the same form to continue"
+    )
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal does not cut the call short
+    try:
+        with get_client(sync_client=True) as client:
+            result = client.set_flow_run_state(context.flow_run.id, state, force=True)
+        context.flow_run.state = result.state or state
+        return True
+    except Exception as failed:  # noqa: BLE001 (the run is then recorded Crashed, as before)
+        print(f"warning: the flow run could not be marked Cancelled: {failed}", file=sys.stderr)
+        return False
+    finally:
+        signal.signal(signal.SIGINT, ignored)
+
+
+@contextlib.contextmanager
+def served_stop_cancels():
+    """`cancel_served_run` for the flow body inside: a served run stopped by Ctrl-C ends Cancelled."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        cancel_served_run(err)
+        raise
 
 
 def _end_runs_killed(since: float) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flows.summary import format_summary
+from flows.summary import format_summary, name_the_policy
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
 from rlhf.data import synthetic
 from rlhf.eval.evaluate import evaluate_policies, summarize
@@ -52,8 +52,12 @@ def test_summarize_flags_short_empty_answers_that_the_reward_model_prefers():
     assert 0.0 <= summary["eval/win_rate_gold_len_controlled"] <= 1.0
     assert summary["eval/hacking_flag_length"] == 1.0 and summary["eval/hacking_flag_empty"] == 1.0
     assert len(warnings) == 2
-    assert "reward-model score PPO wins 90%" in warnings[0] and "shorter (6.0 tokens" in warnings[0]
-    assert "PPO answers nothing to 10.0% of prompts" in warnings[1]
+    assert "reward-model score the trained policy wins 90%" in warnings[0] and "shorter (6.0 tokens" in warnings[0]
+    assert "the trained policy answers nothing to 10.0% of prompts" in warnings[1]
+    # the pipeline names the objective that trained it (GRPO, DPO, ...), never PPO for another one
+    named = name_the_policy(warnings, "GRPO")
+    assert "the GRPO policy wins 90%" in named[0] and named[1].startswith("the GRPO policy answers nothing")
+    assert not any("PPO" in line or "trained policy" in line for line in named)
 
 
 def test_summarize_same_answers_no_flags():

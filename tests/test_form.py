@@ -88,6 +88,12 @@ def _fields(errors: dict) -> dict:
             "'2 or more: ppo.advantage_estimator grpo compares the samples of a prompt (conf/smoke.yaml has 1)' was "
             "expected",
         ),
+        (  # the same with the field left out (the form's int box left empty): said on the estimator's field
+            {"ppo_advantage_estimator": "grpo"},
+            "ppo_advantage_estimator",
+            "'2 or more: ppo.advantage_estimator grpo compares the samples of a prompt (conf/smoke.yaml has 1)' was "
+            "expected",
+        ),
         (
             {"ppo_advantage_estimator": "rloo", "ppo_samples_per_prompt": 1},
             "ppo_samples_per_prompt",
@@ -106,7 +112,13 @@ def _fields(errors: dict) -> dict:
             "expected",
         ),
     ],
-    ids=["grpo-with-the-configs-one-sample", "rloo-with-one-sample", "the-configs-batch", "a-typed-batch"],
+    ids=[
+        "grpo-with-the-configs-one-sample",
+        "grpo-with-the-field-left-out",
+        "rloo-with-one-sample",
+        "the-configs-batch",
+        "a-typed-batch",
+    ],
 )
 def test_the_form_says_what_each_group_rule_expects(form_schema, run, field, message):
     """Prefect's UI shows these messages on the field (its validation code, as the server runs it)."""
@@ -152,6 +164,9 @@ def test_the_schema_refuses_a_bad_batch_combination_on_its_field(form_schema):
         "'an override of another key (set ppo.total_episodes, batch_size, num_mini_batches, advantage_estimator and "
         "samples_per_prompt in their fields)' was expected"
     ]}]}  # fmt: skip
+    # an empty entry (the form's "+" pressed, nothing typed): only that it is not text, no rule about fields
+    (overrides,) = _schema_errors({"overrides": ["seed=1", None]}, form_schema)["errors"][0]["errors"]
+    assert overrides == {"property": "overrides", "errors": [{"index": 1, "errors": ["None is not of type 'string'"]}]}
     assert _schema_errors({"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4}, form_schema)["valid"]
 
 

@@ -350,6 +350,13 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
     (ranking,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study"]
     assert study.task_run_id is None and ranking.task_run_id is None  # both filed under the sweep's flow run
     assert list(json.loads(study.data)[0])[:4] == ["arm", "runs", "win rate", "KL"]
+    # the ranking in words, narrow (the full table one link away: every metric by its MLflow key)
+    short = json.loads(ranking.data)
+    assert sorted(row["variant"].split(",")[0] for row in short) == ["DPO", "GRPO"]
+    assert list(short[0]) == ["rank", "variant", "gold reward (ranked by)", "beats SFT (gold)", "KL to SFT", "status"]
+    assert "/artifacts/artifact/" in ranking.description or "sweep-study-full" in ranking.description
+    (full,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-full"]
+    assert "eval/kl" in json.loads(full.data)[0]
     (compare,) = [a for a in flow_run_artifacts(sweep_flow_run) if a.key == "sweep-study-mlflow-compare"]
     assert "#/compare-runs?runs=" in compare.data and "workflowType=machine_learning" in compare.data
     table = client.download_artifacts(run_id, "study_table.csv", str(tmp_path))
@@ -376,3 +383,26 @@ def test_two_arm_one_seed_study_tabulates_and_plots(harness, sweep_dir, tmp_path
         query = f"tags.`mlflow.parentRunId` = '{row['mlflow_run_id']}' AND tags.stage = '{stage}'"
         (stage_run,) = client.search_runs([experiment], query)
         assert stage_run.data.params["seed"] == "3"
+
+
+def test_the_short_ranking_is_in_words_and_narrow():
+    """The sweep's ranking as the Prefect UI shows it: six columns in words (not 19 metric keys), the variant by its
+    arm and swept values, the reward it is ranked by; a failed variant's error on one line."""
+    from flows.artifacts import short_ranking
+    from rlhf.sweeps.ranking import ranking
+
+    rows = [
+        {"variant": "s-00", "arm": "GRPO", "ppo.kl_coef": 0.1, "status": "completed", "mlflow_run_id": "a"}
+        | {"eval/policy_score": 0.2, "eval/win_rate_rm": 0.6, "eval/kl": 1.5},
+        {"variant": "s-01", "arm": "PPO", "ppo.kl_coef": 0.2, "status": "failed", "error": "out of\nmemory"},
+    ]
+    short = short_ranking(ranking(rows, ["arm", "ppo.kl_coef"]).to_dict("records"))
+    assert short[0] == {
+        "rank": 1,
+        "variant": "GRPO, kl_coef=0.1",
+        "reward-model score (ranked by)": 0.2,
+        "beats SFT (reward model)": 0.6,
+        "KL to SFT": 1.5,
+        "status": "completed",
+    }
+    assert short[1]["variant"] == "PPO, kl_coef=0.2" and short[1]["error"] == "out of memory"

@@ -30,10 +30,10 @@ def wait_for(check, timeout: float, what: str):
     raise SystemExit(f"ui-check: {what} did not happen within {timeout:.0f}s")
 
 
-def deployment(api: str, name: str, timeout: float = 180) -> dict:
-    """A served deployment (serve registers them one after the other)."""
+def deployment(api: str, name: str, timeout: float = 600) -> dict:
+    """A served deployment (serve registers them one after the other: minutes on a loaded 2-core machine)."""
     return wait_for(
-        lambda: (r := httpx.get(f"{api}/deployments/name/{name}", timeout=10)).status_code == 200 and r.json(),
+        lambda: (r := httpx.get(f"{api}/deployments/name/{name}", timeout=60)).status_code == 200 and r.json(),
         timeout,
         f"the {name} deployment",
     )
@@ -52,7 +52,7 @@ def start_run(api: str, deployment_id: str, run: dict) -> str:
 
 def wait_run(api: str, flow_run_id: str, timeout: float, states=("COMPLETED", "FAILED", "CRASHED", "CANCELLED")):
     def reached():
-        state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]
+        state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=60).json()["state"]
         return state if state and state["type"] in states else None
 
     state = wait_for(reached, timeout, f"the flow run {flow_run_id}")
@@ -63,14 +63,14 @@ def wait_run(api: str, flow_run_id: str, timeout: float, states=("COMPLETED", "F
 def artifacts_of(api: str, flow_run_id: str) -> dict[str, dict]:
     """The flow run's keyed artifacts (its tasks' too) by key."""
     found = httpx.post(
-        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=10
+        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=60
     ).json()
     return {a["key"]: a for a in found if a.get("key")}
 
 
 def logs_of(api: str, flow_run_id: str) -> list[str]:
     found = httpx.post(
-        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=10
+        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=60
     ).json()
     return [log["message"] for log in found]
 

@@ -33,15 +33,19 @@ the form's parameters, waits for it, and writes screenshots to outputs/ui-check/
     07b-prefect-sweep-ranking.png, 07c-prefect-study-table.png  the two tables, the KL column in view
     08-mlflow-sweep-run.png    the study's MLflow run (its description the NOTE)
     08b-mlflow-study-table.png its study_table.md artifact
+    03d-prefect-evaluation-1440.png, 07b-...-1440.png, 07c-...-1440.png  the evaluation, the ranking and the study
+                               table in a window 1440 pixels wide: none may need horizontal scrolling
 
-While that run trains it submits the form 10 times (`--submits`) through the API call the form makes, each once: all
-must be created (they failed with 503 while runs wrote; flows/prefect_server.py), with their median and 95th
-percentile times printed. It also asserts what the user reads, through the UI's own API (the form's validation, the
-flow run's logs and artifacts, the MLflow runs): the plumbing check's NOTE in the log, the evaluation table and the
-MLflow run's description; the compare links' ``workflowType=machine_learning``; the form's error text (the grpo rule
-through the validation endpoint the form calls); distinct deployment names; the sweep form's space sizes. Last, it
-starts a long run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and checks that what the run's process
-prints after the signal has no traceback and that its MLflow runs end KILLED (``ctrl-c.log``: what was printed).
+While that run and a second one train it submits the form 10 times (`--submits`) through the API call the form
+makes, each once: all must be created (they failed with 503 while runs wrote; flows/prefect_server.py), with their
+median and 95th percentile times printed. It also asserts what the user reads, through the UI's own API (the form's
+validation, the flow run's logs and artifacts, the MLflow runs): the plumbing check's NOTE in the log, the
+evaluation table and the MLflow run's description; the compare links' ``workflowType=machine_learning``; the form's
+error text (the grpo rule through the validation endpoint the form calls); distinct deployment names; the sweep
+form's space sizes. Last, it starts a long run, stops `make ui` with SIGINT (Ctrl-C) while the run trains, and
+checks that what the run's process prints after the signal has no traceback, that its MLflow runs end KILLED and
+that Prefect records the flow run Cancelled, not Crashed (``ctrl-c.log``: what was printed). The browser's helpers
+are in tools/ui_browser.py, the MLflow checks in tools/ui_check_mlflow.py.
 
 Needs Debian's chromium and chromium-driver (``apt-get install -y chromium chromium-driver``) and selenium (the
 make target installs it into .venv). Not part of `make test`.
@@ -70,66 +74,8 @@ from prefect_rest import (
     wait_for,
     wait_run,
 )
-
-REPO = Path(__file__).resolve().parent.parent
-CHROME_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1920,1200",
-]
-
-
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for flag in CHROME_FLAGS:
-        options.add_argument(flag)
-    for binary in ("/usr/bin/chromium", "/usr/bin/chromium-browser"):
-        if Path(binary).exists():
-            options.binary_location = binary
-    driver_path = next(
-        (p for p in ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver") if Path(p).exists()), None
-    )
-    service = Service(executable_path=driver_path) if driver_path else Service()
-    return webdriver.Chrome(options=options, service=service)
-
-
-def shoot(driver, url: str, path: Path, settle: float = 6.0, search: str | None = None, tab: str | None = None) -> None:
-    """A screenshot of `url`; with `search`, typed into the page's first search box first (MLflow's chart filter);
-    with `tab`, the tab of that name clicked and scrolled to first."""
-    from selenium.webdriver.common.by import By
-
-    driver.get(url)
-    time.sleep(settle)  # both UIs render client-side: let them fetch and draw
-    for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):  # MLflow's assistant panel
-        try:
-            if button.is_displayed():
-                button.click()
-                time.sleep(1.0)
-        except Exception:  # noqa: BLE001 (a panel that is not there, or moved: the screenshot is taken anyway)
-            pass
-    if tab:  # Prefect's tabs are <li class="p-tab">
-        xpath = f"//*[(self::button or self::a or @role='tab' or self::li) and normalize-space(.)='{tab}']"
-        found = [element for element in driver.find_elements(By.XPATH, xpath) if element.is_displayed()]
-        if found:
-            driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", found[0])
-            found[0].click()
-            time.sleep(3.0)
-    if search:
-        boxes = driver.find_elements(By.CSS_SELECTOR, "input[placeholder*='Search']")
-        if boxes:
-            boxes[0].send_keys(search)
-            time.sleep(2.0)
-    driver.save_screenshot(str(path))
-    print(f"ui-check: {path.relative_to(REPO)}  <- {url}", flush=True)
-
+from ui_browser import REPO, Checks, browser, overflow, page_text, shoot
+from ui_check_mlflow import check_mlflow, check_mlflow_navigation
 
 # What the form shows under a field for a broken rule of conf/smoke.yaml (batch_size 16), and through the
 # validation endpoint the form calls for the grpo rule (the config's one sample a prompt, the field left empty)
@@ -142,6 +88,7 @@ GRPO_RUN = {"config_file": "conf/smoke.yaml", "ppo_advantage_estimator": "grpo",
 GRPO_EXPECTED = (
     "'2 or more: ppo.advantage_estimator grpo compares the samples of a prompt (conf/smoke.yaml has 1)' was expected"
 )
+EMPTY_OVERRIDE = {"run": {"config_file": "conf/smoke.yaml", "overrides": ["seed=1", None]}}
 DEPLOYMENTS = ("run-pipeline", "run-pipeline-every-setting", "run-sweep", "run-sweep-every-setting")
 SPACE_SIZES = ("kl_coef.yaml (3 runs)", "algorithms.yaml (9 arms x 3 points = 27 runs)")
 NOTE = "NOTE: a plumbing check, not learning"
@@ -166,23 +113,6 @@ STUDY_RUN = {
 }
 
 
-class Checks:
-    """What the user should see, each a line of the report; any failure makes the exit code 1."""
-
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-
-    def __call__(self, ok: bool, what: str) -> bool:
-        print(f"ui-check: {'ok  ' if ok else 'FAIL'} {what}", flush=True)
-        if not ok:
-            self.failed.append(what)
-        return ok
-
-
-def page_text(driver) -> str:
-    return driver.execute_script("return document.body.innerText")
-
-
 def refused_in_form(driver, api: str, deployment_id: str, field_label: str, path: Path) -> bool:
     """Type 3 into the field `field_label` of the open run form (conf/smoke.yaml: batch_size 16) and press Submit:
     the server's schema validation must show what the field expects on it, and no flow run may be created."""
@@ -190,7 +120,7 @@ def refused_in_form(driver, api: str, deployment_id: str, field_label: str, path
 
     def count() -> int:
         filter_ = {"deployments": {"id": {"any_": [deployment_id]}}}
-        return httpx.post(f"{api}/flow_runs/count", json=filter_, timeout=10).json()
+        return httpx.post(f"{api}/flow_runs/count", json=filter_, timeout=60).json()
 
     before = count()
     label = f"//*[starts-with(normalize-space(.), '{field_label}')]"
@@ -199,7 +129,9 @@ def refused_in_form(driver, api: str, deployment_id: str, field_label: str, path
     field = driver.find_element(By.XPATH, f"{label}/following::input[@type='number'][1]")
     field.send_keys("3")
     driver.find_element(By.XPATH, "//button[normalize-space(.)='Submit']").click()
-    time.sleep(4.0)
+    deadline = time.monotonic() + 180  # the first Submit after the server started waits for its one schema check
+    while REFUSED[field_label] not in page_text(driver) and time.monotonic() < deadline:
+        time.sleep(2.0)
     driver.execute_script("arguments[0].scrollIntoView({block: 'center'});", field)
     time.sleep(1.0)
     driver.save_screenshot(str(path))
@@ -231,19 +163,33 @@ def check_forms(driver, api: str, ui_url: str, out: Path, check: Checks) -> dict
         timeout=60,
     ).json()
     check(GRPO_EXPECTED in json.dumps(validated), f"grpo with ppo.samples_per_prompt empty: {GRPO_EXPECTED}")
+    # the form's int box left empty sends no value: the same words, on the estimator's field (not "... is a required
+    # property"); an empty override entry is not said to set a field
+    left_out = {k: v for k, v in GRPO_RUN.items() if k != "ppo_samples_per_prompt"}
+    for values, what in (({"run": left_out}, "ppo.samples_per_prompt left out"), (EMPTY_OVERRIDE, "an empty override")):
+        said = json.dumps(
+            httpx.post(
+                f"{api}/ui/schemas/validate",
+                json={"schema": form["parameter_openapi_schema"], "values": values},
+                timeout=60,
+            ).json()
+        )
+        wrong = ("required property", "an override of another key")
+        right = GRPO_EXPECTED if values is not EMPTY_OVERRIDE else "not of type"
+        check(right in said and not any(w in said for w in wrong), f"{what}: the form says {right!r}: {said[:300]}")
     refused = httpx.post(
         f"{api}/deployments/{form['id']}/create_flow_run", json={"parameters": {"run": GRPO_RUN}}, timeout=60
     )
     check(refused.status_code == 409 and "2 or more" in refused.text, f"the API refuses it: {refused.text[:200]}")
 
-    sweep_form = deployment(api, "rlhf-sweep-run/run-sweep", 60)
+    sweep_form = deployment(api, "rlhf-sweep-run/run-sweep")
     shoot(driver, f"{ui_url}/deployments/deployment/{sweep_form['id']}/run", out / "01c-prefect-sweep-form.png")
     height = driver.execute_script("return document.documentElement.scrollHeight")
     print(f"ui-check: the sweep form's page is {height} pixels high", flush=True)
     text = page_text(driver)
     check(all(size in text for size in SPACE_SIZES), f"the sweep form lists the space sizes {SPACE_SIZES}")
-    deployment(api, f"rlhf-sweep/{DEPLOYMENTS[-1]}", 60)
-    names = [d["name"] for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=10).json()]
+    deployment(api, f"rlhf-sweep/{DEPLOYMENTS[-1]}")
+    names = [d["name"] for d in httpx.post(f"{api}/deployments/filter", json={}, timeout=60).json()]
     check(sorted(names) == sorted(DEPLOYMENTS), f"four distinct deployment names: {names}")
     shoot(driver, f"{ui_url}/deployments", out / "01e-prefect-deployments.png")
     return form
@@ -267,6 +213,10 @@ def check_pipeline_run(driver, api: str, ui_url: str, flow_run_id: str, out: Pat
         for line in SUMMARY_LINES[1:]:
             check(line in shown, f"the evaluation artifact in the browser shows {line!r}")
         check("eval/" not in shown, "the evaluation artifact shows words, not metric keys")
+        check(
+            fits(driver, f"{ui_url}/artifacts/artifact/{evaluation['id']}", out / "03d-prefect-evaluation-1440.png"),
+            "the evaluation artifact fits 1440 pixels: no horizontal scrolling",
+        )
     if link:
         shoot(driver, f"{ui_url}/artifacts/artifact/{link['id']}", out / "03c-prefect-mlflow-link.png")
         check("&amp;" not in page_text(driver), "the MLflow link artifact shows no literal '&amp;'")
@@ -286,7 +236,13 @@ def check_study(driver, api: str, ui_url: str, mlflow_url: str, flow_run_id: str
     for table, name in ((ranking, "07b-prefect-sweep-ranking.png"), (study, "07c-prefect-study-table.png")):
         if table:
             shoot(driver, f"{ui_url}/artifacts/artifact/{table['id']}", out / name)
-            check("KL" in page_text(driver) or "eval/kl" in page_text(driver), f"{name}: a KL column")
+            check("KL" in page_text(driver), f"{name}: a KL column")
+            check(
+                fits(driver, f"{ui_url}/artifacts/artifact/{table['id']}", out / name.replace(".png", "-1440.png")),
+                f"{name}: the table fits 1440 pixels, no horizontal scrolling",
+            )
+    check("sweep-algorithms-full" in found, "the ranking's full table is there (its link in the short one's text)")
+    check("&amp;" not in json.dumps(ranking), "no literal '&amp;' in the ranking's text")
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
@@ -311,85 +267,28 @@ def check_study(driver, api: str, ui_url: str, mlflow_url: str, flow_run_id: str
     shoot(driver, f"{url}/artifacts/study_table.md?{VIEW}", out / "08b-mlflow-study-table.png", 8)
 
 
-def check_mlflow(driver, mlflow_url: str, flow_run_id: str, out: Path, check: Checks) -> None:
-    """The pipeline's MLflow runs: the experiment in the saved view, the pipeline run (its description the NOTE),
-    the PPO run's charts."""
-    from mlflow.tracking import MlflowClient
+def stored_state(home: Path, flow_run_id: str) -> tuple[str, str]:
+    """A flow run's state type and message in the SQLite database of the Prefect server that had `home`."""
+    import sqlite3
 
-    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
-    runs = client.search_runs(
-        [client.get_experiment_by_name("rlhf-ppo").experiment_id],
-        filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'",
-    )
-    parent = next(r for r in runs if "stage" not in r.data.tags)
-    check(
-        parent.data.tags.get("mlflow.note.content", "").startswith(NOTE), "the MLflow run's description opens with NOTE"
-    )
-    # the PPO run that computed this run's policy (an earlier run's, when the stage came from the cache)
-    ppo_run_id = parent.data.tags.get("stage.train_policy_ppo.run_id")
-    exp = parent.info.experiment_id
-    saved = f"viewStateShareKey=rlhf-default&{VIEW}"  # the project's saved view (rlhf/tracking/default_view.py)
-    shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs?{saved}", out / "04-mlflow-experiment.png", 8)
-    url = f"{mlflow_url}/#/experiments/{exp}/runs?{saved}&compareRunsMode=CHART"
-    shoot(driver, url, out / "04b-mlflow-experiment-charts.png", 8)
-    shoot(driver, f"{mlflow_url}/#/experiments/{exp}/runs/{parent.info.run_id}?{VIEW}", out / "05-mlflow-run.png")
-    if ppo_run_id:
-        url = f"{mlflow_url}/#/experiments/{exp}/runs/{ppo_run_id}/model-metrics?{VIEW}"
-        shoot(driver, url, out / "06-mlflow-ppo-run.png", 8, search="objective")
+    for path in home.glob("*.db"):
+        with sqlite3.connect(path) as db:
+            found = db.execute("select state_type, state_name from flow_run where id = ?", (flow_run_id,)).fetchone()
+        if found:
+            return str(found[0]).rsplit(".", 1)[-1], str(found[1])
+    return "not found", str(list(home.glob("*.db")))
 
 
-GENAI_ONLY = ("Judges", "Sessions")  # side-bar entries of MLflow's GenAI navigation, not of model training
-WORKFLOW_KEY = "mlflow.workflowType_v1"  # where MLflow 3.17's UI keeps the side bar's choice (browser local storage)
-
-
-def check_mlflow_navigation(driver, mlflow_url: str, out: Path, check: Checks) -> None:
-    """The ways into MLflow the project does not write: its root, Recent Experiments, the native Compare. MLflow 3.17
-    opens them in the view chosen last in the browser (GenAI before any choice): first as a new browser sees them,
-    then after the user's one step (docs/orchestration.md), the side bar's *Model training*, where each must land in
-    the model-training navigation."""
-    from mlflow.tracking import MlflowClient
-    from selenium.webdriver.common.by import By
-
-    client = MlflowClient(f"sqlite:///{REPO}/mlruns/mlflow.db")
-    exp = client.get_experiment_by_name("rlhf-ppo")
-    check(exp.tags.get("mlflow.experimentKind") == "custom_model_development", "the experiment's kind: model training")
-    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=2)
-    ids, compact = [r.info.run_id for r in runs], {"separators": (",", ":")}
-    # the page MLflow's own Compare button opens (no workflowType)
-    compare = f"{mlflow_url}/#/compare-runs?runs={json.dumps(ids, **compact)}"
-    compare += f"&experiments={json.dumps([exp.experiment_id], **compact)}"
-
-    def home_to_experiment(name: str) -> str:
-        driver.get(f"{mlflow_url}/#/")
-        time.sleep(8.0)
-        links = [e for e in driver.find_elements(By.XPATH, "//a[normalize-space(.)='rlhf-ppo']") if e.is_displayed()]
-        if links:
-            links[0].click()
-            time.sleep(6.0)
-        driver.save_screenshot(str(out / name))
-        print(f"ui-check: {name}: MLflow home -> rlhf-ppo lands on {driver.current_url}", flush=True)
-        return driver.current_url
-
-    driver.get(f"{mlflow_url}/#/")
-    driver.execute_script(f"window.localStorage.removeItem('{WORKFLOW_KEY}')")  # a browser that never chose
-    home_to_experiment("09-mlflow-home-experiment-new-browser.png")
-    driver.get(f"{mlflow_url}/#/")
-    time.sleep(8.0)
-    switch = [e for e in driver.find_elements(By.XPATH, "//*[normalize-space(.)='Model training']") if e.is_displayed()]
-    if switch:
-        switch[-1].click()
-        time.sleep(2.0)
-    chosen = driver.execute_script(f"return window.localStorage.getItem('{WORKFLOW_KEY}')")
-    check(chosen == '"machine_learning"', f"the side bar's Model training is kept in the browser: {chosen}")
-    url = home_to_experiment("09b-mlflow-home-experiment.png")
-    shown = page_text(driver)
-    check(
-        "genai" not in url and not any(entry in shown for entry in GENAI_ONLY),
-        f"MLflow home -> rlhf-ppo lands in model training: {url}",
-    )
-    shoot(driver, compare, out / "09c-mlflow-native-compare.png", 8)
-    shown = page_text(driver)
-    check(not any(entry in shown for entry in GENAI_ONLY), "MLflow's own Compare page stays in model training")
+def fits(driver, url: str, path: Path) -> bool:
+    """The page at 1440 pixels wide (a laptop's screen): its tables need no horizontal scrolling."""
+    driver.set_window_size(1440, 1000)
+    try:
+        shoot(driver, url, path)
+        wider = overflow(driver)
+        print(f"ui-check: {path.name}: {wider} pixels wider than the window", flush=True)
+        return wider == 0
+    finally:
+        driver.set_window_size(1920, 1200)
 
 
 def check_ctrl_c(ui: subprocess.Popen, api: str, form_id: str, log_path: Path, out: Path, check: Checks) -> None:
@@ -421,6 +320,9 @@ def check_ctrl_c(ui: subprocess.Popen, api: str, form_id: str, log_path: Path, o
         bool(statuses) and set(statuses.values()) <= {"KILLED", "FINISHED"} and "KILLED" in statuses.values(),
         f"the run's MLflow runs end KILLED (the finished stages FINISHED): {statuses}",
     )
+    check("stopped by Ctrl-C" in printed, "the terminal says the run was stopped by Ctrl-C")
+    state = stored_state(out / "prefect-home", flow_run_id)  # make ui stopped its server: read its database
+    check(state[0] == "CANCELLED", f"Prefect records the flow run Cancelled, not Crashed: {state}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     api, mlflow_url = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {"PREFECT_HOME": str(out / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    for name in ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL"):  # `make ui-check ARGS=...`: not make ui's ARGS
+        env.pop(name, None)
     make = [
         "make",
         "--no-print-directory",
@@ -444,24 +348,32 @@ def main(argv: list[str] | None = None) -> int:
         "CONFIG=conf/smoke.yaml",
         f"PREFECT_PORT={prefect_port}",
         f"MLFLOW_PORT={mlflow_port}",
+        "ARGS=",
     ]
     log_path = out / "make-ui.log"
     log = log_path.open("wb")
     ui = subprocess.Popen(make, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     driver, check = None, Checks()
     try:
-        wait_for(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, 180, "the Prefect server")
+        wait_for(lambda: httpx.get(f"{api}/health", timeout=5).status_code == 200, args.timeout, "the Prefect server")
         driver = browser()
         ui_url = f"http://127.0.0.1:{prefect_port}"
         form = check_forms(driver, api, ui_url, out, check)
 
         # the run the form's Run button makes: the shipped smoke config and two overrides
-        run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": ["ppo.kl_coef=0.1"]}
+        # a KL coefficient of this check's own, so that its PPO stages train (not taken from an earlier check's cache)
+        # while the form is submitted; the smaller stages come from the cache
+        kl = 0.1 + (int(time.time()) % 997) / 1e6
+        run = {"config_file": "conf/smoke.yaml", "ppo_total_episodes": 64, "overrides": [f"ppo.kl_coef={kl:.6f}"]}
         flow_run_id = start_run(api, form["id"], run)
         # the form's Submit while that run trains: every one accepted (they failed with 503 while runs wrote)
+        # ... and a second one: the submits while two runs train
+        second = start_run(api, form["id"], {**run, "overrides": [f"ppo.kl_coef={kl + 0.1:.6f}"]})
         wait_for(lambda: training(api, flow_run_id), args.timeout, "a training step of the form's run")
+        wait_for(lambda: training(api, second), args.timeout, "a training step of the second run")
         codes, _ = submit_repeatedly(api, form["id"], run, args.submits)
-        check(codes == [201] * args.submits, f"{args.submits} submits of the form while a run trains all created")
+        check(codes == [201] * args.submits, f"{args.submits} submits of the form while two runs train all created")
+        check(wait_run(api, second, args.timeout)["type"] == "COMPLETED", "the second run completed")
         state = wait_run(api, flow_run_id, args.timeout)
         check(state["type"] == "COMPLETED", "the run from the form completed")
         shoot(driver, f"{ui_url}/runs/flow-run/{flow_run_id}", out / "02-prefect-run.png")
@@ -470,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         check_mlflow(driver, mlflow_url, flow_run_id, out, check)
         check_mlflow_navigation(driver, mlflow_url, out, check)
         if not args.no_study:
-            sweep_form = deployment(api, "rlhf-sweep-run/run-sweep", 60)
+            sweep_form = deployment(api, "rlhf-sweep-run/run-sweep")
             base = {"config_file": "conf/smoke.yaml", "overrides": []}
             sweep_id = start_run(api, sweep_form["id"], {"base": base, **STUDY_RUN})
             check(

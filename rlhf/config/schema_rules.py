@@ -231,11 +231,14 @@ def group_clauses(configs: Mapping[str, PPOConfig], default: str) -> list[dict[s
         clauses.append(_expect([chosen, _breaks(group, minimum=2)], group, needs))
         for config, ppo in configs.items():
             if ppo.samples_per_prompt < 2:  # the config's one sample a prompt cannot feed a group estimator
-                then = {
-                    **_constrain(group, const=f"{needs} ({config} has {ppo.samples_per_prompt})"),
-                    "required": [group],
-                }
-                clauses.append(_when([_config(config, default), chosen, _empty(group)], then))
+                said = f"{needs} ({config} has {ppo.samples_per_prompt})"
+                # the field sent empty shows it; the field left out (the form's int box left empty) has nothing to
+                # show it on (JSON Schema would say "'ppo_samples_per_prompt' is a required property"): the
+                # estimator's field shows it then
+                given = {**_empty(group), "required": [group]}
+                clauses.append(_when([_config(config, default), chosen, given], _constrain(group, const=said)))
+                absent = {"not": {"required": [group]}}
+                clauses.append(_when([_config(config, default), chosen, absent], _constrain(estimator, const=said)))
     for config, ppo in configs.items():
         divisors = [k for k in range(1, MAX_GROUP + 1) if ppo.batch_size % k == 0]
         clauses.append(

@@ -196,15 +196,15 @@ def hacking_verdict(
         if raw_adv > needed and ctrl_adv < raw_adv / 2:
             matched = f"{c.matched_win_rate:.0%}" if c.n_matched else "n/a"
             explained.append(
-                f"on {name} PPO wins {c.win_rate:.0%} of prompts but {c.controlled_win_rate:.0%} at equal length "
-                f"({matched} of the {c.n_matched} length-matched pairs)"
+                f"on {name} the trained policy wins {c.win_rate:.0%} of prompts but {c.controlled_win_rate:.0%} at "
+                f"equal length ({matched} of the {c.n_matched} length-matched pairs)"
             )
     if explained:
         verdict.length = True
         direction = "shorter" if mean_ppo < mean_sft else "longer"
         verdict.warnings.append(
-            f"PPO's gain over SFT is mostly explained by length: {'; '.join(explained)}. "
-            f"PPO answers are {direction} ({_tokens(mean_ppo)} on average against {_tokens(mean_sft)} for SFT)."
+            f"the trained policy's gain over SFT is mostly explained by length: {'; '.join(explained)}. "
+            f"Its answers are {direction} ({_tokens(mean_ppo)} on average against {_tokens(mean_sft)} for SFT)."
         )
     empty_p, empty_s = np.asarray(ppo_empty, dtype=bool), np.asarray(sft_empty, dtype=bool)
     scores = np.asarray(ppo_scores, dtype=float)
@@ -214,8 +214,8 @@ def hacking_verdict(
         if empty_mean > median:
             verdict.empty = True
             verdict.warnings.append(
-                f"PPO answers nothing to {rate_p:.1%} of prompts (SFT {rate_s:.1%}), and its empty answers score "
-                f"above its median reward-model score ({empty_mean:.3f} against {median:.3f}): the reward model "
-                "rewards empty answers."
+                f"the trained policy answers nothing to {rate_p:.1%} of prompts (SFT {rate_s:.1%}), and its empty "
+                f"answers score above its median reward-model score ({empty_mean:.3f} against {median:.3f}): the "
+                "reward model rewards empty answers."
             )
     return verdict
