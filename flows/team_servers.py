@@ -53,6 +53,7 @@ POOL = "rlhf-local"
 # how long each server may take to answer its health check: Prefect migrates a new database, which took over 180 s on
 # the 2-core machine while a training run had both cores
 START_S = 600
+DEPLOY_S = 900  # each step of the deploy (`prefect deploy --all` took over 300 s on the busy 2-core machine)
 STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # MLflow's login checks a password with scrypt on every request (about 0.3 s of a core on the 2-core machine): a
@@ -292,7 +293,12 @@ def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
             [prefect, "--no-prompt", "deploy", "--all"],
             [sys.executable, "-c", automation],
         ):
-            done = subprocess.run(cmd, cwd=root, env=client_env, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+            try:
+                done = subprocess.run(
+                    cmd, cwd=root, env=client_env, stdout=out, stderr=subprocess.STDOUT, timeout=DEPLOY_S
+                )
+            except subprocess.TimeoutExpired:
+                raise ServeError(f"`{' '.join(cmd[1:])}` did not finish within {DEPLOY_S} s: see {log}") from None
             if done.returncode != 0:
                 raise ServeError(f"`{' '.join(cmd[1:])}` failed with exit code {done.returncode}: see {log}")
 
