@@ -619,8 +619,10 @@ def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team
 
 def server_pid(team: dict, name: str) -> int:
     """The pid of `rlhf serve`'s `prefect server` or `mlflow server` process (a child of its own session)."""
-    (pid,) = [
-        p.pid for p in psutil.Process(team["serve"].pid).children() if p.cmdline()[1:3] == [str(BIN / name), "server"]
+    (pid,) = [  # by the script's name: its folder is the venv's as the launcher resolved it (a linked venv differs)
+        p.pid
+        for p in psutil.Process(team["serve"].pid).children()
+        if [Path(p.cmdline()[1]).name, p.cmdline()[2]] == [name, "server"]
     ]
     return pid
 
