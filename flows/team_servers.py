@@ -50,12 +50,17 @@ AUTH_ENV, DATABASE_ENV = "RLHF_SERVE_AUTH", "RLHF_DATABASE_URL"
 # the docs use this name only); without it a worker keeps its own under ~/.prefect/storage and rebuilds shared stages
 RESULTS_ENV = "PREFECT_RESULTS_LOCAL_STORAGE_PATH"
 POOL = "rlhf-local"
-START_S = 180  # how long each server may take to answer its health check (Prefect migrates a new database)
+# how long each server may take to answer its health check: Prefect migrates a new database, which took over 180 s on
+# the 2-core machine while a training run had both cores
+START_S = 600
+DEPLOY_S = 900  # each step of the deploy (`prefect deploy --all` took over 300 s on the busy 2-core machine)
 STOP_S = 15  # how long the servers may take to stop after SIGTERM (then SIGKILL)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # MLflow's login checks a password with scrypt on every request (about 0.3 s of a core on the 2-core machine): a
 # checked login is trusted for this long in each server worker (a changed password takes up to this long to apply)
 AUTH_CACHE_S = 60
+# Prefect's server gives back the slots of expired leases this often (its repossessor service, every 15 s), plus 5 s
+REPOSSESS_S = 20.0
 
 
 class ServeError(Exception):
@@ -246,24 +251,33 @@ def check_login(plan: Plan) -> None:
         raise ServeError(f"the Prefect server refused user {plan.login.user!r}")
 
 
-def free_orphaned_slots(plan: Plan) -> int:
+def free_orphaned_slots(plan: Plan, recheck_s: float = REPOSSESS_S) -> int:
     """Give back the slots of the `gpu` limit that no lease holds: taken before a restart of a server that kept its
     leases in memory (an earlier `rlhf serve`), they would never be released, and every `gpu` stage would wait for
-    good. Returns how many. (Leases now survive a restart: PERSISTENT_LEASES.)"""
+    good. Returns how many. (Leases now survive a restart: PERSISTENT_LEASES.) A slot whose lease expired while the
+    server was down also has no holder until the server's repossessor gives it back: only slots still without a
+    holder `recheck_s` later are freed, so no slot is given back twice."""
     api = f"http://127.0.0.1:{plan.prefect_port}/api"
     auth = (plan.login.user, plan.login.password) if plan.login is not None else None
-    limit = httpx.get(f"{api}/v2/concurrency_limits/tag:{GPU_TAG}", auth=auth, timeout=30)
-    if limit.status_code == 404:  # a new server: no limit yet (the deploy step creates it)
+
+    def orphaned() -> int | None:
+        limit = httpx.get(f"{api}/v2/concurrency_limits/tag:{GPU_TAG}", auth=auth, timeout=30)
+        if limit.status_code == 404:  # a new server: no limit yet (the deploy step creates it)
+            return None
+        limit.raise_for_status()
+        # the slots first, then their holders: a slot taken in between is counted as held, never freed
+        holders = httpx.get(f"{api}/concurrency_limits/tag/{GPU_TAG}", auth=auth, timeout=30)
+        holders.raise_for_status()
+        return limit.json()["active_slots"] - len(holders.json()["active_slots"])
+
+    if not (first := orphaned()) or first <= 0:
         return 0
-    limit.raise_for_status()
-    # the slots first, then their holders: a slot taken in between is counted as held, never freed
-    holders = httpx.get(f"{api}/concurrency_limits/tag/{GPU_TAG}", auth=auth, timeout=30)
-    holders.raise_for_status()
-    orphaned = limit.json()["active_slots"] - len(holders.json()["active_slots"])
-    if orphaned > 0:
-        body = {"names": [f"tag:{GPU_TAG}"], "slots": orphaned}
+    time.sleep(recheck_s)
+    count = min(first, orphaned() or 0)
+    if count > 0:
+        body = {"names": [f"tag:{GPU_TAG}"], "slots": count}
         httpx.post(f"{api}/v2/concurrency_limits/decrement", json=body, auth=auth, timeout=30).raise_for_status()
-    return max(orphaned, 0)
+    return max(count, 0)
 
 
 def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
@@ -279,7 +293,12 @@ def deploy(plan: Plan, client_env: dict[str, str], root: Path) -> None:
             [prefect, "--no-prompt", "deploy", "--all"],
             [sys.executable, "-c", automation],
         ):
-            done = subprocess.run(cmd, cwd=root, env=client_env, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+            try:
+                done = subprocess.run(
+                    cmd, cwd=root, env=client_env, stdout=out, stderr=subprocess.STDOUT, timeout=DEPLOY_S
+                )
+            except subprocess.TimeoutExpired:
+                raise ServeError(f"`{' '.join(cmd[1:])}` did not finish within {DEPLOY_S} s: see {log}") from None
             if done.returncode != 0:
                 raise ServeError(f"`{' '.join(cmd[1:])}` failed with exit code {done.returncode}: see {log}")
 

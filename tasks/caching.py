@@ -32,6 +32,8 @@ from rlhf.checkpoints import is_complete, stage_lock
 from rlhf.config import RuntimeConfig
 from rlhf.stages import GPU_TAG, INIT, PPO, PREPARE
 from tasks.outputs import StageOutput
+from tasks.progress import task_logger
+from tasks.slot_watch import watch_slots
 
 # Parameters that never change a stage's result, so they are left out of its key (`trial`: the sweep trial a PPO
 # stage reports to; a pruned stage raises and caches nothing). `runtime` is in it through `runtime_key`: the
@@ -141,15 +143,16 @@ def run_stage(task, **parameters: Any) -> Any:
     The stage's folder is locked meanwhile (`stage_lock`): a second pipeline process (or a concurrent sweep
     variant) on the same output folder waits for the first to finish the stage, then finds it complete and gets the
     cached result. A GPU stage (tag ``gpu``) that computes holds a slot of ``runtime.device_slot`` meanwhile. The task
-    runs with those of its tags that have a Prefect concurrency limit (`limited_tags`)."""
+    runs with those of its tags that have a Prefect concurrency limit (`limited_tags`); one that waits on a slot no
+    running task holds says so in one warning (`watch_slots`)."""
     folder = task_stage_dir(task, **parameters)
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
         complete = is_complete(folder) or is_complete(folder / "final")
         runtime = parameters.get("runtime")
         slot = getattr(runtime, "device_slot", None) if GPU_TAG in task.tags and not complete else None
-        with device_slot(slot):
-            tags = limited_tags(task.tags)
+        tags = limited_tags(task.tags)
+        with device_slot(slot), watch_slots(task.name, tags, task_logger()):
             state = task.with_options(refresh_cache=not complete, tags=tags)(**parameters, return_state=True)
         result = state.result()
         if state.name == "Cached" and isinstance(result, StageOutput):

@@ -52,7 +52,7 @@ def start_server(tmp: Path, port: int, store: str | None = None) -> subprocess.P
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log = tmp / "server.log"
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600  # a restart on a busy 2-core machine took over 120 s
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:

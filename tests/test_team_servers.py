@@ -249,7 +249,7 @@ def start_serve(args: list[str], env: dict[str, str], log: Path, ready: bool = T
     """`rlhf serve args`, its output in `log`; with `ready`, once it printed that it is ready."""
     serve = subprocess.Popen(args, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     if ready:
-        wait_until(lambda: "ready;" in log.read_text(), 300, "rlhf serve's start", serve, log)
+        wait_until(lambda: "ready;" in log.read_text(), 900, "rlhf serve's start", serve, log)
     return serve
 
 
@@ -585,18 +585,25 @@ def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team
         try:
             taken, (holder,) = gpu_slots(team)
             assert taken == 1
+            paused = time.monotonic()
             team["serve"].send_signal(signal.SIGTERM)
             assert team["serve"].wait(60) == 0
             team["log"] = team["tmp"] / "serve-restarted.log"
             team["serve"] = start_serve(team["args"], team["serve_env"], team["log"], ready=False)
             health = f"{team['api']}/health"
             wait_until(
-                lambda: httpx.get(health, timeout=5).status_code == 200, 300, "restart", team["serve"], team["log"]
+                lambda: httpx.get(health, timeout=5).status_code == 200, 900, "restart", team["serve"], team["log"]
             )
-            assert gpu_slots(team) == (1, [holder])  # the lease survived the restart, its holder with it
+            # the lease survived the restart, its holder with it (where the restart took less than the lease's 60 s:
+            # after that, with no renewal from the paused run, the restarted server gives the slot back as expired).
+            # A lease lost with the server (memory storage) leaves the slot taken with no holder: `rlhf serve` frees
+            # it at its start and says so, which the end of the test refuses
+            slots = gpu_slots(team)
+            if time.monotonic() - paused < 55:
+                assert slots == (1, [holder]), slots
         finally:
             os.killpg(run.pid, signal.SIGCONT)
-        wait_until(lambda: "ready;" in team["log"].read_text(), 300, "rlhf serve's restart", team["serve"], team["log"])
+        wait_until(lambda: "ready;" in team["log"].read_text(), 900, "rlhf serve's restart", team["serve"], team["log"])
         team["servers"] = [p.pid for p in psutil.Process(team["serve"].pid).children(recursive=True)]
         assert run.wait(600) == 0, log.read_text()[-3000:]
     finally:
@@ -612,8 +619,10 @@ def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team
 
 def server_pid(team: dict, name: str) -> int:
     """The pid of `rlhf serve`'s `prefect server` or `mlflow server` process (a child of its own session)."""
-    (pid,) = [
-        p.pid for p in psutil.Process(team["serve"].pid).children() if p.cmdline()[1:3] == [str(BIN / name), "server"]
+    (pid,) = [  # by the script's name: its folder is the venv's as the launcher resolved it (a linked venv differs)
+        p.pid
+        for p in psutil.Process(team["serve"].pid).children()
+        if [Path(p.cmdline()[1]).name, p.cmdline()[2]] == [name, "server"]
     ]
     return pid
 
@@ -668,11 +677,11 @@ def test_an_orphaned_gpu_slot_is_freed_when_rlhf_serve_starts(team):
         team["tmp"] / "results",
     )
     assert gpu_slots(team) == (0, [])
-    assert free_orphaned_slots(plan) == 0
+    assert free_orphaned_slots(plan, recheck_s=1) == 0
     update = httpx.patch(f"{team['api']}/v2/concurrency_limits/tag:gpu", json={"active_slots": 1}, auth=LOGIN)
     assert update.status_code == 204, update.text
     assert gpu_slots(team) == (1, [])
-    assert free_orphaned_slots(plan) == 1
+    assert free_orphaned_slots(plan, recheck_s=1) == 1
     assert gpu_slots(team) == (0, [])
 
 

@@ -18,7 +18,7 @@ import pandas as pd
 from rlhf.metrics import earlier_metric_names
 from rlhf.tracking.default_view import experiment_tags
 from rlhf.tracking.metrics_writer import BatchedLog, LogFn, StepRecord
-from rlhf.tracking.model_logging import hub_card_warnings_off, no_requirement_check
+from rlhf.tracking.model_logging import fluent_tracking_uri, hub_card_warnings_off, no_requirement_check
 from rlhf.tracking.store import (  # noqa: F401 (RUN_TYPE_TAG, RunRecord, the source tags: imported from here)
     _CHECKOUT,
     HOST_TAG,
@@ -281,14 +281,12 @@ class Tracker:
 
         pipeline = transformers.pipeline("text-generation", model=str(folder), device="cpu")
         requirements = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
-        # the fluent API's tracking URI is global to the process: set for this call only, then restored as it was
-        # (unset, when it was: MLFLOW_TRACKING_URI keeps working afterwards)
-        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
+        # the fluent API's tracking URI is global to the process: set for this call only, then restored as it was,
+        # an exported MLFLOW_TRACKING_URI included
         source = self.source_of(run_id)
         with (
             _FLUENT_LOCK,
-            _use_tracking_uri(self.uri),
+            fluent_tracking_uri(self.uri),
             mlflow.start_run(run_id=run_id),
             hub_card_warnings_off(),
             no_requirement_check(),

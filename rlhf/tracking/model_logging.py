@@ -1,11 +1,14 @@
 """What MLflow's transformers flavour does around `Tracker.log_transformers_model` that says nothing about a run:
-quieted or skipped for the duration of the call."""
+quieted or skipped for the duration of the call; and the fluent API's tracking URI, set for the call alone."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
+
+from rlhf.config.sections import TRACKING_URI_ENV
 
 
 @contextlib.contextmanager
@@ -38,3 +41,22 @@ def no_requirement_check() -> Iterator[None]:
         yield
     finally:
         environment.warn_dependency_requirement_mismatches = check
+
+
+@contextlib.contextmanager
+def fluent_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's fluent API (global to the process) on `uri` for the block; after it, MLflow's global URI and
+    $MLFLOW_TRACKING_URI as they were. MLflow's own restore unsets the variable where no global URI was set: a
+    pipeline whose tracking.uri came from an exported MLFLOW_TRACKING_URI lost it once PPO logged its model, and its
+    summary then named the config as the store's origin."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    exported = os.environ.get(TRACKING_URI_ENV)
+    try:
+        with _use_tracking_uri(uri):
+            yield
+    finally:
+        if exported is None:
+            os.environ.pop(TRACKING_URI_ENV, None)
+        else:
+            os.environ[TRACKING_URI_ENV] = exported
