@@ -81,8 +81,8 @@ test: lint
 # `make test-team`: the team setup's long runs on a real PostgreSQL (tests/test_team_servers.py, the MLflow server
 # restarted mid-PPO on PostgreSQL): a sweep on two process workers, a run killed mid-PPO, a worker killed with its run
 # mid-PPO, a sweep whose worker dies, rlhf serve restarted while a gpu stage runs, its MLflow server killed mid-PPO.
-# 10 min 40 s on the 2-core machine with the first four; all six not yet run together to the end (docs/scaling.md). `make
-# test` runs the rest of the PostgreSQL tests (bad input, the login, the smoke pipeline through both servers, SIGTERM).
+# 14 min 5 s on a quiet 2-core machine (docs/scaling.md). `make test` runs the rest of the PostgreSQL tests (bad
+# input, the login, the smoke pipeline through both servers, SIGTERM).
 test-team: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m team $(ARGS)
 

@@ -437,6 +437,21 @@ def kill_at_ppo(pid: int, out: Path) -> None:
 
 
 @pytest.mark.slow
+def runs_a_flow_run(worker: subprocess.Popen) -> bool:
+    """Whether a process of a flow run (Prefect's engine) is still among the worker's descendants."""
+    try:
+        children = psutil.Process(worker.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return False
+    for child in children:
+        try:
+            if "prefect.engine" in " ".join(child.cmdline()):
+                return True
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
 @pytest.mark.team
 def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_rerun_names_it(
     team, tmp_path, monkeypatch
@@ -462,7 +477,7 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
         try:
             killed = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=0)
             faults.kill_when(first, lambda: ppo_saved(tmp_path / "out"), stop=False)
-            assert any("prefect.engine" in " ".join(p.cmdline()) for p in psutil.Process(first.pid).children(True))
+            assert runs_a_flow_run(first)
             kill_tree(first.pid)  # the worker and its flow run's process (a process group of its own)
         finally:
             stop(first)
@@ -478,11 +493,17 @@ def test_a_worker_killed_mid_ppo_leaves_a_run_the_server_marks_crashed_and_the_r
         second, log = worker("w2")
         try:
             rerun = run_deployment(PIPELINE_FULL, parameters=parameters, timeout=600)
-            # the way docs/scaling.md gives to stop a worker: one SIGTERM, to the worker alone; with its runs ended,
-            # it stops at once (its exit code is Prefect's)
+            # the way docs/scaling.md gives to stop a worker, once its runs have ended (their processes too): SIGTERM
+            # to the worker alone, and a second one where it is still up 30 s later (Prefect 3.9's worker at times
+            # stays up after the first even when idle; on the second its command kills its worker process at once)
+            wait_until(lambda: not runs_a_flow_run(second), 120, "the rerun's process to exit", second, log)
             second.send_signal(signal.SIGTERM)
-            second.wait(60)
-            assert "stopped!" in log.read_text(errors="replace"), log.read_text(errors="replace")[-2000:]
+            try:
+                second.wait(30)
+            except subprocess.TimeoutExpired:
+                second.send_signal(signal.SIGTERM)
+                second.wait(30)
+            assert "Received SIGTERM" in log.read_text(errors="replace")
         finally:
             stop(second)
         rerun = client.read_flow_run(rerun.id)
