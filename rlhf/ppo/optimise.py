@@ -255,13 +255,14 @@ def minibatch_step(
     kl_coef = state.kl_ctl.value
     stats, ratios = OptimStats(), []
     for micro in rows.split(micro_size):
+        micro = micro.to(device)
         if plan.split_policy and not critic and len(micro) > 1:  # two halves in two threads
-            metrics, mb_ratios = _policy_halves(models, rollout, micro.to(device), cfg, dtype, kl_coef, deferred)
+            metrics, mb_ratios = _policy_halves(models, rollout, micro, cfg, dtype, kl_coef, deferred)
             ratios.append(mb_ratios)
             stats.add(metrics)
             continue
-        mb = micro_batch(rollout, micro.to(device))
-        fill = _filler(rollout, micro.to(device)) if deferred else None
+        mb = micro_batch(rollout, micro)
+        fill = _filler(rollout, micro) if deferred else None
         policy_side = partial(_policy_micro, models, mb, cfg, dtype, kl_coef, None, fill)
         if critic:
             (pl, entropy, mb_ratios, kl), vl = scoring.run_sides(
