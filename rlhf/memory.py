@@ -152,7 +152,12 @@ def read_model_config(config: PipelineConfig, model_config: str | Path | None = 
 
 
 def dtype_bytes(dtype: str, device_type: str) -> int:
-    """Bytes per element of the runtime dtype ('auto': bf16 on CUDA, fp32 elsewhere)."""
+    """Bytes per element of the runtime dtype ('auto': bf16 on CUDA; on a CPU what it resolves to on this machine,
+    rlhf/models/cpu_bf16.py; fp32 elsewhere)."""
+    if dtype == "auto" and device_type == "cpu":
+        from rlhf.models.device import resolved_dtype_name  # heavy: torch (the CPU's cached bf16 check)
+
+        dtype = resolved_dtype_name(dtype, device_type)
     if dtype == "auto":
         return 2 if device_type == "cuda" else 4
     return 4 if dtype == "float32" else 2
