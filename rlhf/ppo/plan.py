@@ -76,17 +76,24 @@ class ExecutionPlan:
             return micro.tensor_split(2)
         return (micro,)
 
-    def forward_groups(self, order: Tensor, cfg: PPOConfig, critic: bool) -> list[Tensor]:
-        """The rows of each policy forward of an epoch over this rank's rows in `order`: minibatches of
-        ppo.mini_batch_size / W rows, their micro-batches, their `policy_parts`, in the order the optimisation takes
-        them (`rlhf.ppo.optimise.optimize`)."""
+    @property
+    def paired_scoring(self) -> bool:
+        """Whether the rollout's no-grad policy forwards run two at a time in two CPU threads, as the optimisation's
+        halves do: where the optimisation runs each op on one torch thread and no value or reward forward runs beside
+        them at sampling."""
+        return self.optimise_threads == 1 and not self.scoring_second_thread
+
+    def rollout_groups(self, order: Tensor, cfg: PPOConfig, critic: bool) -> list[Tensor]:
+        """The rows of each of the rollout's no-grad policy and reference forwards, given the first epoch's `order`
+        of this rank's rows: the first minibatch's rows as the optimisation's first policy forwards take them (its
+        micro-batches, their `policy_parts`), so that its old log-probs are those forwards' bit for bit; then the
+        other rows together, in two halves where they run two at a time (`paired_scoring`)."""
         mini = cfg.mini_batch_size // self.world_size
-        return [
-            part
-            for start in range(0, len(order), mini)
-            for micro in self.micro_batches(order[start : start + mini], cfg)
-            for part in self.policy_parts(micro, critic)
-        ]
+        first = [part for micro in self.micro_batches(order[:mini], cfg) for part in self.policy_parts(micro, critic)]
+        rest = order[mini:]
+        if not len(rest):
+            return first
+        return first + list(rest.tensor_split(2) if self.paired_scoring and len(rest) > 1 else (rest,))
 
     @property
     def world_size(self) -> int:

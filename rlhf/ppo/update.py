@@ -70,17 +70,17 @@ def generate_and_score(
     device, under its autocast dtype (float32 turns it off) and threads.
 
     `batch.indices` are the rows of `prompts` in the batch (None: no texts, when no reward model re-tokenizes).
-    `first_order` (`first_epoch_order`): the policy and reference log-probs are computed on the rows, and the
-    columns, that the optimisation's first epoch puts through each policy forward (`ExecutionPlan.forward_groups`),
-    on its torch threads, so that they are what its first minibatch computes, bit for bit; where
-    `defers_old_logprobs`, the rows of its first minibatch get no policy forward here: the optimisation's first pass
-    computes their log-probs (the policy has not changed yet) and writes them in. Shape: batch.ids, batch.mask (b, p).
+    `first_order` (`first_epoch_order`): the policy and reference log-probs of the first minibatch's rows are
+    computed on the rows, and the columns, that the optimisation's first policy forwards take
+    (`ExecutionPlan.rollout_groups`), on its torch threads, so that they are what it computes, bit for bit; where
+    `defers_old_logprobs`, those rows get no policy forward here: the optimisation's first pass computes their
+    log-probs (the policy has not changed yet) and writes them in. Shape: batch.ids, batch.mask (b, p).
     """
     texts = [prompts[i] for i in batch.indices] if prompts is not None else None
     query, query_mask = batch.ids.to(plan.device), batch.mask.to(plan.device)
     deferred = groups = None
     if first_order is not None:
-        groups = plan.forward_groups(first_order, cfg, critic=models.value is not None)
+        groups = plan.rollout_groups(first_order, cfg, critic=models.value is not None)
         if defers_old_logprobs(cfg):
             deferred = torch.zeros(len(batch.indices), dtype=torch.bool)
             deferred[first_order[: cfg.mini_batch_size // plan.world_size]] = True
@@ -88,15 +88,16 @@ def generate_and_score(
         models.scoring(), query, query_mask, texts, settings, generator, plan.dtype, cfg.forward_batch_size,
         second_thread=plan.scoring_second_thread, deferred=deferred, groups=groups,
         policy_threads=plan.optimise_threads if groups is not None else None,
+        paired=groups is not None and plan.paired_scoring,
     )  # fmt: skip
     return Rollout(batch.indices, scored, first_order=first_order)
 
 
 def first_epoch_order(cfg: PPOConfig, shuffle_generator: torch.Generator, n: int) -> Tensor | None:
     """The first epoch's shuffled order of an update's `n` rows, drawn (from the generator the optimisation shuffles
-    with, as it would have drawn it) before sampling, so that the rollout's log-probs are computed on the rows the
-    first epoch's forwards take (`generate_and_score`). None where dynamic sampling merges batches (the rows are not
-    known before it ends): the optimisation then draws it."""
+    with, as it would have drawn it) before sampling, so that the rollout's log-probs of the first minibatch are
+    computed on the rows its forwards take (`generate_and_score`). None where dynamic sampling merges batches (the
+    rows are not known before it ends): the optimisation then draws it."""
     if cfg.dynamic_rounds:
         return None
     return torch.randperm(n, generator=shuffle_generator)

@@ -324,6 +324,7 @@ def generate_and_score(
     deferred: Tensor | None = None,
     groups: list[Tensor] | None = None,
     policy_threads: int | None = None,
+    paired: bool = False,
 ) -> ScoredResponses:
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
     temperature, values (when there is a value model) and reward-model scores. `second_thread` (a CPU, models of
@@ -331,14 +332,14 @@ def generate_and_score(
     each op single-threaded (`rlhf.ppo.threads.use_second_thread`). `deferred` (b,) bool: rows whose policy
     log-probs are not computed here (0 until the optimisation's first pass writes them: `rlhf.ppo.optimise`).
 
-    `groups`: the rows that the optimisation's first epoch puts through one policy forward
-    (`rlhf.ppo.plan.ExecutionPlan.forward_groups`). The policy and reference log-probs are computed group by group,
-    each on the group's tensors without its all-padding columns, exactly as the optimisation computes them: a matmul's
-    result can depend on how many rows it multiplies (bf16 kernels accumulate in blocks chosen by the shape), so only
-    identical inputs give the first minibatch a ratio of exactly 1 and its deferred rows a KL of exactly 0; for the
-    same reason they run on `policy_threads` torch threads, the optimisation's (1: two forwards at a time in two
-    threads where no value or reward forward runs beside them). None: consecutive rows. Either way policy and
-    reference take the same rows (a KL of exactly 0 at identical weights).
+    `groups`: the rows of each policy and reference forward, the first minibatch's as the optimisation's first policy
+    forwards take them (`rlhf.ppo.plan.ExecutionPlan.rollout_groups`); each group is computed on its tensors without
+    its all-padding columns, as the optimisation computes them: a matmul's result can depend on how many rows it
+    multiplies (bf16 kernels accumulate in blocks chosen by the shape), so only identical inputs give the first
+    minibatch a ratio of exactly 1 and its deferred rows a KL of exactly 0; for the same reason they run on
+    `policy_threads` torch threads, the optimisation's, two groups at a time in two threads where `paired` (as its
+    halves). None: consecutive rows. Either way policy and reference take the same rows (a KL of exactly 0 at
+    identical weights).
 
     `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
     dtype (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
@@ -362,7 +363,6 @@ def generate_and_score(
 
     policy = unwrap(models.policy)
     pieces = forward_rows(len(query), groups, forward_batch_size)
-    paired = policy_threads == 1 and not second_thread  # two at a time in two threads, as the optimisation's halves
 
     def policy_side() -> tuple[Tensor, Tensor]:
         with torch_threads(policy_threads):
