@@ -127,6 +127,14 @@ def test_stop_and_keep_best_keep_the_right_parameters():
         else:
             assert kept[0] == kept_step and kept[1]["w"].tolist() == [kept_step, kept_step]
         assert guard.result_metrics()["overoptimisation/alarm_step"] == 30.0
+        said = guard.outcome(30)  # the end of the summary's WARNING: what was kept, and how to get the other
+        if kept_step is None:
+            assert "the final policy is the last update's (30; ppo.on_overoptimisation: warn)" in said
+            assert "rerun with ppo.on_overoptimisation=stop" in said
+        else:
+            assert f"the final policy is update {kept_step}'s" in said and f"ppo.on_overoptimisation: {mode})" in said
+            assert "rerun with ppo.on_overoptimisation=warn" in said
+            assert said.startswith("training stopped there") == (mode == "stop")
 
 
 def test_bad_ensemble_settings_are_one_sentence():

@@ -279,6 +279,8 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     printed = format_summary(summary)
     assert f"fired after update {alarm:.0f} (WARNING below)" in printed
     assert (f"the final policy is update {kept:.0f}'s" in printed) == (mode != "warn")
+    other = "ppo.on_overoptimisation=stop" if mode == "warn" else "ppo.on_overoptimisation=warn"
+    assert f"rerun with {other}" in summary["eval.warning"], "the WARNING says how to get the other policy"
     if mode == "warn":
         assert kept == -1 and max(updates) == 12
         assert summary["eval/overoptimisation_flag"] == 1.0, "the evaluation stage's check of the final policy agrees"

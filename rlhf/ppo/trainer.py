@@ -172,7 +172,8 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     keep_guarded_policy(guard, models, cfg, dist)
     result = save_result(out_dir / "final", models, state, stats, plan, run.param_digest)
     result.metrics |= guard.result_metrics()
-    result.alarm = guard.alarm.fired.sentence() if guard.alarm.fired else ""
+    fired = guard.alarm.fired
+    result.alarm = f"{fired.sentence()}; {guard.outcome(state.step)}" if fired else ""
     return result
 
 
