@@ -31,6 +31,7 @@ import tasks
 from rlhf.checkpoints import is_complete, stage_lock
 from rlhf.config import RuntimeConfig
 from rlhf.stages import GPU_TAG, INIT, PPO, PREPARE
+from tasks.faults import busy_server_in_one_sentence
 from tasks.outputs import StageOutput
 from tasks.progress import task_logger
 from tasks.slot_watch import watch_slots
@@ -144,7 +145,8 @@ def run_stage(task, **parameters: Any) -> Any:
     variant) on the same output folder waits for the first to finish the stage, then finds it complete and gets the
     cached result. A GPU stage (tag ``gpu``) that computes holds a slot of ``runtime.device_slot`` meanwhile. The task
     runs with those of its tags that have a Prefect concurrency limit (`limited_tags`); one that waits on a slot no
-    running task holds says so in one warning (`watch_slots`)."""
+    running task holds says so in one warning (`watch_slots`), and a request for it that the Prefect server kept
+    answering 503 stops the run with one sentence (`busy_server_in_one_sentence`)."""
     folder = task_stage_dir(task, **parameters)
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
@@ -152,7 +154,7 @@ def run_stage(task, **parameters: Any) -> Any:
         runtime = parameters.get("runtime")
         slot = getattr(runtime, "device_slot", None) if GPU_TAG in task.tags and not complete else None
         tags = limited_tags(task.tags)
-        with device_slot(slot), watch_slots(task.name, tags, task_logger()):
+        with busy_server_in_one_sentence(task.name), device_slot(slot), watch_slots(task.name, tags, task_logger()):
             state = task.with_options(refresh_cache=not complete, tags=tags)(**parameters, return_state=True)
         result = state.result()
         if state.name == "Cached" and isinstance(result, StageOutput):
