@@ -66,6 +66,46 @@ def test_response_stats_by_hand():
     assert stats["repetition"] == pytest.approx((0 + 0 + 1 / 3) / 3)
 
 
+def test_near_identical_responses_by_hand():
+    # one answer to every prompt, give or take the last word: the sag and the collapse both look like this
+    one_answer = [
+        "the plot was excellent and the acting was great .",
+        "the plot was excellent and the acting was great !",
+        "the plot was excellent and the acting was great . .",
+    ]
+    assert response_stats(one_answer)["near_identical_share"] == 1.0
+    assert response_stats(one_answer)["identical_share"] == 0.0  # none is word for word another's
+    # a healthy policy's reviews share their frame ("the ... was ...") but not their words
+    healthy = [
+        "the plot was excellent and the acting was great .",
+        "the camera was dull and the music was boring .",
+        "the dialogue was wonderful .",
+    ]
+    assert response_stats(healthy)["near_identical_share"] == 0.0
+    # 2 of 4 alike: a share, not a flag; bigram sets {a b, b c, c d} and {a b, b c, c e}: Jaccard 2/4, not near
+    mixed = ["w x y z", "w x y z q", "a b c d", "a b c e"]  # the first two: Jaccard 3/4 ... under 0.8
+    assert response_stats(mixed)["near_identical_share"] == 0.0
+    mixed[1] = "w x y z z"  # bigrams {w x, x y, y z, z z} against {w x, x y, y z}: 3/4 still under
+    assert response_stats(mixed)["near_identical_share"] == 0.0
+    mixed[1] = "w x y z w x"  # {w x, x y, y z, z w}: 3/4
+    assert response_stats(mixed)["near_identical_share"] == 0.0
+    mixed[0], mixed[1] = "v w x y z", "v w x y z z"  # {v w, w x, x y, y z} against the same plus {z z}: 4/5
+    assert response_stats(mixed)["near_identical_share"] == 0.5
+    assert response_stats(["", "", "a b"])["near_identical_share"] == pytest.approx(2 / 3)  # two empty answers
+
+
+def test_group_distinct_share_by_hand():
+    from rlhf.ppo.stats import group_distinct_share
+
+    # two groups of 3 samples; padding (mask 0) never tells two responses apart
+    tokens = torch.tensor([[5, 6, 9], [5, 6, 7], [5, 7, 0], [1, 2, 3], [1, 2, 3], [1, 2, 8]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    # group 0: (5 6), (5 6), (5 7): 2 distinct of 3; group 1: (1 2 3) twice, (1 2 8): 2 of 3
+    assert group_distinct_share(tokens, mask, 3) == pytest.approx(4 / 6)
+    assert group_distinct_share(tokens, torch.ones_like(mask), 3) == pytest.approx(5 / 6)  # 9 vs 7 count now
+    assert group_distinct_share(tokens, mask, 1) == 1.0  # one sample a prompt: every group is distinct
+
+
 def _signs(distinct=0.6, repetition=0.0, ratio=None, mean=None, minimum=None) -> dict[str, float]:
     stats = {"distinct_2": distinct, "identical_share": 0.0, "repetition": repetition, "score": 0.0}
     if ratio is not None:

@@ -572,7 +572,8 @@ def test_critic_free_estimators_load_train_and_save_no_value_model(stack, tmp_pa
     result = _train(stack, cfg, tmp_path / estimator, lambda metrics, step: logged.__setitem__(step, metrics))
     last = logged[max(logged)]
     assert not [k for k in last if k.startswith(("value/", "returns/"))]  # absent, not zeros
-    assert {"group/reward_std", "group/zero_std_fraction", "policy/loss", "objective/kl"} <= set(last)
+    assert {"group/reward_std", "group/zero_std_fraction", "group/distinct_responses", "policy/loss"} <= set(last)
+    assert 0 < last["group/distinct_responses"] <= 1
     assert ("policy/kl_loss" in last) == (estimator in ("grpo", "dr_grpo"))  # the papers' KL placement
     assert all(math.isfinite(v) for v in last.values())
     assert result.value_path == "" and not (tmp_path / estimator / "final" / "value").exists()

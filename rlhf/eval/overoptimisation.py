@@ -21,11 +21,30 @@ def _bigrams(text: str) -> list[tuple[str, str]]:
     return list(zip(words, words[1:], strict=False))
 
 
+NEAR_IDENTICAL_JACCARD = 0.8  # two responses whose bigram sets overlap this much say the same thing
+
+
+def near_identical_share(per_response: Sequence[Sequence[tuple[str, str]]]) -> float:
+    """The share of responses whose set of word bigrams overlaps another response's by NEAR_IDENTICAL_JACCARD or
+    more (Jaccard: shared over all distinct bigrams of the two): one answer, give or take a word, to different
+    prompts. A response without a bigram is near-identical to another without one."""
+    sets = [frozenset(bigrams) for bigrams in per_response]
+    near = [False] * len(sets)
+    for i, a in enumerate(sets):
+        for j in range(i + 1, len(sets)):
+            b = sets[j]
+            union = len(a | b)
+            if (union == 0) or len(a & b) / union >= NEAR_IDENTICAL_JACCARD:
+                near[i] = near[j] = True
+    return sum(near) / max(len(sets), 1)
+
+
 def response_stats(responses: Sequence[str]) -> dict[str, float]:
     """Diversity of one policy's responses to distinct prompts.
 
     `distinct_2`: distinct word bigrams over all bigrams of all responses (Li et al. 2016's distinct-2).
     `identical_share`: the share of responses that are word for word another prompt's response.
+    `near_identical_share`: the share that are nearly another prompt's response (`near_identical_share`).
     `repetition`: the mean over responses of the share of its bigrams that repeat an earlier bigram of the same
     response (``was excellent and was excellent`` repeats).
     """
@@ -37,6 +56,7 @@ def response_stats(responses: Sequence[str]) -> dict[str, float]:
     return {
         "distinct_2": len(set(every)) / len(every) if every else 0.0,
         "identical_share": sum(counts[" ".join(text.split())] > 1 for text in responses) / n,
+        "near_identical_share": near_identical_share(per_response),
         "repetition": sum(repeats) / n,
     }
 

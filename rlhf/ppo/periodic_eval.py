@@ -66,6 +66,7 @@ def evaluate_now(
     kl = float(frame["kl"].mean())
     metrics = {
         PERIODIC_SCORE: float(frame["score"].mean()),
+        "periodic_eval/score_std": float(frame["score"].std(ddof=0)),
         PERIODIC_KL: kl,
         "periodic_eval/sqrt_kl": sqrt_kl(kl),
         "periodic_eval/length_mean": float(frame["length"].mean()),
