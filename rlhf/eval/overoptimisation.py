@@ -132,23 +132,35 @@ class OveroptimisationAlarm:
             found.append(drift)
         return found
 
+    def _stalled_points(self, stats: dict[str, float]) -> list[tuple[int, float, float]]:
+        """The earlier evaluations (after the first) the score has stalled since: it gained under
+        SCORE_GAIN_FRACTION of the gain it had made over the SFT policy by then (a gain there is needed)."""
+        if "kl" not in stats or not self.points:
+            return []
+        base = self.points[0][1]
+        return [
+            (step, score, kl)
+            for step, score, kl in self.points[1:]
+            if score - base > 0 and stats["score"] - score < SCORE_GAIN_FRACTION * (score - base)
+        ]
+
     def kl_drift(self, stats: dict[str, float]) -> str | None:
         """The policy moves on without reward: the KL to the reference grew past KL_DRIFT_FACTOR times an earlier
         evaluation's (plus KL_DRIFT_NATS) while the score gained under SCORE_GAIN_FRACTION of the gain it had made
         over the SFT policy by that evaluation. None where it does not (or where the evaluation has no KL)."""
-        if "kl" not in stats or not self.points:
-            return None
-        base = self.points[0][1]
-        for step, score, kl in self.points[1:]:
-            gained = score - base
-            if gained <= 0 or stats["kl"] < KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS:
-                continue
-            if stats["score"] - score < SCORE_GAIN_FRACTION * gained:
+        for step, score, kl in self._stalled_points(stats):
+            if stats["kl"] >= KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS:
                 return (
                     f"the KL to the reference grew from {kl:.1f} (update {step}) to {stats['kl']:.1f} while the "
                     f"score moved {stats['score'] - score:+.3f}"
                 )
         return None
+
+    def kl_drift_ratio(self, stats: dict[str, float]) -> float:
+        """How far the KL-drift condition is from firing: the largest KL / (KL_DRIFT_FACTOR * earlier KL +
+        KL_DRIFT_NATS) over the earlier evaluations the score has stalled since (1 or more: it fires; 0: none)."""
+        stalled = self._stalled_points(stats)
+        return max((stats["kl"] / (KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS) for _, _, kl in stalled), default=0.0)
 
     def check(self, step: int, stats: dict[str, float]) -> Alarm | None:
         """Take the evaluation after `step` updates; the alarm when it fires at this one (None otherwise)."""
