@@ -54,6 +54,7 @@ def _log_run(tracker: Tracker, name: str, estimator: str, seed: int, points) -> 
 def store(tmp_path_factory) -> tuple[str, Tracker]:
     uri = f"sqlite:///{tmp_path_factory.mktemp('alarm') / 'mlflow.db'}"
     tracker = Tracker(uri, "rlhf-ppo")
+    _log_run(tracker, "grid-00/ppo", "grpo", 51, HEALTHY)  # made again below: the newer run counts
     _log_run(tracker, "grid-00/ppo", "grpo", 51, COLLAPSE)
     _log_run(tracker, "grid-01/ppo", "gae", 51, HEALTHY)
     _log_run(tracker, "other/ppo", "gae", 52, HEALTHY)

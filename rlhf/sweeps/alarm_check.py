@@ -50,6 +50,7 @@ def run_identity(experiment: str, params: dict[str, str]) -> dict[str, str]:
         "objective": objective,
         "kl_coef": kl_coef,
         "seed": seed,
+        "identity": identity,
         "half": HALVES[held_out(identity)],
     }
 
@@ -119,11 +120,14 @@ def kept_best_gold(evals: pd.DataFrame, alarm_step: int) -> float:
 
 def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.DataFrame:
     """One row per finished PPO-stage run with periodic_eval/gold (run names containing `name_filter`): what it is,
-    the alarm replayed against its gold, the gold each ppo.on_overoptimisation keeps, and its signals."""
-    rows = []
+    the alarm replayed against its gold, the gold each ppo.on_overoptimisation keeps, and its signals. A run made
+    again (the same task, objective, KL coefficient and seed) counts once: the newest."""
+    rows, seen = [], set()
     for run in tracker.search_runs("tags.stage = 'train_policy_ppo' and attributes.status = 'FINISHED'"):
-        if name_filter not in run.name:
+        identity = run_identity(experiment, run.params)
+        if name_filter not in run.name or identity["identity"] in seen:
             continue
+        seen.add(identity["identity"])
         keys = [f"{PERIODIC_EVAL}{k}" for k in PERIODIC_KEYS] + [GROUP_DISTINCT]
         history = tracker.metric_histories(run.run_id, keys)
         if history.empty or PERIODIC_GOLD not in history or history[PERIODIC_GOLD].isna().all():
@@ -133,7 +137,7 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
         rows.append(
             {
                 "run": run.name,
-                **run_identity(experiment, run.params),
+                **identity,
                 **replayed,
                 "gold_if_kept_best": kept_best_gold(evals, int(replayed["alarm_step"])),
                 **signal_scores(evals),
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     if table.empty:
         print("no PPO run with periodic evaluations and a gold reward")
         return
-    shown = [c for c in table.columns if c != "reasons" and not c.startswith("signal: ")]
+    shown = [c for c in table.columns if c not in ("reasons", "identity") and not c.startswith("signal: ")]
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 40):
         print(table[shown].round(3).to_string(index=False))
         print("\n".join(summary_lines(table)))
