@@ -343,3 +343,23 @@ def test_each_member_scores_the_text_in_its_own_tokens(tiny_checkpoints, family_
                     sequence_scores(load_reward_model(path, cpu).eval(), batch.input_ids, batch.attention_mask)
                 )
         torch.testing.assert_close(scored.member_scores, torch.stack(alone).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_preflight_checks_the_listed_models(family_checkpoint, tmp_path):
+    """Before anything trains: every listed model is a checkpoint that loads, and with sft.model and gae's separate
+    value model (which starts from member 0) member 0 reads the policy's tokens."""
+    from rlhf.preflight import check_ensemble_models
+
+    llama, qwen2 = str(family_checkpoint("llama")), str(family_checkpoint("qwen2"))
+    with pytest.raises(ConfigError, match=r"reward.ensemble_models\[1\]: checkpoint folder \./missing does not exist"):
+        check_ensemble_models(load_config(None, [f"reward.ensemble_models=[{llama}, ./missing]"]))
+    mixed = [f"sft.model={llama}", f"reward.ensemble_models=[{qwen2}, {llama}]"]
+    with pytest.raises(ConfigError) as err:
+        check_ensemble_models(load_config(None, mixed))
+    assert str(err.value) == (
+        f"reward.ensemble_models[0] ({qwen2}) has another tokenizer than sft.model ({llama}), and gae's value model "
+        "starts from member 0 and scores every policy token: list a model with the policy's tokenizer first, or set "
+        "ppo.value_model: policy_head or a critic-free ppo.advantage_estimator"
+    )
+    check_ensemble_models(load_config(None, [*mixed, "ppo.value_model=policy_head"]))
+    check_ensemble_models(load_config(None, [f"sft.model={llama}", f"reward.ensemble_models=[{llama}, {qwen2}]"]))
