@@ -287,3 +287,119 @@ def test_the_memory_estimate_counts_every_member():
     )
     assert four["ppo"] > one["ppo"] and four["evaluate"] > one["evaluate"]
     assert four["reward"] == one["reward"], "the members train one at a time"
+
+
+def test_members_that_differ_are_configured_in_one_sentence():
+    two = load_config(None, ["reward.ensemble_models=[org/a, org/b]"]).reward
+    assert (two.ensemble_size, two.is_ensemble) == (2, True), "the list's length is the ensemble size"
+    assert two.member_config() == RewardConfig(), "what a member trains from is its stage's parameter, not its config"
+    assert load_config(None, ["reward.ensemble_models=[org/a, org/b]", "reward.ensemble_size=2"]).reward == two
+    own = load_config(None, ["reward.ensemble_size=2", "reward.ensemble_trunks=own_sft"]).reward
+    assert own.member_config() == RewardConfig()
+    finetuned = ["sft.model=org/base", "sft.finetune=true", "sft.lr=1e-5"]
+    assert load_config(None, [*finetuned, "reward.ensemble_size=2", "reward.ensemble_trunks=own_sft"]).reward == own
+    cases = {
+        (
+            "reward.ensemble_models=[org/a, org/b]",
+            "reward.ensemble_size=3",
+        ): "reward.ensemble_models lists 2 models but "
+        "reward.ensemble_size is 3: leave reward.ensemble_size out (the list's length is the ensemble size) or make "
+        "the two agree",
+        ("reward.ensemble_models=[]",): "reward.ensemble_models is empty: list the members' models, or leave the key "
+        "out",
+        ("reward.ensemble_models=[org/a, org/b]", "reward.ensemble_trunks=own_sft"): "reward.ensemble_trunks 'own_sft' "
+        "trains the members from SFT checkpoints and reward.ensemble_models from the models it lists: set one of them",
+        (
+            "reward.ensemble_models=[org/a]",
+            "reward.source=function",
+            "reward.function=rlhf.data.synthetic:gold_reward",
+        ): "reward.ensemble_models needs reward models to train: reward.source is 'function'",
+        ("reward.ensemble_size=2", "reward.ensemble_trunks=own_sft", "sft.model=org/base"): "reward.ensemble_trunks "
+        "'own_sft' has nothing to vary: sft.model (org/base) is used as it is (sft.finetune false); set sft.finetune "
+        "true to fine-tune it anew for each member, or list the members' own models in reward.ensemble_models",
+        ("reward.ensemble_trunks=separate",): "reward.ensemble_trunks",
+    }
+    for overrides, expected in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(None, list(overrides))
+        assert expected in str(err.value)
+        assert str(err.value).count(". ") == 0, "one sentence"
+
+
+def test_each_member_scores_the_text_in_its_own_tokens(tiny_checkpoints, family_checkpoint, tmp_path):
+    """An ensemble of the policy's tokenizer's reward model, a Qwen2 and a Llama one (other tokenizers): in PPO's and
+    the evaluation's scoring, each member's score of a sampled response is what that member alone gives the decoded
+    text in its own tokens (the first member: the policy's token ids as they are)."""
+    from rlhf.models.heads import sequence_scores
+    from rlhf.models.loading import load_causal_lm, load_reward_model
+    from rlhf.models.reward_ensemble import member_tokenizers
+    from rlhf.ppo.models import load_models
+    from rlhf.rollout.batching import encode_prompt_response, encode_prompts, pad_left
+    from rlhf.rollout.generation import GenerationSettings
+    from rlhf.rollout.scoring import ScoringModels, generate_and_score
+
+    cpu = torch.device("cpu")
+    paths = [tiny_checkpoints["reward"]]
+    for k, family in enumerate(("qwen2", "llama"), 1):
+        member = load_reward_model(str(family_checkpoint(family)), cpu)
+        torch.manual_seed(k)
+        torch.nn.init.normal_(member.score.weight, std=0.5)
+        member.save_pretrained(tmp_path / family)
+        load_tokenizer(str(family_checkpoint(family))).save_pretrained(tmp_path / family)
+        paths.append(str(tmp_path / family))
+    folder = tmp_path / "ensemble"
+    folder.mkdir()
+    EnsembleSpec(paths, [0.0, 0.0, 0.0], 0.1, ["a", "b", "c"]).write(folder)
+    load_tokenizer(paths[0]).save_pretrained(folder)
+
+    policy_tok = load_tokenizer(tiny_checkpoints["policy"])
+    readers = member_tokenizers(str(folder), policy_tok)
+    assert readers[0] is None and all(reader is not None for reader in readers[1:])
+    assert readers[1].get_vocab() != readers[2].get_vocab() != policy_tok.get_vocab()
+    cfg = PPOConfig(total_episodes=4, batch_size=4, num_mini_batches=1, max_new_tokens=10, record_rollouts=False)
+    runtime = RuntimeConfig(device="cpu", progress=False)
+    ppo_models = load_models(cfg, runtime, tiny_checkpoints["policy"], str(folder), None, cpu, RewardConfig())
+    assert not ppo_models.same_tokenizer
+    policy = load_causal_lm(tiny_checkpoints["policy"], cpu).eval()
+    reward = load_reward(str(folder), cpu)
+    evaluation = ScoringModels(policy, policy, reward, policy_tok, policy_tok, False, member_tokenizers=readers)
+    prompts = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:4]
+    query, query_mask = pad_left(encode_prompts(policy_tok, prompts), policy_tok.pad_token_id)
+    settings = GenerationSettings(
+        10, 1.0, stop_token_ids=(policy_tok.eos_token_id,), pad_token_id=policy_tok.pad_token_id
+    )
+    for models in (ppo_models.scoring(), evaluation):
+        scored = generate_and_score(models, query, query_mask, prompts, settings, torch.Generator().manual_seed(0),
+                                    torch.float32)  # fmt: skip
+        resp = scored.resp
+        texts = policy_tok.batch_decode(resp.tokens.masked_fill(resp.mask == 0, policy_tok.pad_token_id),
+                                        skip_special_tokens=True)  # fmt: skip
+        assert scored.member_scores.shape == (3, len(prompts))
+        with torch.no_grad():
+            alone = [sequence_scores(load_reward_model(paths[0], cpu).eval(), scored.query_responses, scored.qr_mask)]
+            for path in paths[1:]:
+                batch = encode_prompt_response(load_tokenizer(path), prompts, texts, max_length=256)
+                alone.append(
+                    sequence_scores(load_reward_model(path, cpu).eval(), batch.input_ids, batch.attention_mask)
+                )
+        torch.testing.assert_close(scored.member_scores, torch.stack(alone).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_preflight_checks_the_listed_models(family_checkpoint, tmp_path):
+    """Before anything trains: every listed model is a checkpoint that loads, and with sft.model and gae's separate
+    value model (which starts from member 0) member 0 reads the policy's tokens."""
+    from rlhf.preflight import check_ensemble_models
+
+    llama, qwen2 = str(family_checkpoint("llama")), str(family_checkpoint("qwen2"))
+    with pytest.raises(ConfigError, match=r"reward.ensemble_models\[1\]: checkpoint folder \./missing does not exist"):
+        check_ensemble_models(load_config(None, [f"reward.ensemble_models=[{llama}, ./missing]"]))
+    mixed = [f"sft.model={llama}", f"reward.ensemble_models=[{qwen2}, {llama}]"]
+    with pytest.raises(ConfigError) as err:
+        check_ensemble_models(load_config(None, mixed))
+    assert str(err.value) == (
+        f"reward.ensemble_models[0] ({qwen2}) has another tokenizer than sft.model ({llama}), and gae's value model "
+        "starts from member 0 and scores every policy token: list a model with the policy's tokenizer first, or set "
+        "ppo.value_model: policy_head or a critic-free ppo.advantage_estimator"
+    )
+    check_ensemble_models(load_config(None, [*mixed, "ppo.value_model=policy_head"]))
+    check_ensemble_models(load_config(None, [f"sft.model={llama}", f"reward.ensemble_models=[{llama}, {qwen2}]"]))
