@@ -406,3 +406,45 @@ def test_the_short_ranking_is_in_words_and_narrow():
         "status": "completed",
     }
     assert short[1]["variant"] == "PPO, kl_coef=0.2" and short[1]["error"] == "out of memory"
+
+
+@pytest.mark.xdist_group("sweep")
+def test_a_stage_waiting_for_its_device_slot_stops_when_the_command_does(harness, caplog):
+    # a sweep's variants wait for their device slot in worker threads, which Ctrl-C does not interrupt: the wait
+    # looks every SLOT_POLL_S whether the command was stopped, and says once that it waits
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    from rlhf.errors import StopRequested
+    from rlhf.stop_request import clear_stop_request, request_stop
+    from tasks.caching import SLOT_POLL_S, device_slot
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name("rlhf-test-slot", 1)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            with device_slot("rlhf-test-slot", "train_policy_ppo"):
+                outcome.append("held")
+        except BaseException as err:  # noqa: BLE001 (the test reads it)
+            outcome.append(err)
+
+    caplog.set_level("INFO", logger="tasks.progress")
+    try:
+        with concurrency("rlhf-test-slot", occupy=1):  # another stage holds the slot
+            worker = threading.Thread(target=wait)
+            worker.start()
+            worker.join(SLOT_POLL_S + 1)  # still waiting: the slot is held
+            assert worker.is_alive() and not outcome
+            request_stop()
+            worker.join(4 * SLOT_POLL_S)
+    finally:
+        clear_stop_request()
+    assert len(outcome) == 1 and isinstance(outcome[0], StopRequested), outcome
+    assert "train_policy_ppo, waiting for the device slot rlhf-test-slot" in str(outcome[0])
+    assert "train_policy_ppo waits for the device slot rlhf-test-slot: another stage holds it" in caplog.text
+    with device_slot("rlhf-test-slot"):  # free again: taken at once
+        pass
