@@ -69,11 +69,12 @@ def _ratio_drop(values: pd.Series) -> float:
     return 1.0 - float(later.min()) / float(first)
 
 
-def _rule_score(evals: pd.DataFrame) -> float:
-    """The alarm's rule as one number a run can be ranked by, without gold: the largest, over its evaluations, of
+def rule_trace(evals: pd.DataFrame) -> tuple[float, list[bool]]:
+    """The alarm's rule over a run's evaluations: whether its conditions hold at each one (the alarm fires at the
+    first), and the rule as one number a run can be ranked by, without gold: the largest, over the evaluations, of
     the KL-drift ratio (`OveroptimisationAlarm.kl_drift_ratio`) and the distinct-bigram condition's ratio (the SFT
     policy's distinct-2 times DISTINCT_DROP over the evaluation's); 1 or more where the rule fires."""
-    alarm, best = OveroptimisationAlarm(), 0.0
+    alarm, best, holds = OveroptimisationAlarm(), 0.0, []
     for row in evals.to_dict("records"):
         stats = {k.removeprefix(PERIODIC_EVAL): v for k, v in row.items() if isinstance(k, str) and v == v}
         if alarm.baseline is not None:
@@ -81,7 +82,24 @@ def _rule_score(evals: pd.DataFrame) -> float:
             base = alarm.baseline["distinct_2"]
             best = max(best, DISTINCT_DROP * base / stats["distinct_2"] if stats["distinct_2"] > 0 else float("inf"))
         alarm.check(int(row["step"]), stats)
-    return best
+        holds.append(bool(alarm.history[-1][1]))
+    return best, holds
+
+
+def _rule_score(evals: pd.DataFrame) -> float:
+    return rule_trace(evals)[0]
+
+
+# What each evaluation shows of a collapse, without gold (higher: more like one), for confirming the rule's alarm:
+# the share of answers that are nearly another prompt's, how far the scores' spread across prompts and the distinct
+# bigrams fell from the SFT policy's, the share of a group's samples that repeat another.
+PER_EVALUATION: dict[str, Callable[[pd.DataFrame], pd.Series]] = {
+    "near_identical_share": lambda e: e[f"{PERIODIC_EVAL}near_identical_share"],
+    "identical_share": lambda e: e[f"{PERIODIC_EVAL}identical_share"],
+    "score_std_fall": lambda e: 1 - e[f"{PERIODIC_EVAL}score_std"] / e[f"{PERIODIC_EVAL}score_std"].iloc[0],
+    "distinct_2_fall": lambda e: 1 - e[f"{PERIODIC_EVAL}distinct_2"] / e[f"{PERIODIC_EVAL}distinct_2"].iloc[0],
+    "group_repeats": lambda e: 1 - e[GROUP_DISTINCT],
+}
 
 
 # The gold-free signals the study ranks runs by, each higher where a run looks more like a collapse: a function of
@@ -134,6 +152,7 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
             continue
         evals = evaluations(history)
         replayed = replay(evals.drop(columns=[GROUP_DISTINCT]))
+        per_evaluation = {f"per_eval: {name}": series(evals).tolist() for name, series in PER_EVALUATION.items()}
         rows.append(
             {
                 "run": run.name,
@@ -141,9 +160,52 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
                 **replayed,
                 "gold_if_kept_best": kept_best_gold(evals, int(replayed["alarm_step"])),
                 **signal_scores(evals),
+                "eval_steps": evals["step"].tolist(),
+                "gold_curve": evals[PERIODIC_GOLD].tolist(),
+                "rule_holds": rule_trace(evals)[1],
+                **per_evaluation,
             }
         )
     return pd.DataFrame(rows)
+
+
+def confirmed_alarms(table: pd.DataFrame, signal: str, threshold: float) -> pd.Series:
+    """The update each run's alarm fires at under the rule confirmed by `signal` (a `PER_EVALUATION` name): the first
+    evaluation where the rule's conditions hold and the signal is at `threshold` or more (-1: never)."""
+
+    def first(row: pd.Series) -> int:
+        for step, holds, value in zip(row["eval_steps"], row["rule_holds"], row[f"per_eval: {signal}"], strict=True):
+            if holds and value == value and value >= threshold:
+                return int(step)
+        return -1
+
+    return table.apply(first, axis=1)
+
+
+def alarm_counts(table: pd.DataFrame, alarm_steps: pd.Series) -> dict[str, int]:
+    """Recall and false alarms of the alarm updates `alarm_steps` (one per run of `table`)."""
+    falls = table["falls"].astype(bool)
+    caught = falls & (alarm_steps >= 0) & (alarm_steps < table["last_step"])
+    return {
+        "falls": int(falls.sum()),
+        "caught": int(caught.sum()),
+        "healthy": int((~falls).sum()),
+        "false_alarms": int((~falls & (alarm_steps >= 0)).sum()),
+    }
+
+
+def tune_confirmation(tuning: pd.DataFrame) -> list[dict[str, float | str]]:
+    """For each `PER_EVALUATION` signal, the largest threshold that keeps every fall of the tuning half alarmed before
+    its last update, and the false alarms left there (the signal's values on the tuning runs are the candidates)."""
+    found = []
+    for signal in PER_EVALUATION:
+        values = sorted({v for row in tuning[f"per_eval: {signal}"] for v in row if v == v}, reverse=True)
+        for threshold in values:
+            counts = alarm_counts(tuning, confirmed_alarms(tuning, signal, threshold))
+            if counts["caught"] == counts["falls"]:
+                found.append({"signal": signal, "threshold": threshold, **counts})
+                break
+    return sorted(found, key=lambda row: row["false_alarms"])
 
 
 def auc(scores: pd.Series, positive: pd.Series) -> float:
@@ -208,6 +270,13 @@ def summary_lines(table: pd.DataFrame) -> list[str]:
     return lines
 
 
+def _counts(counts: dict) -> str:
+    return (
+        f"falls alarmed {counts['caught']} of {counts['falls']}, false alarms {counts['false_alarms']} of "
+        f"{counts['healthy']}"
+    )
+
+
 def roc_picture(table: pd.DataFrame, path: Path, title: str) -> None:
     """The ROC curves of the rule's score and of each signal against "gold fell GOLD_FALL or more", as a PNG."""
     from matplotlib.figure import Figure
@@ -261,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     if table.empty:
         print("no PPO run with periodic evaluations and a gold reward")
         return
-    shown = [c for c in table.columns if c not in ("reasons", "identity") and not c.startswith("signal: ")]
+    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds")
+    shown = [c for c in table.columns if c not in traces and not c.startswith(("signal: ", "per_eval: "))]
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 40):
         print(table[shown].round(3).to_string(index=False))
         print("\n".join(summary_lines(table)))
@@ -269,6 +339,17 @@ def main(argv: list[str] | None = None) -> None:
         print(choice_table(table).round(3).to_string())
         print("\nthe signals, against 'gold fell':")
         print(separation_table(table).round(3).to_string(index=False))
+        halves = {half: table[table["half"] == half] for half in HALVES}
+        if all(len(rows) for rows in halves.values()):
+            print("\nthe rule confirmed by one signal, its threshold set on the tuning half, on the held-out half:")
+            for tuned in tune_confirmation(halves["tuning"]):
+                held = alarm_counts(
+                    halves["held-out"], confirmed_alarms(halves["held-out"], tuned["signal"], tuned["threshold"])
+                )
+                print(
+                    f"  {tuned['signal']} >= {tuned['threshold']:.3f}: tuning {_counts(tuned)}; "
+                    f"held-out {_counts(held)}"
+                )
     if args.out:
         table.to_csv(args.out, index=False)
     if args.roc:
