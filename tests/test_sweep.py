@@ -150,8 +150,12 @@ def test_optuna_search_asks_enqueued_points_first_and_tells_outcomes(tmp_path):
 def test_device_slots_one_per_gpu_or_virtual_cpu_slots():
     from flows.variants import device_slots
 
-    assert [tuple(s) for s in device_slots("cpu", 2)] == [("cpu", "rlhf-cpu-0"), ("cpu", "rlhf-cpu-1")]
-    assert [tuple(s) for s in device_slots("cpu", 1)] == [("cpu", "rlhf-cpu-0")]
+    # the sweep run's id in the names: two sweeps on one Prefect database never share (nor reset) a limit
+    assert [tuple(s) for s in device_slots("cpu", 2, "ab12")] == [
+        ("cpu", "rlhf-ab12-cpu-0"),
+        ("cpu", "rlhf-ab12-cpu-1"),
+    ]
+    assert [tuple(s) for s in device_slots("cpu", 1, "cd34")] == [("cpu", "rlhf-cd34-cpu-0")]
 
 
 def test_ranking_prefers_gold_reward_and_puts_failures_last():
@@ -248,7 +252,12 @@ def test_sweep_flow_runs_two_variants_at_once_builds_shared_stages_once_and_rank
     # the cores. Wall-clock overlap of the two subflows is not asserted: on a loaded 2-core CI machine the first
     # tiny variant can finish before the second thread's subflow is scheduled.
     share = str(max(1, (os.cpu_count() or 1) // 2))
-    assert sorted(ppo) == [("rlhf-cpu-0", share), ("rlhf-cpu-1", share)]
+    owner = sweep_run.info.run_id[:8]  # the sweep's own limits, removed at its end
+    assert sorted(ppo) == [(f"rlhf-{owner}-cpu-0", share), (f"rlhf-{owner}-cpu-1", share)]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        assert not [limit.name for limit in prefect.read_global_concurrency_limits() if owner in limit.name]
     assert (tmp_path / "sweeps").is_dir() and open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
