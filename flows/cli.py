@@ -179,7 +179,8 @@ def cmd_ui(argv: list[str]) -> int:
     from rlhf.tracking.client import prepare_store  # heavy: MLflow
 
     prepare_store(sqlite_store())  # a copy of the empty store where there is none yet (no migrations in the UI)
-    # `prefect server start`, with the run form's Submit kept from failing while runs train (flows/prefect_server.py)
+    # `prefect server start`, with the form's Submit and the runs' own requests kept from failing while runs train
+    # (flows/prefect_server.py)
     prefect_cmd = [sys.executable, "-m", "flows.prefect_server", "--host", args.host, "--port", str(args.prefect_port)]
     mlflow_cmd = [
         str(bindir / "mlflow"),

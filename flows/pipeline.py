@@ -150,17 +150,18 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
         progress.done(stage_of(sft_model.stage).label)
     if config.reward.source == "function":  # a reward function scores: no reward model to train
         return Upstream(prepared, sft_model, None)
-    # member k of an ensemble trains with its own seed; member 0 is the single reward model of the same config
+    # member k of an ensemble trains with its own seed, from what `member_inits` says; member 0 is the single reward
+    # model of the same config (but with reward.ensemble_models, whose first model it trains from)
     members = [
         run_stage(
             train_reward_model,
             reward_cfg=config.reward.member_config(),
-            sft_model=sft_model,
             prepared=prepared,
             seed=member_seed(config.seed, k),
+            **init,
             **common,
         )
-        for k in range(config.reward.ensemble_size)
+        for k, init in enumerate(member_inits(config, sft_model, prepared, tracking))
     ]
     if progress:
         progress.done(stage_of(members[0].stage).label)
@@ -172,6 +173,32 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
     if progress:
         progress.done(stage_of(ensemble.stage).label)
     return Upstream(prepared, sft_model, ensemble)
+
+
+def member_inits(
+    config: PipelineConfig, sft_model: SFTModel, prepared: PreparedData, tracking: TrackingContext
+) -> list[dict[str, Any]]:
+    """What each reward-model member trains from, as `train_reward_model`'s `sft_model` and `base_model` (in its
+    cache key): the pipeline's SFT checkpoint (reward.ensemble_trunks 'shared'); with 'own_sft', member k > 0 from a
+    `supervised_finetune` stage of its own, run here with the member's seed; with reward.ensemble_models, member k
+    from the k-th model listed (no SFT checkpoint in its key: changing one model retrains that member only)."""
+    reward = config.reward
+    if reward.ensemble_models:
+        return [{"sft_model": None, "base_model": model} for model in reward.ensemble_models]
+    if reward.ensemble_trunks == "shared":
+        return [{"sft_model": sft_model}] * reward.ensemble_size
+    own = [
+        run_stage(
+            supervised_finetune,
+            sft_cfg=config.sft,
+            prepared=prepared,
+            seed=member_seed(config.seed, k),
+            runtime=config.runtime,
+            tracking=tracking,
+        )
+        for k in range(1, reward.ensemble_size)
+    ]
+    return [{"sft_model": trunk} for trunk in (sft_model, *own)]
 
 
 MEMBER_SEED_STRIDE = 7919  # member k's seed is the run's seed plus k times this (seed s's members are not s + 1's)

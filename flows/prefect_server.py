@@ -1,5 +1,6 @@
-"""`make ui`'s Prefect server: ``prefect server start`` on SQLite, with two changes that keep the run form's Submit
-from failing while runs train (``python -m flows.prefect_server --host 127.0.0.1 --port 4200``).
+"""`make ui`'s Prefect server: ``prefect server start`` on SQLite, with three changes that keep the run form's
+Submit and the runs' own requests from failing while runs train (``python -m flows.prefect_server --host 127.0.0.1
+--port 4200``).
 
 Submitting the short run form (``POST /api/deployments/<id>/create_flow_run``) got "503 Service Unavailable" while
 a run trained, and nothing in the server's log (Prefect logs retryable errors only with
@@ -18,6 +19,13 @@ the write (a reader's snapshot cannot become a writer after another commit), Pre
 2. The form's Submit answered 503 (Prefect's answer to SQLite's "database is locked" and its other retryable
    errors, after rolling the transaction back) is tried again, up to `RETRIES` times (`RetryBusyRequests`), as
    Prefect's own Python client retries its requests; the browser UI does not retry.
+3. Every transaction the server opens to write begins ``IMMEDIATE`` (`immediate_write_transactions`): it waits for
+   SQLite's write lock, up to the 60 s busy timeout Prefect sets, before it reads, so the failure above cannot
+   happen to it. Prefect 3.9.1 begins most of them deferred, the one that takes a concurrency slot among them
+   (``POST /api/v2/concurrency_limits/increment-with-lease`` reads the limits, then writes): on a loaded machine a
+   run's request for its ``gpu`` slot met that failure at all six of its client's tries, and the run failed.
+   Prefect's own code asks for ``IMMEDIATE`` (``with_for_update=True``) in a few places; a server on PostgreSQL
+   is not changed.
 
 Everything else is ``prefect server start``'s foreground server: the API, the UI and the background services in
 one process, its settings from the environment.
@@ -43,6 +51,20 @@ BUSY = 503  # what Prefect answers for a retryable database error (SQLite busy o
 # the request retried: the form's Submit (POST /api/deployments/<id>/create_flow_run). Prefect's Python clients (the
 # serve process, the runs) retry a 503 themselves, each try within their own timeout; the browser UI does not.
 RETRIED_PATH = "/create_flow_run"
+
+
+def immediate_write_transactions() -> None:
+    """Every transaction Prefect opens to write (``session_context(begin_transaction=True)``) starts with SQLite's
+    ``BEGIN IMMEDIATE``, which waits for the write lock (the server's 60 s busy timeout), rather than ``BEGIN
+    DEFERRED``, whose first write after a read fails at once when another connection committed meanwhile."""
+    from prefect.server.database.configurations import AioSqliteConfiguration
+
+    begin = AioSqliteConfiguration.begin_transaction
+
+    def begin_immediate(self, session: Any, with_for_update: bool = False) -> Any:
+        return begin(self, session, with_for_update=True)  # IMMEDIATE on SQLite; PostgreSQL ignores the flag
+
+    AioSqliteConfiguration.begin_transaction = begin_immediate
 
 
 def check_schemas_once() -> None:
@@ -123,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         temporary_settings,
     )
 
+    immediate_write_transactions()
     check_schemas_once()
     with temporary_settings({PREFECT_SERVER_API_HOST: args.host, PREFECT_SERVER_API_PORT: args.port}):
         app = RetryBusyRequests(create_app(final=True))

@@ -47,7 +47,14 @@ from flows.pipeline import run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
 from flows.terminal import quiet_stop_in_served_run, served_stop_cancels
-from flows.variants import Outcome, device_slots, make_device_limits, pinned, run_deployed_variant, run_variant
+from flows.variants import (
+    Outcome,
+    device_limits,
+    device_slots,
+    pinned,
+    run_deployed_variant,
+    run_variant,
+)
 from rlhf.config import PipelineConfig, TrackingConfig, flatten
 from rlhf.metrics import EVAL_KL, EVAL_POLICY_GOLD, PERIODIC_GOLD, PERIODIC_SCORE
 from rlhf.models.device import device_names
@@ -214,32 +221,31 @@ def run_sweep(base: PipelineConfig, space: SweepSpace) -> dict[str, Any]:
         search.remember_sweep_run(sweep_run_id)
     build_shared_stages(base, space, search, sweep_run_id)
     concurrency = space.max_concurrency or len(device_names(base.runtime.device))
-    free = [] if space.deployment else device_slots(base.runtime.device, concurrency)
-    if free:
-        make_device_limits(free)
-    logger.info(
-        "sweep %s: %d variants, %d at a time %s",
-        space.name,
-        search.total,
-        concurrency,
-        f"as flow runs of {space.deployment}" if space.deployment else f"on {', '.join(s.device for s in free)}",
-    )
-    progress = StageProgress([f"variant {i + 1}" for i in range(max(search.total, 1))], f"sweep {space.name}")
-    rows, running = search.kept(), {}  # a resumed Optuna sweep's finished trials, with their final metrics
-    for row in rows:
-        if row["mlflow_run_id"]:
-            metrics = tracker_for(base.tracking).get_run(row["mlflow_run_id"]).data.metrics
-            row |= {k: metrics.get(k) for k in RANK_METRICS}
-    while True:
-        start_variants(space, search, concurrency, free, running, rows)
-        if not running:
-            break
-        future = next(as_completed(list(running)))
-        planned, config, slot = running.pop(future)
-        if slot is not None:
-            free.append(slot)
-        rows.append(finish_variant(base, space, search, sweep_run_id, planned, config, future.result()))
-        progress.done(config.run_name or "")
+    free = [] if space.deployment else device_slots(base.runtime.device, concurrency, sweep_run_id[:8])
+    with device_limits(list(free)):
+        logger.info(
+            "sweep %s: %d variants, %d at a time %s",
+            space.name,
+            search.total,
+            concurrency,
+            f"as flow runs of {space.deployment}" if space.deployment else f"on {', '.join(s.device for s in free)}",
+        )
+        progress = StageProgress([f"variant {i + 1}" for i in range(max(search.total, 1))], f"sweep {space.name}")
+        rows, running = search.kept(), {}  # a resumed Optuna sweep's finished trials, with their final metrics
+        for row in rows:
+            if row["mlflow_run_id"]:
+                metrics = tracker_for(base.tracking).get_run(row["mlflow_run_id"]).data.metrics
+                row |= {k: metrics.get(k) for k in RANK_METRICS}
+        while True:
+            start_variants(space, search, concurrency, free, running, rows)
+            if not running:
+                break
+            future = next(as_completed(list(running)))
+            planned, config, slot = running.pop(future)
+            if slot is not None:
+                free.append(slot)
+            rows.append(finish_variant(base, space, search, sweep_run_id, planned, config, future.result()))
+            progress.done(config.run_name or "")
 
     table = ranking(rows, (["arm"] if space.arms else []) + list(space.axes))
     folder = Path(base.runtime.output_dir) / "sweeps" / f"{space.name}-{sweep_run_id[:8]}"

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from flows.temporary_server import temporary_server_in_own_session
 from rlhf.errors import CheckpointWriteError, NonFiniteError, UserInputError
+from rlhf.stop_request import request_stop
 
 T = TypeVar("T")
 EXIT_USER_ERROR, EXIT_NON_FINITE, EXIT_DISK_FULL, EXIT_TRACKING_LOST = 2, 3, 4, 5
@@ -166,6 +167,7 @@ class _Stop:
 
 def _note(signum: int) -> None:
     """The first SIGINT or SIGTERM: its number and time (the runs that ended after it ended because of it)."""
+    request_stop()  # the worker threads' trainers stop at their next step (a sweep's variants)
     if _Stop.signum is None:
         _Stop.signum, _Stop.at = signum, time.time()
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name

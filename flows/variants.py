@@ -11,6 +11,8 @@ it computes (tasks/caching.py), so two variants never share a device, also acros
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Literal, NamedTuple
 
 from prefect import task
@@ -43,23 +45,26 @@ class DeviceSlot(NamedTuple):
     limit: str  # the Prefect global concurrency limit (one slot) its GPU stages hold
 
 
-def device_slots(device: str, count: int) -> list[DeviceSlot]:
+def device_slots(device: str, count: int, owner: str) -> list[DeviceSlot]:
     """`count` slots over the devices `device` names (round robin): one per GPU when `count` is the number of GPUs;
-    on a CPU-only machine `count` virtual slots."""
+    on a CPU-only machine `count` virtual slots. `owner` (the sweep run's id) is in the limits' names: two sweeps
+    started together on one Prefect database each have their own, so neither resets the other's limit while a
+    variant holds it (its slot then never came back, and the next variant waited for good)."""
     devices = device_names(device)
     per_device = -(-count // len(devices))
     slots = []
     for i in range(count):
         name, k = devices[i % len(devices)], i // len(devices)
         suffix = f"-{k}" if per_device > 1 or name == "cpu" else ""
-        slots.append(DeviceSlot(name, f"rlhf-{name.replace(':', '-')}{suffix}"))
+        slots.append(DeviceSlot(name, f"rlhf-{owner}-{name.replace(':', '-')}{suffix}"))
     return slots
 
 
 @task(name="make_device_limits", cache_policy=NO_CACHE)
 def make_device_limits(slots: list[DeviceSlot]) -> None:
-    """One Prefect global concurrency limit of one slot per device slot, made afresh: a sweep process killed while
-    a stage held a slot leaves it held (its lease outlives it), which would block every later variant on it."""
+    """One Prefect global concurrency limit of one slot per device slot, made afresh: a sweep resumed after its
+    process was killed while a stage held a slot finds it held (its lease outlives it), which would block every later
+    variant on it."""
     with get_client(sync_client=True) as client:
         for slot in slots:
             try:
@@ -67,6 +72,28 @@ def make_device_limits(slots: list[DeviceSlot]) -> None:
             except ObjectNotFound:
                 pass
             client.upsert_global_concurrency_limit_by_name(slot.limit, 1)
+
+
+@contextmanager
+def device_limits(slots: list[DeviceSlot]) -> Iterator[None]:
+    """The Prefect limits of a sweep's `slots` while its variants run: made at the start, removed at the end (a
+    sweep stopped or killed leaves them, and its resumed run makes them afresh). Nothing without slots."""
+    if slots:
+        make_device_limits(slots)
+    yield
+    if slots:
+        remove_device_limits(slots)
+
+
+@task(name="remove_device_limits", cache_policy=NO_CACHE)
+def remove_device_limits(slots: list[DeviceSlot]) -> None:
+    """The sweep's limits, removed when it ends (each sweep run makes its own: `device_slots`)."""
+    with get_client(sync_client=True) as client:
+        for slot in slots:
+            try:
+                client.delete_global_concurrency_limit_by_name(slot.limit)
+            except ObjectNotFound:
+                pass
 
 
 def pinned(config: PipelineConfig, slot: DeviceSlot, sharing: int) -> PipelineConfig:

@@ -18,6 +18,12 @@ class TrainingInterrupted(RuntimeError):
     restart continues from it. Not a user error: a retry is what should happen next."""
 
 
+class StopRequested(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM reached the command while this thread trained (a sweep's variants train in worker threads,
+    which the signal does not interrupt): raised at the next step, so the thread unwinds as the main thread does,
+    keeping the state saved so far (`rlhf.stop_request`)."""
+
+
 class TrialPruned(Exception):
     """A PPO run stopped by its `on_eval` callback (e.g. an Optuna pruner after a periodic evaluation): neither a
     user error nor a failure to retry."""

@@ -110,6 +110,8 @@ PPO_UPDATE = _group(
      "ratios (tokens)"),
     ("group/reward_std", "critic-free estimators with groups: mean over the batch's groups of the (unbiased) std of "
      "the group's rewards"),
+    ("group/distinct_responses", "critic-free estimators with groups: mean over the batch's groups of the share "
+     "of the group's responses that differ from each other (1: every sample of the prompt is its own)"),
     ("group/zero_std_fraction", "share of the groups whose rewards are all equal (advantage 0); with dynamic "
      "sampling, of the batch trained on"),
     ("dynamic_sampling/dropped_groups", "with DAPO's dynamic sampling: groups whose shaped scores were all equal, "
@@ -129,11 +131,14 @@ PPO_UPDATE = _group(
 PERIODIC_EVALUATION = _group(
     "periodic_eval",
     ("periodic_eval/score", "mean reward-model score of the responses"),
+    ("periodic_eval/score_std", "the scores' spread across the prompts (population std)"),
     ("periodic_eval/gold", "mean gold reward (data with a gold reward only)"),
     (("periodic_eval/kl", "periodic_eval/sqrt_kl"), "KL to the SFT policy, as `eval/kl`, and its square root"),
     ("periodic_eval/length_mean", "mean response length in tokens"),
     ("periodic_eval/distinct_2", "distinct word bigrams over all bigrams of the responses (distinct-2)"),
     ("periodic_eval/identical_share", "share of the responses that are word for word another prompt's response"),
+    ("periodic_eval/near_identical_share", "share of the responses whose word bigrams overlap another prompt's "
+     "response's by 80% or more (Jaccard)"),
     ("periodic_eval/repetition", "mean share of a response's bigrams that repeat an earlier bigram of it"),
     (("periodic_eval/ensemble_mean", "periodic_eval/ensemble_std", "periodic_eval/ensemble_min"),
      "an ensemble's members (less their offsets): their mean score, std and minimum, each a mean over the responses"),
@@ -219,7 +224,8 @@ EVALUATION = _group(
      "length-matched and length-controlled win rates (`<judge>`: rm or gold) and the matched pairs' count"),
     (("eval/hacking_flag_length", "eval/hacking_flag_empty"), "1 where the win looks like length or empty-answer "
      "reward hacking"),
-    (("eval/<policy>_distinct_2", "eval/<policy>_identical_share", "eval/<policy>_repetition",
+    (("eval/<policy>_distinct_2", "eval/<policy>_identical_share", "eval/<policy>_near_identical_share",
+      "eval/<policy>_repetition",
       "eval/<policy>_ensemble_<stat>", "eval/<policy>_disagreement_ratio"), "the alarm's signs for each policy"),
     ("eval/overoptimisation_flag", "1: the alarm's rule fires on the trained policy against the SFT policy"),
     ("eval/n_prompts", "held-out prompts evaluated"),

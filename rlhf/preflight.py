@@ -92,6 +92,32 @@ def check_inputs(config: PipelineConfig) -> None:
         read_benchmark(bench.name, bench.path, bench.verifier, bench.n_prompts)
     if config.sft.model is not None:
         check_sft_model(config)
+    check_ensemble_models(config)
+
+
+def check_ensemble_models(config: PipelineConfig) -> None:
+    """Each model of reward.ensemble_models is a checkpoint folder that loads, or a hub id; with sft.model set and
+    gae's separate value model, member 0 (where the value model starts) reads the policy's tokens."""
+    models = config.reward.ensemble_models or []
+    if not models:
+        return
+    from rlhf.models.loading import check_checkpoint, load_tokenizer  # heavy: torch and transformers
+    from rlhf.models.stop_tokens import same_vocabulary
+
+    trust_remote_code = config.runtime.trust_remote_code
+    for k, name in enumerate(models):
+        check_model_reference(f"reward.ensemble_models[{k}]", name)
+        check_checkpoint(f"reward.ensemble_models[{k}]", name, None, trust_remote_code)
+    ppo = config.ppo
+    if config.sft.model is None or config.algorithm != "ppo" or ppo.critic_free or ppo.value_model != "separate":
+        return
+    policy = load_tokenizer(config.sft.model, config.sft.revision, trust_remote_code, config.sft.gguf_file)
+    if not same_vocabulary(policy, load_tokenizer(models[0], trust_remote_code=trust_remote_code)):
+        raise ConfigError(
+            f"reward.ensemble_models[0] ({models[0]}) has another tokenizer than sft.model ({config.sft.model}), and "
+            "gae's value model starts from member 0 and scores every policy token: list a model with the policy's "
+            "tokenizer first, or set ppo.value_model: policy_head or a critic-free ppo.advantage_estimator"
+        )
 
 
 def check_reward_function(config: PipelineConfig) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ import tasks
 from rlhf.checkpoints import is_complete, stage_lock
 from rlhf.config import RuntimeConfig
 from rlhf.stages import GPU_TAG, INIT, PPO, PREPARE
+from rlhf.stop_request import raise_if_stop_requested
+from tasks.faults import busy_server_in_one_sentence
 from tasks.outputs import StageOutput
 from tasks.progress import task_logger
 from tasks.slot_watch import watch_slots
@@ -149,7 +151,8 @@ def run_stage(task, **parameters: Any) -> Any:
     variant) on the same output folder waits for the first to finish the stage, then finds it complete and gets the
     cached result. A GPU stage (tag ``gpu``) that computes holds a slot of ``runtime.device_slot`` meanwhile. The task
     runs with those of its tags that have a Prefect concurrency limit (`limited_tags`); one that waits on a slot no
-    running task holds says so in one warning (`watch_slots`)."""
+    running task holds says so in one warning (`watch_slots`), and a request for it that the Prefect server kept
+    answering 503 stops the run with one sentence (`busy_server_in_one_sentence`)."""
     folder = task_stage_dir(task, **parameters)
     with stage_lock(folder):
         # PPO keeps its resume state beside the final models, which carry the manifest in final/.
@@ -157,7 +160,8 @@ def run_stage(task, **parameters: Any) -> Any:
         runtime = parameters.get("runtime")
         slot = getattr(runtime, "device_slot", None) if GPU_TAG in task.tags and not complete else None
         tags = limited_tags(task.tags)
-        with device_slot(slot), watch_slots(task.name, tags, task_logger()):
+        busy, held = busy_server_in_one_sentence(task.name), device_slot(slot, task.name)
+        with busy, held, watch_slots(task.name, tags, task_logger()):
             state = task.with_options(refresh_cache=not complete, tags=tags)(**parameters, return_state=True)
         result = state.result()
         if state.name == "Cached" and isinstance(result, StageOutput):
@@ -165,14 +169,29 @@ def run_stage(task, **parameters: Any) -> Any:
         return result
 
 
+SLOT_POLL_S = 5.0  # a stage waiting for its device slot looks up this often whether its command was stopped
+
+
 @contextmanager
-def device_slot(name: str | None) -> Iterator[None]:
+def device_slot(name: str | None, stage: str = "the stage") -> Iterator[None]:
     """Hold one slot of the Prefect global concurrency limit `name` (one limit per device, made by the sweep that
-    set ``runtime.device_slot``); None holds nothing."""
+    set ``runtime.device_slot``); None holds nothing. A wait longer than SLOT_POLL_S is said once in the stage's
+    log, and ends at once when the command is stopped (Ctrl-C or SIGTERM: `rlhf.stop_request`), rather than when
+    the slot frees: a sweep's variants wait in worker threads, which the signal does not interrupt."""
     if name is None:
         yield
         return
-    with concurrency(name, occupy=1):
+    with ExitStack() as held:
+        told = False
+        while True:
+            try:
+                held.enter_context(concurrency(name, occupy=1, timeout_seconds=SLOT_POLL_S))
+                break
+            except TimeoutError:
+                raise_if_stop_requested(f"{stage}, waiting for the device slot {name},")
+                if not told:
+                    task_logger().info("%s waits for the device slot %s: another stage holds it", stage, name)
+                    told = True
         yield
 
 

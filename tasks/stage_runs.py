@@ -52,6 +52,8 @@ def stage_run(
     tracker = tracker_for(tracking)
     marker = folder / RUN_ID_FILE
     run_id = marker.read_text().strip() if resume and marker.is_file() else None
+    if run_id is not None and finished_elsewhere(tracker, run_id, tracking):
+        run_id = None  # the stage's work is done, but its run belongs to a pipeline that ended well: a run of its own
     if run_id is not None:
         reopen(tracker, run_id, tracking, stage)  # a retry or a rerun continues the run it started
     else:
@@ -77,6 +79,17 @@ def stage_run(
         raise
     tracker.end_run(run_id)
     tracker.set_tags(tracking.parent_run_id, {f"stage.{stage}.run_id": run_id})
+
+
+def finished_elsewhere(tracker: Tracker, run_id: str, tracking: TrackingContext) -> bool:
+    """Whether a stage run found in the stage's folder belongs to another flow run whose pipeline run FINISHED: not
+    a killed run to continue, but a finished one that a later pipeline reran (its Prefect cache missed, as for a
+    checkpoint used as it is), which keeps its run and its place under its own pipeline."""
+    tags = tracker.get_run(run_id).data.tags
+    earlier, parent = tags.get(FLOW_RUN_TAG), tags.get(PARENT_RUN_TAG)
+    if not earlier or earlier == str(tracking.flow_run_id) or not parent or parent == tracking.parent_run_id:
+        return False
+    return tracker.get_run(parent).info.status == "FINISHED"
 
 
 def reopen(tracker: Tracker, run_id: str, tracking: TrackingContext, stage: str) -> None:

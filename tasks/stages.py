@@ -16,7 +16,7 @@ from rlhf.eval import evaluate as evaluation
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.metrics import TIME_TRAIN
 from rlhf.models.loading import load_tokenizer
-from rlhf.models.stop_tokens import same_vocabulary
+from rlhf.models.reward_ensemble import member_tokenizers
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.run import PolicyInputs
@@ -103,7 +103,7 @@ def supervised_finetune(
 ) -> SFTModel:
     """Bootstrap a tiny GPT-2 SFT policy from the demonstrations, fine-tune the configured model on them, or use
     the configured checkpoint as it is; a retry resumes training from its last saved state."""
-    with stage_scope(tracking, runtime, flatten(sft_cfg, "sft"), resume=True) as stage:
+    with stage_scope(tracking, runtime, {**flatten(sft_cfg, "sft"), "seed": seed}, resume=True) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         if sft_cfg.model is not None and not sft_cfg.finetune:
             result = sft_training.load_existing(sft_cfg, runtime)
@@ -131,14 +131,18 @@ def supervised_finetune(
 @task(name=REWARD.task, tags=[GPU_TAG], **STAGE)
 def train_reward_model(
     reward_cfg: RewardConfig,
-    sft_model: SFTModel,
+    sft_model: SFTModel | None,
     prepared: PreparedData,
     seed: int,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
+    base_model: str | None = None,
 ) -> RewardModel:
-    """Train a scalar-head reward model, initialised from the SFT checkpoint, on the preference pairs."""
-    params = {**flatten(reward_cfg, "reward"), "seed": seed}
+    """Train a scalar-head reward model, initialised from the SFT checkpoint `sft_model` or from `base_model` (an
+    ensemble member's own model of reward.ensemble_models, with its own tokenizer; `sft_model` None), on the
+    preference pairs."""
+    init_path = base_model if base_model is not None else sft_model.path
+    params = {**flatten(reward_cfg, "reward"), "seed": seed, "reward.init": init_path}
     with stage_scope(tracking, runtime, params, resume=True) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "train.parquet", "eval.parquet")
@@ -147,7 +151,7 @@ def train_reward_model(
         result = reward_training.train_reward_model(
             reward_cfg,
             runtime,
-            sft_model.path,
+            init_path,
             f"{prepared.path}/train.parquet",
             f"{prepared.path}/eval.parquet",
             folder,
@@ -172,7 +176,11 @@ def combine_reward_ensemble(
 ) -> RewardModel:
     """Make one reward-model ensemble of the trained members: their held-out accuracies, agreement and
     disagreement, each member's offset (reward.ensemble_size > 1)."""
-    params = {"reward.ensemble_size": len(members), "reward.ensemble_objective": reward_cfg.ensemble_objective}
+    params = {
+        "reward.ensemble_size": len(members),
+        "reward.ensemble_objective": reward_cfg.ensemble_objective,
+        "reward.ensemble_trunks": reward_cfg.ensemble_trunks,
+    }
     with stage_scope(tracking, runtime, params) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         paths = [member.path for member in members]
@@ -210,11 +218,13 @@ def init_policy_models(
         "value_init": (value_from or sft_model.path) if critic else "",
         "reward_model": reward_path,
     }
+    trust = runtime.trust_remote_code
     with stage_scope(tracking, runtime, init) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
-        same = not reward_path or same_vocabulary(
-            load_tokenizer(sft_model.path, trust_remote_code=runtime.trust_remote_code),
-            load_tokenizer(reward_path, trust_remote_code=runtime.trust_remote_code),
+        # every scoring model reads the policy's token ids as they are (an ensemble's members may differ)
+        policy_tokenizer = load_tokenizer(sft_model.path, trust_remote_code=trust) if reward_path else None
+        same = not reward_path or all(
+            tokenizer is None for tokenizer in member_tokenizers(reward_path, policy_tokenizer, trust)
         )
         tracker.log_params(run_id, {"reward_retokenizes": not same})
         folder.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
@@ -230,26 +231,23 @@ def harness():
             yield
 
 
-@pytest.fixture(scope="session")
-def shared_prefect_api(tmp_path_factory):
-    """The API URL of a `prefect server` this worker starts once (its own seeded home), for the tests whose pipeline
-    processes meet Prefect only in passing (what they check is the terminal, MLflow or the training state): with
-    PREFECT_API_URL set to it, such a process skips starting a temporary server of its own (about 7 s of CPU each).
-    The temporary server's own behaviour is tested where it matters (tests/test_process_faults.py,
-    tests/test_temporary_server.py, tests/test_cli.py, tests/test_bad_inputs.py)."""
+def prefect_server(tmp: Path, module: list[str], extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """A Prefect server, `python -m <module...>` with `--host 127.0.0.1 --port <free port>` in its own session and its
+    own seeded home under `tmp` (log: `tmp/server.log`): yields its API URL once it answers, and stops it (SIGTERM,
+    then SIGKILL) at the end."""
     import time
 
     import httpx
 
-    tmp = tmp_path_factory.mktemp("shared-prefect")
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {"PREFECT_HOME": seed_prefect_home(tmp / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    prefect = str(Path(sys.executable).parent / "prefect")
+    env |= extra_env or {}
     with open(tmp / "server.log", "wb") as log:
         proc = subprocess.Popen(
-            [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", *module, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -259,7 +257,7 @@ def shared_prefect_api(tmp_path_factory):
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, (tmp / "server.log").read_text()
-            assert time.monotonic() < deadline, "the shared Prefect server did not start"
+            assert time.monotonic() < deadline, f"the Prefect server ({' '.join(module)}) did not start"
             try:
                 if httpx.get(f"{api}/health", timeout=5).status_code == 200:
                     break
@@ -274,6 +272,16 @@ def shared_prefect_api(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def shared_prefect_api(tmp_path_factory):
+    """The API URL of a `prefect server` this worker starts once (its own seeded home), for the tests whose pipeline
+    processes meet Prefect only in passing (what they check is the terminal, MLflow or the training state): with
+    PREFECT_API_URL set to it, such a process skips starting a temporary server of its own (about 7 s of CPU each).
+    The temporary server's own behaviour is tested where it matters (tests/test_process_faults.py,
+    tests/test_temporary_server.py, tests/test_cli.py, tests/test_bad_inputs.py)."""
+    yield from prefect_server(tmp_path_factory.mktemp("shared-prefect"), ["prefect", "server", "start"])
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -186,10 +188,24 @@ def test_helpers_are_no_ops_in_one_process():
     assert distributed.broadcast_object(3) == 3
 
 
-def _helpers_worker(rank: int, world_size: int, port: int, results: Path) -> None:
+@contextmanager
+def gloo_group(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """A spawned test worker's process group, torn down as a launched run's is (rlhf.ppo.distributed.close_distributed:
+    every rank waits for the others first). A worker that tore its group down while the other still used it once died
+    with SIGABRT ("terminate called without an active exception") on the 2-core CI machine. A worker that failed
+    tears down at once: the others are stopped by torch.multiprocessing.spawn."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    distributed.close_distributed()
+
+
+def _helpers_worker(rank: int, world_size: int, port: int, results: Path) -> None:
+    with gloo_group(rank, world_size, port):
         # gradients: mean over ranks, two dtypes -> two flattened buffers
         a = torch.nn.Parameter(torch.zeros(2, 2))
         b = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
@@ -228,8 +244,6 @@ def _helpers_worker(rank: int, world_size: int, port: int, results: Path) -> Non
         assert distributed.broadcast_object(f"from {rank}") == "from 0"
         distributed.barrier()
         (results / f"ok{rank}").write_text("ok")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_helpers_across_two_processes(tmp_path):
@@ -253,9 +267,7 @@ def _digest_worker(rank: int, port: int, ck: dict[str, str], prompts: list[str],
     from rlhf.ppo.run import PolicyRun
     from rlhf.ppo.trainer import train_ppo
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     real = distributed.parameter_digest
 
     def counted(*modules):
@@ -263,7 +275,7 @@ def _digest_worker(rank: int, port: int, ck: dict[str, str], prompts: list[str],
         return real(*modules)
 
     distributed.parameter_digest = counted
-    try:
+    with gloo_group(rank, 2, port):
         cfg = PPOConfig(total_episodes=8, batch_size=8, num_mini_batches=1, num_ppo_epochs=1, max_new_tokens=4)
         runtime = RuntimeConfig(device="cpu", progress=False)
         ctx = distributed.DistContext(rank=rank, world_size=2)
@@ -272,8 +284,6 @@ def _digest_worker(rank: int, port: int, ck: dict[str, str], prompts: list[str],
             dist=ctx,
         )
         (out / f"digest.rank{rank}").write_text(result.param_digest)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("want", [False, True])
@@ -331,16 +341,12 @@ def _shard(scored, rows: slice):
 def _whitening_worker(rank: int, world_size: int, port: int, results: Path) -> None:
     from rlhf.ppo.update import Rollout, compute_advantages
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    with gloo_group(rank, world_size, port):
         cfg, scored = _reinforce_batch()
         rows = slice(rank * 4, (rank + 1) * 4)
         ctx = distributed.DistContext(rank=rank, world_size=world_size)
         rollout = compute_advantages(Rollout(list(range(4)), _shard(scored, rows)), cfg, 0.05, ctx)
         torch.save(rollout.advantages, results / f"advantages{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_reinforce_pp_whitens_over_the_global_batch_across_processes(tmp_path):

@@ -66,6 +66,46 @@ def test_response_stats_by_hand():
     assert stats["repetition"] == pytest.approx((0 + 0 + 1 / 3) / 3)
 
 
+def test_near_identical_responses_by_hand():
+    # one answer to every prompt, give or take the last word: the sag and the collapse both look like this
+    one_answer = [
+        "the plot was excellent and the acting was great .",
+        "the plot was excellent and the acting was great !",
+        "the plot was excellent and the acting was great . .",
+    ]
+    assert response_stats(one_answer)["near_identical_share"] == 1.0
+    assert response_stats(one_answer)["identical_share"] == 0.0  # none is word for word another's
+    # a healthy policy's reviews share their frame ("the ... was ...") but not their words
+    healthy = [
+        "the plot was excellent and the acting was great .",
+        "the camera was dull and the music was boring .",
+        "the dialogue was wonderful .",
+    ]
+    assert response_stats(healthy)["near_identical_share"] == 0.0
+    # 2 of 4 alike: a share, not a flag; bigram sets {a b, b c, c d} and {a b, b c, c e}: Jaccard 2/4, not near
+    mixed = ["w x y z", "w x y z q", "a b c d", "a b c e"]  # the first two: Jaccard 3/4 ... under 0.8
+    assert response_stats(mixed)["near_identical_share"] == 0.0
+    mixed[1] = "w x y z z"  # bigrams {w x, x y, y z, z z} against {w x, x y, y z}: 3/4 still under
+    assert response_stats(mixed)["near_identical_share"] == 0.0
+    mixed[1] = "w x y z w x"  # {w x, x y, y z, z w}: 3/4
+    assert response_stats(mixed)["near_identical_share"] == 0.0
+    mixed[0], mixed[1] = "v w x y z", "v w x y z z"  # {v w, w x, x y, y z} against the same plus {z z}: 4/5
+    assert response_stats(mixed)["near_identical_share"] == 0.5
+    assert response_stats(["", "", "a b"])["near_identical_share"] == pytest.approx(2 / 3)  # two empty answers
+
+
+def test_group_distinct_share_by_hand():
+    from rlhf.ppo.stats import group_distinct_share
+
+    # two groups of 3 samples; padding (mask 0) never tells two responses apart
+    tokens = torch.tensor([[5, 6, 9], [5, 6, 7], [5, 7, 0], [1, 2, 3], [1, 2, 3], [1, 2, 8]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]])
+    # group 0: (5 6), (5 6), (5 7): 2 distinct of 3; group 1: (1 2 3) twice, (1 2 8): 2 of 3
+    assert group_distinct_share(tokens, mask, 3) == pytest.approx(4 / 6)
+    assert group_distinct_share(tokens, torch.ones_like(mask), 3) == pytest.approx(5 / 6)  # 9 vs 7 count now
+    assert group_distinct_share(tokens, mask, 1) == 1.0  # one sample a prompt: every group is distinct
+
+
 def _signs(distinct=0.6, repetition=0.0, ratio=None, mean=None, minimum=None) -> dict[str, float]:
     stats = {"distinct_2": distinct, "identical_share": 0.0, "repetition": repetition, "score": 0.0}
     if ratio is not None:
@@ -127,6 +167,14 @@ def test_stop_and_keep_best_keep_the_right_parameters():
         else:
             assert kept[0] == kept_step and kept[1]["w"].tolist() == [kept_step, kept_step]
         assert guard.result_metrics()["overoptimisation/alarm_step"] == 30.0
+        said = guard.outcome(30)  # the end of the summary's WARNING: what was kept, and how to get the other
+        if kept_step is None:
+            assert "the final policy is the last update's (30; ppo.on_overoptimisation: warn)" in said
+            assert "rerun with ppo.on_overoptimisation=stop" in said
+        else:
+            assert f"the final policy is update {kept_step}'s" in said and f"ppo.on_overoptimisation: {mode})" in said
+            assert "rerun with ppo.on_overoptimisation=warn" in said
+            assert said.startswith("training stopped there") == (mode == "stop")
 
 
 def test_bad_ensemble_settings_are_one_sentence():
@@ -239,3 +287,119 @@ def test_the_memory_estimate_counts_every_member():
     )
     assert four["ppo"] > one["ppo"] and four["evaluate"] > one["evaluate"]
     assert four["reward"] == one["reward"], "the members train one at a time"
+
+
+def test_members_that_differ_are_configured_in_one_sentence():
+    two = load_config(None, ["reward.ensemble_models=[org/a, org/b]"]).reward
+    assert (two.ensemble_size, two.is_ensemble) == (2, True), "the list's length is the ensemble size"
+    assert two.member_config() == RewardConfig(), "what a member trains from is its stage's parameter, not its config"
+    assert load_config(None, ["reward.ensemble_models=[org/a, org/b]", "reward.ensemble_size=2"]).reward == two
+    own = load_config(None, ["reward.ensemble_size=2", "reward.ensemble_trunks=own_sft"]).reward
+    assert own.member_config() == RewardConfig()
+    finetuned = ["sft.model=org/base", "sft.finetune=true", "sft.lr=1e-5"]
+    assert load_config(None, [*finetuned, "reward.ensemble_size=2", "reward.ensemble_trunks=own_sft"]).reward == own
+    cases = {
+        (
+            "reward.ensemble_models=[org/a, org/b]",
+            "reward.ensemble_size=3",
+        ): "reward.ensemble_models lists 2 models but "
+        "reward.ensemble_size is 3: leave reward.ensemble_size out (the list's length is the ensemble size) or make "
+        "the two agree",
+        ("reward.ensemble_models=[]",): "reward.ensemble_models is empty: list the members' models, or leave the key "
+        "out",
+        ("reward.ensemble_models=[org/a, org/b]", "reward.ensemble_trunks=own_sft"): "reward.ensemble_trunks 'own_sft' "
+        "trains the members from SFT checkpoints and reward.ensemble_models from the models it lists: set one of them",
+        (
+            "reward.ensemble_models=[org/a]",
+            "reward.source=function",
+            "reward.function=rlhf.data.synthetic:gold_reward",
+        ): "reward.ensemble_models needs reward models to train: reward.source is 'function'",
+        ("reward.ensemble_size=2", "reward.ensemble_trunks=own_sft", "sft.model=org/base"): "reward.ensemble_trunks "
+        "'own_sft' has nothing to vary: sft.model (org/base) is used as it is (sft.finetune false); set sft.finetune "
+        "true to fine-tune it anew for each member, or list the members' own models in reward.ensemble_models",
+        ("reward.ensemble_trunks=separate",): "reward.ensemble_trunks",
+    }
+    for overrides, expected in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(None, list(overrides))
+        assert expected in str(err.value)
+        assert str(err.value).count(". ") == 0, "one sentence"
+
+
+def test_each_member_scores_the_text_in_its_own_tokens(tiny_checkpoints, family_checkpoint, tmp_path):
+    """An ensemble of the policy's tokenizer's reward model, a Qwen2 and a Llama one (other tokenizers): in PPO's and
+    the evaluation's scoring, each member's score of a sampled response is what that member alone gives the decoded
+    text in its own tokens (the first member: the policy's token ids as they are)."""
+    from rlhf.models.heads import sequence_scores
+    from rlhf.models.loading import load_causal_lm, load_reward_model
+    from rlhf.models.reward_ensemble import member_tokenizers
+    from rlhf.ppo.models import load_models
+    from rlhf.rollout.batching import encode_prompt_response, encode_prompts, pad_left
+    from rlhf.rollout.generation import GenerationSettings
+    from rlhf.rollout.scoring import ScoringModels, generate_and_score
+
+    cpu = torch.device("cpu")
+    paths = [tiny_checkpoints["reward"]]
+    for k, family in enumerate(("qwen2", "llama"), 1):
+        member = load_reward_model(str(family_checkpoint(family)), cpu)
+        torch.manual_seed(k)
+        torch.nn.init.normal_(member.score.weight, std=0.5)
+        member.save_pretrained(tmp_path / family)
+        load_tokenizer(str(family_checkpoint(family))).save_pretrained(tmp_path / family)
+        paths.append(str(tmp_path / family))
+    folder = tmp_path / "ensemble"
+    folder.mkdir()
+    EnsembleSpec(paths, [0.0, 0.0, 0.0], 0.1, ["a", "b", "c"]).write(folder)
+    load_tokenizer(paths[0]).save_pretrained(folder)
+
+    policy_tok = load_tokenizer(tiny_checkpoints["policy"])
+    readers = member_tokenizers(str(folder), policy_tok)
+    assert readers[0] is None and all(reader is not None for reader in readers[1:])
+    assert readers[1].get_vocab() != readers[2].get_vocab() != policy_tok.get_vocab()
+    cfg = PPOConfig(total_episodes=4, batch_size=4, num_mini_batches=1, max_new_tokens=10, record_rollouts=False)
+    runtime = RuntimeConfig(device="cpu", progress=False)
+    ppo_models = load_models(cfg, runtime, tiny_checkpoints["policy"], str(folder), None, cpu, RewardConfig())
+    assert not ppo_models.same_tokenizer
+    policy = load_causal_lm(tiny_checkpoints["policy"], cpu).eval()
+    reward = load_reward(str(folder), cpu)
+    evaluation = ScoringModels(policy, policy, reward, policy_tok, policy_tok, False, member_tokenizers=readers)
+    prompts = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:4]
+    query, query_mask = pad_left(encode_prompts(policy_tok, prompts), policy_tok.pad_token_id)
+    settings = GenerationSettings(
+        10, 1.0, stop_token_ids=(policy_tok.eos_token_id,), pad_token_id=policy_tok.pad_token_id
+    )
+    for models in (ppo_models.scoring(), evaluation):
+        scored = generate_and_score(models, query, query_mask, prompts, settings, torch.Generator().manual_seed(0),
+                                    torch.float32)  # fmt: skip
+        resp = scored.resp
+        texts = policy_tok.batch_decode(resp.tokens.masked_fill(resp.mask == 0, policy_tok.pad_token_id),
+                                        skip_special_tokens=True)  # fmt: skip
+        assert scored.member_scores.shape == (3, len(prompts))
+        with torch.no_grad():
+            alone = [sequence_scores(load_reward_model(paths[0], cpu).eval(), scored.query_responses, scored.qr_mask)]
+            for path in paths[1:]:
+                batch = encode_prompt_response(load_tokenizer(path), prompts, texts, max_length=256)
+                alone.append(
+                    sequence_scores(load_reward_model(path, cpu).eval(), batch.input_ids, batch.attention_mask)
+                )
+        torch.testing.assert_close(scored.member_scores, torch.stack(alone).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_preflight_checks_the_listed_models(family_checkpoint, tmp_path):
+    """Before anything trains: every listed model is a checkpoint that loads, and with sft.model and gae's separate
+    value model (which starts from member 0) member 0 reads the policy's tokens."""
+    from rlhf.preflight import check_ensemble_models
+
+    llama, qwen2 = str(family_checkpoint("llama")), str(family_checkpoint("qwen2"))
+    with pytest.raises(ConfigError, match=r"reward.ensemble_models\[1\]: checkpoint folder \./missing does not exist"):
+        check_ensemble_models(load_config(None, [f"reward.ensemble_models=[{llama}, ./missing]"]))
+    mixed = [f"sft.model={llama}", f"reward.ensemble_models=[{qwen2}, {llama}]"]
+    with pytest.raises(ConfigError) as err:
+        check_ensemble_models(load_config(None, mixed))
+    assert str(err.value) == (
+        f"reward.ensemble_models[0] ({qwen2}) has another tokenizer than sft.model ({llama}), and gae's value model "
+        "starts from member 0 and scores every policy token: list a model with the policy's tokenizer first, or set "
+        "ppo.value_model: policy_head or a critic-free ppo.advantage_estimator"
+    )
+    check_ensemble_models(load_config(None, [*mixed, "ppo.value_model=policy_head"]))
+    check_ensemble_models(load_config(None, [f"sft.model={llama}", f"reward.ensemble_models=[{llama}, {qwen2}]"]))

@@ -14,6 +14,7 @@ from flows.pipeline import rlhf_pipeline
 from flows.summary import format_summary
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
+from rlhf.models.loading import load_tokenizer
 from tests.conftest import REPO, flow_run_artifacts, stage_name, task_runs, task_states
 
 # end-to-end: real servers and processes (deselect with -m "not slow"); one xdist worker runs the module, whose tests
@@ -237,6 +238,89 @@ def test_a_reward_ensemble_runs_through_the_dag_is_cached_and_resumes(monkeypatc
     assert states["train_policy_ppo"] == "Cached"
 
 
+def _member_runs(state) -> list[str]:
+    """The states of a pipeline run's reward-model member stages, sorted."""
+    return sorted(
+        t.state.name for t in task_runs(state.state_details.flow_run_id) if stage_name(t) == "train_reward_model"
+    )
+
+
+def test_an_ensemble_of_two_model_families_runs_through_the_dag_is_cached_and_resumes(
+    monkeypatch, uninterrupted_run, family_checkpoint
+):
+    """reward.ensemble_models: tiny random Llama and Qwen2 checkpoints, each with a tokenizer of its own (neither the
+    bootstrapped policy's). Each member trains from its model with its tokenizer; its first attempt dies after 4 of 8
+    steps and the retry resumes. The policy stage (gae with the value head on the policy's trunk: member 0 reads
+    other tokens) and the evaluation score each member on the decoded text in its own tokens. A second run takes
+    every stage from the cache; another second model retrains that member alone."""
+    folder, _ = uninterrupted_run
+    llama, qwen2, gpt2 = (str(family_checkpoint(family)) for family in ("llama", "qwen2", "gpt2"))
+
+    def config(*models: str):
+        listed = f"reward.ensemble_models=[{', '.join(models)}]"
+        return _config(folder, listed, "ppo.value_model=policy_head", "ppo.eval_every=2", "reward.save_every=2")
+
+    monkeypatch.setenv("RLHF_INJECT_FAILURE", "train_reward_model:4")
+    state = rlhf_pipeline(config(llama, qwen2), return_state=True)
+    summary = state.result()
+    runs = task_runs(state.state_details.flow_run_id)
+    members = [t for t in runs if stage_name(t) == "train_reward_model"]
+    assert [(t.state.name, t.run_count) for t in members] == [("Completed", 2), ("Completed", 2)], "resumed"
+    spec = json.loads((Path(summary["reward_checkpoint"]) / "ensemble.json").read_text())
+    inits = [json.loads((Path(m) / "manifest.json").read_text())["init"] for m in spec["members"]]
+    assert inits == [llama, qwen2], "member k trains from the k-th model"
+    vocabularies = [load_tokenizer(m).get_vocab() for m in spec["members"]]
+    assert vocabularies[0] != vocabularies[1] and vocabularies[0] == load_tokenizer(llama).get_vocab()
+
+    client = MlflowClient(_config(folder).tracking.uri)
+    ppo = client.get_run(summary["stage.train_policy_ppo.run_id"])
+    assert ppo.data.params["reward_retokenizes"] == "True"
+    assert ppo.data.metrics["ensemble/std"] > 0
+    assert [m.step for m in client.get_metric_history(ppo.info.run_id, "periodic_eval/disagreement_ratio")] == [0, 2, 4]
+    assert summary["eval/policy_ensemble_std"] > 0 and summary["eval/sft_ensemble_std"] > 0, "the evaluation's view"
+
+    monkeypatch.delenv("RLHF_INJECT_FAILURE")
+    again = rlhf_pipeline(config(llama, qwen2), return_state=True)
+    assert _member_runs(again) == ["Cached", "Cached"]
+    states = task_states(again.state_details.flow_run_id)
+    assert states["combine_reward_ensemble"] == "Cached" and states["evaluate_policies"] == "Cached"
+
+    changed = rlhf_pipeline(config(llama, gpt2), return_state=True)
+    assert _member_runs(changed) == ["Cached", "Completed"], "only the changed member trains"
+    spec = json.loads((Path(changed.result()["reward_checkpoint"]) / "ensemble.json").read_text())
+    assert [json.loads((Path(m) / "manifest.json").read_text())["init"] for m in spec["members"]] == [llama, gpt2]
+
+
+def test_an_own_sft_ensemble_trains_each_member_from_an_sft_of_its_own(uninterrupted_run):
+    """reward.ensemble_trunks 'own_sft' in the reference run's folder: member 0 is the reference run's reward model,
+    from its SFT checkpoint (both cached); member 1 trains from an SFT stage of its own, with its seed (the tiny
+    GPT-2 pretrained anew). A second run takes every stage from the cache."""
+    folder, first = uninterrupted_run
+    own = ["reward.ensemble_size=2", "reward.ensemble_trunks=own_sft"]
+    state = rlhf_pipeline(_config(folder, *own), return_state=True)
+    summary = state.result()
+    runs = task_runs(state.state_details.flow_run_id)
+    sfts = sorted(t.state.name for t in runs if stage_name(t) == "supervised_finetune")
+    assert sfts == ["Cached", "Completed"] and _member_runs(state) == ["Cached", "Completed"]
+    spec = json.loads((Path(summary["reward_checkpoint"]) / "ensemble.json").read_text())
+    parents = [json.loads((Path(m) / "manifest.json").read_text())["init"] for m in spec["members"]]
+    assert parents[0] == first["sft_checkpoint"] == summary["sft_checkpoint"], "member 0: the pipeline's SFT"
+    assert parents[1] != parents[0] and "/supervised_finetune/" in parents[1], "member 1: an SFT of its own"
+    assert (
+        json.loads((Path(parents[1]) / "manifest.json").read_text())["digest"]
+        != json.loads((Path(parents[0]) / "manifest.json").read_text())["digest"]
+    )
+    client = MlflowClient(_config(folder).tracking.uri)
+    experiment = client.get_experiment_by_name("rlhf-ppo").experiment_id
+    seeds = {r.data.params.get("seed") for r in client.search_runs([experiment], "tags.stage = 'supervised_finetune'")}
+    assert "7919" in seeds, "member 1's SFT ran with its own seed"
+
+    again = rlhf_pipeline(_config(folder, *own), return_state=True)
+    runs = task_runs(again.state_details.flow_run_id)
+    assert {t.state.name for t in runs if stage_name(t) in ("supervised_finetune", "train_reward_model")} == {"Cached"}
+    assert task_states(again.state_details.flow_run_id)["combine_reward_ensemble"] == "Cached"
+
+
 @pytest.mark.parametrize("mode", ["warn", "stop", "keep_best"])
 def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterrupted_run):
     """A reward that pays for repeated words (tests/planted_rewards.py), no KL penalty and a high learning rate:
@@ -279,6 +363,8 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     printed = format_summary(summary)
     assert f"fired after update {alarm:.0f} (WARNING below)" in printed
     assert (f"the final policy is update {kept:.0f}'s" in printed) == (mode != "warn")
+    other = "ppo.on_overoptimisation=stop" if mode == "warn" else "ppo.on_overoptimisation=warn"
+    assert f"rerun with {other}" in summary["eval.warning"], "the WARNING says how to get the other policy"
     if mode == "warn":
         assert kept == -1 and max(updates) == 12
         assert summary["eval/overoptimisation_flag"] == 1.0, "the evaluation stage's check of the final policy agrees"

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -21,7 +19,7 @@ from rlhf.ppo.trainer import train_ppo
 from rlhf.preflight import check_ppo_processes
 from rlhf.rollout.generation import GenerationSettings, sample_responses
 from rlhf.rollout.scoring import policy_forward
-from tests.test_distributed import _digests, _free_port, _torchrun
+from tests.test_distributed import _digests, _free_port, _torchrun, gloo_group
 
 FSDP = "runtime.sharding=fsdp"
 # one xdist worker runs this module and tests/test_distributed.py: the replicated reference run (the torchrun_run
@@ -68,10 +66,8 @@ def test_preflight_and_trainer_refuse_fsdp_in_one_process(tmp_path):
 
 
 def _model_worker(rank: int, port: int, policy_path: str, results: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, port):
         model = AutoModelForCausalLM.from_pretrained(policy_path)
         plain = AutoModelForCausalLM.from_pretrained(policy_path)
         full_bytes = sharding.parameter_bytes(plain)
@@ -118,8 +114,6 @@ def _model_worker(rank: int, port: int, policy_path: str, results: Path) -> None
         else:
             assert weights == {}
         (results / f"ok{rank}").write_text("ok")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # about 10 s on an idle 2-core machine (two processes build and shard the model)

@@ -572,7 +572,8 @@ def test_critic_free_estimators_load_train_and_save_no_value_model(stack, tmp_pa
     result = _train(stack, cfg, tmp_path / estimator, lambda metrics, step: logged.__setitem__(step, metrics))
     last = logged[max(logged)]
     assert not [k for k in last if k.startswith(("value/", "returns/"))]  # absent, not zeros
-    assert {"group/reward_std", "group/zero_std_fraction", "policy/loss", "objective/kl"} <= set(last)
+    assert {"group/reward_std", "group/zero_std_fraction", "group/distinct_responses", "policy/loss"} <= set(last)
+    assert 0 < last["group/distinct_responses"] <= 1
     assert ("policy/kl_loss" in last) == (estimator in ("grpo", "dr_grpo"))  # the papers' KL placement
     assert all(math.isfinite(v) for v in last.values())
     assert result.value_path == "" and not (tmp_path / estimator / "final" / "value").exists()
@@ -757,3 +758,35 @@ def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, m
         torch.testing.assert_close(value, one_weights[key], atol=1e-5, rtol=1e-4)
         moved += not torch.equal(value, weights[key])
     assert moved > 0
+
+
+def test_a_stop_request_ends_training_in_a_worker_thread_at_the_next_update(stack, tmp_path):
+    # a sweep's variants train in worker threads, which Ctrl-C does not interrupt: the command's signal handler
+    # requests a stop, and the trainer raises at its next update (rlhf.stop_request)
+    from rlhf.errors import StopRequested
+    from rlhf.stop_request import clear_stop_request, raise_if_stop_requested, request_stop
+
+    logged: list[int] = []
+    outcome: list[BaseException] = []
+
+    def log(metrics, step):
+        logged.append(step)
+        if step == 2:
+            request_stop()
+
+    def train():
+        try:
+            _train(stack, _cfg(total_episodes=16 * 6), tmp_path, log)
+        except BaseException as err:  # noqa: BLE001 (the test reads it)
+            outcome.append(err)
+
+    try:
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join(120)
+        raise_if_stop_requested("the main thread")  # nothing: the signal itself interrupts the main thread
+    finally:
+        clear_stop_request()
+    assert not worker.is_alive()
+    assert logged == [1, 2] and len(outcome) == 1 and isinstance(outcome[0], StopRequested), outcome
+    assert "PPO training at update 3" in str(outcome[0])

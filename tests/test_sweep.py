@@ -150,8 +150,12 @@ def test_optuna_search_asks_enqueued_points_first_and_tells_outcomes(tmp_path):
 def test_device_slots_one_per_gpu_or_virtual_cpu_slots():
     from flows.variants import device_slots
 
-    assert [tuple(s) for s in device_slots("cpu", 2)] == [("cpu", "rlhf-cpu-0"), ("cpu", "rlhf-cpu-1")]
-    assert [tuple(s) for s in device_slots("cpu", 1)] == [("cpu", "rlhf-cpu-0")]
+    # the sweep run's id in the names: two sweeps on one Prefect database never share (nor reset) a limit
+    assert [tuple(s) for s in device_slots("cpu", 2, "ab12")] == [
+        ("cpu", "rlhf-ab12-cpu-0"),
+        ("cpu", "rlhf-ab12-cpu-1"),
+    ]
+    assert [tuple(s) for s in device_slots("cpu", 1, "cd34")] == [("cpu", "rlhf-cd34-cpu-0")]
 
 
 def test_ranking_prefers_gold_reward_and_puts_failures_last():
@@ -248,7 +252,12 @@ def test_sweep_flow_runs_two_variants_at_once_builds_shared_stages_once_and_rank
     # the cores. Wall-clock overlap of the two subflows is not asserted: on a loaded 2-core CI machine the first
     # tiny variant can finish before the second thread's subflow is scheduled.
     share = str(max(1, (os.cpu_count() or 1) // 2))
-    assert sorted(ppo) == [("rlhf-cpu-0", share), ("rlhf-cpu-1", share)]
+    owner = sweep_run.info.run_id[:8]  # the sweep's own limits, removed at its end
+    assert sorted(ppo) == [(f"rlhf-{owner}-cpu-0", share), (f"rlhf-{owner}-cpu-1", share)]
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        assert not [limit.name for limit in prefect.read_global_concurrency_limits() if owner in limit.name]
     assert (tmp_path / "sweeps").is_dir() and open(result["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
@@ -406,3 +415,45 @@ def test_the_short_ranking_is_in_words_and_narrow():
         "status": "completed",
     }
     assert short[1]["variant"] == "PPO, kl_coef=0.2" and short[1]["error"] == "out of memory"
+
+
+@pytest.mark.xdist_group("sweep")
+def test_a_stage_waiting_for_its_device_slot_stops_when_the_command_does(harness, caplog):
+    # a sweep's variants wait for their device slot in worker threads, which Ctrl-C does not interrupt: the wait
+    # looks every SLOT_POLL_S whether the command was stopped, and says once that it waits
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    from rlhf.errors import StopRequested
+    from rlhf.stop_request import clear_stop_request, request_stop
+    from tasks.caching import SLOT_POLL_S, device_slot
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name("rlhf-test-slot", 1)
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            with device_slot("rlhf-test-slot", "train_policy_ppo"):
+                outcome.append("held")
+        except BaseException as err:  # noqa: BLE001 (the test reads it)
+            outcome.append(err)
+
+    caplog.set_level("INFO", logger="tasks.progress")
+    try:
+        with concurrency("rlhf-test-slot", occupy=1):  # another stage holds the slot
+            worker = threading.Thread(target=wait)
+            worker.start()
+            worker.join(SLOT_POLL_S + 1)  # still waiting: the slot is held
+            assert worker.is_alive() and not outcome
+            request_stop()
+            worker.join(4 * SLOT_POLL_S)
+    finally:
+        clear_stop_request()
+    assert len(outcome) == 1 and isinstance(outcome[0], StopRequested), outcome
+    assert "train_policy_ppo, waiting for the device slot rlhf-test-slot" in str(outcome[0])
+    assert "train_policy_ppo waits for the device slot rlhf-test-slot: another stage holds it" in caplog.text
+    with device_slot("rlhf-test-slot"):  # free again: taken at once
+        pass

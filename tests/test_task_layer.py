@@ -163,3 +163,29 @@ def test_a_stage_stopped_by_a_signal_ends_killed_and_a_failed_one_failed(tmp_pat
     with pytest.raises(error), stage_run(context, "train_policy_ppo", tmp_path / "stage") as (_, run_id):
         raise error(signal.SIGTERM) if error is TerminationSignal else error()
     assert tracker.get_run(run_id).info.status == status
+
+
+@pytest.mark.parametrize(("earlier_pipeline", "continued"), [("FINISHED", False), ("KILLED", True)])
+def test_a_rerun_stage_continues_a_killed_pipelines_run_but_not_a_finished_ones(tmp_path, earlier_pipeline, continued):
+    """A stage whose folder holds the run of an earlier flow run continues it only when that flow run's pipeline
+    was killed (a rerun resumes its saved state); the run of a pipeline that ended well stays its own, under its own
+    pipeline, and the later pipeline names no resumed run (a checkpoint used as it is reruns in every pipeline)."""
+    from rlhf.tracking.client import Tracker
+    from tasks.stage_runs import RESUMED_FROM_TAG, stage_run
+    from tasks.tracking import TrackingContext
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "e", str(tmp_path / "artifacts"))
+    folder = tmp_path / "stage"
+    first = tracker.start_run("pipeline-first")
+    context = TrackingContext(uri=tracker.uri, experiment="e", parent_run_id=first, flow_run_id="flow-1")
+    with stage_run(context, "supervised_finetune", folder, resume=True) as (_, earlier_run):
+        pass
+    tracker.end_run(first, failed=earlier_pipeline != "FINISHED", killed=earlier_pipeline == "KILLED")
+    second = tracker.start_run("pipeline-second")
+    context = TrackingContext(uri=tracker.uri, experiment="e", parent_run_id=second, flow_run_id="flow-2")
+    with stage_run(context, "supervised_finetune", folder, resume=True) as (_, run_id):
+        pass
+    assert (run_id == earlier_run) is continued
+    assert tracker.get_run(earlier_run).data.tags["mlflow.parentRunId"] == (second if continued else first)
+    assert (RESUMED_FROM_TAG in tracker.get_run(second).data.tags) is continued
+    assert tracker.get_run(run_id).info.status == "FINISHED"

@@ -7,6 +7,7 @@ what to install). One xdist worker runs the module (one PostgreSQL and one `rlhf
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
@@ -24,6 +26,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
+from prefect.server.concurrency.lease_storage.filesystem import ConcurrencyLeaseStorage
+from prefect.server.utilities.leasing import ResourceLease
 from prefect.settings import (
     PREFECT_API_AUTH_STRING,
     PREFECT_API_URL,
@@ -37,6 +41,7 @@ from flows.summary import TRACKING_URI_FROM
 from flows.sweep import rlhf_sweep
 from flows.team_database import migration_revisions, parse_database
 from flows.team_servers import (
+    REPOSSESS_S,
     RESULTS_ENV,
     Login,
     Plan,
@@ -587,14 +592,32 @@ def gpu_slots(team: dict) -> tuple[int, list[str]]:
     return taken, holders
 
 
+def held_lease(team: dict, holder: str) -> ResourceLease:
+    """The lease by which task run `holder` holds its `gpu` slot, as `rlhf serve`'s Prefect server stored it: on disk,
+    in Prefect's file-backed lease storage under the server's PREFECT_HOME (PERSISTENT_LEASES), where a restarted
+    server reads it. Prefect's memory storage (the default) leaves nothing there."""
+    storage = ConcurrencyLeaseStorage(team["tmp"] / "prefect" / "concurrency_leases")
+
+    async def read() -> list[ResourceLease]:
+        leases = [await storage.read_lease(lease_id) for lease_id in await storage.read_active_lease_ids()]
+        return [lease for lease in leases if lease and lease.metadata and lease.metadata.holder]
+
+    leases = asyncio.run(read())
+    (lease,) = [lease for lease in leases if str(lease.metadata.holder.id) == holder]
+    return lease
+
+
 @pytest.mark.slow
 @pytest.mark.team
 def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team, tmp_path, monkeypatch):
     """`rlhf serve` stopped (SIGTERM) and started again with the same command while PPO, a `gpu` stage, holds the
-    limit's one slot (its process paused across the restart, so it holds it throughout): the restarted server still
-    knows the slot's lease and its holder, so the PPO stage gives the slot back when it ends, the evaluation (a `gpu`
-    stage too) starts, the run completes, and no slot is left taken. With leases kept in memory (Prefect's default) the
-    restarted server had lost the lease: the slot stayed taken and the evaluation waited for good."""
+    limit's one slot (its process paused across the restart: it holds the slot throughout and renews its lease no
+    more). The lease is on disk before the restart, and the restarted server acts on it: while it lasts, PPO is the
+    slot's holder; once it has expired (Prefect's task engine takes a 60 s lease, renewed every 45 s, and a restart on
+    2 busy cores takes about 2 minutes), the server's repossessor gives the slot back and revokes the lease. Either
+    way PPO ends, the evaluation (a `gpu` stage too) starts, the run completes, no slot is left taken, and `rlhf serve`
+    frees nothing. With leases kept in memory (Prefect's default) the restarted server had lost the lease: the slot
+    stayed taken with no holder and the evaluation waited for good (now `rlhf serve` would free it and say so)."""
     out = tmp_path / "out"
     args = [sys.executable, "-m", "flows.pipeline", "--config", "conf/smoke.yaml", *TINY, "ppo.save_every=1"]
     args += [f"runtime.output_dir={out}", "tracking.experiment=team-restart"]
@@ -606,7 +629,7 @@ def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team
         try:
             taken, (holder,) = gpu_slots(team)
             assert taken == 1
-            paused = time.monotonic()
+            lease = held_lease(team, holder)
             team["serve"].send_signal(signal.SIGTERM)
             assert team["serve"].wait(60) == 0
             team["log"] = team["tmp"] / "serve-restarted.log"
@@ -615,13 +638,18 @@ def test_a_restart_of_rlhf_serve_while_a_gpu_stage_runs_leaves_no_slot_held(team
             wait_until(
                 lambda: httpx.get(health, timeout=5).status_code == 200, 900, "restart", team["serve"], team["log"]
             )
-            # the lease survived the restart, its holder with it (where the restart took less than the lease's 60 s:
-            # after that, with no renewal from the paused run, the restarted server gives the slot back as expired).
-            # A lease lost with the server (memory storage) leaves the slot taken with no holder: `rlhf serve` frees
-            # it at its start and says so, which the end of the test refuses
-            slots = gpu_slots(team)
-            if time.monotonic() - paused < 55:
-                assert slots == (1, [holder]), slots
+            if datetime.now(timezone.utc) < lease.expiration - timedelta(seconds=5):  # the lease lasts: PPO holds it
+                assert gpu_slots(team) == (1, [holder])
+            else:  # expired while the server was down: the restarted server gives the slot back itself
+                wait_until(
+                    lambda: gpu_slots(team) == (0, []),
+                    REPOSSESS_S + 40,
+                    "the expired lease's slot given back",
+                    team["serve"],
+                    team["log"],
+                )
+                storage = ConcurrencyLeaseStorage(team["tmp"] / "prefect" / "concurrency_leases")
+                assert asyncio.run(storage.read_lease(lease.id)) is None, "the lease was revoked"
         finally:
             os.killpg(run.pid, signal.SIGCONT)
         wait_until(lambda: "ready;" in team["log"].read_text(), 900, "rlhf serve's restart", team["serve"], team["log"])

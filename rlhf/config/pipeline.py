@@ -67,6 +67,18 @@ class PipelineConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _own_sft_trains(self) -> PipelineConfig:
+        """reward.ensemble_trunks 'own_sft' needs an SFT stage that trains."""
+        reward = self.reward
+        if reward.is_ensemble and reward.ensemble_trunks == "own_sft" and self.sft.model and not self.sft.finetune:
+            raise ValueError(
+                f"reward.ensemble_trunks 'own_sft' has nothing to vary: sft.model ({self.sft.model}) is used as it is "
+                "(sft.finetune false); set sft.finetune true to fine-tune it anew for each member, or list the "
+                "members' own models in reward.ensemble_models"
+            )
+        return self
+
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``'ppo.kl_coef=0.1'`` -> (['ppo', 'kl_coef'], 0.1); the value is parsed as YAML."""

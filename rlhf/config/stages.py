@@ -147,7 +147,22 @@ class RewardConfig(Section):
         description="Reward models in the ensemble (K). Member i trains as the single model does, from the SFT "
         "checkpoint with its own seed (its head and data order; member 0 is the single model of the same config, "
         "shared with it in the cache), and the policy stage scores with all of them (`ensemble_objective`). "
+        "With `ensemble_models`: that list's length (an ensemble_size other than 1 must match it). "
         "docs/overoptimisation.md.",
+    )
+    ensemble_trunks: Literal["shared", "own_sft"] = Field(
+        "shared",
+        description="The trunk each member trains from: 'shared', the pipeline's SFT checkpoint (members that "
+        "differ in their seed only share the trunk's errors); 'own_sft', member k > 0 from an SFT stage of its own "
+        "run with the member's seed (without sft.model: a tiny GPT-2 pretrained anew; with sft.finetune: sft.model "
+        "fine-tuned anew, the same pretrained trunk), member 0 from the pipeline's. No effect with one model.",
+    )
+    ensemble_models: list[str] | None = Field(
+        None,
+        description="The models the members train from, one each (hub ids or checkpoint folders), instead of "
+        "the SFT checkpoint: member k from the k-th, with its own tokenizer, and it scores the policy's responses "
+        "re-tokenized with that tokenizer. Its length is the ensemble size. None: every member from the SFT "
+        "checkpoint (`ensemble_trunks`).",
     )
     bootstrap: bool = Field(
         False,
@@ -172,12 +187,39 @@ class RewardConfig(Section):
             raise ValueError("reward.function_weight needs reward.function ('module:callable')")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _size_of_the_models_list(cls, data: Any) -> Any:
+        """reward.ensemble_models' length is the ensemble size: it replaces reward.ensemble_size where that is
+        unset or 1, its default (a config dumped and overridden, as a sweep's variant is, has it at 1)."""
+        if not isinstance(data, dict) or not isinstance(data.get("ensemble_models"), list):
+            return data
+        listed, size = len(data["ensemble_models"]), data.get("ensemble_size")
+        if not listed:
+            raise ValueError("reward.ensemble_models is empty: list the members' models, or leave the key out")
+        if size not in (None, 1, listed):
+            raise ValueError(
+                f"reward.ensemble_models lists {listed} models but reward.ensemble_size is {size}: leave "
+                "reward.ensemble_size out (the list's length is the ensemble size) or make the two agree"
+            )
+        return {**data, "ensemble_size": listed}
+
     @model_validator(mode="after")
     def _ensemble_of_models(self) -> RewardConfig:
+        if self.source == "function" and self.ensemble_models:
+            raise ValueError(
+                "reward.ensemble_models needs reward models to train: reward.source is 'function' (set "
+                "reward.source: model, or leave reward.ensemble_models out)"
+            )
         if self.source == "function" and self.ensemble_size > 1:
             raise ValueError(
                 f"reward.ensemble_size {self.ensemble_size} needs reward models to train: reward.source is 'function' "
                 "(set reward.source: model, with reward.function_weight to add the function to the ensemble's score)"
+            )
+        if self.ensemble_models and self.ensemble_trunks == "own_sft":
+            raise ValueError(
+                "reward.ensemble_trunks 'own_sft' trains the members from SFT checkpoints and reward.ensemble_models "
+                "from the models it lists: set one of them"
             )
         return self
 
@@ -191,8 +233,15 @@ class RewardConfig(Section):
 
     def member_config(self) -> RewardConfig:
         """What one member's training reads: this section without the ensemble's own keys (at their defaults), so
-        member 0 of an ensemble is the single reward model of the same config (one cache entry)."""
-        ensemble_keys = ("ensemble_size", "ensemble_objective", "uncertainty_coef")
+        member 0 of an ensemble is the single reward model of the same config (one cache entry). What a member
+        trains from is a parameter of its stage of its own (its SFT checkpoint, or its model of `ensemble_models`)."""
+        ensemble_keys = (
+            "ensemble_size",
+            "ensemble_objective",
+            "uncertainty_coef",
+            "ensemble_trunks",
+            "ensemble_models",
+        )
         return self.model_copy(update={key: RewardConfig.model_fields[key].default for key in ensemble_keys})
 
     @model_validator(mode="after")

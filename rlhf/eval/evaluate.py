@@ -38,8 +38,8 @@ from rlhf.metrics import (
 )
 from rlhf.models.device import autocast, compute_dtype, resolve_device
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
-from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward
-from rlhf.models.stop_tokens import same_vocabulary, stop_token_ids
+from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward, member_tokenizers
+from rlhf.models.stop_tokens import stop_token_ids
 from rlhf.ops import kl_per_token
 from rlhf.rollout.batching import pad_left
 from rlhf.rollout.generation import GenerationSettings, response_texts, sample_responses
@@ -240,7 +240,8 @@ def evaluate_policies(
         tokenizer.pad_token_id,
         resolve_decode(ppo_cfg.generation.decode, device),
     )
-    same_tokenizer = same_vocabulary(tokenizer, reward_tokenizer)
+    readers = None if reward_path is None else member_tokenizers(reward_path, tokenizer, trust_remote_code)
+    same_tokenizer = readers is None or all(reader is None for reader in readers)
     dtype = compute_dtype(runtime.dtype, device)
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
@@ -256,6 +257,7 @@ def evaluate_policies(
             same_tokenizer,
             reward_fn=reward_fn,
             reward_fn_weight=reward_fn_weight,
+            member_tokenizers=readers,
         )  # fmt: skip (no value model)
         generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
         frames[name] = generate_and_score_prompts(

@@ -21,11 +21,30 @@ def _bigrams(text: str) -> list[tuple[str, str]]:
     return list(zip(words, words[1:], strict=False))
 
 
+NEAR_IDENTICAL_JACCARD = 0.8  # two responses whose bigram sets overlap this much say the same thing
+
+
+def near_identical_share(per_response: Sequence[Sequence[tuple[str, str]]]) -> float:
+    """The share of responses whose set of word bigrams overlaps another response's by NEAR_IDENTICAL_JACCARD or
+    more (Jaccard: shared over all distinct bigrams of the two): one answer, give or take a word, to different
+    prompts. A response without a bigram is near-identical to another without one."""
+    sets = [frozenset(bigrams) for bigrams in per_response]
+    near = [False] * len(sets)
+    for i, a in enumerate(sets):
+        for j in range(i + 1, len(sets)):
+            b = sets[j]
+            union = len(a | b)
+            if (union == 0) or len(a & b) / union >= NEAR_IDENTICAL_JACCARD:
+                near[i] = near[j] = True
+    return sum(near) / max(len(sets), 1)
+
+
 def response_stats(responses: Sequence[str]) -> dict[str, float]:
     """Diversity of one policy's responses to distinct prompts.
 
     `distinct_2`: distinct word bigrams over all bigrams of all responses (Li et al. 2016's distinct-2).
     `identical_share`: the share of responses that are word for word another prompt's response.
+    `near_identical_share`: the share that are nearly another prompt's response (`near_identical_share`).
     `repetition`: the mean over responses of the share of its bigrams that repeat an earlier bigram of the same
     response (``was excellent and was excellent`` repeats).
     """
@@ -37,6 +56,7 @@ def response_stats(responses: Sequence[str]) -> dict[str, float]:
     return {
         "distinct_2": len(set(every)) / len(every) if every else 0.0,
         "identical_share": sum(counts[" ".join(text.split())] > 1 for text in responses) / n,
+        "near_identical_share": near_identical_share(per_response),
         "repetition": sum(repeats) / n,
     }
 
@@ -112,23 +132,35 @@ class OveroptimisationAlarm:
             found.append(drift)
         return found
 
+    def _stalled_points(self, stats: dict[str, float]) -> list[tuple[int, float, float]]:
+        """The earlier evaluations (after the first) the score has stalled since: it gained under
+        SCORE_GAIN_FRACTION of the gain it had made over the SFT policy by then (a gain there is needed)."""
+        if "kl" not in stats or not self.points:
+            return []
+        base = self.points[0][1]
+        return [
+            (step, score, kl)
+            for step, score, kl in self.points[1:]
+            if score - base > 0 and stats["score"] - score < SCORE_GAIN_FRACTION * (score - base)
+        ]
+
     def kl_drift(self, stats: dict[str, float]) -> str | None:
         """The policy moves on without reward: the KL to the reference grew past KL_DRIFT_FACTOR times an earlier
         evaluation's (plus KL_DRIFT_NATS) while the score gained under SCORE_GAIN_FRACTION of the gain it had made
         over the SFT policy by that evaluation. None where it does not (or where the evaluation has no KL)."""
-        if "kl" not in stats or not self.points:
-            return None
-        base = self.points[0][1]
-        for step, score, kl in self.points[1:]:
-            gained = score - base
-            if gained <= 0 or stats["kl"] < KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS:
-                continue
-            if stats["score"] - score < SCORE_GAIN_FRACTION * gained:
+        for step, score, kl in self._stalled_points(stats):
+            if stats["kl"] >= KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS:
                 return (
                     f"the KL to the reference grew from {kl:.1f} (update {step}) to {stats['kl']:.1f} while the "
                     f"score moved {stats['score'] - score:+.3f}"
                 )
         return None
+
+    def kl_drift_ratio(self, stats: dict[str, float]) -> float:
+        """How far the KL-drift condition is from firing: the largest KL / (KL_DRIFT_FACTOR * earlier KL +
+        KL_DRIFT_NATS) over the earlier evaluations the score has stalled since (1 or more: it fires; 0: none)."""
+        stalled = self._stalled_points(stats)
+        return max((stats["kl"] / (KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS) for _, _, kl in stalled), default=0.0)
 
     def check(self, step: int, stats: dict[str, float]) -> Alarm | None:
         """Take the evaluation after `step` updates; the alarm when it fires at this one (None otherwise)."""

@@ -1,10 +1,12 @@
-"""Reward-model ensembles: K reward models trained alike from the SFT checkpoint with their own seeds (and, with
-reward.bootstrap, their own resample of the pairs), scored together (docs/overoptimisation.md).
+"""Reward-model ensembles: K reward models trained alike with their own seeds (and, with reward.bootstrap, their
+own resample of the pairs), from the SFT checkpoint, from SFT checkpoints of their own (reward.ensemble_trunks
+'own_sft') or from models of their own (reward.ensemble_models), scored together (docs/overoptimisation.md).
 
 An ensemble is a folder with `ENSEMBLE_FILE` (the members' checkpoint folders, each member's offset and the
-members' disagreement on held-out chosen responses, written by `rlhf.train.reward_ensemble`), the members' shared
-tokenizer and a manifest. `load_reward` loads it as a `RewardEnsemble`, or a single reward model's folder as that
-model: the stages downstream of the reward model take either.
+members' disagreement on held-out chosen responses, written by `rlhf.train.reward_ensemble`), member 0's tokenizer
+and a manifest; each member's own tokenizer is in its folder (`member_tokenizers`). `load_reward` loads it as a
+`RewardEnsemble`, or a single reward model's folder as that model: the stages downstream of the reward model take
+either.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.config import RewardConfig
-from rlhf.models.loading import load_reward_model
+from rlhf.models.loading import load_reward_model, load_tokenizer
+from rlhf.models.stop_tokens import same_vocabulary
 from rlhf.ops import ensemble_scores
 
 ENSEMBLE_FILE = "ensemble.json"
@@ -50,6 +53,16 @@ def member_paths(path: str) -> list[str]:
     return spec.members if spec is not None else [path]
 
 
+def member_tokenizers(
+    path: str, policy_tokenizer: PreTrainedTokenizerBase, trust_remote_code: bool = False
+) -> list[PreTrainedTokenizerBase | None]:
+    """For each model that scores at `path` (an ensemble's members, or the one reward model), the tokenizer it
+    re-tokenizes the policy's decoded text with; None where its vocabulary is the policy's, so it scores the policy's
+    token ids as they are."""
+    tokenizers = [load_tokenizer(member, trust_remote_code=trust_remote_code) for member in member_paths(path)]
+    return [None if same_vocabulary(policy_tokenizer, tok) else tok for tok in tokenizers]
+
+
 class RewardEnsemble(nn.Module):
     """K frozen reward models. `member_scores` are their scores less each member's offset, so the members agree
     on average over held-out responses; `combine` makes one score of them with the ensemble objective."""
@@ -66,7 +79,7 @@ class RewardEnsemble(nn.Module):
 
     @property
     def config(self) -> Any:
-        """Member 0's config (the members share their architecture and tokenizer)."""
+        """Member 0's config (members of reward.ensemble_models have architectures of their own)."""
         return self.members[0].config
 
     def centred(self, raw: Tensor) -> Tensor:

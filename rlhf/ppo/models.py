@@ -23,7 +23,14 @@ from rlhf.models.loading import (
     load_tokenizer,
 )
 from rlhf.models.reference import load_reference_lm
-from rlhf.models.reward_ensemble import RewardEnsemble, ensemble_objective, load_reward, member_paths, reward_members
+from rlhf.models.reward_ensemble import (
+    RewardEnsemble,
+    ensemble_objective,
+    load_reward,
+    member_paths,
+    member_tokenizers,
+    reward_members,
+)
 from rlhf.models.stop_tokens import checkpoint_stop_tokens, same_vocabulary, stop_token_ids
 from rlhf.models.training import (
     apply_lora,
@@ -52,6 +59,8 @@ class PPOModels:
     sampler: Sampler | None = None  # ppo.generation.backend other than the built-in one (started by the trainer)
     reward_fn: RewardFunction | None = None  # reward.function: the score, or added to the reward model's
     reward_fn_weight: float = 1.0
+    # per scoring model, the tokenizer it re-tokenizes the decoded text with (None: the policy's ids as they are)
+    member_tokenizers: list[PreTrainedTokenizerBase | None] | None = None
 
     @property
     def shared_value_head(self) -> bool:
@@ -75,6 +84,7 @@ class PPOModels:
             sampler=self.sampler,
             reward_fn=self.reward_fn,
             reward_fn_weight=self.reward_fn_weight,
+            member_tokenizers=self.member_tokenizers,
         )
 
 
@@ -142,6 +152,7 @@ def load_models(
         None if reward_path is None else load_reward(reward_path, device, *ensemble_objective(reward_cfg), **frozen)
     )
     reward_fn, reward_fn_weight = reward_function(reward_cfg, columns)
+    readers = None if reward_path is None else member_tokenizers(reward_path, tokenizer, trust_remote_code)
     for frozen_model in (reference, reward):
         if frozen_model is not None:
             frozen_model.requires_grad_(False)
@@ -159,7 +170,8 @@ def load_models(
         tokenizer,
         reward_tokenizer,
         stops,
-        same_vocabulary(tokenizer, reward_tokenizer),
+        readers is None or all(reader is None for reader in readers),
         reward_fn=reward_fn,
         reward_fn_weight=reward_fn_weight,
+        member_tokenizers=readers,
     )

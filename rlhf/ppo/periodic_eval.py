@@ -66,6 +66,7 @@ def evaluate_now(
     kl = float(frame["kl"].mean())
     metrics = {
         PERIODIC_SCORE: float(frame["score"].mean()),
+        "periodic_eval/score_std": float(frame["score"].std(ddof=0)),
         PERIODIC_KL: kl,
         "periodic_eval/sqrt_kl": sqrt_kl(kl),
         "periodic_eval/length_mean": float(frame["length"].mean()),
@@ -127,6 +128,24 @@ class EvalGuard:
         if self.mode == "keep_best" and self.best is not None:
             return self.best_step, self.best
         return None
+
+    def outcome(self, last_step: int) -> str:
+        """After the alarm fired: which policy is the final one, and the setting that gives the other (the end of
+        the summary's WARNING)."""
+        kept = self.kept()
+        if kept is None:
+            said = f"the final policy is the last update's ({last_step}; ppo.on_overoptimisation: {self.mode})"
+            other = (
+                "; to keep the policy of the last evaluation before the alarm, rerun with ppo.on_overoptimisation=stop "
+                "(the stages before the policy stage come from the cache)"
+            )
+            return said + other * (self.mode == "warn")
+        which = f"the {'last' if self.mode == 'stop' else 'best'} evaluation before the alarm"
+        stopped = "training stopped there and " if self.mode == "stop" else ""
+        return (
+            f"{stopped}the final policy is update {kept[0]}'s, {which} (ppo.on_overoptimisation: {self.mode}); to "
+            "keep the last update's instead, rerun with ppo.on_overoptimisation=warn"
+        )
 
     def result_metrics(self) -> dict[str, float]:
         """overoptimisation/*: the update the alarm fired after (-1: it did not) and the update of the kept policy."""

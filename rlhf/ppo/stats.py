@@ -118,6 +118,17 @@ def rollout_stats(
 
 
 @torch.no_grad()
+def group_distinct_share(tokens: Tensor, mask: Tensor, group_size: int) -> float:
+    """The mean over groups (rows ``[g * G, (g + 1) * G)``, one prompt's samples) of the share of the group's
+    responses that differ from each other: distinct token sequences over G (1 / G: all G the same). Padding is
+    ignored. Shape: tokens and mask (b, r)."""
+    masked = torch.where(mask.bool(), tokens, torch.full_like(tokens, -1))
+    groups = masked.view(-1, group_size, masked.shape[-1])
+    distinct = [len(torch.unique(group, dim=0)) for group in groups]
+    return sum(distinct) / (len(distinct) * group_size) if distinct else 1.0
+
+
+@torch.no_grad()
 def ensemble_rollout_stats(member_scores: Tensor | None, in_distribution_std: float) -> dict[str, float]:
     """A reward-model ensemble's view of one rollout batch: its members' mean, std and minimum (means over the
     responses), and the std over the members' std on held-out chosen responses (`disagreement_ratio`). Shape:

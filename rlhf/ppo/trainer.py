@@ -44,6 +44,7 @@ from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.static_decode import resolve_decode
 from rlhf.rollout.vllm_backend import start_vllm_sampler
+from rlhf.stop_request import raise_if_stop_requested
 from rlhf.tracking.metrics_writer import flush_log
 
 PROMPT_TRUNCATION_WARN = 0.1  # warn when more of the prompts than this are cut to ppo.max_prompt_tokens
@@ -136,6 +137,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     if state.step == 0:
         evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
     for update in bar:
+        raise_if_stop_requested(f"PPO training at update {update + 1}")
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
         rollout, sampling_stats = sample_update(update, sample_rollout, cfg, pad_id, dist)
@@ -172,7 +174,8 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     keep_guarded_policy(guard, models, cfg, dist)
     result = save_result(out_dir / "final", models, state, stats, plan, run.param_digest)
     result.metrics |= guard.result_metrics()
-    result.alarm = guard.alarm.fired.sentence() if guard.alarm.fired else ""
+    fired = guard.alarm.fired
+    result.alarm = f"{fired.sentence()}; {guard.outcome(state.step)}" if fired else ""
     return result
 
 

@@ -26,6 +26,7 @@ from rlhf.ppo.distributed import DistContext, masked_mean_var
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import PromptBatch
+from rlhf.ppo.stats import group_distinct_share
 from rlhf.rollout import scoring
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.scoring import ScoredResponses
@@ -229,5 +230,6 @@ def critic_free_advantages(
     stats = {
         "group/reward_std": float(groups.group_std.mean()),
         "group/zero_std_fraction": float(groups.zero_std_fraction),
+        "group/distinct_responses": group_distinct_share(scored.resp.tokens, mask, group),
     }
     return advantages, stats

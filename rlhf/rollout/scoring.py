@@ -134,10 +134,9 @@ def function_scores(
 
 @torch.no_grad()
 def reward_scores(
-    reward: PreTrainedModel,
-    reward_tokenizer: PreTrainedTokenizerBase,
+    reward: PreTrainedModel | RewardEnsemble,
+    readers: list[PreTrainedTokenizerBase | None],
     policy_tokenizer: PreTrainedTokenizerBase,
-    same_tokenizer: bool,
     prompts: list[str] | None,
     query_responses: Tensor,
     qr_mask: Tensor,
@@ -148,30 +147,38 @@ def reward_scores(
     """Reward-model score at the last real token of each (prompt, response), of each member of an ensemble (raw:
     without the members' offsets). Shape: (K, b), K = 1 without an ensemble.
 
-    Same tokenizer: the policy's token ids are scored as they are. Different tokenizers: the response is decoded
-    and the reward model re-tokenizes prompt and response text (a logged decision, see the PPO stage params).
+    `readers` (one per member, `ScoringModels.readers`): None scores the policy's token ids as they are; a tokenizer
+    (the member's own, another vocabulary) scores the decoded response, prompt and response re-tokenized with it (a
+    logged decision, see the PPO stage params), so each member of an ensemble of several families reads the text in
+    its own tokens.
     """
-    if not same_tokenizer:
-        if prompts is None:
-            raise ValueError("the reward model's tokenizer differs from the policy's: prompt texts are needed")
-        texts = policy_tokenizer.batch_decode(
-            resp.tokens.masked_fill(resp.mask == 0, policy_tokenizer.pad_token_id), skip_special_tokens=True
-        )
-        limit = getattr(reward.config, "max_position_embeddings", None) or 1024
-        batch = encode_prompt_response(reward_tokenizer, prompts, texts, max_length=limit)
-        query_responses, qr_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    size = forward_batch_size or len(query_responses)
-    return torch.stack(
-        [
+    texts: list[str] | None = None
+    encoded: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (tokenizer, length limit) -> ids, mask
+    scores = []
+    for member, reader in zip(reward_members(reward), readers, strict=True):
+        ids, mask = query_responses, qr_mask
+        if reader is not None:
+            if prompts is None:
+                raise ValueError("the reward model's tokenizer differs from the policy's: prompt texts are needed")
+            if texts is None:
+                texts = policy_tokenizer.batch_decode(
+                    resp.tokens.masked_fill(resp.mask == 0, policy_tokenizer.pad_token_id), skip_special_tokens=True
+                )
+            limit = getattr(member.config, "max_position_embeddings", None) or 1024
+            if (id(reader), limit) not in encoded:
+                batch = encode_prompt_response(reader, prompts, texts, max_length=limit)
+                encoded[id(reader), limit] = batch.input_ids.to(device), batch.attention_mask.to(device)
+            ids, mask = encoded[id(reader), limit]
+        size = forward_batch_size or len(ids)
+        scores.append(
             torch.cat(
                 [
-                    sharding.call(member, sequence_scores, query_responses[i : i + size], qr_mask[i : i + size])
-                    for i in range(0, len(query_responses), size)
+                    sharding.call(member, sequence_scores, ids[i : i + size], mask[i : i + size])
+                    for i in range(0, len(ids), size)
                 ]
             )
-            for member in reward_members(reward)
-        ]
-    ).float()
+        )
+    return torch.stack(scores).float()
 
 
 @dataclass
@@ -180,8 +187,9 @@ class ScoringModels:
 
     `policy` samples (a peft model with LoRA); `reference` None means the policy with its adapters disabled; `value`
     None (evaluation) computes no values; `same_tokenizer`: the reward model scores the policy's token ids as they
-    are, else it re-tokenizes the decoded text; `sampler` None samples with the built-in sampler from the policy,
-    else with that sampler (PPO's ppo.generation.backend).
+    are, else it re-tokenizes the decoded text with `reward_tokenizer`; `member_tokenizers` (where set) says that
+    for each scoring model, an ensemble's members one by one; `sampler` None samples with the built-in sampler from
+    the policy, else with that sampler (PPO's ppo.generation.backend).
     """
 
     policy: nn.Module
@@ -194,6 +202,16 @@ class ScoringModels:
     sampler: Sampler | None = None
     reward_fn: RewardFunction | None = None  # reward.function: the score (no reward model) or added to it
     reward_fn_weight: float = 1.0  # with a reward model: score = model + weight * function
+    # per scoring model, the tokenizer it re-tokenizes the decoded text with, None: the policy's token ids as they are
+    # (`rlhf.models.reward_ensemble.member_tokenizers`); None: every one as `same_tokenizer` says
+    member_tokenizers: list[PreTrainedTokenizerBase | None] | None = None
+
+    def readers(self) -> list[PreTrainedTokenizerBase | None]:
+        """How each scoring model (an ensemble's members, or the one reward model) reads a response: `reward_scores`'
+        `readers`."""
+        if self.member_tokenizers is not None:
+            return self.member_tokenizers
+        return [None if self.same_tokenizer else self.reward_tokenizer] * len(reward_members(self.reward))
 
 
 @dataclass
@@ -385,9 +403,8 @@ def generate_and_score(
             if models.reward is not None:
                 raw = reward_scores(
                     models.reward,
-                    models.reward_tokenizer,
+                    models.readers(),
                     models.tokenizer,
-                    models.same_tokenizer,
                     prompt_texts,
                     query_responses,
                     qr_mask,

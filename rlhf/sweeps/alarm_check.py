@@ -1,69 +1,359 @@
 """The over-optimisation alarm checked against gold: every PPO-stage run with periodic evaluations and a gold
-reward in an MLflow experiment, its gold curve and where the alarm fires (docs/overoptimisation.md).
+reward in MLflow experiments, its gold curve, where the alarm fires, what each `ppo.on_overoptimisation` keeps, and
+how well each gold-free signal tells the runs whose gold falls from the rest (docs/overoptimisation.md).
 
-    python -m rlhf.sweeps.alarm_check --tracking-uri sqlite:///mlruns/mlflow.db --experiment rlhf-ppo [--out t.csv]
+    python -m rlhf.sweeps.alarm_check --experiment rlhf-ppo [--experiment rlhf-overoptimisation] [--filter NAME]
+        [--half held-out] [--out table.csv] [--roc roc.png]
 
 Each run's alarm is replayed from its logged periodic_eval/* history with today's rule (`rlhf.eval.overoptimisation`),
-so runs logged before a change of the rule are judged by the new one. Prints one row a run and the recall, false
-alarms and lead times.
+so runs logged before a change of the rule are judged by the new one. Every run belongs to one half of the study,
+"tuning" or "held-out", fixed by what the run is (`held_out`) before any run is looked at: thresholds are chosen on
+the tuning half and reported on the held-out one.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import GOLD_FALL, replay
-from rlhf.metrics import PERIODIC_GOLD
+from rlhf.config.estimators import objective_label
+from rlhf.eval.overoptimisation import DISTINCT_DROP, GOLD_FALL, OveroptimisationAlarm, replay
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_SCORE
 from rlhf.tracking.client import Tracker
 
+GROUP_DISTINCT = "group/distinct_responses"  # a training statistic (critic-free estimators with groups)
+PERIODIC_KEYS = ["score", "score_std", "gold", "kl", "distinct_2", "identical_share", "near_identical_share"]
+PERIODIC_KEYS += ["repetition", "ensemble_mean", "ensemble_min", "ensemble_std", "disagreement_ratio"]
+HALVES = ("tuning", "held-out")
 
-def alarm_table(tracker: Tracker, name_filter: str = "") -> pd.DataFrame:
-    """One row per finished PPO-stage run with periodic_eval/gold (run names containing `name_filter`)."""
-    rows = []
-    for run in tracker.search_runs("tags.stage = 'train_policy_ppo'"):
-        if name_filter not in run.name:
+
+def held_out(identity: str) -> bool:
+    """Whether the run `identity` names (its task, objective, KL coefficient and policy seed) is in the held-out
+    half of the study: the parity of its SHA-256, fixed before the grid ran (conf/sweeps/alarm_grid.yaml)."""
+    return int(hashlib.sha256(identity.encode()).hexdigest(), 16) % 2 == 1
+
+
+def run_identity(experiment: str, params: dict[str, str]) -> dict[str, str]:
+    """What a PPO-stage run is, from its parameters: its task (the experiment), objective, KL coefficient and
+    policy seed, the identity string `held_out` reads, and the half it is in."""
+    objective = objective_label(
+        params.get("ppo.advantage_estimator", "gae"), params.get("ppo.importance_sampling_level", "token")
+    )
+    kl_coef, seed = params.get("ppo.kl_coef", "?"), params.get("seed", "?")
+    identity = f"{experiment}|{objective}|kl_coef={kl_coef}|seed={seed}"
+    return {
+        "task": experiment,
+        "objective": objective,
+        "kl_coef": kl_coef,
+        "seed": seed,
+        "identity": identity,
+        "half": HALVES[held_out(identity)],
+    }
+
+
+def evaluations(history: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a run's merged history (periodic_eval/* and training statistics) that are periodic evaluations."""
+    return history[history[PERIODIC_SCORE].notna()].reset_index(drop=True)
+
+
+def _ratio_drop(values: pd.Series) -> float:
+    """1 less the smallest later value over the first (step 0, the SFT policy's): how far a diversity measure fell."""
+    later = values.iloc[1:].dropna()
+    first = values.iloc[0]
+    if later.empty or not first or first != first:
+        return float("nan")
+    return 1.0 - float(later.min()) / float(first)
+
+
+def rule_trace(evals: pd.DataFrame) -> tuple[float, list[bool]]:
+    """The alarm's rule over a run's evaluations: whether its conditions hold at each one (the alarm fires at the
+    first), and the rule as one number a run can be ranked by, without gold: the largest, over the evaluations, of
+    the KL-drift ratio (`OveroptimisationAlarm.kl_drift_ratio`) and the distinct-bigram condition's ratio (the SFT
+    policy's distinct-2 times DISTINCT_DROP over the evaluation's); 1 or more where the rule fires."""
+    alarm, best, holds = OveroptimisationAlarm(), 0.0, []
+    for row in evals.to_dict("records"):
+        stats = {k.removeprefix(PERIODIC_EVAL): v for k, v in row.items() if isinstance(k, str) and v == v}
+        if alarm.baseline is not None:
+            best = max(best, alarm.kl_drift_ratio(stats))
+            base = alarm.baseline["distinct_2"]
+            best = max(best, DISTINCT_DROP * base / stats["distinct_2"] if stats["distinct_2"] > 0 else float("inf"))
+        alarm.check(int(row["step"]), stats)
+        holds.append(bool(alarm.history[-1][1]))
+    return best, holds
+
+
+def _rule_score(evals: pd.DataFrame) -> float:
+    return rule_trace(evals)[0]
+
+
+# What each evaluation shows of a collapse, without gold (higher: more like one), for confirming the rule's alarm:
+# the share of answers that are nearly another prompt's, how far the scores' spread across prompts and the distinct
+# bigrams fell from the SFT policy's, the share of a group's samples that repeat another.
+PER_EVALUATION: dict[str, Callable[[pd.DataFrame], pd.Series]] = {
+    "near_identical_share": lambda e: e[f"{PERIODIC_EVAL}near_identical_share"],
+    "identical_share": lambda e: e[f"{PERIODIC_EVAL}identical_share"],
+    "score_std_fall": lambda e: 1 - e[f"{PERIODIC_EVAL}score_std"] / e[f"{PERIODIC_EVAL}score_std"].iloc[0],
+    "distinct_2_fall": lambda e: 1 - e[f"{PERIODIC_EVAL}distinct_2"] / e[f"{PERIODIC_EVAL}distinct_2"].iloc[0],
+    "group_repeats": lambda e: 1 - e[GROUP_DISTINCT],
+}
+
+
+# The gold-free signals the study ranks runs by, each higher where a run looks more like a collapse: a function of
+# the run's evaluations (step 0 first)
+SIGNALS: dict[str, Callable[[pd.DataFrame], float]] = {
+    "rule": _rule_score,
+    "near_identical_share (max)": lambda e: float(e[f"{PERIODIC_EVAL}near_identical_share"].iloc[1:].max()),
+    "identical_share (max)": lambda e: float(e[f"{PERIODIC_EVAL}identical_share"].iloc[1:].max()),
+    "distinct_2 (fall from SFT)": lambda e: _ratio_drop(e[f"{PERIODIC_EVAL}distinct_2"]),
+    "score_std (fall from SFT)": lambda e: _ratio_drop(e[f"{PERIODIC_EVAL}score_std"]),
+    "group distinct samples (1 - min)": lambda e: 1.0 - float(e[GROUP_DISTINCT].iloc[1:].min()),
+    "repetition (max)": lambda e: float(e[f"{PERIODIC_EVAL}repetition"].iloc[1:].max()),
+    "disagreement_ratio (max)": lambda e: float(e[f"{PERIODIC_EVAL}disagreement_ratio"].iloc[1:].max()),
+}
+
+
+def signal_scores(evals: pd.DataFrame) -> dict[str, float]:
+    """Every signal of `SIGNALS` on one run's evaluations (NaN where the run did not log what it reads)."""
+    scores = {}
+    for name, signal in SIGNALS.items():
+        try:
+            scores[f"signal: {name}"] = signal(evals)
+        except KeyError:
+            scores[f"signal: {name}"] = float("nan")
+    return scores
+
+
+def kept_best_gold(evals: pd.DataFrame, alarm_step: int) -> float:
+    """The gold of the policy `ppo.on_overoptimisation: keep_best` keeps: the evaluation before the alarm (all of
+    them where it never fires) with the best conservative score (the ensemble's minimum; the score with one model)."""
+    before = evals if alarm_step < 0 else evals[evals["step"] < alarm_step]
+    column = f"{PERIODIC_EVAL}ensemble_min"
+    score = before[column] if column in before and before[column].notna().all() else before[PERIODIC_SCORE]
+    return float(before[PERIODIC_GOLD][score.idxmax()])
+
+
+def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.DataFrame:
+    """One row per finished PPO-stage run with periodic_eval/gold (run names containing `name_filter`): what it is,
+    the alarm replayed against its gold, the gold each ppo.on_overoptimisation keeps, and its signals. A run made
+    again (the same task, objective, KL coefficient and seed) counts once: the newest."""
+    rows, seen = [], set()
+    for run in tracker.search_runs("tags.stage = 'train_policy_ppo' and attributes.status = 'FINISHED'"):
+        identity = run_identity(experiment, run.params)
+        if name_filter not in run.name or identity["identity"] in seen:
             continue
-        keys = ["score", "gold", "kl", "distinct_2", "identical_share", "repetition"]
-        keys += ["ensemble_mean", "ensemble_min", "ensemble_std", "disagreement_ratio"]
-        history = tracker.metric_histories(run.run_id, [f"periodic_eval/{k}" for k in keys])
+        seen.add(identity["identity"])
+        keys = [f"{PERIODIC_EVAL}{k}" for k in PERIODIC_KEYS] + [GROUP_DISTINCT]
+        history = tracker.metric_histories(run.run_id, keys)
         if history.empty or PERIODIC_GOLD not in history or history[PERIODIC_GOLD].isna().all():
             continue
-        rows.append({"run": run.name, **replay(history)})
+        evals = evaluations(history)
+        replayed = replay(evals.drop(columns=[GROUP_DISTINCT]))
+        per_evaluation = {f"per_eval: {name}": series(evals).tolist() for name, series in PER_EVALUATION.items()}
+        rows.append(
+            {
+                "run": run.name,
+                **identity,
+                **replayed,
+                "gold_if_kept_best": kept_best_gold(evals, int(replayed["alarm_step"])),
+                **signal_scores(evals),
+                "eval_steps": evals["step"].tolist(),
+                "gold_curve": evals[PERIODIC_GOLD].tolist(),
+                "rule_holds": rule_trace(evals)[1],
+                **per_evaluation,
+            }
+        )
     return pd.DataFrame(rows)
 
 
+def confirmed_alarms(table: pd.DataFrame, signal: str, threshold: float) -> pd.Series:
+    """The update each run's alarm fires at under the rule confirmed by `signal` (a `PER_EVALUATION` name): the first
+    evaluation where the rule's conditions hold and the signal is at `threshold` or more (-1: never)."""
+
+    def first(row: pd.Series) -> int:
+        for step, holds, value in zip(row["eval_steps"], row["rule_holds"], row[f"per_eval: {signal}"], strict=True):
+            if holds and value == value and value >= threshold:
+                return int(step)
+        return -1
+
+    return table.apply(first, axis=1)
+
+
+def alarm_counts(table: pd.DataFrame, alarm_steps: pd.Series) -> dict[str, int]:
+    """Recall and false alarms of the alarm updates `alarm_steps` (one per run of `table`)."""
+    falls = table["falls"].astype(bool)
+    caught = falls & (alarm_steps >= 0) & (alarm_steps < table["last_step"])
+    return {
+        "falls": int(falls.sum()),
+        "caught": int(caught.sum()),
+        "healthy": int((~falls).sum()),
+        "false_alarms": int((~falls & (alarm_steps >= 0)).sum()),
+    }
+
+
+def tune_confirmation(tuning: pd.DataFrame) -> list[dict[str, float | str]]:
+    """For each `PER_EVALUATION` signal, the largest threshold that keeps every fall of the tuning half alarmed before
+    its last update, and the false alarms left there (the signal's values on the tuning runs are the candidates)."""
+    found = []
+    for signal in PER_EVALUATION:
+        values = sorted({v for row in tuning[f"per_eval: {signal}"] for v in row if v == v}, reverse=True)
+        for threshold in values:
+            counts = alarm_counts(tuning, confirmed_alarms(tuning, signal, threshold))
+            if counts["caught"] == counts["falls"]:
+                found.append({"signal": signal, "threshold": threshold, **counts})
+                break
+    return sorted(found, key=lambda row: row["false_alarms"])
+
+
+def auc(scores: pd.Series, positive: pd.Series) -> float:
+    """The area under the ROC curve of `scores` for telling the positive runs from the others (ties count half;
+    NaN scores left out): the chance that a random positive run scores above a random negative one."""
+    known = scores.notna()
+    pos, neg = scores[known & positive].tolist(), scores[known & ~positive].tolist()
+    if not pos or not neg:
+        return float("nan")
+    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def separation_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Each signal's AUC for the runs whose gold falls, and its mean on falling and on healthy runs."""
+    falls = table["falls"].astype(bool)
+    rows = []
+    for column in [c for c in table.columns if c.startswith("signal: ")]:
+        rows.append(
+            {
+                "signal": column.removeprefix("signal: "),
+                "auc": auc(table[column], falls),
+                "mean (falls)": table.loc[falls, column].mean(),
+                "mean (healthy)": table.loc[~falls, column].mean(),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def choice_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The mean gold of what each ppo.on_overoptimisation keeps, per objective and over all runs."""
+    modes = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best", "(peak)": "gold_peak"}
+    grouped = table.groupby("objective")[list(modes.values())].mean()
+    grouped.loc["all runs"] = table[list(modes.values())].mean()
+    grouped.columns = list(modes)
+    grouped["runs"] = table.groupby("objective").size().reindex(grouped.index).fillna(len(table)).astype(int)
+    return grouped
+
+
 def summary_lines(table: pd.DataFrame) -> list[str]:
-    """Recall (runs whose gold falls, alarmed before their last evaluation), false alarms and lead times."""
+    """Recall (runs whose gold falls, alarmed before their last evaluation), false alarms and lead times, over all
+    runs and per objective."""
     falls, healthy = table[table["falls"]], table[~table["falls"]]
     caught = falls[(falls["alarm_step"] >= 0) & (falls["alarm_step"] < falls["last_step"])]
     leads = (caught["fall_step"] - caught["alarm_step"]).tolist()
-    return [
+    lines = [
         f"runs whose gold falls {GOLD_FALL} or more below its peak: {len(falls)}, alarmed: {len(caught)}",
         f"healthy runs: {len(healthy)}, alarmed: {int((healthy['alarm_step'] >= 0).sum())}",
         f"lead time (updates from the alarm to the gold's fall): {leads}",
         f"mean gold, final policy {table['gold_final'].mean():.3f}; the policy 'stop' keeps "
-        f"{table['gold_if_stopped'].mean():.3f}",
+        f"{table['gold_if_stopped'].mean():.3f}; 'keep_best' keeps {table['gold_if_kept_best'].mean():.3f}",
     ]
+    if "objective" in table:
+        for objective, runs in table.groupby("objective"):
+            ok = runs[~runs["falls"]]
+            fell = runs[runs["falls"]]
+            hit = fell[(fell["alarm_step"] >= 0) & (fell["alarm_step"] < fell["last_step"])]
+            lines.append(
+                f"  {objective}: falls {len(fell)} (alarmed {len(hit)}), healthy {len(ok)} "
+                f"(alarmed {int((ok['alarm_step'] >= 0).sum())})"
+            )
+    return lines
+
+
+def _counts(counts: dict) -> str:
+    return (
+        f"falls alarmed {counts['caught']} of {counts['falls']}, false alarms {counts['false_alarms']} of "
+        f"{counts['healthy']}"
+    )
+
+
+def roc_picture(table: pd.DataFrame, path: Path, title: str) -> None:
+    """The ROC curves of the rule's score and of each signal against "gold fell GOLD_FALL or more", as a PNG."""
+    from matplotlib.figure import Figure
+
+    falls = table["falls"].astype(bool)
+    figure = Figure(figsize=(6.4, 5.6))
+    ax = figure.subplots()
+    for column in [c for c in table.columns if c.startswith("signal: ")]:
+        scores = table[column]
+        known = scores.notna()
+        if not (known & falls).any() or not (known & ~falls).any():
+            continue
+        thresholds = sorted(set(scores[known]), reverse=True)
+        points = [(0.0, 0.0)]
+        for t in thresholds:
+            flagged = known & (scores >= t)
+            points.append(
+                ((flagged & ~falls).sum() / (known & ~falls).sum(), (flagged & falls).sum() / (known & falls).sum())
+            )
+        name = column.removeprefix("signal: ")
+        width = 2.5 if name == "rule" else 1.0
+        ax.plot(*zip(*points, strict=True), label=f"{name} (AUC {auc(scores, falls):.2f})", linewidth=width)
+    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xlabel("false-alarm rate (healthy runs flagged)")
+    ax.set_ylabel(f"recall (runs whose gold fell {GOLD_FALL} or more)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
-    parser.add_argument("--experiment", default="rlhf-ppo")
+    parser.add_argument("--experiment", action="append", help="an experiment to read (repeat for several)")
     parser.add_argument("--filter", default="", help="only runs whose name contains this")
+    parser.add_argument("--half", choices=[*HALVES, "all"], default="all", help="only the runs of this half")
     parser.add_argument("--out", help="also write the table to this CSV file")
+    parser.add_argument("--roc", help="also draw the ROC curves of the signals into this PNG file")
     args = parser.parse_args(argv)
-    table = alarm_table(Tracker(args.tracking_uri, args.experiment), args.filter)
+    experiments = args.experiment or ["rlhf-ppo"]
+    tables = [alarm_table(Tracker(args.tracking_uri, name), name, args.filter) for name in experiments]
+    table = (
+        pd.concat([t for t in tables if not t.empty], ignore_index=True)
+        if any(not t.empty for t in tables)
+        else pd.DataFrame()
+    )
+    if not table.empty and args.half != "all":
+        table = table[table["half"] == args.half].reset_index(drop=True)
     if table.empty:
         print("no PPO run with periodic evaluations and a gold reward")
         return
-    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 60):
-        print(table.drop(columns=["reasons"]).round(3).to_string(index=False))
-    print("\n".join(summary_lines(table)))
+    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds")
+    shown = [c for c in table.columns if c not in traces and not c.startswith(("signal: ", "per_eval: "))]
+    with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 40):
+        print(table[shown].round(3).to_string(index=False))
+        print("\n".join(summary_lines(table)))
+        print("\nwhat each ppo.on_overoptimisation keeps (mean gold):")
+        print(choice_table(table).round(3).to_string())
+        print("\nthe signals, against 'gold fell':")
+        print(separation_table(table).round(3).to_string(index=False))
+        halves = {half: table[table["half"] == half] for half in HALVES}
+        if all(len(rows) for rows in halves.values()):
+            print("\nthe rule confirmed by one signal, its threshold set on the tuning half, on the held-out half:")
+            for tuned in tune_confirmation(halves["tuning"]):
+                held = alarm_counts(
+                    halves["held-out"], confirmed_alarms(halves["held-out"], tuned["signal"], tuned["threshold"])
+                )
+                print(
+                    f"  {tuned['signal']} >= {tuned['threshold']:.3f}: tuning {_counts(tuned)}; "
+                    f"held-out {_counts(held)}"
+                )
     if args.out:
         table.to_csv(args.out, index=False)
+    if args.roc:
+        roc_picture(table, Path(args.roc), f"{len(table)} runs ({args.half}), {', '.join(experiments)}")
 
 
 if __name__ == "__main__":

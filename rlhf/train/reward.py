@@ -214,7 +214,7 @@ class BestCheckpoint:
 def train_reward_model(
     cfg: RewardConfig,
     runtime: RuntimeConfig,
-    sft_path: str,
+    init_path: str,
     train_file: str | Path,
     eval_file: str | Path,
     out_dir: str | Path,
@@ -222,7 +222,8 @@ def train_reward_model(
     log: LogFn,
     stop_after: int | None = None,
 ) -> RewardResult:
-    """Initialise a scalar-head model from the SFT checkpoint and train it on preference pairs.
+    """Initialise a scalar-head model from `init_path` (the SFT checkpoint, or an ensemble member's own model of
+    reward.ensemble_models, with its tokenizer) and train it on preference pairs.
 
     The full state (weights, optimizer, scheduler, RNGs, data order, best checkpoint) is saved to
     ``out_dir/state`` every ``cfg.save_every`` steps; a restart with the same config continues from it.
@@ -233,11 +234,11 @@ def train_reward_model(
     train = pd.read_parquet(train_file)
     evals = pd.read_parquet(eval_file)
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
+    tokenizer = load_tokenizer(init_path, trust_remote_code=runtime.trust_remote_code)
     train, evals, length_stats = length_policy(train, evals, tokenizer, cfg)
     if cfg.bootstrap:  # an ensemble member's own resample of the pairs, with replacement (reward.bootstrap)
         train = train.sample(n=len(train), replace=True, random_state=seed).reset_index(drop=True)
-    model = load_reward_model(sft_path, device, **load_options(runtime, device, trainable=True))
+    model = load_reward_model(init_path, device, **load_options(runtime, device, trainable=True))
     use_cpu_kernels(model)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -309,5 +310,6 @@ def train_reward_model(
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        manifest = write_manifest(tmp, stage="reward", best_step=best.step, eval_accuracy=accuracy)
+        # `init`: the checkpoint it started from (an ensemble's members: which SFT checkpoint or model of their own)
+        manifest = write_manifest(tmp, stage="reward", init=init_path, best_step=best.step, eval_accuracy=accuracy)
     return RewardResult(str(out_dir), manifest["digest"], metrics)

@@ -22,6 +22,7 @@ from rlhf.checkpoints import load_trainer_state, save_trainer_state
 from rlhf.errors import TrainingInterrupted
 from rlhf.nonfinite import skip_nonfinite
 from rlhf.stages import Stage
+from rlhf.stop_request import raise_if_stop_requested
 from rlhf.tracking.metrics_writer import LogFn, flush_log
 
 MAX_GRAD_NORM = 1.0
@@ -108,6 +109,7 @@ def run_supervised(
     )
     for index in bar:
         step = index + 1  # every stage counts its steps from 1
+        raise_if_stop_requested(f"{settings.stage.label} training at step {step}")
         if len(order) < settings.batch_size:
             order = list(range(settings.n_rows))
             rng.shuffle(order)

@@ -1,0 +1,131 @@
+"""The over-optimisation alarm checked against gold (rlhf.sweeps.alarm_check): runs written into a real MLflow store
+(SQLite in a temporary folder) with hand-made evaluation histories, read back, replayed and tabulated."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from rlhf.sweeps import alarm_check
+from rlhf.tracking.client import Tracker
+
+# updates 0, 10, ..., 50: (score, gold, KL, distinct-2, near-identical share, score std, group distinct share)
+COLLAPSE = [
+    (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None),
+    (1.5, 0.8, 3.0, 0.28, 0.05, 0.6, 0.95),
+    (1.9, 0.95, 5.0, 0.25, 0.10, 0.4, 0.9),
+    (1.91, 0.9, 9.0, 0.20, 0.60, 0.2, 0.6),  # the score stalls while the KL runs on: the rule fires here (30)
+    (1.92, 0.5, 14.0, 0.15, 0.90, 0.1, 0.4),  # gold 0.45 below its peak: the fall (40)
+    (1.93, -0.5, 20.0, 0.08, 1.00, 0.05, 0.26),
+]
+HEALTHY = [
+    (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None),
+    (1.0, 0.6, 2.0, 0.29, 0.00, 0.9, 0.98),
+    (1.5, 0.8, 3.0, 0.28, 0.02, 0.8, 0.97),
+    (1.7, 0.85, 3.5, 0.27, 0.02, 0.8, 0.97),
+    (1.8, 0.9, 3.8, 0.27, 0.03, 0.7, 0.96),
+    (1.85, 0.9, 4.0, 0.26, 0.03, 0.7, 0.96),
+]
+
+
+def _log_run(tracker: Tracker, name: str, estimator: str, seed: int, points) -> None:
+    run_id = tracker.start_run(name, tags={"stage": "train_policy_ppo"})
+    tracker.log_params(run_id, {"ppo.advantage_estimator": estimator, "ppo.kl_coef": 0.05, "seed": seed})
+    for i, (score, gold, kl, distinct, near, spread, group) in enumerate(points):
+        step = 10 * i
+        metrics = {
+            "periodic_eval/score": score,
+            "periodic_eval/gold": gold,
+            "periodic_eval/kl": kl,
+            "periodic_eval/distinct_2": distinct,
+            "periodic_eval/identical_share": 0.0,
+            "periodic_eval/near_identical_share": near,
+            "periodic_eval/repetition": 0.1,
+            "periodic_eval/score_std": spread,
+        }
+        tracker.log_metrics(run_id, metrics, step)
+        if group is not None:  # training statistics at every update, the evaluation's among them
+            for update in range(step - 9, step + 1):
+                tracker.log_metrics(run_id, {"group/distinct_responses": group, "objective/scores": score}, update)
+    tracker.end_run(run_id)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> tuple[str, Tracker]:
+    uri = f"sqlite:///{tmp_path_factory.mktemp('alarm') / 'mlflow.db'}"
+    tracker = Tracker(uri, "rlhf-ppo")
+    _log_run(tracker, "grid-00/ppo", "grpo", 51, HEALTHY)  # made again below: the newer run counts
+    _log_run(tracker, "grid-00/ppo", "grpo", 51, COLLAPSE)
+    _log_run(tracker, "grid-01/ppo", "gae", 51, HEALTHY)
+    _log_run(tracker, "other/ppo", "gae", 52, HEALTHY)
+    unfinished = tracker.start_run("grid-02/ppo", tags={"stage": "train_policy_ppo"})
+    tracker.log_metrics(unfinished, {"periodic_eval/score": 0.0, "periodic_eval/gold": 0.0}, 0)
+    return uri, tracker
+
+
+def test_the_table_replays_the_alarm_and_what_each_setting_keeps(store):
+    _, tracker = store
+    table = alarm_check.alarm_table(tracker, "rlhf-ppo", "grid").set_index("objective")
+    assert sorted(table.index) == ["GRPO", "PPO"]  # the unfinished run and the filtered one are left out
+    collapse, healthy = table.loc["GRPO"], table.loc["PPO"]
+    assert collapse["falls"] and collapse["fall_step"] == 40 and collapse["alarm_step"] == 30
+    assert collapse["gold_final"] == -0.5 and collapse["gold_if_stopped"] == 0.95  # update 20's policy
+    assert collapse["gold_if_kept_best"] == 0.95  # the best score before the alarm: update 20's too
+    assert not healthy["falls"] and healthy["alarm_step"] == -1
+    assert healthy["gold_if_stopped"] == healthy["gold_final"] == 0.9
+    assert healthy["gold_if_kept_best"] == 0.9  # the best score: update 50's
+    # the signals read the evaluations only (update 0 is the SFT policy's)
+    assert collapse["signal: near_identical_share (max)"] == 1.0
+    assert collapse["signal: distinct_2 (fall from SFT)"] == pytest.approx(1 - 0.08 / 0.30)
+    assert collapse["signal: score_std (fall from SFT)"] == pytest.approx(0.95)
+    assert collapse["signal: group distinct samples (1 - min)"] == pytest.approx(0.74)
+    assert collapse["signal: rule"] >= 1 > healthy["signal: rule"]
+    # at update 50 the score has stalled since update 40 only (+0.05, under 5% of the 2.0 gained by then)
+    assert healthy["signal: rule"] == pytest.approx(4.0 / (1.5 * 3.8 + 1))
+    assert pd.isna(healthy["signal: disagreement_ratio (max)"])  # one reward model: nothing to read
+    assert collapse["task"] == "rlhf-ppo" and collapse["seed"] == "51" and collapse["half"] in alarm_check.HALVES
+
+
+def test_the_split_is_fixed_by_what_a_run_is():
+    # pinned: a change to the identity's wording or the hash would move runs between the halves after the fact
+    assert alarm_check.held_out("rlhf-ppo|GRPO|kl_coef=0.05|seed=51") is True
+    assert alarm_check.held_out("rlhf-ppo|GRPO|kl_coef=0.05|seed=52") is False
+    identities = [f"rlhf-ppo|PPO|kl_coef=0.05|seed={s}" for s in range(200)]
+    assert 80 < sum(map(alarm_check.held_out, identities)) < 120  # about half
+
+
+def test_auc_and_the_summaries():
+    scores, falls = pd.Series([0.9, 0.8, 0.3, 0.3, float("nan")]), pd.Series([True, False, True, False, True])
+    # positives 0.9 and 0.3 (the NaN left out) against negatives 0.8 and 0.3: 1 + 1 + 0 + 0.5 of 4
+    assert alarm_check.auc(scores, falls) == pytest.approx(2.5 / 4)
+    assert pd.isna(alarm_check.auc(scores, pd.Series([False] * 5)))
+
+
+def test_the_command_prints_the_study_and_draws_the_roc(store, tmp_path, capsys):
+    uri, _ = store
+    roc, out = tmp_path / "roc.png", tmp_path / "table.csv"
+    alarm_check.main(["--tracking-uri", uri, "--filter", "grid", "--roc", str(roc), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "runs whose gold falls 0.2 or more below its peak: 1, alarmed: 1" in printed
+    assert (
+        "healthy runs: 1, alarmed: 0" in printed
+        and "lead time (updates from the alarm to the gold's fall): [10]" in printed
+    )
+    assert "keep_best" in printed and "near_identical_share (max)" in printed
+    assert roc.stat().st_size > 10_000 and len(pd.read_csv(out)) == 2
+
+
+def test_a_signal_that_confirms_the_rule_is_tuned_on_one_half(store):
+    _, tracker = store
+    table = alarm_check.alarm_table(tracker, "rlhf-ppo", "grid").sort_values("objective").reset_index(drop=True)
+    assert table["rule_holds"][0] == [False, False, False, True, True, True]  # GRPO: from update 30 on
+    assert table["eval_steps"][0] == [0, 10, 20, 30, 40, 50]
+    assert alarm_check.confirmed_alarms(table, "near_identical_share", 0.5).tolist() == [30, -1]
+    # update 50 is the last: an alarm there comes too late for the fall, so 1.0 is too strict and 0.9 (update 40) is
+    # the largest threshold that keeps the fall caught
+    assert alarm_check.confirmed_alarms(table, "near_identical_share", 1.0).tolist() == [50, -1]
+    tuned = {row["signal"]: row for row in alarm_check.tune_confirmation(table)}
+    assert tuned["near_identical_share"]["threshold"] == 0.9 and tuned["near_identical_share"]["false_alarms"] == 0
+    assert tuned["score_std_fall"]["threshold"] == pytest.approx(0.9)  # update 40's spread: 0.1 of the SFT's 1.0
+    counts = alarm_check.alarm_counts(table, pd.Series([40, 10]))
+    assert counts == {"falls": 1, "caught": 1, "healthy": 1, "false_alarms": 1}
