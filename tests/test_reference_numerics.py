@@ -147,11 +147,11 @@ def wide(tmp_path_factory) -> str:
 def test_the_trainer_s_first_update_is_exact_under_bf16(wide, tmp_path, estimator, threads, lora):
     """The first update as the PPO stage runs it (`rlhf.ppo.trainer`): the first epoch's order drawn before sampling,
     the rollout's policy and reference forwards of the first minibatch on the rows, columns and threads of its
-    forwards (`ExecutionPlan.rollout_groups`; the first minibatch's old log-probs deferred to the optimisation where the KL is
-    in the loss; a critic-free micro-batch as two halves in two threads with 2 threads; with LoRA the reference is the
-    policy with its adapters off). Every row's KL is exactly 0 and the first minibatch's ratio exactly 1. Before, the
-    deferred rows' reference log-probs came from forwards of other rows on other threads (a first-update KL of 0.08
-    per response on SmolLM2-135M under bf16; here up to 9e-4)."""
+    forwards (`ExecutionPlan.rollout_groups`; the first minibatch's old log-probs deferred to the optimisation where
+    the KL is in the loss; a critic-free micro-batch as two halves in two threads with 2 threads; with LoRA the
+    reference is the policy with its adapters off). Every row's KL is exactly 0 and the first minibatch's ratio
+    exactly 1. Before, the deferred rows' reference log-probs came from forwards of other rows on other threads (a
+    first-update KL of 0.08 per response on SmolLM2-135M under bf16; here up to 9e-4)."""
     critic_free = estimator != "gae"
     cfg = _cfg(
         advantage_estimator=estimator, samples_per_prompt=2 if critic_free else 1, batch_size=16, total_episodes=16,
