@@ -156,7 +156,7 @@ def instrument(clock: Clock, times: dict[str, float], outputs: dict) -> None:
         (sft, "finetune_sft"),
         (sft, "load_existing"),
         (reward, "train_reward_model"),
-        (stages, "same_vocabulary"),
+        (stages, "member_tokenizers"),
         (stages, "load_tokenizer"),
         (stages, "write_manifest"),
         (launch, "train_ppo"),

@@ -295,7 +295,7 @@ CASES: list[Case] = [
         "config",
         "stop-without-evaluations",
         lambda f, a: ["ppo.on_overoptimisation=keep_best", "ppo.eval_every=0"],
-        ("ppo.on_overoptimisation 'keep_best' acts on the periodic evaluations",),
+        ("ppo.on_overoptimisation 'keep_best' picks among the periodic evaluations",),
     ),
     Case(
         "config",

@@ -181,12 +181,14 @@ def test_bad_ensemble_settings_are_one_sentence():
     cases = {
         "reward.ensemble_size=0": "reward.ensemble_size",
         "reward.ensemble_objective=median": "reward.ensemble_objective",
-        "ppo.on_overoptimisation=stop": "ppo.on_overoptimisation 'stop' acts on the periodic evaluations",
-        "ppo.on_overoptimisation=keep_best": "ppo.eval_every is 0",
+        "ppo.on_overoptimisation=keep_best": "ppo.on_overoptimisation 'keep_best' picks among the periodic evaluations",
     }
     for override, expected in cases.items():
         with pytest.raises(ConfigError, match=expected):
             load_config(None, [override])
+    # 'stop', the default, acts where there are periodic evaluations: without them the evaluation stage's check warns
+    assert load_config(None, ["ppo.on_overoptimisation=stop"]).ppo.eval_every == 0
+    assert PPOConfig().on_overoptimisation == "stop"
     with pytest.raises(ConfigError, match="reward.ensemble_size 3 needs reward models to train"):
         load_config(None, ["reward.source=function", "reward.function=rlhf.data.synthetic:gold_reward",
                            "reward.ensemble_size=3"])  # fmt: skip

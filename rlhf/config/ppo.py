@@ -224,12 +224,14 @@ class PPOConfig(Section):
     )
     eval_n_prompts: int = Field(64, ge=1, description="Held-out prompts of the periodic evaluation (eval_every).")
     on_overoptimisation: Literal["warn", "stop", "keep_best"] = Field(
-        "warn",
+        "stop",
         description="What the over-optimisation alarm (checked at every periodic evaluation; docs/overoptimisation.md) "
-        "does when it fires: 'warn' (a WARNING line, a run tag, an evaluation row; training goes on), 'stop' (the "
-        "stage ends, its final policy that of the last evaluation before the alarm) or 'keep_best' (training goes on "
-        "and the final policy is that of the evaluation with the best conservative score before the alarm). "
-        "'stop' and 'keep_best' need eval_every.",
+        "does when it fires, besides its WARNING line, run tag and evaluation row: 'stop' (the default: the stage "
+        "ends, its final policy that of the last evaluation before the alarm; on the 44 held-out runs of the "
+        "alarm's grid it kept a mean gold of 0.70 where 'warn' kept 0.41), 'warn' (training goes on to the last "
+        "update, whose policy is final) or 'keep_best' (training goes on and the final policy is that of the "
+        "evaluation with the best conservative score before the alarm). It acts at the periodic evaluations "
+        "(eval_every); 'keep_best' with eval_every 0 is refused.",
     )
 
     @model_validator(mode="before")
@@ -313,10 +315,12 @@ class PPOConfig(Section):
 
     @model_validator(mode="after")
     def _alarm_needs_evaluations(self) -> PPOConfig:
-        if self.on_overoptimisation != "warn" and self.eval_every == 0:
+        # 'stop', the default, acts where there are periodic evaluations (the evaluation stage's check still warns
+        # without them); 'keep_best' picks among them, so it needs them
+        if self.on_overoptimisation == "keep_best" and self.eval_every == 0:
             raise ValueError(
-                f"ppo.on_overoptimisation '{self.on_overoptimisation}' acts on the periodic evaluations, and "
-                "ppo.eval_every is 0: set ppo.eval_every (e.g. 10) or ppo.on_overoptimisation: warn"
+                "ppo.on_overoptimisation 'keep_best' picks among the periodic evaluations, and ppo.eval_every is 0: "
+                "set ppo.eval_every (e.g. 10), or ppo.on_overoptimisation: stop (the default) or warn"
             )
         return self
 

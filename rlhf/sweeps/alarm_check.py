@@ -195,14 +195,16 @@ def alarm_counts(table: pd.DataFrame, alarm_steps: pd.Series) -> dict[str, int]:
 
 
 def tune_confirmation(tuning: pd.DataFrame) -> list[dict[str, float | str]]:
-    """For each `PER_EVALUATION` signal, the largest threshold that keeps every fall of the tuning half alarmed before
-    its last update, and the false alarms left there (the signal's values on the tuning runs are the candidates)."""
+    """For each `PER_EVALUATION` signal, the largest threshold that keeps every fall the rule alone alarms in time on
+    the tuning half alarmed in time, and the false alarms left there (the signal's values on the tuning runs are the
+    candidates): a confirmation can only take alarms away."""
     found = []
+    caught_by_rule = alarm_counts(tuning, tuning["alarm_step"])["caught"]
     for signal in PER_EVALUATION:
         values = sorted({v for row in tuning[f"per_eval: {signal}"] for v in row if v == v}, reverse=True)
         for threshold in values:
             counts = alarm_counts(tuning, confirmed_alarms(tuning, signal, threshold))
-            if counts["caught"] == counts["falls"]:
+            if counts["caught"] == caught_by_rule:
                 found.append({"signal": signal, "threshold": threshold, **counts})
                 break
     return sorted(found, key=lambda row: row["false_alarms"])
