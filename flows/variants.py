@@ -67,11 +67,15 @@ def make_device_limits(slots: list[DeviceSlot]) -> None:
     variant on it."""
     with get_client(sync_client=True) as client:
         for slot in slots:
-            try:
-                client.delete_global_concurrency_limit_by_name(slot.limit)
-            except ObjectNotFound:
-                pass
+            _delete_limit(client, slot.limit)
             client.upsert_global_concurrency_limit_by_name(slot.limit, 1)
+
+
+def _delete_limit(client: Any, name: str) -> None:
+    try:
+        client.delete_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        pass
 
 
 @contextmanager
@@ -90,10 +94,7 @@ def remove_device_limits(slots: list[DeviceSlot]) -> None:
     """The sweep's limits, removed when it ends (each sweep run makes its own: `device_slots`)."""
     with get_client(sync_client=True) as client:
         for slot in slots:
-            try:
-                client.delete_global_concurrency_limit_by_name(slot.limit)
-            except ObjectNotFound:
-                pass
+            _delete_limit(client, slot.limit)
 
 
 def pinned(config: PipelineConfig, slot: DeviceSlot, sharing: int) -> PipelineConfig:
