@@ -204,13 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or shape.threads
     configure_cpu(threads)  # torch's threads and the allocator, as every pipeline stage sets them
     device = resolve_device(args.device or shape.device)
-    dtype = compute_dtype(args.dtype, device)  # 'auto': what the pipeline's runtime.dtype auto runs on this machine
+    # 'auto': what the pipeline's runtime.dtype auto runs on this machine for a model of the shape's width
+    dtype = compute_dtype(args.dtype, device, width=shape.n_embd)
     ours = dtype_name(dtype)
     print(
         f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
         f"threads={torch.get_num_threads()} dtype={ours} decode={resolve_decode(args.decode, device)}"
     )
-    print(f"dtype {ours}: {dtype_reason(args.dtype, device).replace('runtime.dtype', '--dtype', 1)}")
+    reason = dtype_reason(args.dtype, device, width=shape.n_embd)
+    print(f"dtype {ours}: {reason.replace('runtime.dtype', '--dtype', 1)}")
     if args.updates < MIN_UPDATES:
         print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")
     peers, peer_estimator = ESTIMATOR_PEERS.get(args.estimator, ((), ""))

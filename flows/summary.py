@@ -29,7 +29,7 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_RM_LC,
     REWARD_BEST_EVAL_ACCURACY,
 )
-from rlhf.models.device import compute_dtype, dtype_reason, resolve_device
+from rlhf.models.device import dtype_reason, resolve_device, run_dtype
 from rlhf.stages import INIT, PPO, STAGES, stage_of
 from rlhf.tracking.default_view import mlflow_experiment_url
 from tasks.stage_runs import RESUMED_FROM_TAG
@@ -106,11 +106,12 @@ def budget(config: PipelineConfig) -> dict[str, int]:
 def compute(config: PipelineConfig) -> dict[str, str]:
     """The device type and the dtype the run's models compute in (`runtime.dtype` resolved: 'auto' by this machine's
     check on a CPU, rlhf/models/cpu_bf16.py) and why, as the summary's tags."""
-    device = resolve_device(config.runtime.device)
-    dtype = compute_dtype(config.runtime.dtype, device)
+    runtime = config.runtime
+    device = resolve_device(runtime.device)
+    dtype = run_dtype(runtime, device)
     return {
         COMPUTE_TAG: f"{device.type} {str(dtype).removeprefix('torch.')}",
-        COMPUTE_REASON_TAG: dtype_reason(config.runtime.dtype, device),
+        COMPUTE_REASON_TAG: dtype_reason(runtime.dtype, device, width=runtime.model_width),
     }
 
 

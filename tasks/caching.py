@@ -87,13 +87,13 @@ def runtime_key(stage: str, runtime: RuntimeConfig) -> dict[str, Any]:
         import torch  # heavy: only where 'auto' must be resolved
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    # 'auto' on a CPU: what it resolves to on this machine (its cached check); on a GPU it stays 'auto' (bfloat16 where
-    # supported): asking needs a CUDA context
+    # 'auto' on a CPU: what it resolves to on this machine at the model's width (its cached check); on a GPU it stays
+    # 'auto' (bfloat16 where supported): asking needs a CUDA context
     dtype = runtime.dtype
     if device == "cpu" and dtype == "auto":
         from rlhf.models.device import resolved_dtype_name  # heavy: torch
 
-        dtype = resolved_dtype_name(dtype, "cpu")
+        dtype = resolved_dtype_name(dtype, "cpu", runtime.model_width)
     key = {"device": device, "dtype": dtype, "attn_implementation": runtime.attn_implementation}
     if stage in SHARDED_STAGES:
         key["sharding"] = runtime.sharding

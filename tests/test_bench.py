@@ -196,17 +196,19 @@ def test_a_gpu_check_row_past_the_budget_is_skipped_with_the_reason(tmp_path):
 
 
 def test_the_bench_times_what_make_run_runs(monkeypatch, capsys):
-    """--dtype auto is the pipeline's runtime.dtype auto on this machine (its CPU's bf16 check), named with its reason
-    in the header and on every update's line."""
+    """--dtype auto is the pipeline's runtime.dtype auto on this machine (its CPU's bf16 check at the shape's width),
+    named with its reason in the header and on every update's line."""
     from rlhf.models.device import compute_dtype, dtype_reason
 
     monkeypatch.setitem(SHAPES, "tiny", TINY)
     cpu = torch.device("cpu")
-    here = str(compute_dtype("auto", cpu)).removeprefix("torch.")
+    here = str(compute_dtype("auto", cpu, width=TINY.n_embd)).removeprefix("torch.")
     assert cli.main(["--shape", "tiny", "--updates", "2", "--device", "cpu", "--no-limit"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert f"dtype={here}" in out[0]
-    assert out[1] == f"dtype {here}: " + dtype_reason("auto", cpu).replace("runtime.dtype", "--dtype", 1)
+    assert out[1] == f"dtype {here}: " + dtype_reason("auto", cpu, width=TINY.n_embd).replace(
+        "runtime.dtype", "--dtype", 1
+    )
     updates = [line for line in out if line.startswith("update ")]
     assert len(updates) == 2 and all(line.startswith(f"update {i}/2 ({here}): ") for i, line in enumerate(updates, 1))
     assert out[-2].startswith(f"this project ({here}) episodes/s: ") and out[-1].startswith("episodes/s: ")

@@ -6,13 +6,23 @@ test needs the other outcome than this machine's."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
 from rlhf.models import cpu_bf16
-from rlhf.models.cpu_bf16 import MAX_ERROR, MIN_SPEEDUP, CpuBf16Check, check_cpu_bf16, cpu_bf16_check, machine_key
+from rlhf.models.cpu_bf16 import (
+    MAX_ERROR,
+    MIN_SPEEDUP,
+    NARROWEST_BF16,
+    CpuBf16Check,
+    check_cpu_bf16,
+    cpu_bf16_check,
+    machine_key,
+)
 from rlhf.models.device import compute_dtype, dtype_reason, resolved_dtype_name
 
+REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 PASSES = CpuBf16Check(native=True, speedup=2.0, error=3e-3)
 
@@ -88,3 +98,51 @@ def test_a_cache_that_cannot_be_written_still_decides(tmp_path):
     verdict = cpu_bf16_check(blocked / "cpu_bf16.json")  # its folder is a file: nothing written, no error
     assert verdict.native == cpu_bf16.cpu_has_native_bf16()
     assert not (blocked / "cpu_bf16.json").exists()
+
+
+def test_a_model_narrower_than_128_is_float32():
+    """Where bf16 pays on the CPU, `auto` still computes a narrow model in float32 (a whole update ran slower there);
+    an unknown width (a hub id) is taken as wide."""
+    assert compute_dtype("auto", CPU, PASSES, width=NARROWEST_BF16 - 1) == torch.float32
+    assert "the model's width 127 is under 128" in dtype_reason("auto", CPU, PASSES, width=127)
+    for width in (NARROWEST_BF16, 576, None):
+        assert compute_dtype("auto", CPU, PASSES, width=width) == torch.bfloat16
+        assert "bf16 autocast measured 2.00x" in dtype_reason("auto", CPU, PASSES, width=width)
+    assert compute_dtype("bfloat16", CPU, PASSES, width=32) == torch.bfloat16  # a named dtype still wins
+
+
+def test_the_config_tells_the_runtime_its_models_width(tmp_path):
+    """`runtime.model_width` (what `auto` is checked at) comes from the rest of the config on every validation: the
+    embedded model's n_embd, a local checkpoint's config.json, unknown for a hub id; a sweep variant that changes the
+    model gets its own; the PPO stage's torchrun file carries it."""
+    from rlhf.config import load_config
+    from rlhf.ppo.run import PolicyInputs
+    from rlhf.sweeps.space import expand, parse_space, variant_config
+
+    base = load_config(REPO / "conf" / "smoke.yaml", [])
+    assert base.runtime.model_width == base.sft.bootstrap.n_embd == 64
+    assert "model_width" not in base.runtime.model_dump()  # not a key: nothing a user sets or a run logs
+    space = parse_space({"name": "w", "method": "grid", "parameters": {"sft.bootstrap.n_embd": [128]}})
+    assert variant_config(base, space, expand(space)[0]).runtime.model_width == 128
+    assert base.runtime.model_width == 64
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 48}))
+    assert load_config(REPO / "conf" / "smoke.yaml", [f"sft.model={checkpoint}"]).runtime.model_width == 48
+    assert load_config(REPO / "conf" / "smoke.yaml", ["sft.model=org/hub-model"]).runtime.model_width is None
+    inputs = PolicyInputs(base.ppo, base.runtime, 0, "p", "r", prompts_file="x.parquet", out_dir=str(tmp_path))
+    inputs.write(tmp_path / "inputs.yaml")
+    assert PolicyInputs.read(tmp_path / "inputs.yaml").runtime.model_width == 64
+
+
+def test_the_cache_key_takes_autos_choice_at_the_models_width(monkeypatch):
+    """Two runs in `auto` on one machine share a stage's key only where `auto` chose one dtype for both widths."""
+    from rlhf.config import RuntimeConfig
+    from tasks.caching import runtime_key
+
+    monkeypatch.setattr(cpu_bf16, "_VERDICTS", {cpu_bf16.cache_file(): PASSES})
+
+    def key(width):
+        return runtime_key("train_reward_model", RuntimeConfig(device="cpu").with_model_width(width))
+
+    assert key(64)["dtype"] == "float32" and key(None)["dtype"] == key(128)["dtype"] == "bfloat16"

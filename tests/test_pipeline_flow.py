@@ -47,10 +47,13 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     # the smoke config's budget makes it a plumbing check, and the printed summary says so first
     assert (summary[PPO_EPISODES], summary[SFT_STEPS]) == (cfg.ppo.total_episodes, cfg.sft.steps)
     printed = format_summary(summary).splitlines()
-    # the header: what the run computed in ('auto' resolved on this machine) and why, then the note
-    device, dtype = torch.device("cpu"), compute_dtype("auto", torch.device("cpu"))
+    # the header: what the run computed in ('auto' resolved on this machine at the model's width) and why, then the note
+    assert cfg.runtime.model_width == cfg.sft.bootstrap.n_embd
+    device = torch.device("cpu")
+    dtype = compute_dtype("auto", device, width=cfg.runtime.model_width)
     assert summary[COMPUTE_TAG] == f"cpu {str(dtype).removeprefix('torch.')}"
-    assert printed[2] == f"{'computed in:':<39} {summary[COMPUTE_TAG]} ({dtype_reason('auto', device)})"
+    reason = dtype_reason("auto", device, width=cfg.runtime.model_width)
+    assert printed[2] == f"{'computed in:':<39} {summary[COMPUTE_TAG]} ({reason})"
     assert printed[3].startswith("NOTE: a plumbing check, not learning: 64 PPO episodes")
     assert plumbing_check(summary) and "NOTE" not in format_summary({**summary, PPO_EPISODES: 6400, SFT_STEPS: 400})
     # the store the run logged to, and where that came from (the override: MLFLOW_TRACKING_URI is not set here)

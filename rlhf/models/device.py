@@ -12,8 +12,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
+from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.models.cpu_bf16 import CpuBf16Check, cpu_bf16_check
+from rlhf.models.cpu_bf16 import NARROWEST_BF16, CpuBf16Check, cpu_bf16_check
 
 # Building a model is not thread-safe: transformers and peft patch module-level state while they do (weight init
 # switched off, parameters created on the meta device), so a model built in another thread at that moment gets
@@ -33,35 +34,50 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def compute_dtype(name: str, device: torch.device, cpu_check: CpuBf16Check | None = None) -> torch.dtype:
+def compute_dtype(
+    name: str, device: torch.device, cpu_check: CpuBf16Check | None = None, width: int | None = None
+) -> torch.dtype:
     """`runtime.dtype` on `device`. 'auto': bfloat16 on a CUDA device that supports it; on a CPU bfloat16 (autocast)
-    where the CPU multiplies bf16 natively and the measured check passes (`rlhf.models.cpu_bf16`: `cpu_check`, or
-    this machine's cached verdict where None), else float32; float32 elsewhere. A named dtype is that dtype."""
+    where the CPU multiplies bf16 natively, the measured check passes (`rlhf.models.cpu_bf16`: `cpu_check`, or this
+    machine's cached verdict where None) and the model is at least NARROWEST_BF16 wide (`width`; None: unknown, taken
+    as wide), else float32; float32 elsewhere. A named dtype is that dtype."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     if device.type == "cpu":
-        return torch.bfloat16 if (cpu_check or cpu_bf16_check()).passed else torch.float32
+        narrow = width is not None and width < NARROWEST_BF16
+        return torch.bfloat16 if not narrow and (cpu_check or cpu_bf16_check()).passed else torch.float32
     return torch.float32
 
 
-def resolved_dtype_name(name: str, device_type: str) -> str:
-    """`runtime.dtype` `name` resolved on a device of `device_type` ('cpu', 'cuda', ...), as a name ('float32',
-    'bfloat16', 'float16'): what the cache keys and the memory estimate take."""
-    dtype = compute_dtype(name, torch.device(device_type))
+def run_dtype(runtime: RuntimeConfig, device: torch.device) -> torch.dtype:
+    """The dtype a run under `runtime` computes in on `device`: `compute_dtype` of its `runtime.dtype` at its model's
+    width (`RuntimeConfig.model_width`)."""
+    return compute_dtype(runtime.dtype, device, width=runtime.model_width)
+
+
+def resolved_dtype_name(name: str, device_type: str, width: int | None = None) -> str:
+    """`runtime.dtype` `name` resolved on a device of `device_type` ('cpu', 'cuda', ...) for a model of width `width`,
+    as a name ('float32', 'bfloat16', 'float16'): what the cache keys and the memory estimate take."""
+    dtype = compute_dtype(name, torch.device(device_type), width=width)
     return next(key for key, value in DTYPES.items() if value == dtype)
 
 
-def dtype_reason(name: str, device: torch.device, cpu_check: CpuBf16Check | None = None) -> str:
-    """Why `runtime.dtype` `name` computes in `compute_dtype(name, device)` there, in a few words (the summary's
-    header and the run's log)."""
+def dtype_reason(
+    name: str, device: torch.device, cpu_check: CpuBf16Check | None = None, width: int | None = None
+) -> str:
+    """Why `runtime.dtype` `name` computes in `compute_dtype(name, device, cpu_check, width)` there, in a few words
+    (the summary's header and the run's log)."""
     if name != "auto":
         return f"runtime.dtype: {name}"
     if device.type == "cuda":
         return "runtime.dtype: auto (bfloat16 where the GPU supports it)"
     if device.type == "cpu":
-        return f"runtime.dtype: auto ({(cpu_check or cpu_bf16_check()).reason()})"
+        check = cpu_check or cpu_bf16_check()
+        if check.passed and width is not None and width < NARROWEST_BF16:
+            return f"runtime.dtype: auto (the model's width {width} is under {NARROWEST_BF16}, where bf16 does not pay)"
+        return f"runtime.dtype: auto ({check.reason()})"
     return "runtime.dtype: auto (float32 off CUDA and CPU)"
 
 
