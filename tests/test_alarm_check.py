@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, replay
+from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, OveroptimisationAlarm, alarm_inputs, replay
 from rlhf.sweeps import alarm_check
 from rlhf.tracking.client import Tracker
 
@@ -206,3 +206,28 @@ def test_the_factor_keeps_every_fall_and_removes_the_false_alarms_it_can():
     assert default.loc["all", "false alarms"] == 7 and default.loc["GRPO", "gold with stop"] == pytest.approx(
         (0.2 + 0.4 + 0.3 + 0.1 + 0.5) / 5
     )
+
+
+def test_the_alarm_and_replay_apply_the_factor_they_are_given():
+    # the score stalls from update 20 (2.0) while the KL grows 5, 9, 20: at 30, 9 >= 1.5 * 5 + 1 but not 2 * 5 + 1
+    history = pd.DataFrame(
+        {
+            "step": [0, 10, 20, 30, 40],
+            "periodic_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
+            "periodic_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
+            "periodic_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
+            "periodic_eval/distinct_2": [0.5] * 5,
+        }
+    )
+    assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
+    assert replay(history)["alarm_step"] == 30
+    assert replay(history, 2.0)["alarm_step"] == 40 and "to 20.0" in replay(history, 2.0)["reasons"]
+    assert replay(history, 3.9)["alarm_step"] == -1  # 20 < 3.9 * 5 + 1
+    alarm = OveroptimisationAlarm(kl_drift_factor=2.0)
+    rows, _ = alarm_inputs(history)
+    assert [alarm.check(int(row["step"]), row) is not None for row in rows] == [False, False, False, False, True]
+    # the analysis's factor per objective: an objective not in the table gets the default
+    table = _tuning_table()
+    factors = alarm_check.with_factors(table, {"GRPO": 2.45})["kl_drift_factor"]
+    assert set(factors[table["objective"] == "GRPO"]) == {2.45}
+    assert set(factors[table["objective"] != "GRPO"]) == {KL_DRIFT_FACTOR}
