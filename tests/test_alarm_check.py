@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, OveroptimisationAlarm, alarm_inputs, replay
-from rlhf.sweeps import alarm_check
+from rlhf.sweeps import alarm_check, alarm_factors
 from rlhf.tracking.client import Tracker
 
 # updates 0, 10, ..., 50: (score, gold, KL, distinct-2, near-identical share, score std, group distinct share)
@@ -132,16 +132,16 @@ def test_a_signal_that_confirms_the_rule_is_tuned_on_one_half(store):
     assert counts == {"falls": 1, "caught": 1, "healthy": 1, "false_alarms": 1}
 
 
-def _curve(*pieces) -> alarm_check.FactorCurve:
+def _curve(*pieces) -> alarm_factors.FactorCurve:
     """A hand-made FactorCurve: (factor, update) pieces, ascending: the alarm fires after `update` for every factor up
     to `factor` (and above the previous piece's); never above the last."""
     cuts = tuple(f for f, _ in pieces)
     steps = tuple(s for _, s in pieces)
-    return alarm_check.FactorCurve(cuts, steps, (*steps, -1))
+    return alarm_factors.FactorCurve(cuts, steps, (*steps, -1))
 
 
 def _tuning_table() -> pd.DataFrame:
-    always = alarm_check.FactorCurve((), (), (50,))  # the distinct-bigram condition: at any factor
+    always = alarm_factors.FactorCurve((), (), (50,))  # the distinct-bigram condition: at any factor
     rows = [
         # GRPO: two falls, three healthy runs
         ("GRPO", "KL in the loss", True, _curve((3.0, 30), (4.0, 100))),  # at 4.0 it comes at the last update
@@ -158,7 +158,7 @@ def _tuning_table() -> pd.DataFrame:
         ("PPO", "KL in the reward", True, always),
         ("PPO", "KL in the reward", True, always),
         ("PPO", "KL in the reward", False, _curve((1.9, 40))),
-        ("PPO", "KL in the reward", False, alarm_check.FactorCurve((), (), (-1,))),
+        ("PPO", "KL in the reward", False, alarm_factors.FactorCurve((), (), (-1,))),
     ]
     table = pd.DataFrame(rows, columns=["objective", "family", "falls", "factor_curve"])
     table["last_step"] = 100
@@ -172,7 +172,7 @@ def test_the_factor_curve_is_the_replayed_alarm_at_every_factor():
     keys = ["score", "gold", "kl", "distinct_2", "near_identical_share", "score_std"]
     evals = pd.DataFrame([dict(zip(keys, point[:6], strict=True)) for point in COLLAPSE]).add_prefix("periodic_eval/")
     evals.insert(0, "step", range(0, 60, 10))
-    curve = alarm_check.factor_curve(evals)
+    curve = alarm_factors.factor_curve(evals)
     # KL 0, 3, 5, 9, 14, 20 with the score stalled from update 20 (1.9): at 30 the KL must reach f * 5 + 1, at 40
     # and 50 likewise; at 50 the distinct bigrams (0.08 of the SFT's 0.30) fire whatever the factor
     assert {8 / 5, 13 / 5, 19 / 5} <= set(curve.cuts)
@@ -183,11 +183,11 @@ def test_the_factor_curve_is_the_replayed_alarm_at_every_factor():
 
 def test_the_factor_keeps_every_fall_and_removes_the_false_alarms_it_can():
     table = _tuning_table()
-    grpo = alarm_check.tune_factor(table[table["objective"] == "GRPO"])
+    grpo = alarm_factors.tune_factor(table[table["objective"] == "GRPO"])
     # every fall stays alarmed up to 3.0; the false alarms at 1.6 and 2.0 go above 2.0: the middle of (2.0, 3.0]
     assert (grpo["low"], grpo["high"], grpo["factor"]) == (2.0, 3.0, 2.45)
     assert (grpo["falls kept"], grpo["false alarms at default"], grpo["false alarms"]) == (2, 3, 1)
-    tuned = alarm_check.tune_kl_drift(table).set_index("objective")
+    tuned = alarm_factors.tune_kl_drift(table).set_index("objective")
     assert tuned.loc["GRPO", "factor"] == 2.45 and tuned.loc["GRPO", "set by"] == "its own runs"
     # one fall: the family's eight runs set it; the fall at 3.0 bounds it again and the false alarm at 3.5 stays
     assert tuned.loc["Dr. GRPO", "factor"] == 2.45 and tuned.loc["Dr. GRPO", "set by"].startswith("its family")
@@ -197,12 +197,12 @@ def test_the_factor_keeps_every_fall_and_removes_the_false_alarms_it_can():
     assert tuned.loc["RLOO", "set by"].startswith("the default")
     # the tuned factors on the runs: every fall alarmed before its last update, one false alarm left (the GRPO run
     # at 3.5) of the loss family and two (1.8, 1.9) of the reward family's default
-    report = alarm_check.factor_report(alarm_check.with_factors(table, dict(tuned["factor"])))
+    report = alarm_factors.factor_report(alarm_factors.with_factors(table, dict(tuned["factor"])))
     assert (report.loc["all", "falls"], report.loc["all", "alarmed"], report.loc["all", "false alarms"]) == (5, 5, 3)
     assert report.loc["GRPO", "leads"] == [10, -10] and report.loc["GRPO", "late"] == 1  # the fall at 40, alarms 30, 50
     # a factor above the first fall's last keeping one (3.0) loses it: alarmed at the last update only
-    assert alarm_check.with_factors(table, {"GRPO": 3.01}).loc[0, "alarm_step"] == 100
-    default = alarm_check.factor_report(alarm_check.with_factors(table, {}))
+    assert alarm_factors.with_factors(table, {"GRPO": 3.01}).loc[0, "alarm_step"] == 100
+    default = alarm_factors.factor_report(alarm_factors.with_factors(table, {}))
     assert default.loc["all", "false alarms"] == 7 and default.loc["GRPO", "gold with stop"] == pytest.approx(
         (0.2 + 0.4 + 0.3 + 0.1 + 0.5) / 5
     )
@@ -228,6 +228,6 @@ def test_the_alarm_and_replay_apply_the_factor_they_are_given():
     assert [alarm.check(int(row["step"]), row) is not None for row in rows] == [False, False, False, False, True]
     # the analysis's factor per objective: an objective not in the table gets the default
     table = _tuning_table()
-    factors = alarm_check.with_factors(table, {"GRPO": 2.45})["kl_drift_factor"]
+    factors = alarm_factors.with_factors(table, {"GRPO": 2.45})["kl_drift_factor"]
     assert set(factors[table["objective"] == "GRPO"]) == {2.45}
     assert set(factors[table["objective"] != "GRPO"]) == {KL_DRIFT_FACTOR}
