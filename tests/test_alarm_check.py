@@ -6,7 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from rlhf.sweeps import alarm_check
+from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, OveroptimisationAlarm, alarm_inputs, replay
+from rlhf.sweeps import alarm_check, alarm_factors
 from rlhf.tracking.client import Tracker
 
 # updates 0, 10, ..., 50: (score, gold, KL, distinct-2, near-identical share, score std, group distinct share)
@@ -129,3 +130,104 @@ def test_a_signal_that_confirms_the_rule_is_tuned_on_one_half(store):
     assert tuned["score_std_fall"]["threshold"] == pytest.approx(0.9)  # update 40's spread: 0.1 of the SFT's 1.0
     counts = alarm_check.alarm_counts(table, pd.Series([40, 10]))
     assert counts == {"falls": 1, "caught": 1, "healthy": 1, "false_alarms": 1}
+
+
+def _curve(*pieces) -> alarm_factors.FactorCurve:
+    """A hand-made FactorCurve: (factor, update) pieces, ascending: the alarm fires after `update` for every factor up
+    to `factor` (and above the previous piece's); never above the last."""
+    cuts = tuple(f for f, _ in pieces)
+    steps = tuple(s for _, s in pieces)
+    return alarm_factors.FactorCurve(cuts, steps, (*steps, -1))
+
+
+def _tuning_table() -> pd.DataFrame:
+    always = alarm_factors.FactorCurve((), (), (50,))  # the distinct-bigram condition: at any factor
+    rows = [
+        # GRPO: two falls, three healthy runs
+        ("GRPO", "KL in the loss", True, _curve((3.0, 30), (4.0, 100))),  # at 4.0 it comes at the last update
+        ("GRPO", "KL in the loss", True, always),
+        ("GRPO", "KL in the loss", False, _curve((2.0, 40))),
+        ("GRPO", "KL in the loss", False, _curve((1.6, 20))),
+        ("GRPO", "KL in the loss", False, _curve((3.5, 60))),  # removing it would lose the first fall
+        # Dr. GRPO: one fall only, so its family sets its factor
+        ("Dr. GRPO", "KL in the loss", True, always),
+        ("Dr. GRPO", "KL in the loss", False, _curve((1.7, 30))),
+        ("Dr. GRPO", "KL in the loss", False, _curve((1.5, 30))),
+        # RLOO: no fall, and no fall of its family bounds the factor (PPO's falls fire at any factor): the default
+        ("RLOO", "KL in the reward", False, _curve((1.8, 30))),
+        ("PPO", "KL in the reward", True, always),
+        ("PPO", "KL in the reward", True, always),
+        ("PPO", "KL in the reward", False, _curve((1.9, 40))),
+        ("PPO", "KL in the reward", False, alarm_factors.FactorCurve((), (), (-1,))),
+    ]
+    table = pd.DataFrame(rows, columns=["objective", "family", "falls", "factor_curve"])
+    table["last_step"] = 100
+    table["fall_step"] = [40 if fall else -1 for fall in table["falls"]]
+    table["eval_steps"] = [list(range(0, 110, 10))] * len(table)
+    table["gold_curve"] = [[0.1 * k for k in range(11)]] * len(table)
+    return table
+
+
+def test_the_factor_curve_is_the_replayed_alarm_at_every_factor():
+    keys = ["score", "gold", "kl", "distinct_2", "near_identical_share", "score_std"]
+    evals = pd.DataFrame([dict(zip(keys, point[:6], strict=True)) for point in COLLAPSE]).add_prefix("periodic_eval/")
+    evals.insert(0, "step", range(0, 60, 10))
+    curve = alarm_factors.factor_curve(evals)
+    # KL 0, 3, 5, 9, 14, 20 with the score stalled from update 20 (1.9): at 30 the KL must reach f * 5 + 1, at 40
+    # and 50 likewise; at 50 the distinct bigrams (0.08 of the SFT's 0.30) fire whatever the factor
+    assert {8 / 5, 13 / 5, 19 / 5} <= set(curve.cuts)
+    for factor in (1.0, 1.5, 1.6, 1.61, 2.0, 2.6, 2.61, 3.8, 3.81, 10.0):
+        assert curve.alarm_step(factor) == replay(evals, factor)["alarm_step"], factor
+    assert [curve.alarm_step(f) for f in (1.6, 1.61, 2.6, 2.61, 3.81)] == [30, 40, 40, 50, 50]
+
+
+def test_the_factor_keeps_every_fall_and_removes_the_false_alarms_it_can():
+    table = _tuning_table()
+    grpo = alarm_factors.tune_factor(table[table["objective"] == "GRPO"])
+    # every fall stays alarmed up to 3.0; the false alarms at 1.6 and 2.0 go above 2.0: the middle of (2.0, 3.0]
+    assert (grpo["low"], grpo["high"], grpo["factor"]) == (2.0, 3.0, 2.45)
+    assert (grpo["falls kept"], grpo["false alarms at default"], grpo["false alarms"]) == (2, 3, 1)
+    tuned = alarm_factors.tune_kl_drift(table).set_index("objective")
+    assert tuned.loc["GRPO", "factor"] == 2.45 and tuned.loc["GRPO", "set by"] == "its own runs"
+    # one fall: the family's eight runs set it; the fall at 3.0 bounds it again and the false alarm at 3.5 stays
+    assert tuned.loc["Dr. GRPO", "factor"] == 2.45 and tuned.loc["Dr. GRPO", "set by"].startswith("its family")
+    assert tuned.loc["Dr. GRPO", "false alarms"] == 1 and tuned.loc["Dr. GRPO", "false alarms at default"] == 5
+    # PPO's falls fire at any factor: nothing bounds it, in its own runs or its family's, so the default stays
+    assert tuned.loc["PPO", "factor"] == tuned.loc["RLOO", "factor"] == KL_DRIFT_FACTOR
+    assert tuned.loc["RLOO", "set by"].startswith("the default")
+    # the tuned factors on the runs: every fall alarmed before its last update, one false alarm left (the GRPO run
+    # at 3.5) of the loss family and two (1.8, 1.9) of the reward family's default
+    report = alarm_factors.factor_report(alarm_factors.with_factors(table, dict(tuned["factor"])))
+    assert (report.loc["all", "falls"], report.loc["all", "alarmed"], report.loc["all", "false alarms"]) == (5, 5, 3)
+    assert report.loc["GRPO", "leads"] == [10, -10] and report.loc["GRPO", "late"] == 1  # the fall at 40, alarms 30, 50
+    # a factor above the first fall's last keeping one (3.0) loses it: alarmed at the last update only
+    assert alarm_factors.with_factors(table, {"GRPO": 3.01}).loc[0, "alarm_step"] == 100
+    default = alarm_factors.factor_report(alarm_factors.with_factors(table, {}))
+    assert default.loc["all", "false alarms"] == 7 and default.loc["GRPO", "gold with stop"] == pytest.approx(
+        (0.2 + 0.4 + 0.3 + 0.1 + 0.5) / 5
+    )
+
+
+def test_the_alarm_and_replay_apply_the_factor_they_are_given():
+    # the score stalls from update 20 (2.0) while the KL grows 5, 9, 20: at 30, 9 >= 1.5 * 5 + 1 but not 2 * 5 + 1
+    history = pd.DataFrame(
+        {
+            "step": [0, 10, 20, 30, 40],
+            "periodic_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
+            "periodic_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
+            "periodic_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
+            "periodic_eval/distinct_2": [0.5] * 5,
+        }
+    )
+    assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
+    assert replay(history)["alarm_step"] == 30
+    assert replay(history, 2.0)["alarm_step"] == 40 and "to 20.0" in replay(history, 2.0)["reasons"]
+    assert replay(history, 3.9)["alarm_step"] == -1  # 20 < 3.9 * 5 + 1
+    alarm = OveroptimisationAlarm(kl_drift_factor=2.0)
+    rows, _ = alarm_inputs(history)
+    assert [alarm.check(int(row["step"]), row) is not None for row in rows] == [False, False, False, False, True]
+    # the analysis's factor per objective: an objective not in the table gets the default
+    table = _tuning_table()
+    factors = alarm_factors.with_factors(table, {"GRPO": 2.45})["kl_drift_factor"]
+    assert set(factors[table["objective"] == "GRPO"]) == {2.45}
+    assert set(factors[table["objective"] != "GRPO"]) == {KL_DRIFT_FACTOR}

@@ -107,6 +107,7 @@ class OveroptimisationAlarm:
     the baseline. It fires at the first evaluation where any of the rule's conditions holds and stays fired."""
 
     in_distribution_std: float = 0.0  # an ensemble's disagreement on held-out chosen responses (0: no ensemble)
+    kl_drift_factor: float = KL_DRIFT_FACTOR  # the KL-drift condition's factor
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
     mean_at_best_min: float = float("nan")
@@ -145,11 +146,11 @@ class OveroptimisationAlarm:
         ]
 
     def kl_drift(self, stats: dict[str, float]) -> str | None:
-        """The policy moves on without reward: the KL to the reference grew past KL_DRIFT_FACTOR times an earlier
+        """The policy moves on without reward: the KL to the reference grew past `kl_drift_factor` times an earlier
         evaluation's (plus KL_DRIFT_NATS) while the score gained under SCORE_GAIN_FRACTION of the gain it had made
         over the SFT policy by that evaluation. None where it does not (or where the evaluation has no KL)."""
         for step, score, kl in self._stalled_points(stats):
-            if stats["kl"] >= KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS:
+            if stats["kl"] >= self.kl_drift_factor * kl + KL_DRIFT_NATS:
                 return (
                     f"the KL to the reference grew from {kl:.1f} (update {step}) to {stats['kl']:.1f} while the "
                     f"score moved {stats['score'] - score:+.3f}"
@@ -157,10 +158,10 @@ class OveroptimisationAlarm:
         return None
 
     def kl_drift_ratio(self, stats: dict[str, float]) -> float:
-        """How far the KL-drift condition is from firing: the largest KL / (KL_DRIFT_FACTOR * earlier KL +
+        """How far the KL-drift condition is from firing: the largest KL / (`kl_drift_factor` * earlier KL +
         KL_DRIFT_NATS) over the earlier evaluations the score has stalled since (1 or more: it fires; 0: none)."""
         stalled = self._stalled_points(stats)
-        return max((stats["kl"] / (KL_DRIFT_FACTOR * kl + KL_DRIFT_NATS) for _, _, kl in stalled), default=0.0)
+        return max((stats["kl"] / (self.kl_drift_factor * kl + KL_DRIFT_NATS) for _, _, kl in stalled), default=0.0)
 
     def check(self, step: int, stats: dict[str, float]) -> Alarm | None:
         """Take the evaluation after `step` updates; the alarm when it fires at this one (None otherwise)."""
@@ -181,23 +182,31 @@ class OveroptimisationAlarm:
 GOLD_FALL = 0.2  # a run over-optimises when its gold ends this far or further below its peak (the issue's measure)
 
 
-def replay(history: pd.DataFrame) -> dict[str, float]:
+def alarm_inputs(history: pd.DataFrame) -> tuple[list[dict[str, float]], float]:
+    """What the alarm reads of one run's logged periodic evaluations (`history`: a `step` column and the
+    periodic_eval/* metrics, in step order): each evaluation's stats without the prefix (a NaN, a metric not logged
+    there, left out), and the ensemble's in-distribution std (0 without an ensemble)."""
+    rows = [
+        {key.removeprefix(PERIODIC_EVAL): value for key, value in row.items() if isinstance(key, str)}
+        for row in history.to_dict("records")
+    ]
+    in_distribution_std = 0.0
+    if "ensemble_std" in rows[0] and rows[0].get("disagreement_ratio", 0) > 0:
+        in_distribution_std = rows[0]["ensemble_std"] / rows[0]["disagreement_ratio"]
+    return [{k: v for k, v in row.items() if v == v} for row in rows], in_distribution_std
+
+
+def replay(history: pd.DataFrame, kl_drift_factor: float = KL_DRIFT_FACTOR) -> dict[str, float]:
     """The alarm's rule replayed over one run's periodic evaluations, against its gold reward: `history` has a
     `step` column and the periodic_eval/* metrics (`rlhf.ppo.periodic_eval`, with periodic_eval/gold). Returns the
     gold peak and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
     never), the update the alarm fires at (-1: never), the gold there and the gold of the policy 'stop' keeps (the
     evaluation before the alarm; the final one where it never fires)."""
     history = history.sort_values("step").reset_index(drop=True)
-    stats = [
-        {key.removeprefix(PERIODIC_EVAL): value for key, value in row.items() if isinstance(key, str)}
-        for row in history.to_dict("records")
-    ]
-    in_distribution_std = 0.0
-    if "ensemble_std" in stats[0] and stats[0].get("disagreement_ratio", 0) > 0:
-        in_distribution_std = stats[0]["ensemble_std"] / stats[0]["disagreement_ratio"]
-    alarm = OveroptimisationAlarm(in_distribution_std)
+    stats, in_distribution_std = alarm_inputs(history)
+    alarm = OveroptimisationAlarm(in_distribution_std, kl_drift_factor)
     for row in stats:
-        alarm.check(int(row["step"]), {k: v for k, v in row.items() if v == v})  # NaN: a metric not logged there
+        alarm.check(int(row["step"]), row)
     gold = history[PERIODIC_GOLD]
     peak = int(gold.idxmax())
     fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)

@@ -9,6 +9,8 @@ Each run's alarm is replayed from its logged periodic_eval/* history with today'
 so runs logged before a change of the rule are judged by the new one. Every run belongs to one half of the study,
 "tuning" or "held-out", fixed by what the run is (`held_out`) before any run is looked at: thresholds are chosen on
 the tuning half and reported on the held-out one.
+
+The KL-drift factor per objective, tuned on the tuning half: `rlhf.sweeps.alarm_factors`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf.config.estimators import objective_label
-from rlhf.eval.overoptimisation import DISTINCT_DROP, GOLD_FALL, OveroptimisationAlarm, replay
+from rlhf.config.estimators import ESTIMATORS, objective_label
+from rlhf.eval.overoptimisation import (
+    DISTINCT_DROP,
+    GOLD_FALL,
+    OveroptimisationAlarm,
+    replay,
+)
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_SCORE
+from rlhf.sweeps.alarm_factors import factor_curve, factor_report, tune_kl_drift, with_factors
 from rlhf.tracking.client import Tracker
 
 GROUP_DISTINCT = "group/distinct_responses"  # a training statistic (critic-free estimators with groups)
@@ -45,9 +53,11 @@ def run_identity(experiment: str, params: dict[str, str]) -> dict[str, str]:
     )
     kl_coef, seed = params.get("ppo.kl_coef", "?"), params.get("seed", "?")
     identity = f"{experiment}|{objective}|kl_coef={kl_coef}|seed={seed}"
+    estimator = ESTIMATORS.get(params.get("ppo.advantage_estimator", "gae"))
     return {
         "task": experiment,
         "objective": objective,
+        "family": f"KL in the {estimator.kl_in}" if estimator else "?",  # where the estimator's KL term acts
         "kl_coef": kl_coef,
         "seed": seed,
         "identity": identity,
@@ -163,6 +173,7 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
                 "eval_steps": evals["step"].tolist(),
                 "gold_curve": evals[PERIODIC_GOLD].tolist(),
                 "rule_holds": rule_trace(evals)[1],
+                "factor_curve": factor_curve(evals.drop(columns=[GROUP_DISTINCT])),
                 **per_evaluation,
             }
         )
@@ -322,17 +333,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, args.filter) for name in experiments]
-    table = (
+    every = (
         pd.concat([t for t in tables if not t.empty], ignore_index=True)
         if any(not t.empty for t in tables)
         else pd.DataFrame()
     )
+    table = every
     if not table.empty and args.half != "all":
         table = table[table["half"] == args.half].reset_index(drop=True)
     if table.empty:
         print("no PPO run with periodic evaluations and a gold reward")
         return
-    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds")
+    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds", "factor_curve")
     shown = [c for c in table.columns if c not in traces and not c.startswith(("signal: ", "per_eval: "))]
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 40):
         print(table[shown].round(3).to_string(index=False))
@@ -352,8 +364,22 @@ def main(argv: list[str] | None = None) -> None:
                     f"  {tuned['signal']} >= {tuned['threshold']:.3f}: tuning {_counts(tuned)}; "
                     f"held-out {_counts(held)}"
                 )
+        tuning = every[every["half"] == "tuning"]
+        if len(tuning):
+            factors = tune_kl_drift(tuning)
+            print(f"\nthe KL-drift factor per objective, set on the {len(tuning)} runs of the tuning half:")
+            print("(set on, falls kept, false alarms: on the runs that set the factor, its own or its family's)")
+            columns = ["family", "runs", "falls", "healthy", "set on", "falls kept", "false alarms at default"]
+            columns += ["false alarms", "factor"]
+            print(factors.set_index("objective")[columns].round(3).to_string())
+            for row in factors.to_dict("records"):
+                print(f"  {row['objective']}: {row['factor']:g}, set by {row['set by']}; {row['why']}")
+            tuned = dict(zip(factors["objective"], factors["factor"], strict=True))
+            for name, chosen in (("the default factor for every objective", {}), ("the factor per objective", tuned)):
+                print(f"\n{name}, on the {args.half} runs ({len(table)}):")
+                print(factor_report(with_factors(table, chosen)).round(3).to_string())
     if args.out:
-        table.to_csv(args.out, index=False)
+        table.drop(columns=["factor_curve"]).to_csv(args.out, index=False)
     if args.roc:
         roc_picture(table, Path(args.roc), f"{len(table)} runs ({args.half}), {', '.join(experiments)}")
 
