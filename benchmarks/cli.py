@@ -9,7 +9,8 @@
 
 Prints per-update and median per-phase times, the peak memory, the limit report (per-phase FLOP/s against the
 measured matmul peaks; generation's memory traffic on a GPU) and, last, `episodes/s: X`: the median over the
-updates after the first.
+updates after the first. Every line of a figure names the dtype it ran in: this project's (`--dtype`, `auto` as the
+pipeline resolves it) and each peer's (float32 and TRL's bf16 on a CPU with native bf16, the ratio to the faster).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf.models.device import compute_dtype, configure_cpu, cpu_has_native_bf16, resolve_device
+from rlhf.models.cpu_bf16 import cpu_has_native_bf16
+from rlhf.models.device import compute_dtype, configure_cpu, dtype_reason, resolve_device
 from rlhf.rollout.static_decode import resolve_decode
 
 from .limit import (
@@ -46,32 +48,56 @@ ESTIMATOR_PEERS = {"gae": (PEERS, "ppo"), "grpo": (PEERS[1:], "grpo")}
 MIN_UPDATES = 9  # the figure is the median of at least 8 updates after the first
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def peer_dtypes(device: torch.device) -> tuple[str, ...]:
+    """The dtypes each TRL peer runs in, so that its figure is its fastest on the machine at hand (BENCH.md): float32
+    and TRL's bf16 on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (bf16 is
+    emulated there, slower), bf16 on a GPU (TRL's default there)."""
+    if device.type == "cuda":
+        return ("bfloat16",)
+    return ("float32", "bfloat16") if cpu_has_native_bf16() else ("float32",)
+
+
 def run_peer(
-    label: str, venv: str, shape: str, updates: int, threads: int | None, estimator: str = "ppo"
+    label: str,
+    venv: str,
+    shape: str,
+    updates: int,
+    threads: int | None,
+    estimator: str = "ppo",
+    dtype: str = "float32",
 ) -> float | None:
-    """Runs benchmarks/trl_peer.py in `venv`, echoing (and logging to `<venv>.log`) its output; its episodes/s."""
+    """Runs benchmarks/trl_peer.py in `venv` in `dtype` (TRL's bf16=True for bfloat16), echoing (and logging to
+    `<venv>.log`, `<venv>.bfloat16.log` in bf16) its output, each line labelled with the peer and its dtype; its
+    episodes/s."""
     python = ROOT / venv / "bin" / "python"
+    tag = f"[{label}, {dtype}]"
     if not python.exists():
-        print(f"[{label}] no {python}: `make bench PEER=1` creates it", flush=True)
+        print(f"{tag} no {python}: `make bench PEER=1` creates it", flush=True)
         return None
     cmd = [str(python), str(PEER_SCRIPT), "--shape", shape, "--updates", str(updates), "--estimator", estimator]
+    cmd += ["--bf16" if dtype == "bfloat16" else "--no-bf16"]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     figure = None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines as they come
+    log_name = f"{venv}.log" if dtype == "float32" else f"{venv}.{dtype}.log"
     with (
-        open(ROOT / f"{venv}.log", "w") as log,
+        open(ROOT / log_name, "w") as log,
         subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env) as proc,
     ):
         for line in proc.stdout:
             log.write(line)
             log.flush()
             if line.startswith(("update ", "episodes/s", "peer")):
-                print(f"[{label}] {line.rstrip()}", flush=True)
+                print(f"{tag} {line.rstrip()}", flush=True)
             if line.startswith("episodes/s: "):
                 figure = float(line.split(":", 1)[1])
     if proc.returncode != 0:
-        print(f"[{label}] failed (exit {proc.returncode}); its output is in {venv}.log", flush=True)
+        print(f"{tag} failed (exit {proc.returncode}); its output is in {log_name}", flush=True)
         return None
     return figure
 
@@ -120,8 +146,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="auto: the pipeline's runtime.dtype auto (bfloat16 on a GPU, float32 on a CPU); bfloat16 on a CPU with "
-        "AVX-512 BF16 or AMX times the opt-in runtime.dtype: bfloat16",
+        help="auto: the pipeline's runtime.dtype auto on this machine (bfloat16 on a GPU; on a CPU bfloat16 where it "
+        "multiplies bf16 natively and the measured check passes, else float32: docs/models.md); float32 and bfloat16 "
+        "force one",
     )
     parser.add_argument(
         "--estimator",
@@ -141,31 +168,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def bench_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """The compute dtype of `--dtype`: 'auto' is the pipeline's `runtime.dtype: auto` (bfloat16 on a GPU that has it,
-    float32 on every CPU), so that the headline figure is what `make run` runs."""
-    return compute_dtype(requested, device)
-
-
-def bf16_option_note(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """On a CPU that multiplies bf16 natively, where `auto` timed float32: the faster opt-in setting, named."""
-    if requested != "auto" or device.type != "cpu" or dtype != torch.float32 or not cpu_has_native_bf16():
-        return ""
-    return (
-        "note: this CPU multiplies bf16 natively; runtime.dtype: bfloat16 (opt-in) is faster here: "
-        "`rlhf bench --dtype bfloat16` times it (docs/benchmark.md)"
-    )
-
-
-def print_peer_ratios(peers, peer_figures: dict[str, list[float]], figure: float, rounds: int) -> None:
-    medians = {label: statistics.median(v) for label, v in peer_figures.items() if v}
+def print_peer_ratios(
+    peers,
+    dtypes: tuple[str, ...],
+    peer_figures: dict[tuple[str, str], list[float]],
+    figure: float,
+    ours: str,
+    rounds: int,
+) -> None:
+    """Each peer's figure in each of its dtypes, this project's ratio to each, and the ratio to the best peer in its
+    fastest dtype (BENCH.md); `ours`: this project's dtype."""
+    medians = {key: statistics.median(v) for key, v in peer_figures.items() if v}
     for label, _ in peers:
-        shown = f"{medians[label]:.2f}" if label in medians else "failed"
-        ratio = f"; this project / it: {figure / medians[label]:.2f}x" if label in medians else ""
-        print(f"peer {label} episodes/s: {shown}{ratio}")
+        for dtype in dtypes:
+            key = (label, dtype)
+            shown = f"{medians[key]:.2f}" if key in medians else "failed"
+            ratio = f"; this project ({ours}) / it: {figure / medians[key]:.2f}x" if key in medians else ""
+            print(f"peer {label} ({dtype}) episodes/s: {shown}{ratio}")
     if medians:
         best = max(medians, key=medians.get)
-        print(f"ratio to the best peer ({best}): {figure / medians[best]:.2f}x ({rounds} round(s), side by side)")
+        print(
+            f"ratio to the best peer ({best[0]}, {best[1]}: its fastest dtype here) of this project ({ours}): "
+            f"{figure / medians[best]:.2f}x ({rounds} round(s), side by side)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,41 +204,45 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or shape.threads
     configure_cpu(threads)  # torch's threads and the allocator, as every pipeline stage sets them
     device = resolve_device(args.device or shape.device)
-    dtype = bench_dtype(args.dtype, device)
+    # 'auto': what the pipeline's runtime.dtype auto runs on this machine for a model of the shape's width
+    dtype = compute_dtype(args.dtype, device, width=shape.n_embd)
+    ours = dtype_name(dtype)
     print(
         f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
-        f"threads={torch.get_num_threads()} dtype={dtype} decode={resolve_decode(args.decode, device)}"
+        f"threads={torch.get_num_threads()} dtype={ours} decode={resolve_decode(args.decode, device)}"
     )
-    if note := bf16_option_note(args.dtype, device, dtype):
-        print(note)
+    reason = dtype_reason(args.dtype, device, width=shape.n_embd)
+    print(f"dtype {ours}: {reason.replace('runtime.dtype', '--dtype', 1)}")
     if args.updates < MIN_UPDATES:
         print(f"note: {args.updates} updates: fewer than {MIN_UPDATES}, not a benchmark figure")
     peers, peer_estimator = ESTIMATOR_PEERS.get(args.estimator, ((), ""))
     if args.peers and not peers:
         print(f"note: no peer runs --estimator {args.estimator} (peers: gae, grpo); this project alone")
     peers = peers if args.peers else ()
-    peer_figures: dict[str, list[float]] = {label: [] for label, _ in peers}
-    ours: list[float] = []
+    dtypes = peer_dtypes(device)
+    peer_figures: dict[tuple[str, str], list[float]] = {(label, d): [] for label, _ in peers for d in dtypes}
+    figures: list[float] = []
     rounds = max(1, args.rounds if peers else 1)
     for round_ in range(rounds):
-        for label, venv in peers:
-            figure = run_peer(label, venv, args.shape, args.updates, args.threads, peer_estimator)
+        for (label, venv), peer_dtype in ((peer, d) for peer in peers for d in dtypes):
+            figure = run_peer(label, venv, args.shape, args.updates, args.threads, peer_estimator, peer_dtype)
             if figure is not None:
-                peer_figures[label].append(figure)
+                peer_figures[(label, peer_dtype)].append(figure)
         torch.set_num_threads(threads)
         if rounds > 1:
-            print(f"this project, round {round_ + 1}/{rounds}:")
+            print(f"this project ({ours}), round {round_ + 1}/{rounds}:")
         bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator, decode=args.decode)
         summary = run_bench(bench)
-        ours.append(summary["episodes/s"])
-    print("median per update (updates after the first):")
+        figures.append(summary["episodes/s"])
+    print(f"median per update (updates after the first), {ours}:")
     for key in (*PHASES, "time/total"):
         print(f"  {key:<18} {summary[key]:.4f} s")
     print(f"  peak memory        {summary['memory/peak_mb']:.0f} MiB ({'GPU' if device.type == 'cuda' else 'RSS'})")
     if not args.no_limit:
         limit_report(bench, summary)
-    figure = statistics.median(ours)
+    figure = statistics.median(figures)
     if peers:
-        print_peer_ratios(peers, peer_figures, figure, rounds)
-    print(f"episodes/s: {figure:.2f}")
+        print_peer_ratios(peers, dtypes, peer_figures, figure, ours, rounds)
+    print(f"this project ({ours}) episodes/s: {figure:.2f}")
+    print(f"episodes/s: {figure:.2f}")  # the last line: the figure alone (in the dtype the lines above name)
     return 0

@@ -15,7 +15,6 @@ Every row is time-boxed: a row whose estimate exceeds what is left of ``--budget
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -164,24 +163,21 @@ def bench_row(plan: Plan, results: dict, shape_name: str, estimator: str, update
 
 def first_update_row(plan: Plan, results: dict, lora: bool) -> Row:
     """The first update's KL (policy against reference on the first rollout) and probability ratios (the first
-    minibatch, before any optimizer step) under bf16, with the pipeline's reference (`match_autocast`; LoRA: the
-    policy with its adapters off): both should be exactly 0 and 1."""
+    minibatch, before any optimizer step) under bf16, as the trainer runs them (the first epoch's order drawn before
+    sampling), with the pipeline's reference (`match_autocast`, the bench's; LoRA: the policy with its adapters
+    off): both should be exactly 0 and 1."""
     from rlhf.config import LoraConfig
-    from rlhf.models.reference import match_autocast
     from rlhf.models.training import apply_lora
     from rlhf.ppo.optimise import optimize
     from rlhf.ppo.prompts import PromptBatch
     from rlhf.ppo.state import fresh_state
-    from rlhf.ppo.update import compute_advantages, generate_and_score
+    from rlhf.ppo.update import compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 
     from .ppo_bench import Bench
 
     shape = plan.shapes["smollm2"]
     dtype = torch.bfloat16
     bench = Bench(shape, plan.device, dtype, 2, decode="dynamic")  # the same tokens; no compile warm-up to pay
-    if not lora:  # the pipeline's reference (the bench's is all bf16): its matmul weights in bf16, the rest float32
-        policy = bench.models.policy
-        bench.models.reference = match_autocast(copy.deepcopy(policy).requires_grad_(False), dtype)
     if lora:
         models = bench.models
         models.policy = apply_lora(models.policy, LoraConfig(enabled=True))
@@ -189,14 +185,15 @@ def first_update_row(plan: Plan, results: dict, lora: bool) -> Row:
         bench.state = fresh_state(models, bench.cfg, bench.seed, plan.device)
     query, mask = bench.query()
     batch, execution = PromptBatch(query, mask, list(range(len(query)))), bench.plan()
+    order = first_epoch_order(bench.cfg, bench.state.shuffle_generator, len(query))
     rollout = generate_and_score(
-        bench.models, batch, None, bench.cfg, bench.settings, bench.state.sample_generator, execution
+        bench.models, batch, None, bench.cfg, bench.settings, bench.state.sample_generator, execution, order
     )
-    scored = rollout.scored
-    token_mask = scored.resp.mask.bool()
-    kl = (scored.logprobs - scored.ref_logprobs)[token_mask]
     compute_advantages(rollout, bench.cfg, bench.state.kl_ctl.value)
     result = optimize(bench.models, bench.state, rollout, bench.cfg, execution)
+    refresh_kl(rollout, bench.cfg)
+    scored = rollout.scored
+    kl = (scored.logprobs - scored.ref_logprobs)[scored.resp.mask.bool()]
     first = result.minibatch_stats[0]
     figures = {
         "KL mean": float(kl.mean()),

@@ -16,7 +16,8 @@ from torch import Tensor
 from rlhf.config import PPOConfig
 from rlhf.memory_usage import peak_memory_mb
 from rlhf.models.cpu_kernels import use_cpu_kernels
-from rlhf.models.device import autocast, torch_threads
+from rlhf.models.device import autocast, autocast_dtype, torch_threads
+from rlhf.models.reference import match_autocast
 from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
@@ -42,14 +43,15 @@ def build_models(
 ) -> PPOModels:
     """Random-init policy and its frozen reference copy, and separate value (with `critic`) and frozen reward
     models (`*ForSequenceClassification` of the same shape). As in the trainer, the trained models keep float32
-    weights and the frozen ones are cast to the compute dtype."""
+    weights, the reward model is cast to the compute dtype and the reference holds in it what autocast multiplies
+    (`rlhf.models.reference.match_autocast`: it computes what the policy computes)."""
     torch.manual_seed(seed)
     config = model_config(shape)
     lm_class, scalar_class = model_classes(shape)
     with torch.device(device):  # initialise in place (a 1B model's init on the CPU takes a while)
         policy, value, reward = lm_class(config), scalar_class(config), scalar_class(config)
     value = value if critic else None
-    reference = copy.deepcopy(policy).to(dtype).requires_grad_(False)
+    reference = match_autocast(copy.deepcopy(policy), autocast_dtype(device, dtype)).requires_grad_(False)
     reward = reward.to(dtype).requires_grad_(False)
     for model in (policy, reference, value, reward):
         if model is None:
@@ -170,7 +172,8 @@ def run_bench(bench: Bench, log=print) -> dict[str, float]:
         timings = bench.update()
         per_update.append(timings)
         phases = " ".join(f"{k.split('/')[1]}={timings[k]:.3f}s" for k in PHASES)
-        log(f"update {i + 1}/{bench.updates}: {timings['episodes/s']:.2f} episodes/s {phases}")
+        dtype = str(bench.dtype).removeprefix("torch.")
+        log(f"update {i + 1}/{bench.updates} ({dtype}): {timings['episodes/s']:.2f} episodes/s {phases}")
     summary = summarize(per_update)
     summary["memory/peak_mb"] = peak_memory_mb(bench.device)
     return summary

@@ -83,7 +83,8 @@ def main() -> int:
         "--bf16",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="TRL's bf16 (autocast through accelerate); default: on for GPU shapes, off on a CPU as TRL runs there",
+        help="TRL's bf16 (autocast through accelerate); default: on for GPU shapes, off on a CPU as TRL runs there "
+        "(`rlhf bench --peers` runs each peer both ways on a CPU with native bf16)",
     )
     parser.add_argument(
         "--estimator",
@@ -166,16 +167,17 @@ def main() -> int:
         timer = UpdateTimer()
         trainer.add_callback(timer)
         trainer.train()
-    report(timer, shape.batch_size)
+    report(timer, shape.batch_size, bf16)
     return 0
 
 
-def report(timer: UpdateTimer, episodes: int, seconds: bool = False) -> None:
-    """`update i/n: X episodes/s` for each update and, last, `episodes/s: X`: the median after the first."""
+def report(timer: UpdateTimer, episodes: int, bf16: bool, seconds: bool = False) -> None:
+    """`update i/n (dtype): X episodes/s` for each update and, last, `episodes/s: X`: the median after the first."""
     durations = [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)]
     rates = [episodes / d for d in durations]
+    dtype = "bfloat16" if bf16 else "float32"
     for i, (rate, duration) in enumerate(zip(rates, durations, strict=True), 1):
-        print(f"update {i}/{len(rates)}: {rate:.2f} episodes/s" + (f" ({duration:.2f} s)" if seconds else ""))
+        print(f"update {i}/{len(rates)} ({dtype}): {rate:.2f} episodes/s" + (f" ({duration:.2f} s)" if seconds else ""))
     print(f"episodes/s: {statistics.median(rates[1:] if len(rates) > 1 else rates):.2f}")
 
 
@@ -282,7 +284,7 @@ def run_grpo(shapes, shape, args, gpu: bool, bf16: bool) -> int:
         timer = UpdateTimer(every=steps_per_update)
         trainer.add_callback(timer)
         trainer.train()
-    report(timer, shape.batch_size, seconds=True)
+    report(timer, shape.batch_size, bf16, seconds=True)
     return 0
 
 

@@ -21,8 +21,11 @@ from flows.artifacts import StageProgress, publish_pipeline_results
 from flows.crashed_runs import check_in, resume_links
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
 from flows.summary import (
+    COMPUTE_REASON_TAG,
+    COMPUTE_TAG,
     TRACKING_URI_FROM,
     budget,
+    compute,
     name_the_policy,
     policy_label,
     stage_label,
@@ -75,6 +78,8 @@ def rlhf_pipeline(
     check_in()  # labels this run with its process; runs of killed processes become Crashed (flows/crashed_runs.py)
     quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not the stage's traceback
     estimates = preflight(config)
+    said = compute(config)  # runtime.dtype resolved ('auto': by this machine's CPU check, cached), and why
+    get_run_logger().info("computing in %s (%s)", said[COMPUTE_TAG], said[COMPUTE_REASON_TAG])
     tracking = open_pipeline_run(config, trial)
     try:
         summary = _run_stages(config, tracking, trial)
@@ -274,6 +279,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         TRACKING_URI_FROM: tracking_uri_origin(config.tracking.uri),  # $MLFLOW_TRACKING_URI, the default or the config
         # the run's budget, by which the summary tells a plumbing check from learning (flows/summary.py)
         **budget(config),
+        **compute(config),  # the device type and the dtype the stages computed in, and why ('auto' resolved)
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
             f"memory/{name}_peak_mb": output.metrics[PEAK_MEMORY]

@@ -29,6 +29,7 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_RM_LC,
     REWARD_BEST_EVAL_ACCURACY,
 )
+from rlhf.models.device import dtype_reason, resolve_device, run_dtype
 from rlhf.stages import INIT, PPO, STAGES, stage_of
 from rlhf.tracking.default_view import mlflow_experiment_url
 from tasks.stage_runs import RESUMED_FROM_TAG
@@ -43,6 +44,8 @@ PLUMBING_SFT_STEPS = 100
 PPO_EPISODES, SFT_STEPS = "budget/ppo_episodes", "budget/sft_steps"
 # Where the run's MLflow store came from: $MLFLOW_TRACKING_URI, the default or the config (a tag of the pipeline run)
 TRACKING_URI_FROM = "rlhf.tracking_uri_from"
+# What the run computed on (tags of the pipeline run, the summary's header): 'cpu bfloat16', and why that dtype
+COMPUTE_TAG, COMPUTE_REASON_TAG = "rlhf.compute", "rlhf.compute_reason"
 
 
 def policy_label(config: PipelineConfig) -> str:
@@ -97,6 +100,18 @@ def budget(config: PipelineConfig) -> dict[str, int]:
     return {
         **({PPO_EPISODES: config.ppo.total_episodes} if config.algorithm == "ppo" and scratch else {}),
         **({SFT_STEPS: config.sft.steps} if scratch else {}),
+    }
+
+
+def compute(config: PipelineConfig) -> dict[str, str]:
+    """The device type and the dtype the run's models compute in (`runtime.dtype` resolved: 'auto' by this machine's
+    check on a CPU, rlhf/models/cpu_bf16.py) and why, as the summary's tags."""
+    runtime = config.runtime
+    device = resolve_device(runtime.device)
+    dtype = run_dtype(runtime, device)
+    return {
+        COMPUTE_TAG: f"{device.type} {str(dtype).removeprefix('torch.')}",
+        COMPUTE_REASON_TAG: dtype_reason(runtime.dtype, device, width=runtime.model_width),
     }
 
 
@@ -221,6 +236,8 @@ def summary_block(summary: dict[str, Any]) -> str:
     """The summary's head: its title, notes, figures, warnings and where the results came from. What a terminal run
     prints first and what a flow run's log ends with (the browser user's view of the same run)."""
     lines = ["", "== RLHF pipeline summary"]
+    if COMPUTE_TAG in summary:
+        lines.append(_row("computed in", f"{summary[COMPUTE_TAG]} ({summary[COMPUTE_REASON_TAG]})"))
     notes = summary_notes(summary)
     for note in (n for n in notes if n.startswith("NOTE: ")):
         lines += [*textwrap.wrap(note, 116, subsequent_indent="      "), ""]

@@ -151,8 +151,13 @@ def read_model_config(config: PipelineConfig, model_config: str | Path | None = 
         raise ConfigError(f"sft.model: could not read the config of '{config.sft.model}': {first}") from None
 
 
-def dtype_bytes(dtype: str, device_type: str) -> int:
-    """Bytes per element of the runtime dtype ('auto': bf16 on CUDA, fp32 elsewhere)."""
+def dtype_bytes(dtype: str, device_type: str, width: int | None = None) -> int:
+    """Bytes per element of the runtime dtype ('auto': bf16 on CUDA; on a CPU what it resolves to on this machine for
+    a model of width `width`, rlhf/models/cpu_bf16.py; fp32 elsewhere)."""
+    if dtype == "auto" and device_type == "cpu":
+        from rlhf.models.device import resolved_dtype_name  # heavy: torch (the CPU's cached bf16 check)
+
+        dtype = resolved_dtype_name(dtype, device_type, width)
     if dtype == "auto":
         return 2 if device_type == "cuda" else 4
     return 4 if dtype == "float32" else 2
@@ -199,7 +204,7 @@ def _trained(params: float) -> float:
 def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_rss: float = 0.0) -> list[StageEstimate]:
     """Per-stage estimates of `config` on a device of `device_type` ('cuda' or 'cpu')."""
     rt, ppo, sft, rw, ev = config.runtime, config.ppo, config.sft, config.reward, config.eval
-    frozen_b = dtype_bytes(rt.dtype, device_type)
+    frozen_b = dtype_bytes(rt.dtype, device_type, rt.model_width)
     act_b = frozen_b  # autocast compute dtype
     cpu = device_type == "cpu"
     overhead = (CUDA_OVERHEAD if device_type == "cuda" else max(base_rss, CPU_PROCESS_BASE)) if device_type else 0.0

@@ -42,14 +42,14 @@ from tasks.slot_watch import watch_slots
 # settings that change the numbers only.
 NOT_IN_KEY = {"tracking", "trial"}
 # What of `runtime` is in every stage's key: the settings that change a stage's numbers. The device type (CPU and CUDA
-# kernels differ; cuda:0 and cuda:1 do not), the compute dtype ('auto' resolved where that needs no GPU: float32 on a
-# CPU) and the attention kernel (sdpa, eager and flash-attention compute attention differently). Left out: `threads`
-# and the device index (the same kernels, at most the order of a float reduction: the machine's core count or BLAS
-# build, not in any key either, changes as much), `trust_remote_code` (a permission: the same model or none),
-# `on_nonfinite` (the same numbers while every step is finite; a stopped stage caches nothing, and its rerun with
-# skip_update must resume from the state the stop kept), `output_dir` (where the cache is), `device_slot`,
-# `progress`, `memory_check` and `memory_budget_gb` (scheduling, display, preflight), `ppo_processes` (PPO's key has
-# it as `processes`).
+# kernels differ; cuda:0 and cuda:1 do not), the compute dtype ('auto' resolved where that needs no GPU: on a CPU,
+# float32 or bfloat16 as this machine's cached check says, rlhf/models/cpu_bf16.py) and the attention kernel (sdpa,
+# eager and flash-attention compute attention differently). Left out: `threads` and the device index (the same
+# kernels, at most the order of a float reduction: the machine's core count or BLAS build, not in any key either,
+# changes as much), `trust_remote_code` (a permission: the same model or none), `on_nonfinite` (the same numbers while
+# every step is finite; a stopped stage caches nothing, and its rerun with skip_update must resume from the state the
+# stop kept), `output_dir` (where the cache is), `device_slot`, `progress`, `memory_check` and `memory_budget_gb`
+# (scheduling, display, preflight), `ppo_processes` (PPO's key has it as `processes`).
 RUNTIME_IN_KEY = ("device", "dtype", "attn_implementation")
 # Stages whose key also holds `runtime.sharding`: PPO's resume state is a torch.distributed.checkpoint folder under
 # 'fsdp' and a torch.save file otherwise, and its gradients are reduce-scattered rather than all-reduced.
@@ -84,11 +84,16 @@ def runtime_key(stage: str, runtime: RuntimeConfig) -> dict[str, Any]:
         return {}
     device = "cuda" if runtime.device.startswith("cuda") else runtime.device
     if device == "auto":
-        import torch
+        import torch  # heavy: only where 'auto' must be resolved
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    # 'auto' is float32 on a CPU; on a GPU it stays 'auto' (bfloat16 where supported): asking needs a CUDA context
-    dtype = "float32" if device == "cpu" and runtime.dtype == "auto" else runtime.dtype
+    # 'auto' on a CPU: what it resolves to on this machine at the model's width (its cached check); on a GPU it stays
+    # 'auto' (bfloat16 where supported): asking needs a CUDA context
+    dtype = runtime.dtype
+    if device == "cpu" and dtype == "auto":
+        from rlhf.models.device import resolved_dtype_name  # heavy: torch
+
+        dtype = resolved_dtype_name(dtype, "cpu", runtime.model_width)
     key = {"device": device, "dtype": dtype, "attn_implementation": runtime.attn_implementation}
     if stage in SHARDED_STAGES:
         key["sharding"] = runtime.sharding

@@ -394,9 +394,11 @@ SMOLLM2_STYLE = TokenizerStyle(
 )
 
 
-def build_smollm_like(tie_word_embeddings: bool = True, seed: int = 0) -> tuple[Any, PreTrainedTokenizerFast]:
+def build_smollm_like(
+    tie_word_embeddings: bool = True, seed: int = 0, **shape: int
+) -> tuple[Any, PreTrainedTokenizerFast]:
     """A tiny random-weight Llama (SmolLM2's architecture: tied embeddings, grouped KV heads) and a SmolLM2-like
-    tokenizer, float32, in memory."""
+    tokenizer, float32, in memory; `shape` overrides its sizes (e.g. intermediate_size)."""
     tokenizer = build_tokenizer(SMOLLM2_STYLE)
     config = AutoConfig.for_model(
         "llama",
@@ -405,7 +407,7 @@ def build_smollm_like(tie_word_embeddings: bool = True, seed: int = 0) -> tuple[
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=tie_word_embeddings,
-        **_SHAPE,
+        **{**_SHAPE, **shape},
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).float().eval(), tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,16 +195,62 @@ def test_a_gpu_check_row_past_the_budget_is_skipped_with_the_reason(tmp_path):
     assert rows[-1].status == "skipped" and "of the budget left" in rows[-1].note
 
 
-def test_the_bench_times_what_make_run_runs(monkeypatch):
-    """--dtype auto is the pipeline's runtime.dtype auto: float32 on every CPU, bf16 AVX-512 or not; there the
-    faster opt-in bf16 is named beside it."""
-    import rlhf.models.device as device_module
+def test_the_bench_times_what_make_run_runs(monkeypatch, capsys):
+    """--dtype auto is the pipeline's runtime.dtype auto on this machine (its CPU's bf16 check at the shape's width),
+    named with its reason in the header and on every update's line."""
+    from rlhf.models.device import compute_dtype, dtype_reason
 
+    monkeypatch.setitem(SHAPES, "tiny", TINY)
     cpu = torch.device("cpu")
-    for native in (True, False):
-        monkeypatch.setattr(device_module, "cpu_has_native_bf16", lambda native=native: native)
-        monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda native=native: native)
-        assert cli.bench_dtype("auto", cpu) == device_module.compute_dtype("auto", cpu) == torch.float32
-        assert bool(cli.bf16_option_note("auto", cpu, torch.float32)) is native
-    assert cli.bench_dtype("bfloat16", cpu) == torch.bfloat16
-    assert cli.bf16_option_note("bfloat16", cpu, torch.bfloat16) == ""
+    here = str(compute_dtype("auto", cpu, width=TINY.n_embd)).removeprefix("torch.")
+    assert cli.main(["--shape", "tiny", "--updates", "2", "--device", "cpu", "--no-limit"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"dtype={here}" in out[0]
+    assert out[1] == f"dtype {here}: " + dtype_reason("auto", cpu, width=TINY.n_embd).replace(
+        "runtime.dtype", "--dtype", 1
+    )
+    updates = [line for line in out if line.startswith("update ")]
+    assert len(updates) == 2 and all(line.startswith(f"update {i}/2 ({here}): ") for i, line in enumerate(updates, 1))
+    assert out[-2].startswith(f"this project ({here}) episodes/s: ") and out[-1].startswith("episodes/s: ")
+    assert cli.main(["--shape", "tiny", "--updates", "2", "--device", "cpu", "--no-limit", "--dtype", "float32"]) == 0
+    assert "update 1/2 (float32): " in capsys.readouterr().out
+
+
+FAKE_PEER = """import sys
+bf16 = "--bf16" in sys.argv
+dtype = "bfloat16" if bf16 else "float32"
+print(f"peer: a stand-in for TRL, {' '.join(sys.argv[1:])}")
+print(f"update 1/1 ({dtype}): 9.00 episodes/s")
+print(f"episodes/s: {2.0 if bf16 else 1.0}")
+"""
+
+
+def test_each_peer_runs_in_each_dtype_the_cpu_has_and_the_ratio_is_to_the_faster(monkeypatch, capsys, tmp_path):
+    """The peers' dtype plumbing (BENCH.md: each peer in its fastest dtype on the machine at hand): float32 and TRL's
+    bf16 on a CPU with native bf16, float32 alone on others, bf16 on a GPU; every line names the peer's dtype and
+    the ratio is to the faster. A stand-in script in place of benchmarks/trl_peer.py (the peers' venvs hold TRL)."""
+    from rlhf.models.cpu_bf16 import cpu_has_native_bf16
+
+    assert cli.peer_dtypes(torch.device("cuda")) == ("bfloat16",)
+    dtypes = cli.peer_dtypes(torch.device("cpu"))
+    assert dtypes == (("float32", "bfloat16") if cpu_has_native_bf16() else ("float32",))
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    script = tmp_path / "peer.py"
+    script.write_text(FAKE_PEER)
+    monkeypatch.setattr(cli, "PEER_SCRIPT", script)
+    monkeypatch.setitem(cli.ESTIMATOR_PEERS, "gae", ((("stand-in", str(venv)),), "ppo"))
+    monkeypatch.setitem(SHAPES, "tiny", TINY)
+    assert cli.main(["--shape", "tiny", "--updates", "2", "--device", "cpu", "--no-limit", "--peers"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for dtype in dtypes:
+        assert f"[stand-in, {dtype}] update 1/1 ({dtype}): 9.00 episodes/s" in out
+        assert (tmp_path / ("venv.log" if dtype == "float32" else f"venv.{dtype}.log")).is_file()
+        figure = "2.00" if dtype == "bfloat16" else "1.00"
+        assert any(line.startswith(f"peer stand-in ({dtype}) episodes/s: {figure}; this project (") for line in out)
+    best = dtypes[-1]  # the stand-in is faster in bf16
+    (ratio,) = [line for line in out if line.startswith("ratio to the best peer")]
+    assert ratio.startswith(f"ratio to the best peer (stand-in, {best}: its fastest dtype here) of this project (")
+    missing = cli.run_peer("gone", str(tmp_path / "no-venv"), "tiny", 2, None, "ppo", "bfloat16")
+    assert missing is None and "[gone, bfloat16] no " in capsys.readouterr().out

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 STAGES = ("supervised_finetune", "train_reward_model", "train_policy_ppo", "evaluate_policies", "a_new_stage")
 MODEL_FREE = ("prepare_preferences", "init_policy_models")  # data preparation, the plan of the PPO models
 
-# (setting, the value of conf/smoke.yaml on a CPU machine, another value)
+# (setting, a value, another value)
 IN_KEY = [
     ("dtype", "float32", "bfloat16"),
     ("dtype", "float32", "float16"),
@@ -77,11 +77,18 @@ def test_sharding_is_in_the_key_of_ppo_only():
 
 
 def test_auto_resolves_where_that_asks_nothing_of_a_gpu(monkeypatch):
-    """'auto' on a CPU is float32 on a CPU: the same key as float32 there. The device 'auto' is the device it picks."""
+    """'auto' on a CPU is what it resolves to on this machine (float32, or bfloat16 where the CPU's bf16 check passes:
+    rlhf/models/cpu_bf16.py): the same key as that dtype, another than the other one. The device 'auto' is the
+    device it picks."""
     import torch
 
+    from rlhf.models.device import resolved_dtype_name
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _key("train_reward_model", dtype="auto") == _key("train_reward_model", dtype="float32")
+    here = resolved_dtype_name("auto", "cpu")
+    other = "float32" if here == "bfloat16" else "bfloat16"
+    assert _key("train_reward_model", dtype="auto") == _key("train_reward_model", dtype=here)
+    assert _key("train_reward_model", dtype="auto") != _key("train_reward_model", dtype=other)
     assert _key("train_reward_model", device="auto") == _key("train_reward_model", device="cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _key("train_reward_model", device="auto") == _key("train_reward_model", device="cuda")
@@ -102,8 +109,9 @@ def test_a_stage_folder_follows_its_key(tmp_path):
     config = load_config(REPO / "conf" / "smoke.yaml", [f"runtime.output_dir={tmp_path}"])
     tracking = TrackingContext(uri="sqlite:///unused.db", experiment="e", parent_run_id="p")
     params = {"sft_cfg": config.sft, "prepared": None, "seed": 0, "tracking": tracking}
-    fp32 = caching.stage_dir("supervised_finetune", {**params, "runtime": config.runtime})
+    float32 = config.runtime.model_copy(update={"dtype": "float32"})
+    fp32 = caching.stage_dir("supervised_finetune", {**params, "runtime": float32})
     bf16 = config.runtime.model_copy(update={"dtype": "bfloat16"})
     assert caching.stage_dir("supervised_finetune", {**params, "runtime": bf16}) != fp32
-    more_threads = config.runtime.model_copy(update={"threads": 7})
+    more_threads = float32.model_copy(update={"threads": 7})
     assert caching.stage_dir("supervised_finetune", {**params, "runtime": more_threads}) == fp32

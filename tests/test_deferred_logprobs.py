@@ -1,5 +1,5 @@
 """The rollout's policy forward skipped where the optimisation's first minibatch can supply its own old log-probs
-(`rlhf.ppo.update.first_epoch_order`): the same update, to float tolerance, with fewer forwards."""
+(`rlhf.ppo.update.defers_old_logprobs`): the same update, to float tolerance, with fewer forwards."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from rlhf.rollout import scoring
 from rlhf.rollout.batching import encode_prompts
 from rlhf.train.sft import bootstrap_sft
 
-RUNTIME = RuntimeConfig(device="cpu", progress=False)
+RUNTIME = RuntimeConfig(device="cpu", progress=False, dtype="float32")  # float32 numerics (tolerances below)
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +102,14 @@ def test_deferred_first_minibatch_is_the_same_update(stack, monkeypatch, estimat
 
 
 def test_no_deferral_where_the_rollout_needs_the_log_probs():
-    # PPO and RLOO keep the KL in the reward: the advantages need every row's log-probs before the optimisation
+    # PPO and RLOO keep the KL in the reward: the advantages need every row's log-probs before the optimisation; the
+    # first epoch's order is still drawn before sampling (the rollout's forwards take its rows)
     for estimator in ("gae", "rloo"):
         cfg = PPOConfig(advantage_estimator=estimator, samples_per_prompt=4)
-        assert ppo_update.first_epoch_order(cfg, torch.Generator(), 8) is None
-    # dynamic sampling merges rollouts: no deferral either
+        assert not ppo_update.defers_old_logprobs(cfg)
+        assert ppo_update.first_epoch_order(cfg, torch.Generator(), 8) is not None
+    assert ppo_update.defers_old_logprobs(PPOConfig(advantage_estimator="grpo", samples_per_prompt=4))
+    # dynamic sampling merges rollouts: the rows of the first epoch are not known before sampling
     cfg = PPOConfig(advantage_estimator="dapo", samples_per_prompt=4)
     assert ppo_update.first_epoch_order(cfg, torch.Generator(), 8) is None
     generator = torch.Generator().manual_seed(3)

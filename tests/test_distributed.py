@@ -40,6 +40,7 @@ TINY = [
     "ppo.save_every=1",
     "runtime.progress=false",
     "runtime.device=cpu",
+    "runtime.dtype=float32",  # float32 numerics: tests/test_fsdp.py compares the sharded run with a tolerance
 ]
 
 

@@ -18,7 +18,7 @@ from rlhf.ops import logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.train.dpo import fit_pairs, frame_logps, pair_logps, train_dpo
 
-RUNTIME = RuntimeConfig(device="cpu", progress=False)
+RUNTIME = RuntimeConfig(device="cpu", progress=False, dtype="float32")  # float32 numerics: the tolerances below
 STAT_KEYS = [
     "loss",
     "rewards/chosen",

@@ -38,7 +38,7 @@ from rlhf.train.reward import train_reward_model
 from rlhf.train.sft import finetune_sft
 from tests.model_zoo import CHAT_FAMILIES, FAMILIES, SPECS, build_family
 
-RUNTIME = RuntimeConfig(device="cpu", progress=False)
+RUNTIME = RuntimeConfig(device="cpu", progress=False, dtype="float32")  # float32 numerics: the tolerances below
 CPU = torch.device("cpu")
 PROMPTS = ["Review of The Silent River:", "Review of The Paper Horizon, a long and quiet one:"]
 

@@ -104,7 +104,9 @@ def test_periodic_eval_logs_its_metrics_at_the_eval_steps(tiny_checkpoints, tmp_
         assert metrics["periodic_eval/sqrt_kl"] == pytest.approx(math.sqrt(max(metrics["periodic_eval/kl"], 0.0)))
         assert -1.5 <= metrics["periodic_eval/gold"] <= 1.0
     assert log.eval_at(0)["periodic_eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
-    assert log.eval_at(5)["periodic_eval/kl"] > 0.01  # lr 3e-3 moves the policy
+    # lr 3e-3 moves the policy: the KL estimate leaves 0 (k1, the mean log-ratio of 12 held-out samples: either sign;
+    # -0.10 under bf16, 0.11 in float32)
+    assert abs(log.eval_at(5)["periodic_eval/kl"]) > 0.01
     # an evaluation is not a training step: the updates' own statistics are logged at steps 1..5 as before
     assert [s for s, m in log.calls if "objective/kl" in m] == [1, 2, 3, 4, 5]
 

@@ -7,12 +7,22 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from prefect.results import ResultStore
 
 from flows.pipeline import rlhf_pipeline
-from flows.summary import PPO_EPISODES, SFT_STEPS, format_summary, plumbing_check, summary_block, sweep_note
+from flows.summary import (
+    COMPUTE_TAG,
+    PPO_EPISODES,
+    SFT_STEPS,
+    format_summary,
+    plumbing_check,
+    summary_block,
+    sweep_note,
+)
 from rlhf.config import load_config
+from rlhf.models.device import compute_dtype, dtype_reason
 from rlhf.stages import STAGE_TASKS, STAGES, stages_of
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
 from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
@@ -36,7 +46,15 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert "eval/win_rate_gold" in summary and "eval/kl" in summary
     # the smoke config's budget makes it a plumbing check, and the printed summary says so first
     assert (summary[PPO_EPISODES], summary[SFT_STEPS]) == (cfg.ppo.total_episodes, cfg.sft.steps)
-    assert format_summary(summary).splitlines()[2].startswith("NOTE: a plumbing check, not learning: 64 PPO episodes")
+    printed = format_summary(summary).splitlines()
+    # the header: what the run computed in ('auto' resolved on this machine at the model's width) and why, then the note
+    assert cfg.runtime.model_width == cfg.sft.bootstrap.n_embd
+    device = torch.device("cpu")
+    dtype = compute_dtype("auto", device, width=cfg.runtime.model_width)
+    assert summary[COMPUTE_TAG] == f"cpu {str(dtype).removeprefix('torch.')}"
+    reason = dtype_reason("auto", device, width=cfg.runtime.model_width)
+    assert printed[2] == f"{'computed in:':<39} {summary[COMPUTE_TAG]} ({reason})"
+    assert printed[3].startswith("NOTE: a plumbing check, not learning: 64 PPO episodes")
     assert plumbing_check(summary) and "NOTE" not in format_summary({**summary, PPO_EPISODES: 6400, SFT_STEPS: 400})
     # the store the run logged to, and where that came from (the override: MLFLOW_TRACKING_URI is not set here)
     assert f"{'MLflow store':<40}{uri} (tracking.uri)" in format_summary(summary).splitlines()
@@ -75,6 +93,7 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
         assert run.info.run_name == f"{parent[0].info.run_name}/{short[stage]}", stage
     assert parent[0].data.tags["mlflow.note.content"].startswith(note)
     assert parent[0].data.tags["rlhf.cached"] == "false"
+    assert parent[0].data.tags[COMPUTE_TAG] == summary[COMPUTE_TAG]  # the resolved dtype, logged
     assert parent[0].data.params["ppo.kl_coef"] == str(cfg.ppo.kl_coef)
     assert parent[0].data.tags["prefect.flow_run_id"] == str(first.state_details.flow_run_id)
     assert set(children) == {

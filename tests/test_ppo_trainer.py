@@ -31,7 +31,7 @@ from rlhf.train.sft import bootstrap_sft
 
 # one xdist worker runs the module: its tests share the trained stack (a module fixture of about 15 s)
 pytestmark = pytest.mark.xdist_group("ppo_trainer")
-RUNTIME = RuntimeConfig(device="cpu", progress=False)
+RUNTIME = RuntimeConfig(device="cpu", progress=False, dtype="float32")  # float32 numerics: the tolerances below
 NOT_DETERMINISTIC = ("time/", "speed/", "memory/")
 
 

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
+from rlhf.models.device import torch_threads
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.reference import autocast_lowered_parameters, load_reference_lm, match_autocast, reference_bytes
 from rlhf.ppo import optimise as ppo_optimise
@@ -22,6 +23,7 @@ from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import prompt_batch
 from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import generation_settings
+from rlhf.ppo.update import compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.batching import encode_prompts
 from rlhf.rollout.scoring import policy_forward
 from tests.model_zoo import FAMILIES, build_family, build_smollm_like
@@ -116,8 +118,75 @@ def test_first_update_kl_is_zero_and_ratio_one_under_bf16(checkpoints, tmp_path,
     assert not torch.equal(rounded * r.mask, s.ref_logprobs * r.mask)
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> str:
+    """A Llama with SmolLM2-135M's layer shapes (hidden 576, 9 heads over 3 KV heads, MLP 1536) in 2 layers and a
+    tiny vocabulary: there this CPU's bf16 matmul kernels give results that depend on how many rows they multiply at
+    once (blocks of the sum chosen by the shape), as they do on SmolLM2-135M itself."""
+    shape = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    model, tokenizer = build_smollm_like(seed=2, **shape)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(2.0)
+    path = tmp_path_factory.mktemp("wide")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "threads", "lora"),
+    [
+        ("dr_grpo", 2, False),
+        ("dr_grpo", 1, False),
+        ("grpo", 2, False),
+        ("gae", 2, False),
+        ("reinforce_pp", 1, False),
+        ("dr_grpo", 2, True),
+    ],
+)
+def test_the_trainer_s_first_update_is_exact_under_bf16(wide, tmp_path, estimator, threads, lora):
+    """The first update as the PPO stage runs it (`rlhf.ppo.trainer`): the first epoch's order drawn before sampling,
+    the rollout's policy and reference forwards of the first minibatch on the rows, columns and threads of its
+    forwards (`ExecutionPlan.rollout_groups`; the first minibatch's old log-probs deferred to the optimisation where
+    the KL is in the loss; a critic-free micro-batch as two halves in two threads with 2 threads; with LoRA the
+    reference is the policy with its adapters off). Every row's KL is exactly 0 and the first minibatch's ratio
+    exactly 1. Before, the deferred rows' reference log-probs came from forwards of other rows on other threads (a
+    first-update KL of 0.08 per response on SmolLM2-135M under bf16; here up to 9e-4)."""
+    critic_free = estimator != "gae"
+    cfg = _cfg(
+        advantage_estimator=estimator, samples_per_prompt=2 if critic_free else 1, batch_size=16, total_episodes=16,
+        num_mini_batches=2, max_new_tokens=24, forward_batch_size=None, lora={"enabled": lora},
+    )  # fmt: skip
+    with torch_threads(threads):
+        m = load_models(cfg, BF16, wide, None, None if critic_free else wide, CPU, REWARD)
+        state = load_state(tmp_path / "no-state", m, cfg, 0, CPU)
+        prompts = [
+            m.tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+            for q in QUESTIONS
+        ]
+        ids = encode_prompts(m.tokenizer, prompts, cfg.max_prompt_tokens)
+        batch = prompt_batch(
+            ids, 0, cfg.batch_size, 0, m.tokenizer.pad_token_id, samples_per_prompt=cfg.samples_per_prompt
+        )
+        plan = ExecutionPlan.for_models(m, torch.bfloat16)
+        assert plan.split_policy == (critic_free and threads == 2)
+        order = first_epoch_order(cfg, state.shuffle_generator, len(batch.indices))
+        r = generate_and_score(m, batch, prompts, cfg, generation_settings(cfg, m), state.sample_generator, plan, order)
+        compute_advantages(r, cfg, state.kl_ctl.value)
+        result = ppo_optimise.optimize(m, state, r, cfg, plan)
+        refresh_kl(r, cfg)
+    assert r.mask.sum() > 16 * 8  # real responses
+    assert torch.equal(r.kl, torch.zeros_like(r.kl)), (r.kl * r.mask).sum(1)
+    first = result.minibatch_stats[0]
+    assert first["policy/ratio_mean"] == 1.0 and first["policy/ratio_var"] == 0.0, first
+    assert first["policy/approxkl"] == 0.0 and first["policy/clipfrac"] == 0.0
+
+
 def test_float32_runs_keep_a_float32_reference(checkpoints, tmp_path):
-    m, r, step = _first_update(checkpoints["untied"], _cfg(), RuntimeConfig(device="cpu", progress=False), tmp_path)
+    float32 = RuntimeConfig(device="cpu", progress=False, dtype="float32")
+    m, r, step = _first_update(checkpoints["untied"], _cfg(), float32, tmp_path)
     assert {p.dtype for p in m.reference.parameters()} == {torch.float32}
     assert torch.equal(r.scored.logprobs, r.scored.ref_logprobs)
     assert torch.equal(step.ratios, torch.ones_like(step.ratios))

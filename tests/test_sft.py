@@ -13,7 +13,7 @@ from rlhf.data import synthetic
 from rlhf.errors import ConfigError, TrainingInterrupted
 from rlhf.train.sft import finetune_sft
 
-RUNTIME = RuntimeConfig(device="cpu", progress=False)
+RUNTIME = RuntimeConfig(device="cpu", progress=False, dtype="float32")  # float32 numerics: the tolerances below
 
 
 @pytest.fixture

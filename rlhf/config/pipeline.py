@@ -68,6 +68,13 @@ class PipelineConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _runtime_knows_the_model_width(self) -> PipelineConfig:
+        """`runtime.dtype: auto` is decided at the policy's width on a CPU: tell the runtime section (on every
+        validation, so a variant that changes the model gets its own)."""
+        self.runtime.with_model_width(policy_width(self.sft))
+        return self
+
+    @model_validator(mode="after")
     def _own_sft_trains(self) -> PipelineConfig:
         """reward.ensemble_trunks 'own_sft' needs an SFT stage that trains."""
         reward = self.reward
@@ -78,6 +85,23 @@ class PipelineConfig(Section):
                 "members' own models in reward.ensemble_models"
             )
         return self
+
+
+def policy_width(sft: SFTConfig) -> int | None:
+    """The policy model's hidden size, read without loading it: the embedded model's `sft.bootstrap.n_embd`, else
+    the hidden size in the config.json of `sft.model` where it is a local folder; None where it is unknown here (a hub
+    id, a GGUF file, an unreadable folder: preflight names those)."""
+    if sft.model is None:
+        return sft.bootstrap.n_embd
+    try:
+        fields = json.loads((Path(sft.model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    if isinstance(fields.get("text_config"), dict):  # a multimodal checkpoint: its language model's
+        fields = fields["text_config"]
+    return next((fields[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(fields.get(k), int)), None)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -36,7 +36,7 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_GOLD,
     EVAL_WIN_RATE_RM,
 )
-from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
 from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward, member_tokenizers
 from rlhf.models.stop_tokens import stop_token_ids
@@ -242,7 +242,7 @@ def evaluate_policies(
     )
     readers = None if reward_path is None else member_tokenizers(reward_path, tokenizer, trust_remote_code)
     same_tokenizer = readers is None or all(reader is None for reader in readers)
-    dtype = compute_dtype(runtime.dtype, device)
+    dtype = run_dtype(runtime, device)
     prompts = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
     answers: dict[str, dict[str, pd.DataFrame]] = {rows.name: {} for rows in benchmarks}

@@ -12,7 +12,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
+from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
+from rlhf.models.cpu_bf16 import NARROWEST_BF16, CpuBf16Check, cpu_bf16_check
 
 # Building a model is not thread-safe: transformers and peft patch module-level state while they do (weight init
 # switched off, parameters created on the meta device), so a model built in another thread at that moment gets
@@ -32,22 +34,51 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`runtime.dtype` on `device`: 'auto' is bfloat16 on a CUDA device that supports it, else float32."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return DTYPES[name]
+def compute_dtype(
+    name: str, device: torch.device, cpu_check: CpuBf16Check | None = None, width: int | None = None
+) -> torch.dtype:
+    """`runtime.dtype` on `device`. 'auto': bfloat16 on a CUDA device that supports it; on a CPU bfloat16 (autocast)
+    where the CPU multiplies bf16 natively, the measured check passes (`rlhf.models.cpu_bf16`: `cpu_check`, or this
+    machine's cached verdict where None) and the model is at least NARROWEST_BF16 wide (`width`; None: unknown, taken
+    as wide), else float32; float32 elsewhere. A named dtype is that dtype."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu":
+        narrow = width is not None and width < NARROWEST_BF16
+        return torch.bfloat16 if not narrow and (cpu_check or cpu_bf16_check()).passed else torch.float32
+    return torch.float32
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (the AVX-512 BF16 or AMX flags of Linux's /proc/cpuinfo): there
-    bf16 matmuls are faster than float32 ones; elsewhere they are emulated and slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = {word for line in f if line.startswith("flags") for word in line.split()}
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+def run_dtype(runtime: RuntimeConfig, device: torch.device) -> torch.dtype:
+    """The dtype a run under `runtime` computes in on `device`: `compute_dtype` of its `runtime.dtype` at its model's
+    width (`RuntimeConfig.model_width`)."""
+    return compute_dtype(runtime.dtype, device, width=runtime.model_width)
+
+
+def resolved_dtype_name(name: str, device_type: str, width: int | None = None) -> str:
+    """`runtime.dtype` `name` resolved on a device of `device_type` ('cpu', 'cuda', ...) for a model of width `width`,
+    as a name ('float32', 'bfloat16', 'float16'): what the cache keys and the memory estimate take."""
+    dtype = compute_dtype(name, torch.device(device_type), width=width)
+    return next(key for key, value in DTYPES.items() if value == dtype)
+
+
+def dtype_reason(
+    name: str, device: torch.device, cpu_check: CpuBf16Check | None = None, width: int | None = None
+) -> str:
+    """Why `runtime.dtype` `name` computes in `compute_dtype(name, device, cpu_check, width)` there, in a few words
+    (the summary's header and the run's log)."""
+    if name != "auto":
+        return f"runtime.dtype: {name}"
+    if device.type == "cuda":
+        return "runtime.dtype: auto (bfloat16 where the GPU supports it)"
+    if device.type == "cpu":
+        check = cpu_check or cpu_bf16_check()
+        if check.passed and width is not None and width < NARROWEST_BF16:
+            return f"runtime.dtype: auto (the model's width {width} is under {NARROWEST_BF16}, where bf16 does not pay)"
+        return f"runtime.dtype: auto ({check.reason()})"
+    return "runtime.dtype: auto (float32 off CUDA and CPU)"
 
 
 def autocast_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:

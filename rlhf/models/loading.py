@@ -22,7 +22,7 @@ from transformers.utils import logging as hf_logging
 from rlhf.config import RuntimeConfig
 from rlhf.errors import ConfigError
 from rlhf.lfs import is_lfs_pointer
-from rlhf.models.device import MODEL_BUILD_LOCK, compute_dtype
+from rlhf.models.device import MODEL_BUILD_LOCK, run_dtype
 from rlhf.models.gguf import gguf_path, gguf_reference, tokenizer_from_gguf
 
 hf_logging.set_verbosity_error()  # load reports and shard progress bars are noise in pipeline logs
@@ -45,7 +45,7 @@ def load_options(runtime: RuntimeConfig, device: torch.device, trainable: bool) 
     """
     return {
         "trust_remote_code": runtime.trust_remote_code,
-        "dtype": torch.float32 if trainable else compute_dtype(runtime.dtype, device),
+        "dtype": torch.float32 if trainable else run_dtype(runtime, device),
         "attn_implementation": runtime.attn_implementation,
     }
 

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from rlhf.config import RuntimeConfig
-from rlhf.models.device import autocast_dtype, compute_dtype
+from rlhf.models.device import autocast_dtype, run_dtype
 from rlhf.models.loading import from_pretrained_with, hub_kwargs
 
 # The layers whose parameters autocast hands to its matrix multiplies (linear, addmm) in the compute dtype, weight and
@@ -72,4 +72,4 @@ def load_reference_lm(name: str, runtime: RuntimeConfig, device: torch.device) -
     CPU), as the policy does."""
     kwargs = hub_kwargs(None, runtime.trust_remote_code)
     model = from_pretrained_with(AutoModelForCausalLM, name, runtime.attn_implementation, dtype=torch.float32, **kwargs)
-    return match_autocast(model, autocast_dtype(device, compute_dtype(runtime.dtype, device))).to(device)
+    return match_autocast(model, autocast_dtype(device, run_dtype(runtime, device))).to(device)

@@ -62,9 +62,7 @@ def micro_batch(rollout: Rollout, rows: Tensor) -> MicroBatch:
     scored = rollout.scored
     qr_mask = scored.qr_mask[rows]
     p = scored.prompt_len
-    used_prompt = qr_mask[:, :p].any(0)
-    lead = int(used_prompt.int().argmax()) if bool(used_prompt.any()) else 0
-    r = max(1, int(scored.resp.mask[rows].sum(1).max()))
+    lead, r = scoring.used_columns(qr_mask, p, scored.resp.mask[rows])  # as the rollout's forward of these rows
     cols = slice(lead, p + r)
     critic = scored.values is not None
     return MicroBatch(
@@ -93,7 +91,7 @@ def _policy_micro(
     ppo.kl_in 'loss') and its backward for one micro-batch; the losses aggregated as ppo.loss_aggregation says (the
     clipped loss over responses with a sequence-level ratio). `weights` scale its part of the gradient when the
     micro-batch is one of several halves (`_policy_halves`). `fill`: the micro-batch's rows were not scored by the
-    policy at sampling (`rlhf.ppo.update.first_epoch_order`): this forward, detached, is their old log-probs, and
+    policy at sampling (`rlhf.ppo.update.defers_old_logprobs`): this forward, detached, is their old log-probs, and
     `fill` writes them into the rollout."""
     w = weights or HalfWeights(1.0, 1.0, 1.0)
     with autocast(mb.mask.device, dtype):
@@ -159,18 +157,18 @@ def _filler(rollout: Rollout, rows: Tensor) -> Callable[[Tensor], None]:
 def _policy_halves(
     models: PPOModels,
     rollout: Rollout,
-    rows: Tensor,
+    parts: tuple[Tensor, ...],
     cfg: PPOConfig,
     dtype: torch.dtype,
     kl_coef: float,
     deferred: bool = False,
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """One micro-batch of a critic-free run on a CPU as two halves, forward and backward side by side in two threads
-    (each op single-threaded: `split_policy_work`). Their losses are weighted by their share of the micro-batch's
-    aggregation (real tokens for token_mean, sequences with tokens for the sequence modes; the entropy by tokens),
-    so the gradients the autograd engine sums into the parameters (under its accumulation lock) are the whole
-    micro-batch's; the statistics are recombined exactly. Returns (the micro-batch's statistics, its ratios)."""
-    parts = rows.tensor_split(2)
+    """One micro-batch of a critic-free run on a CPU as two halves (`parts`: `ExecutionPlan.policy_parts`), forward
+    and backward side by side in two threads (each op single-threaded: `split_policy_work`). Their losses are weighted
+    by their share of the micro-batch's aggregation (real tokens for token_mean, sequences with tokens for the
+    sequence modes; the entropy by tokens), so the gradients the autograd engine sums into the parameters (under its
+    accumulation lock) are the whole micro-batch's; the statistics are recombined exactly. Returns (the
+    micro-batch's statistics, its ratios)."""
     halves = [micro_batch(rollout, part) for part in parts]
     fills = [_filler(rollout, part) if deferred else None for part in parts]
     tokens = [float(mb.mask.sum()) for mb in halves]
@@ -250,14 +248,14 @@ def minibatch_step(
     """
     device, dtype, world_size = rollout.scored.query_responses.device, plan.dtype, plan.world_size
     second_thread, on_nonfinite = plan.second_thread, plan.on_nonfinite
-    micro_size = cfg.mini_batch_size // world_size // cfg.gradient_accumulation_steps
     critic = models.value is not None
     kl_coef = state.kl_ctl.value
     stats, ratios = OptimStats(), []
-    for micro in rows.split(micro_size):
+    for micro in plan.micro_batches(rows, cfg):
         micro = micro.to(device)
-        if plan.split_policy and not critic and len(micro) > 1:  # two halves in two threads
-            metrics, mb_ratios = _policy_halves(models, rollout, micro, cfg, dtype, kl_coef, deferred)
+        parts = plan.policy_parts(micro, critic)
+        if len(parts) > 1:  # two halves in two threads
+            metrics, mb_ratios = _policy_halves(models, rollout, parts, cfg, dtype, kl_coef, deferred)
             ratios.append(mb_ratios)
             stats.add(metrics)
             continue
@@ -343,10 +341,10 @@ def optimize(
     models.policy.train()
     if models.value is not None:
         models.value.train()
-    with torch_threads(1 if plan.second_thread or plan.split_policy else None):  # two threads: each op single
+    with torch_threads(plan.optimise_threads):  # two threads: each op single-threaded
         for epoch in range(cfg.num_ppo_epochs):
             # step 2. a shuffled pass over the rollout: one optimizer step of each model per minibatch (the first
-            # epoch's order drawn before sampling where the first minibatch computes its own old log-probs)
+            # epoch's order drawn before sampling, whose forwards' rows the rollout's log-probs were computed on)
             first = epoch == 0 and rollout.first_order is not None
             perm = rollout.first_order if first else torch.randperm(n, generator=state.shuffle_generator)
             for start in range(0, n, mini_size):

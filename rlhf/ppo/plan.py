@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
+from rlhf.config import PPOConfig
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.threads import split_policy_work, use_second_thread
@@ -55,6 +57,43 @@ class ExecutionPlan:
             use_second_thread(device, models, world_size, scoring=True),
             sharded,
         )
+
+    @property
+    def optimise_threads(self) -> int | None:
+        """torch's threads during the optimisation: 1 where it runs in two CPU threads (`second_thread`,
+        `split_policy`), each op single-threaded; None: torch's count as it is."""
+        return 1 if self.second_thread or self.split_policy else None
+
+    def micro_batches(self, rows: Tensor, cfg: PPOConfig) -> tuple[Tensor, ...]:
+        """The micro-batches of the minibatch `rows` (this rank's): ppo.gradient_accumulation_steps of them."""
+        return rows.split(cfg.mini_batch_size // self.world_size // cfg.gradient_accumulation_steps)
+
+    def policy_parts(self, micro: Tensor, critic: bool) -> tuple[Tensor, ...]:
+        """The rows of each policy forward of the micro-batch `micro`: two halves, forward and backward side by side
+        in two CPU threads, where the plan splits a critic-free run's work (`split_policy`, `critic` False, more
+        than one row: `rlhf.ppo.optimise._policy_halves`); else the whole micro-batch."""
+        if self.split_policy and not critic and len(micro) > 1:
+            return micro.tensor_split(2)
+        return (micro,)
+
+    @property
+    def paired_scoring(self) -> bool:
+        """Whether the rollout's no-grad policy forwards run two at a time in two CPU threads, as the optimisation's
+        halves do: where the optimisation runs each op on one torch thread and no value or reward forward runs beside
+        them at sampling."""
+        return self.optimise_threads == 1 and not self.scoring_second_thread
+
+    def rollout_groups(self, order: Tensor, cfg: PPOConfig, critic: bool) -> list[Tensor]:
+        """The rows of each of the rollout's no-grad policy and reference forwards, given the first epoch's `order`
+        of this rank's rows: the first minibatch's rows as the optimisation's first policy forwards take them (its
+        micro-batches, their `policy_parts`), so that its old log-probs are those forwards' bit for bit; then the
+        other rows together, in two halves where they run two at a time (`paired_scoring`)."""
+        mini = cfg.mini_batch_size // self.world_size
+        first = [part for micro in self.micro_batches(order[:mini], cfg) for part in self.policy_parts(micro, critic)]
+        rest = order[mini:]
+        if not len(rest):
+            return first
+        return first + list(rest.tensor_split(2) if self.paired_scoring and len(rest) > 1 else (rest,))
 
     @property
     def world_size(self) -> int:

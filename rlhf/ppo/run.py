@@ -121,11 +121,13 @@ class PolicyInputs:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         sections = {k: v.model_dump(mode="json") for k, v in fields.items() if hasattr(v, "model_dump")}
         sections["runtime"]["progress"] = False  # bars do not survive a pipe
-        atomic_write_text(path, yaml.safe_dump({**fields, **sections}, sort_keys=False))
+        width = {"model_width": self.runtime.model_width}  # not a key of the section: `dtype: auto` is decided at it
+        atomic_write_text(path, yaml.safe_dump({**fields, **sections, **width}, sort_keys=False))
 
     @classmethod
     def read(cls, path: str | Path) -> PolicyInputs:
         raw = yaml.safe_load(Path(path).read_text())
         reward = RewardConfig.model_validate(raw.pop("reward")) if raw.get("reward") else None
         ppo, runtime = PPOConfig.model_validate(raw.pop("ppo")), RuntimeConfig.model_validate(raw.pop("runtime"))
+        runtime.with_model_width(raw.pop("model_width", None))
         return cls(ppo, runtime, reward=reward, **{k: v for k, v in raw.items() if k != "reward"})

@@ -18,7 +18,7 @@ from rlhf.errors import TrainingInterrupted
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import EPISODES_PER_S, OBJECTIVE_KL, OBJECTIVE_SCORES, PEAK_MEMORY
 from rlhf.models import sharding
-from rlhf.models.device import compute_dtype, resolve_device
+from rlhf.models.device import resolve_device, run_dtype
 from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed, dynamic_sampling
 from rlhf.ppo.distributed import DistContext
@@ -112,7 +112,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     )  # fmt: skip
     place_models(models, dist, sharded)
     # how every step executes: device, dtype, processes, sharding, threads, non-finite handling
-    dtype = compute_dtype(runtime.dtype, dist.device)
+    dtype = run_dtype(runtime, dist.device)
     plan = ExecutionPlan.for_models(models, dtype, dist, runtime.on_nonfinite, log, sharded)
     state = load_state(out_dir / "state", models, cfg, run.seed, dist.device, dist.rank, dist.world_size)
     settings = generation_settings(cfg, models, dist.device)

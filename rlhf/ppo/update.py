@@ -68,37 +68,49 @@ def generate_and_score(
     first_order: Tensor | None = None,
 ) -> Rollout:
     """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores, on the plan's
-    device, under its autocast dtype (on CUDA; float32 turns it off) and threads.
+    device, under its autocast dtype (float32 turns it off) and threads.
 
     `batch.indices` are the rows of `prompts` in the batch (None: no texts, when no reward model re-tokenizes).
-    `first_order` (`first_epoch_order`): the rows of its first minibatch get no policy forward here; the
-    optimisation's first pass computes their log-probs (the policy has not changed yet) and writes them in.
-    Shape: batch.ids, batch.mask (b, p).
+    `first_order` (`first_epoch_order`): the policy and reference log-probs of the first minibatch's rows are
+    computed on the rows, and the columns, that the optimisation's first policy forwards take
+    (`ExecutionPlan.rollout_groups`), on its torch threads, so that they are what it computes, bit for bit; where
+    `defers_old_logprobs`, those rows get no policy forward here: the optimisation's first pass computes their
+    log-probs (the policy has not changed yet) and writes them in. Shape: batch.ids, batch.mask (b, p).
     """
     texts = [prompts[i] for i in batch.indices] if prompts is not None else None
     query, query_mask = batch.ids.to(plan.device), batch.mask.to(plan.device)
-    deferred = None
+    deferred = groups = None
     if first_order is not None:
-        deferred = torch.zeros(len(batch.indices), dtype=torch.bool)
-        deferred[first_order[: cfg.mini_batch_size // plan.world_size]] = True
+        groups = plan.rollout_groups(first_order, cfg, critic=models.value is not None)
+        if defers_old_logprobs(cfg):
+            deferred = torch.zeros(len(batch.indices), dtype=torch.bool)
+            deferred[first_order[: cfg.mini_batch_size // plan.world_size]] = True
     scored = scoring.generate_and_score(
         models.scoring(), query, query_mask, texts, settings, generator, plan.dtype, cfg.forward_batch_size,
-        second_thread=plan.scoring_second_thread, deferred=deferred,
+        second_thread=plan.scoring_second_thread, deferred=deferred, groups=groups,
+        policy_threads=plan.optimise_threads if groups is not None else None,
+        paired=groups is not None and plan.paired_scoring,
     )  # fmt: skip
     return Rollout(batch.indices, scored, first_order=first_order)
 
 
 def first_epoch_order(cfg: PPOConfig, shuffle_generator: torch.Generator, n: int) -> Tensor | None:
     """The first epoch's shuffled order of an update's `n` rows, drawn (from the generator the optimisation shuffles
-    with, as it would have drawn it) before sampling, where nothing before the optimisation needs the policy's
-    log-probs: the KL to the reference is in the loss (ppo.kl_in 'loss': no reward depends on it) and no dynamic
-    sampling merges batches. Its first minibatch's old log-probs are then the first optimizer step's own forward,
-    detached (the policy has not changed yet: TRL's GRPO does the same with one iteration), which saves the rollout's
-    policy forward over those rows: all of them with one minibatch and one epoch. None: every row's log-probs are
-    computed at sampling."""
-    if cfg.kl_placement != "loss" or cfg.dynamic_rounds:
+    with, as it would have drawn it) before sampling, so that the rollout's log-probs of the first minibatch are
+    computed on the rows its forwards take (`generate_and_score`). None where dynamic sampling merges batches (the
+    rows are not known before it ends): the optimisation then draws it."""
+    if cfg.dynamic_rounds:
         return None
     return torch.randperm(n, generator=shuffle_generator)
+
+
+def defers_old_logprobs(cfg: PPOConfig) -> bool:
+    """Whether the first minibatch's old log-probs are the first optimizer step's own forward, detached (the policy
+    has not changed yet: TRL's GRPO does the same with one iteration), rather than a no-grad forward at sampling:
+    where nothing before the optimisation needs them, the KL to the reference being in the loss (ppo.kl_in 'loss':
+    no reward depends on it). It saves the rollout's policy forward over those rows: all of them with one minibatch
+    and one epoch."""
+    return cfg.kl_placement == "loss"
 
 
 def refresh_kl(rollout: Rollout, cfg: PPOConfig) -> None:

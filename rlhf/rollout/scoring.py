@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -237,6 +238,24 @@ def _chunks(n: int, size: int | None) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def used_columns(qr_mask: Tensor, prompt_len: int, response_mask: Tensor) -> tuple[int, int]:
+    """(lead, r) of some rows of a scored batch: the first prompt column any of them uses and their longest response
+    (at least 1). Their tensors without the columns that are padding in every one of them (left padding before
+    `lead`, response columns past `r`) are `[:, lead : prompt_len + r]`, their prompt `prompt_len - lead` long: the
+    same values at every real position, less work. Shape: qr_mask (m, p + R), response_mask (m, R)."""
+    used_prompt = qr_mask[:, :prompt_len].any(0)
+    lead = int(used_prompt.int().argmax()) if bool(used_prompt.any()) else 0
+    return lead, max(1, int(response_mask.sum(1).max()))
+
+
+def forward_rows(n: int, groups: list[Tensor] | None, forward_batch_size: int | None) -> list[Tensor]:
+    """The rows of each no-grad policy and reference forward: `groups` (the optimisation's first epoch's, where it
+    is known), else consecutive rows; at most `forward_batch_size` rows a forward (None: no limit)."""
+    if groups is None:
+        groups = [torch.arange(n)]
+    return [piece for rows in groups for piece in (rows.split(forward_batch_size) if forward_batch_size else (rows,))]
+
+
 _VALUE_THREAD: ThreadPoolExecutor | None = None
 
 
@@ -259,6 +278,57 @@ def run_sides(policy_side: Callable[[], P], value_side: Callable[[], V], second_
     return first, future.result()
 
 
+def policy_and_reference_logprobs(
+    models: ScoringModels,
+    query_responses: Tensor,
+    qr_mask: Tensor,
+    prompt_len: int,
+    response_mask: Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    pieces: list[Tensor],
+    deferred: Tensor | None = None,
+    paired: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """No-grad policy and reference log-probs of the rows of each of `pieces` (`forward_rows`), each piece on its
+    used columns (`used_columns`), under autocast in `dtype`; the policy's not for the rows of `deferred` (b,) (0
+    there). `paired`: two pieces at a time, side by side in two threads (`run_sides`); with LoRA the reference
+    forwards (the policy with its adapters disabled, a switch of the shared model) then follow, one at a time, on the
+    same torch threads. Shape: query_responses, qr_mask (b, p + R), response_mask (b, R) -> logprobs, ref_logprobs
+    (b, R), 0 past each response."""
+    device = query_responses.device
+    policy = unwrap(models.policy)
+    skip = None if deferred is None else deferred.to(device)
+    logprobs = torch.zeros(response_mask.shape, dtype=torch.float32, device=device)
+    ref_logprobs = torch.zeros(response_mask.shape, dtype=torch.float32, device=device)
+
+    @torch.no_grad()  # grad mode and autocast are per thread: set in the thread that runs it
+    def forward(rows: Tensor, of_policy: bool = True, of_reference: bool = True) -> None:
+        rows = rows.to(device)
+        lead, r = used_columns(qr_mask[rows], prompt_len, response_mask[rows])
+        cols, p = slice(lead, prompt_len + r), prompt_len - lead
+        qr, mask = query_responses[rows][:, cols], qr_mask[rows][:, cols]
+        with autocast(device, dtype):
+            if of_policy and (skip is None or not bool(skip[rows].all())):
+                logprobs[rows, :r] = sharding.call(policy, policy_forward, qr, mask, p, temperature).logprobs.float()
+            if of_reference:
+                ref = reference_logprobs(models.policy, models.reference, qr, mask, p, temperature)
+                ref_logprobs[rows, :r] = ref.float()
+
+    if paired:
+        both = models.reference is not None  # a frozen copy: its forwards may run beside the policy's
+        for i in range(0, len(pieces), 2):
+            first, rest = partial(forward, pieces[i], True, both), pieces[i + 1 : i + 2]
+            run_sides(first, lambda rest=rest: [forward(rows, True, both) for rows in rest], True)
+        if not both:
+            for rows in pieces:
+                forward(rows, of_policy=False)
+    else:
+        for rows in pieces:
+            forward(rows)
+    return logprobs, ref_logprobs
+
+
 def generate_and_score(
     models: ScoringModels,
     query: Tensor,
@@ -270,6 +340,9 @@ def generate_and_score(
     forward_batch_size: int | None = None,
     second_thread: bool = False,
     deferred: Tensor | None = None,
+    groups: list[Tensor] | None = None,
+    policy_threads: int | None = None,
+    paired: bool = False,
 ) -> ScoredResponses:
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
     temperature, values (when there is a value model) and reward-model scores. `second_thread` (a CPU, models of
@@ -277,8 +350,17 @@ def generate_and_score(
     each op single-threaded (`rlhf.ppo.threads.use_second_thread`). `deferred` (b,) bool: rows whose policy
     log-probs are not computed here (0 until the optimisation's first pass writes them: `rlhf.ppo.optimise`).
 
+    `groups`: the rows of each policy and reference forward, the first minibatch's as the optimisation's first policy
+    forwards take them (`rlhf.ppo.plan.ExecutionPlan.rollout_groups`); each group is computed on its tensors without
+    its all-padding columns, as the optimisation computes them: a matmul's result can depend on how many rows it
+    multiplies (bf16 kernels accumulate in blocks chosen by the shape), so only identical inputs give the first
+    minibatch a ratio of exactly 1 and its deferred rows a KL of exactly 0; for the same reason they run on
+    `policy_threads` torch threads, the optimisation's, two groups at a time in two threads where `paired` (as its
+    halves). None: consecutive rows. Either way policy and reference take the same rows (a KL of exactly 0 at
+    identical weights).
+
     `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
-    dtype on CUDA (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
+    dtype (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
     Shape: query, query_mask (b, p) -> ScoredResponses with (b, p + r), (b, r) and (b,) tensors.
     """
     device = query.device
@@ -298,28 +380,13 @@ def generate_and_score(
     chunks = _chunks(len(query), forward_batch_size)
 
     policy = unwrap(models.policy)
+    pieces = forward_rows(len(query), groups, forward_batch_size)
 
-    @torch.no_grad()
     def policy_side() -> tuple[Tensor, Tensor]:
-        with autocast(device, dtype):
-            logprobs = torch.zeros(resp.mask.shape, dtype=torch.float32, device=device)
-            rows = torch.arange(len(query), device=device)
-            if deferred is not None:
-                rows = rows[~deferred.to(device)]
-            for s in _chunks(len(rows), forward_batch_size):
-                part = rows[s]
-                logprobs[part] = sharding.call(
-                    policy, policy_forward, query_responses[part], qr_mask[part], prompt_len, temperature
-                ).logprobs.float()
-            ref_logprobs = torch.cat(
-                [
-                    reference_logprobs(
-                        models.policy, models.reference, query_responses[s], qr_mask[s], prompt_len, temperature
-                    )
-                    for s in chunks
-                ]
-            ).float()
-        return logprobs, ref_logprobs
+        with torch_threads(policy_threads):
+            return policy_and_reference_logprobs(
+                models, query_responses, qr_mask, prompt_len, resp.mask, temperature, dtype, pieces, deferred, paired
+            )
 
     @torch.no_grad()
     def value_side() -> tuple[Tensor | None, Tensor]:

@@ -26,7 +26,7 @@ from rlhf.errors import DataError
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import PEAK_MEMORY
 from rlhf.models.cpu_kernels import use_cpu_kernels
-from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.heads import backbone_hidden, lm_logits
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
 from rlhf.models.training import (
@@ -212,7 +212,7 @@ def train_dpo(
     disable_dropout(model)  # the policy must equal the reference before the first step
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    dtype = compute_dtype(runtime.dtype, device)
+    dtype = run_dtype(runtime, device)
     start = time.perf_counter()
     # step 0. reference log-probs: the policy still holds the SFT weights (a resume loads its state later)
     ref_train = frame_logps(model, tokenizer, train, cfg, device, dtype)

@@ -21,7 +21,7 @@ from rlhf.errors import ConfigError
 from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY
 from rlhf.models.cpu_kernels import use_cpu_kernels
-from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.heads import sequence_scores
 from rlhf.models.loading import load_options, load_reward_model, load_tokenizer
 from rlhf.models.training import (
@@ -249,7 +249,7 @@ def train_reward_model(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total)  # linear warm-up, then linear decay to 0
-    dtype = compute_dtype(runtime.dtype, device)
+    dtype = run_dtype(runtime, device)
     state_dir = Path(out_dir) / "state"
     best = BestCheckpoint(state_dir, device)
     pending = {**length_stats, f"{TRAIN_PREFIX}/trainable_parameters": float(trainable)}  # logged with step 1

@@ -13,7 +13,7 @@ from torch import Tensor
 from rlhf.checkpoints import atomic_dir, read_manifest, write_manifest
 from rlhf.config import RewardConfig, RuntimeConfig
 from rlhf.metrics import REWARD_BEST_EVAL_ACCURACY
-from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.loading import load_options, load_tokenizer
 from rlhf.models.reward_ensemble import EnsembleSpec, load_reward
 from rlhf.ops import ENSEMBLE_OBJECTIVES, ensemble_scores
@@ -34,7 +34,7 @@ def member_pair_scores(
         model = load_reward(path, device, **load_options(runtime, device, trainable=False))
         tokenizer = load_tokenizer(path, trust_remote_code=runtime.trust_remote_code)
         c, r = [], []
-        with autocast(device, compute_dtype(runtime.dtype, device)):
+        with autocast(device, run_dtype(runtime, device)):
             for start in range(0, len(frame), batch_size):
                 rows = frame.iloc[start : start + batch_size]
                 scores = score_pairs(model, tokenizer, rows, cfg.max_length, device, cfg.min_prompt_tokens)

@@ -19,7 +19,7 @@ from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import PEAK_MEMORY
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
 from rlhf.models.cpu_kernels import use_cpu_kernels
-from rlhf.models.device import autocast, compute_dtype, resolve_device
+from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.gguf import ModelSource, resolve_model
 from rlhf.models.loading import is_local_checkpoint, load_causal_lm, load_options, load_tokenizer
 from rlhf.models.training import adamw, disable_gradient_checkpointing, enable_gradient_checkpointing
@@ -130,7 +130,7 @@ def train_sft(
     reset_peak_memory(device)
     torch.manual_seed(seed)
     model.to(device).train()
-    dtype = compute_dtype(runtime.dtype, device)
+    dtype = run_dtype(runtime, device)
     use_cpu_kernels(model)
     optimizer = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # linear warm-up, then cosine decay to 10% of the peak
