@@ -53,9 +53,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def peer_dtypes(device: torch.device) -> tuple[str, ...]:
-    """The dtypes each TRL peer runs in, so that its figure is its fastest on the machine at hand (BENCH.md): float32
-    and TRL's bf16 on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32 on other CPUs (bf16 is
-    emulated there, slower), bf16 on a GPU (TRL's default there)."""
+    """The dtypes each TRL peer runs in, so that its figure is its fastest on the machine at hand
+    (docs/benchmark.md): float32 and TRL's bf16 on a CPU that multiplies bf16 natively (AVX-512 BF16 or AMX), float32
+    on other CPUs (bf16 is emulated there, slower), bf16 on a GPU (TRL's default there)."""
     if device.type == "cuda":
         return ("bfloat16",)
     return ("float32", "bfloat16") if cpu_has_native_bf16() else ("float32",)
@@ -177,7 +177,7 @@ def print_peer_ratios(
     rounds: int,
 ) -> None:
     """Each peer's figure in each of its dtypes, this project's ratio to each, and the ratio to the best peer in its
-    fastest dtype (BENCH.md); `ours`: this project's dtype."""
+    fastest dtype (docs/benchmark.md); `ours`: this project's dtype."""
     medians = {key: statistics.median(v) for key, v in peer_figures.items() if v}
     for label, _ in peers:
         for dtype in dtypes:
