@@ -758,6 +758,11 @@ def test_a_critic_free_update_in_two_halves_is_the_update_of_one_thread(stack, m
         torch.testing.assert_close(value, one_weights[key], atol=1e-5, rtol=1e-4)
         moved += not torch.equal(value, weights[key])
     assert moved > 0
+    # the halves are float32's: under bf16 autocast one micro-batch on both threads measured faster (threads.py)
+    torch.set_num_threads(2)
+    assert ExecutionPlan.for_models(m, torch.float32).split_policy
+    assert not ExecutionPlan.for_models(m, torch.bfloat16).split_policy
+    assert ExecutionPlan.for_models(m, torch.bfloat16).optimise_threads is None  # every op on both threads
 
 
 def test_a_stop_request_ends_training_in_a_worker_thread_at_the_next_update(stack, tmp_path):

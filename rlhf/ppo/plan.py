@@ -53,7 +53,7 @@ class ExecutionPlan:
             on_nonfinite,
             log if dist.is_main else None,
             use_second_thread(device, models, world_size),
-            split_policy_work(device, models, world_size),
+            split_policy_work(device, models, world_size, dtype),
             use_second_thread(device, models, world_size, scoring=True),
             sharded,
         )
