@@ -208,17 +208,34 @@ def test_the_factor_keeps_every_fall_and_removes_the_false_alarms_it_can():
     )
 
 
-def test_the_alarm_and_replay_apply_the_factor_they_are_given():
-    # the score stalls from update 20 (2.0) while the KL grows 5, 9, 20: at 30, 9 >= 1.5 * 5 + 1 but not 2 * 5 + 1
-    history = pd.DataFrame(
+def _plateau_history() -> pd.DataFrame:
+    """An evaluation history whose score plateaus from update 20 (2.0) while the KL keeps growing (5, 9, 20), and
+    whose gold peaks at 20 (0.9) and falls 0.3 by 40."""
+    return pd.DataFrame(
         {
             "step": [0, 10, 20, 30, 40],
             "periodic_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
             "periodic_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
             "periodic_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
             "periodic_eval/distinct_2": [0.5] * 5,
+            "periodic_eval/identical_share": [0.0] * 5,
+            "periodic_eval/repetition": [0.0] * 5,
         }
     )
+
+
+def test_replay_judges_a_logged_history_against_gold():
+    row = replay(_plateau_history())
+    assert (row["gold_peak"], row["peak_step"], row["gold_final"]) == (0.9, 20, 0.6)
+    assert row["falls"] and row["fall_step"] == 40  # 0.6 <= 0.9 - 0.2
+    # at 30: KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
+    assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
+    assert "grew from 5.0 (update 20) to 9.0" in row["reasons"]
+
+
+def test_the_alarm_and_replay_apply_the_factor_they_are_given():
+    # at 30, KL 9 >= 1.5 * 5 + 1 but not 2 * 5 + 1
+    history = _plateau_history()
     assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
     assert replay(history)["alarm_step"] == 30
     assert replay(history, 2.0)["alarm_step"] == 40 and "to 20.0" in replay(history, 2.0)["reasons"]

@@ -252,31 +252,6 @@ def test_ppo_with_an_ensemble_logs_the_members_view(tiny_checkpoints, two_member
     assert result.metrics["overoptimisation/alarm_step"] in (-1.0, 1.0, 2.0)
 
 
-def test_replay_judges_a_logged_history_against_gold():
-    import pandas as pd
-
-    from rlhf.eval.overoptimisation import replay
-
-    # the score plateaus from update 20 while the KL keeps growing; the gold peaks at 20 and falls 0.3 by 40
-    history = pd.DataFrame(
-        {
-            "step": [0, 10, 20, 30, 40],
-            "periodic_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
-            "periodic_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
-            "periodic_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
-            "periodic_eval/distinct_2": [0.5] * 5,
-            "periodic_eval/identical_share": [0.0] * 5,
-            "periodic_eval/repetition": [0.0] * 5,
-        }
-    )
-    row = replay(history)
-    assert (row["gold_peak"], row["peak_step"], row["gold_final"]) == (0.9, 20, 0.6)
-    assert row["falls"] and row["fall_step"] == 40  # 0.6 <= 0.9 - 0.2
-    # at 30: KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
-    assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
-    assert "grew from 5.0 (update 20) to 9.0" in row["reasons"]
-
-
 def test_the_memory_estimate_counts_every_member():
     from transformers import AutoConfig
 

@@ -55,8 +55,8 @@ def split_policy_work(
     single-threaded: with no value model to run beside the policy, one small model's float32 matmuls would leave a
     core idle (docs/benchmark.md). Not under bf16 autocast (`dtype`): there one micro-batch on both threads is the
     faster (on the `cpu` bench shape of an AVX-512-BF16/AMX CPU the optimisation took 6 to 30% less time than in
-    halves, median 16%, in 7 alternating pairs; on `cpu-long` about the same). Not with several processes (they share the cores) or a
-    sharded policy."""
+    halves, median 16%, in 7 alternating pairs; on `cpu-long` about the same). Not with several processes (they
+    share the cores) or a sharded policy."""
     return (
         models.value is None
         and device.type == "cpu"
