@@ -31,8 +31,9 @@ from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import MICRO_KEYS, MicroStats, OptimStats
 from rlhf.ppo.update import Rollout
-from rlhf.rollout import scoring
+from rlhf.rollout.row_groups import used_columns
 from rlhf.rollout.scoring import policy_forward, value_forward
+from rlhf.rollout.sides import run_sides
 
 
 @dataclass
@@ -62,7 +63,7 @@ def micro_batch(rollout: Rollout, rows: Tensor) -> MicroBatch:
     scored = rollout.scored
     qr_mask = scored.qr_mask[rows]
     p = scored.prompt_len
-    lead, r = scoring.used_columns(qr_mask, p, scored.resp.mask[rows])  # as the rollout's forward of these rows
+    lead, r = used_columns(qr_mask, p, scored.resp.mask[rows])  # as the rollout's forward of these rows
     cols = slice(lead, p + r)
     critic = scored.values is not None
     return MicroBatch(
@@ -187,7 +188,7 @@ def _policy_halves(
         partial(_policy_micro, models, mb, cfg, dtype, kl_coef, w, fill)
         for mb, w, fill in zip(halves, weights, fills, strict=True)
     ]
-    outs = scoring.run_sides(sides[0], sides[1], True)
+    outs = run_sides(sides[0], sides[1], True)
     parts = [MicroStats.of(pl, None, entropy, cfg, kl, kl_coef).metrics() for pl, entropy, _, kl in outs]
     token_w = [w.tokens for w in weights]
     sequence_w = _shares("seq_mean_token_mean", tokens, sequences)
@@ -263,7 +264,7 @@ def minibatch_step(
         fill = _filler(rollout, micro) if deferred else None
         policy_side = partial(_policy_micro, models, mb, cfg, dtype, kl_coef, None, fill)
         if critic:
-            (pl, entropy, mb_ratios, kl), vl = scoring.run_sides(
+            (pl, entropy, mb_ratios, kl), vl = run_sides(
                 policy_side, partial(_value_micro, models, mb, cfg, dtype), second_thread
             )
         else:
@@ -275,7 +276,7 @@ def minibatch_step(
         if critic:
             average_gradients(state.value_params)
     if critic:
-        policy_norm, value_norm = scoring.run_sides(
+        policy_norm, value_norm = run_sides(
             partial(sharding.clip_grad_norm, state.policy_params, cfg.max_grad_norm),
             partial(sharding.clip_grad_norm, state.value_params, cfg.max_grad_norm),
             second_thread,
@@ -290,7 +291,7 @@ def minibatch_step(
         skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
     if not skip:
         if critic:
-            scoring.run_sides(state.policy_opt.step, state.value_opt.step, second_thread)
+            run_sides(state.policy_opt.step, state.value_opt.step, second_thread)
         else:
             state.policy_opt.step()
     state.policy_opt.zero_grad(set_to_none=True)

@@ -7,11 +7,9 @@ both call it, so a rollout and an evaluation batch are generated and scored the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -26,10 +24,9 @@ from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.rollout.generation import GenerationSettings, Responses, Sampler, sample_responses
 from rlhf.rollout.reward_function import RewardFunction
+from rlhf.rollout.row_groups import forward_rows, used_columns
+from rlhf.rollout.sides import run_sides
 from rlhf.rollout.static_decode import COMPILE_LOG
-
-P = TypeVar("P")
-V = TypeVar("V")
 
 
 class PolicyOutput(NamedTuple):
@@ -236,46 +233,6 @@ class ScoredResponses:
 def _chunks(n: int, size: int | None) -> list[slice]:
     size = size or max(n, 1)
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def used_columns(qr_mask: Tensor, prompt_len: int, response_mask: Tensor) -> tuple[int, int]:
-    """(lead, r) of some rows of a scored batch: the first prompt column any of them uses and their longest response
-    (at least 1). Their tensors without the columns that are padding in every one of them (left padding before
-    `lead`, response columns past `r`) are `[:, lead : prompt_len + r]`, their prompt `prompt_len - lead` long: the
-    same values at every real position, less work. Shape: qr_mask (m, p + R), response_mask (m, R)."""
-    used_prompt = qr_mask[:, :prompt_len].any(0)
-    lead = int(used_prompt.int().argmax()) if bool(used_prompt.any()) else 0
-    return lead, max(1, int(response_mask.sum(1).max()))
-
-
-def forward_rows(n: int, groups: list[Tensor] | None, forward_batch_size: int | None) -> list[Tensor]:
-    """The rows of each no-grad policy and reference forward: `groups` (the optimisation's first epoch's, where it
-    is known), else consecutive rows; at most `forward_batch_size` rows a forward (None: no limit)."""
-    if groups is None:
-        groups = [torch.arange(n)]
-    return [piece for rows in groups for piece in (rows.split(forward_batch_size) if forward_batch_size else (rows,))]
-
-
-_VALUE_THREAD: ThreadPoolExecutor | None = None
-
-
-def value_thread() -> ThreadPoolExecutor:
-    """The one worker of the CPU's second thread: the value (and reward) model's side of the scoring phase here, and
-    of the optimisation phase (`rlhf.ppo.optimise`)."""
-    global _VALUE_THREAD
-    if _VALUE_THREAD is None:
-        _VALUE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-value")
-    return _VALUE_THREAD
-
-
-def run_sides(policy_side: Callable[[], P], value_side: Callable[[], V], second_thread: bool) -> tuple[P, V]:
-    """`policy_side()` and `value_side()`: with `second_thread`, the value side on `value_thread()` while the policy
-    side runs in this thread (the two touch disjoint models and tensors); else one after the other, policy first."""
-    if not second_thread:
-        return policy_side(), value_side()
-    future = value_thread().submit(value_side)
-    first = policy_side()
-    return first, future.result()
 
 
 def policy_and_reference_logprobs(
