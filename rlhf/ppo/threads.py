@@ -53,14 +53,16 @@ def split_policy_work(
 ) -> bool:
     """Whether a critic-free run's micro-batches run as two halves in two CPU threads (`_policy_halves`), each op
     single-threaded: with no value model to run beside the policy, one small model's float32 matmuls would leave a
-    core idle (docs/benchmark.md). Not under bf16 autocast (`dtype`): there one micro-batch on both threads is the
-    faster (on the `cpu` bench shape of an AVX-512-BF16/AMX CPU the optimisation took 6 to 30% less time than in
-    halves, median 16%, in 7 alternating pairs; on `cpu-long` about the same). Not with several processes (they
-    share the cores) or a sharded policy."""
+    core idle (docs/benchmark.md). Only in float32 (`dtype`) on a CPU whose torch kernels use AVX-512, where they
+    measured faster (a 2-core AMD EPYC) or even (a 2-core Intel Xeon); one micro-batch with every op on both threads
+    measured faster under bf16 autocast (the optimisation's median 16% shorter on the `cpu` bench shape, 7 of 7
+    alternating pairs) and with torch held to AVX2 (11%, 5 of 5). Not with several processes (they share the cores)
+    or a sharded policy."""
     return (
         models.value is None
         and device.type == "cpu"
         and autocast_dtype(device, dtype) == torch.float32
+        and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         and torch.get_num_threads() > 1
         and world_size == 1
         and not sharding.is_sharded(unwrap(models.policy))
