@@ -44,6 +44,7 @@ EVAL_OVEROPTIMISATION_FLAG = "eval/overoptimisation_flag"
 EVAL_N_PROMPTS, EVAL_N_LEN_MATCHED = "eval/n_prompts", "eval/n_len_matched"
 PERIODIC_EVAL = "periodic_eval/"  # the prefix of PPO's periodic evaluation
 PERIODIC_SCORE, PERIODIC_GOLD, PERIODIC_KL = "periodic_eval/score", "periodic_eval/gold", "periodic_eval/kl"
+PERIODIC_REF_SURPRISAL = "periodic_eval/ref_surprisal"
 REWARD_BEST_EVAL_ACCURACY = "reward/best_eval_accuracy"
 OBJECTIVE_SCORES, OBJECTIVE_KL = "objective/scores", "objective/kl"
 OBJECTIVE_KL_COEF, OBJECTIVE_GOLD = "objective/kl_coef", "objective/gold_score"
@@ -135,6 +136,8 @@ PERIODIC_EVALUATION = _group(
     ("periodic_eval/gold", "mean gold reward (data with a gold reward only)"),
     (("periodic_eval/kl", "periodic_eval/sqrt_kl"), "KL to the SFT policy, as `eval/kl`, and its square root"),
     ("periodic_eval/length_mean", "mean response length in tokens"),
+    ("periodic_eval/ref_surprisal", "the reference (SFT) model's surprisal at the response tokens, -log p_ref, in nats "
+     "per token (over all the responses' tokens; the over-optimisation alarm's surprisal condition)"),
     ("periodic_eval/distinct_2", "distinct word bigrams over all bigrams of the responses (distinct-2)"),
     ("periodic_eval/identical_share", "share of the responses that are word for word another prompt's response"),
     ("periodic_eval/near_identical_share", "share of the responses whose word bigrams overlap another prompt's "

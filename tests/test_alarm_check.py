@@ -6,33 +6,34 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, OveroptimisationAlarm, alarm_inputs, replay
-from rlhf.sweeps import alarm_check, alarm_factors
+from rlhf.eval.overoptimisation import SURPRISAL_RISE, OveroptimisationAlarm, alarm_inputs, replay
+from rlhf.sweeps import alarm_check, alarm_threshold
 from rlhf.tracking.client import Tracker
 
-# updates 0, 10, ..., 50: (score, gold, KL, distinct-2, near-identical share, score std, group distinct share)
+# updates 0, 10, ..., 50: (score, gold, KL, distinct-2, near-identical share, score std, group distinct share, the
+# reference's surprisal at the response tokens in nats per token)
 COLLAPSE = [
-    (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None),
-    (1.5, 0.8, 3.0, 0.28, 0.05, 0.6, 0.95),
-    (1.9, 0.95, 5.0, 0.25, 0.10, 0.4, 0.9),
-    (1.91, 0.9, 9.0, 0.20, 0.60, 0.2, 0.6),  # the score stalls while the KL runs on: the rule fires here (30)
-    (1.92, 0.5, 14.0, 0.15, 0.90, 0.1, 0.4),  # gold 0.45 below its peak: the fall (40)
-    (1.93, -0.5, 20.0, 0.08, 1.00, 0.05, 0.26),
+    (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None, 1.0),
+    (1.5, 0.8, 3.0, 0.28, 0.05, 0.6, 0.95, 1.2),
+    (1.9, 0.95, 5.0, 0.25, 0.10, 0.4, 0.9, 1.5),
+    (1.91, 0.9, 9.0, 0.20, 0.60, 0.2, 0.6, 2.5),  # the tokens 1.5 nats more surprising than SFT's: it fires (30)
+    (1.92, 0.5, 14.0, 0.15, 0.90, 0.1, 0.4, 4.0),  # gold 0.45 below its peak: the fall (40)
+    (1.93, -0.5, 20.0, 0.08, 1.00, 0.05, 0.26, 6.0),
 ]
-HEALTHY = [
-    (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None),
-    (1.0, 0.6, 2.0, 0.29, 0.00, 0.9, 0.98),
-    (1.5, 0.8, 3.0, 0.28, 0.02, 0.8, 0.97),
-    (1.7, 0.85, 3.5, 0.27, 0.02, 0.8, 0.97),
-    (1.8, 0.9, 3.8, 0.27, 0.03, 0.7, 0.96),
-    (1.85, 0.9, 4.0, 0.26, 0.03, 0.7, 0.96),
+HEALTHY = [  # the KL grows as the policy sharpens onto what the SFT model writes: the surprisal barely moves
+    (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None, 1.0),
+    (1.0, 0.6, 2.0, 0.29, 0.00, 0.9, 0.98, 1.1),
+    (1.5, 0.8, 3.0, 0.28, 0.02, 0.8, 0.97, 1.2),
+    (1.7, 0.85, 3.5, 0.27, 0.02, 0.8, 0.97, 1.3),
+    (1.8, 0.9, 6.0, 0.27, 0.03, 0.7, 0.96, 1.35),
+    (1.85, 0.9, 9.0, 0.26, 0.03, 0.7, 0.96, 1.4),
 ]
 
 
 def _log_run(tracker: Tracker, name: str, estimator: str, seed: int, points) -> None:
     run_id = tracker.start_run(name, tags={"stage": "train_policy_ppo"})
     tracker.log_params(run_id, {"ppo.advantage_estimator": estimator, "ppo.kl_coef": 0.05, "seed": seed})
-    for i, (score, gold, kl, distinct, near, spread, group) in enumerate(points):
+    for i, (score, gold, kl, distinct, near, spread, group, surprisal) in enumerate(points):
         step = 10 * i
         metrics = {
             "periodic_eval/score": score,
@@ -43,6 +44,7 @@ def _log_run(tracker: Tracker, name: str, estimator: str, seed: int, points) -> 
             "periodic_eval/near_identical_share": near,
             "periodic_eval/repetition": 0.1,
             "periodic_eval/score_std": spread,
+            "periodic_eval/ref_surprisal": surprisal,
         }
         tracker.log_metrics(run_id, metrics, step)
         if group is not None:  # training statistics at every update, the evaluation's among them
@@ -80,9 +82,10 @@ def test_the_table_replays_the_alarm_and_what_each_setting_keeps(store):
     assert collapse["signal: distinct_2 (fall from SFT)"] == pytest.approx(1 - 0.08 / 0.30)
     assert collapse["signal: score_std (fall from SFT)"] == pytest.approx(0.95)
     assert collapse["signal: group distinct samples (1 - min)"] == pytest.approx(0.74)
+    assert collapse["signal: ref_surprisal, its rise from SFT's (max)"] == pytest.approx(5.0)
     assert collapse["signal: rule"] >= 1 > healthy["signal: rule"]
-    # at update 50 the score has stalled since update 40 only (+0.05, under 5% of the 2.0 gained by then)
-    assert healthy["signal: rule"] == pytest.approx(4.0 / (1.5 * 3.8 + 1))
+    # the healthy run's closest approach: its distinct bigrams at update 50 (0.26, against 0.35 of the SFT's 0.30)
+    assert healthy["signal: rule"] == pytest.approx(0.35 * 0.30 / 0.26)
     assert pd.isna(healthy["signal: disagreement_ratio (max)"])  # one reward model: nothing to read
     assert collapse["task"] == "rlhf-ppo" and collapse["seed"] == "51" and collapse["half"] in alarm_check.HALVES
 
@@ -132,35 +135,19 @@ def test_a_signal_that_confirms_the_rule_is_tuned_on_one_half(store):
     assert counts == {"falls": 1, "caught": 1, "healthy": 1, "false_alarms": 1}
 
 
-def _curve(*pieces) -> alarm_factors.FactorCurve:
-    """A hand-made FactorCurve: (factor, update) pieces, ascending: the alarm fires after `update` for every factor up
-    to `factor` (and above the previous piece's); never above the last."""
-    cuts = tuple(f for f, _ in pieces)
-    steps = tuple(s for _, s in pieces)
-    return alarm_factors.FactorCurve(cuts, steps, (*steps, -1))
+def _threshold_table() -> pd.DataFrame:
+    """Hand-made tuning runs for the surprisal threshold: each run's evaluations at updates 0, 10, ..., 100 with
+    the reference's surprisal rising from 1.0 to its peak at update 30 and staying there (the distinct bigrams
+    steady), and whether its gold falls (at update 40)."""
+    rows = [(True, 2.5), (True, 1.6), (False, 1.5), (False, 0.8), (False, 0.3)]
+    table = pd.DataFrame(rows, columns=["falls", "peak"])
 
+    def inputs(peak: float) -> tuple[list[dict[str, float]], float]:
+        surprisal = [1.0, 1.0, 1.0] + [1.0 + peak] * 8
+        return [{"step": 10 * k, "distinct_2": 0.3, "ref_surprisal": x} for k, x in enumerate(surprisal)], 0.0
 
-def _tuning_table() -> pd.DataFrame:
-    always = alarm_factors.FactorCurve((), (), (50,))  # the distinct-bigram condition: at any factor
-    rows = [
-        # GRPO: two falls, three healthy runs
-        ("GRPO", "KL in the loss", True, _curve((3.0, 30), (4.0, 100))),  # at 4.0 it comes at the last update
-        ("GRPO", "KL in the loss", True, always),
-        ("GRPO", "KL in the loss", False, _curve((2.0, 40))),
-        ("GRPO", "KL in the loss", False, _curve((1.6, 20))),
-        ("GRPO", "KL in the loss", False, _curve((3.5, 60))),  # removing it would lose the first fall
-        # Dr. GRPO: one fall only, so its family sets its factor
-        ("Dr. GRPO", "KL in the loss", True, always),
-        ("Dr. GRPO", "KL in the loss", False, _curve((1.7, 30))),
-        ("Dr. GRPO", "KL in the loss", False, _curve((1.5, 30))),
-        # RLOO: no fall, and no fall of its family bounds the factor (PPO's falls fire at any factor): the default
-        ("RLOO", "KL in the reward", False, _curve((1.8, 30))),
-        ("PPO", "KL in the reward", True, always),
-        ("PPO", "KL in the reward", True, always),
-        ("PPO", "KL in the reward", False, _curve((1.9, 40))),
-        ("PPO", "KL in the reward", False, alarm_factors.FactorCurve((), (), (-1,))),
-    ]
-    table = pd.DataFrame(rows, columns=["objective", "family", "falls", "factor_curve"])
+    table["alarm_inputs"] = [inputs(peak) for peak in table["peak"]]
+    table["objective"] = "GRPO"
     table["last_step"] = 100
     table["fall_step"] = [40 if fall else -1 for fall in table["falls"]]
     table["eval_steps"] = [list(range(0, 110, 10))] * len(table)
@@ -168,49 +155,25 @@ def _tuning_table() -> pd.DataFrame:
     return table
 
 
-def test_the_factor_curve_is_the_replayed_alarm_at_every_factor():
-    keys = ["score", "gold", "kl", "distinct_2", "near_identical_share", "score_std"]
-    evals = pd.DataFrame([dict(zip(keys, point[:6], strict=True)) for point in COLLAPSE]).add_prefix("periodic_eval/")
-    evals.insert(0, "step", range(0, 60, 10))
-    curve = alarm_factors.factor_curve(evals)
-    # KL 0, 3, 5, 9, 14, 20 with the score stalled from update 20 (1.9): at 30 the KL must reach f * 5 + 1, at 40
-    # and 50 likewise; at 50 the distinct bigrams (0.08 of the SFT's 0.30) fire whatever the factor
-    assert {8 / 5, 13 / 5, 19 / 5} <= set(curve.cuts)
-    for factor in (1.0, 1.5, 1.6, 1.61, 2.0, 2.6, 2.61, 3.8, 3.81, 10.0):
-        assert curve.alarm_step(factor) == replay(evals, factor)["alarm_step"], factor
-    assert [curve.alarm_step(f) for f in (1.6, 1.61, 2.6, 2.61, 3.81)] == [30, 40, 40, 50, 50]
+def test_the_surprisal_threshold_keeps_every_fall_and_removes_the_false_alarms_it_can():
+    table = _threshold_table()
+    tuned = alarm_threshold.tune_surprisal_rise(table)
+    # both falls stay alarmed up to 1.6; above 1.5 the healthy run at 1.5 is quiet: the middle of (1.5, 1.6]
+    assert (tuned["low"], tuned["high"]) == pytest.approx((1.5, 1.6))
+    assert tuned["threshold"] == pytest.approx(1.55) and tuned["default"] == SURPRISAL_RISE
+    assert (tuned["falls"], tuned["caught"], tuned["healthy"], tuned["false_alarms"]) == (2, 2, 3, 0)
+    at_default = alarm_threshold.with_threshold(table, SURPRISAL_RISE)
+    assert at_default["alarm_step"].tolist() == [30, 30, 30, -1, -1]
+    report = alarm_threshold.threshold_report(at_default)
+    assert (report.loc["all", "alarmed"], report.loc["all", "false alarms"], report.loc["all", "late"]) == (2, 1, 0)
+    assert report.loc["GRPO", "leads"] == [10, 10]
+    assert report.loc["all", "gold with stop"] == pytest.approx((0.2 * 3 + 1.0 * 2) / 5)  # update 20's, or the last
+    assert alarm_threshold.with_threshold(table, 1.61)["alarm_step"].tolist() == [30, -1, -1, -1, -1]
 
 
-def test_the_factor_keeps_every_fall_and_removes_the_false_alarms_it_can():
-    table = _tuning_table()
-    grpo = alarm_factors.tune_factor(table[table["objective"] == "GRPO"])
-    # every fall stays alarmed up to 3.0; the false alarms at 1.6 and 2.0 go above 2.0: the middle of (2.0, 3.0]
-    assert (grpo["low"], grpo["high"], grpo["factor"]) == (2.0, 3.0, 2.45)
-    assert (grpo["falls kept"], grpo["false alarms at default"], grpo["false alarms"]) == (2, 3, 1)
-    tuned = alarm_factors.tune_kl_drift(table).set_index("objective")
-    assert tuned.loc["GRPO", "factor"] == 2.45 and tuned.loc["GRPO", "set by"] == "its own runs"
-    # one fall: the family's eight runs set it; the fall at 3.0 bounds it again and the false alarm at 3.5 stays
-    assert tuned.loc["Dr. GRPO", "factor"] == 2.45 and tuned.loc["Dr. GRPO", "set by"].startswith("its family")
-    assert tuned.loc["Dr. GRPO", "false alarms"] == 1 and tuned.loc["Dr. GRPO", "false alarms at default"] == 5
-    # PPO's falls fire at any factor: nothing bounds it, in its own runs or its family's, so the default stays
-    assert tuned.loc["PPO", "factor"] == tuned.loc["RLOO", "factor"] == KL_DRIFT_FACTOR
-    assert tuned.loc["RLOO", "set by"].startswith("the default")
-    # the tuned factors on the runs: every fall alarmed before its last update, one false alarm left (the GRPO run
-    # at 3.5) of the loss family and two (1.8, 1.9) of the reward family's default
-    report = alarm_factors.factor_report(alarm_factors.with_factors(table, dict(tuned["factor"])))
-    assert (report.loc["all", "falls"], report.loc["all", "alarmed"], report.loc["all", "false alarms"]) == (5, 5, 3)
-    assert report.loc["GRPO", "leads"] == [10, -10] and report.loc["GRPO", "late"] == 1  # the fall at 40, alarms 30, 50
-    # a factor above the first fall's last keeping one (3.0) loses it: alarmed at the last update only
-    assert alarm_factors.with_factors(table, {"GRPO": 3.01}).loc[0, "alarm_step"] == 100
-    default = alarm_factors.factor_report(alarm_factors.with_factors(table, {}))
-    assert default.loc["all", "false alarms"] == 7 and default.loc["GRPO", "gold with stop"] == pytest.approx(
-        (0.2 + 0.4 + 0.3 + 0.1 + 0.5) / 5
-    )
-
-
-def _plateau_history() -> pd.DataFrame:
-    """An evaluation history whose score plateaus from update 20 (2.0) while the KL keeps growing (5, 9, 20), and
-    whose gold peaks at 20 (0.9) and falls 0.3 by 40."""
+def _plateau_history(surprisal: list[float]) -> pd.DataFrame:
+    """An evaluation history whose score plateaus from update 20 (2.0) while the KL keeps growing (5, 9, 20), with
+    the reference's surprisal `surprisal` at each evaluation, and whose gold peaks at 20 (0.9) and falls 0.3 by 40."""
     return pd.DataFrame(
         {
             "step": [0, 10, 20, 30, 40],
@@ -220,31 +183,49 @@ def _plateau_history() -> pd.DataFrame:
             "periodic_eval/distinct_2": [0.5] * 5,
             "periodic_eval/identical_share": [0.0] * 5,
             "periodic_eval/repetition": [0.0] * 5,
+            "periodic_eval/ref_surprisal": surprisal,
         }
     )
 
 
 def test_replay_judges_a_logged_history_against_gold():
-    row = replay(_plateau_history())
+    row = replay(_plateau_history([1.1, 1.3, 1.6, 2.5, 4.0]))
     assert (row["gold_peak"], row["peak_step"], row["gold_final"]) == (0.9, 20, 0.6)
     assert row["falls"] and row["fall_step"] == 40  # 0.6 <= 0.9 - 0.2
-    # at 30: KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
+    # at 30 the SFT model finds the tokens 1.4 nats more surprising each than its own samples (1.1)
     assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
-    assert "grew from 5.0 (update 20) to 9.0" in row["reasons"]
+    assert "1.40 nats more surprising each than its own samples' (2.50 against 1.10 at step 0)" in row["reasons"]
 
 
-def test_the_alarm_and_replay_apply_the_factor_they_are_given():
-    # at 30, KL 9 >= 1.5 * 5 + 1 but not 2 * 5 + 1
-    history = _plateau_history()
-    assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
-    assert replay(history)["alarm_step"] == 30
-    assert replay(history, 2.0)["alarm_step"] == 40 and "to 20.0" in replay(history, 2.0)["reasons"]
-    assert replay(history, 3.9)["alarm_step"] == -1  # 20 < 3.9 * 5 + 1
-    alarm = OveroptimisationAlarm(kl_drift_factor=2.0)
+def test_a_kl_that_grows_by_sharpening_is_no_alarm():
+    # the same KL growth with the score stalled, while the tokens stay as likely under the SFT model: quiet
+    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.4]))["alarm_step"] == -1  # a rise of 1.3 < 1.35
+    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.45]))["alarm_step"] == 40  # 1.35: it fires
+    # a run logged without the statistic: the condition cannot hold, the others still can
+    history = _plateau_history([float("nan")] * 5)
+    assert replay(history)["alarm_step"] == -1
+    history["periodic_eval/distinct_2"] = [0.5, 0.5, 0.5, 0.5, 0.1]
+    assert replay(history)["alarm_step"] == 40 and "distinct bigrams 0.10" in replay(history)["reasons"]
+
+
+def test_the_alarm_and_replay_apply_the_threshold_they_are_given():
+    history = _plateau_history([1.1, 1.3, 1.6, 2.5, 4.0])
+    assert OveroptimisationAlarm().surprisal_rise == SURPRISAL_RISE == 1.35
+    assert replay(history, 2.0)["alarm_step"] == 40 and "(4.00 against 1.10" in replay(history, 2.0)["reasons"]
+    assert replay(history, 3.0)["alarm_step"] == -1  # 4.0 - 1.1 < 3
+    alarm = OveroptimisationAlarm(surprisal_rise=2.0)
     rows, _ = alarm_inputs(history)
     assert [alarm.check(int(row["step"]), row) is not None for row in rows] == [False, False, False, False, True]
-    # the analysis's factor per objective: an objective not in the table gets the default
-    table = _tuning_table()
-    factors = alarm_factors.with_factors(table, {"GRPO": 2.45})["kl_drift_factor"]
-    assert set(factors[table["objective"] == "GRPO"]) == {2.45}
-    assert set(factors[table["objective"] != "GRPO"]) == {KL_DRIFT_FACTOR}
+
+
+def test_older_runs_get_the_surprisal_from_their_training_rollouts():
+    # evaluations at 0, 10, 20 logged without periodic_eval/ref_surprisal; training's objective/ref_logprobs at
+    # updates 1 to 21 (-1 - update / 10): the evaluation after s updates reads updates s - 3 to s + 1
+    steps = sorted({0, 10, 20} | set(range(1, 22)))
+    history = pd.DataFrame({"step": steps})
+    history["periodic_eval/score"] = [1.0 if s in (0, 10, 20) else float("nan") for s in steps]
+    history["objective/ref_logprobs"] = [-1 - s / 10 if s >= 1 else float("nan") for s in steps]
+    filled = alarm_check.evaluations(alarm_check.with_training_surprisal(history))
+    assert filled["periodic_eval/ref_surprisal"].tolist() == pytest.approx([1.1, 1.0 + 0.9, 1.0 + 1.9])
+    logged = history.assign(**{"periodic_eval/ref_surprisal": [7.0] * len(steps)})
+    assert alarm_check.with_training_surprisal(logged)["periodic_eval/ref_surprisal"].eq(7.0).all()  # left as is

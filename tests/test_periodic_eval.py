@@ -26,6 +26,7 @@ EVAL_KEYS = {
 # the over-optimisation alarm's signs of one reward model, and the alarm (rlhf.eval.overoptimisation)
 EVAL_KEYS |= {"periodic_eval/distinct_2", "periodic_eval/identical_share", "periodic_eval/repetition"}
 EVAL_KEYS |= {"periodic_eval/score_std", "periodic_eval/near_identical_share"}  # logged for the alarm's study
+EVAL_KEYS |= {"periodic_eval/ref_surprisal"}
 EVAL_KEYS |= {"periodic_eval/overoptimisation_alarm"}
 PROMPTS = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
 HELD_OUT = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:12]
@@ -104,6 +105,7 @@ def test_periodic_eval_logs_its_metrics_at_the_eval_steps(tiny_checkpoints, tmp_
         assert metrics["periodic_eval/sqrt_kl"] == pytest.approx(math.sqrt(max(metrics["periodic_eval/kl"], 0.0)))
         assert -1.5 <= metrics["periodic_eval/gold"] <= 1.0
     assert log.eval_at(0)["periodic_eval/kl"] == pytest.approx(0.0, abs=1e-5)  # the policy is still the reference
+    assert all(log.eval_at(step)["periodic_eval/ref_surprisal"] > 0 for step in (0, 2, 4, 5))  # nats per token
     # lr 3e-3 moves the policy: the KL estimate leaves 0 (k1, the mean log-ratio of 12 held-out samples: either sign;
     # -0.10 under bf16, 0.11 in float32)
     assert abs(log.eval_at(5)["periodic_eval/kl"]) > 0.01

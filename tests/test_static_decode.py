@@ -176,3 +176,40 @@ def test_a_failed_compile_decodes_uncompiled_with_a_warning(family_checkpoint, m
     _assert_same(*_both(model, ids, mask, GenerationSettings(10, pad_token_id=tok.pad_token_id or 0), mode="compiled"))
     assert len(COMPILE_LOG.failures) == failures + 1 and "no C++ compiler" in COMPILE_LOG.failures[-1]
     assert "decoding uncompiled" in caplog.text
+
+
+def test_the_evaluation_table_carries_the_reference_s_surprisal_at_the_response_tokens(tiny_checkpoints):
+    """`ref_nll` is -log p_ref summed over the response's tokens (stop token included, padding not) at the sampling
+    temperature (as the KL's log-probs), as a forward of the reference over the prompt and the sampled tokens gives
+    it (the tokens drawn again with the same seed: a random model's byte tokens do not survive a trip through text)."""
+    from rlhf.eval.evaluate import generate_and_score_prompts
+    from rlhf.rollout.batching import pad_left
+    from rlhf.rollout.prompt_fit import fit_prompts
+    from rlhf.rollout.scoring import ScoringModels, generate_and_score
+
+    tok = load_tokenizer(tiny_checkpoints["policy"])
+    policy = load_causal_lm(tiny_checkpoints["policy"], torch.device("cpu")).eval()
+    reference = load_causal_lm(tiny_checkpoints["policy"], torch.device("cpu")).eval()
+    with torch.no_grad():  # a reference that is not the policy
+        for p in reference.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+    reward = load_reward_model(tiny_checkpoints["reward"], torch.device("cpu")).eval()
+    models = ScoringModels(policy, reference, reward, tok, tok, same_tokenizer=True)
+    settings = GenerationSettings(
+        10, temperature=0.9, stop_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id
+    )
+    prompts = PROMPTS[:4]
+    generator = torch.Generator().manual_seed(0)
+    frame = generate_and_score_prompts(models, prompts, settings, 32, 4, generator, torch.float32)
+    query, mask = pad_left(fit_prompts(tok, prompts, 32).ids, tok.pad_token_id)
+    drawn = generate_and_score(models, query, mask, prompts, settings, torch.Generator().manual_seed(0), torch.float32)
+    assert frame["kl"].abs().min() > 1e-3  # the reference differs
+    for i, row in enumerate(frame.to_dict("records")):
+        n = int(drawn.resp.mask[i].sum())
+        assert row["tokens"] == n == row["length"] + row["stopped"]
+        prompt_ids = [t for t, m in zip(query[i].tolist(), mask[i].tolist(), strict=True) if m]
+        ids = torch.tensor([prompt_ids + drawn.resp.tokens[i, :n].tolist()])
+        with torch.no_grad():
+            logits = reference(ids).logits[0, len(prompt_ids) - 1 : -1].float() / 0.9
+        nll = -torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt_ids) :, None]).sum()
+        assert row["ref_nll"] == pytest.approx(float(nll), rel=1e-4)

@@ -84,7 +84,8 @@ def generate_and_score_prompts(
 ) -> pd.DataFrame:
     """One policy's responses to `prompts` in batches (`rlhf.rollout.scoring.generate_and_score`, as PPO rollouts are
     made), with their reward-model score and their KL from the reference (the k1 estimator summed over the
-    response), one row per prompt: prompt, response, score, kl, length (tokens before the stop token), stopped.
+    response), one row per prompt: prompt, response, score, kl, ref_nll (the reference's surprisal summed over the
+    same tokens: -log p_ref), tokens (how many), length (tokens before the stop token), stopped.
     Used by the evaluation stage and by PPO's periodic evaluation (``rlhf.ppo.periodic_eval``)."""
     tokenizer = models.tokenizer
     device = generator.device
@@ -107,6 +108,8 @@ def generate_and_score_prompts(
                     "response": texts[i],
                     "score": float(scored.scores[i]),
                     "kl": float(kl[i].sum()),
+                    "ref_nll": -float((scored.ref_logprobs[i] * mask[i]).sum()),
+                    "tokens": int(mask[i].sum()),
                     "length": int(mask[i].sum()) - int(resp.contains_stop[i]),  # tokens before the stop token
                     "stopped": bool(resp.contains_stop[i]),
                 }

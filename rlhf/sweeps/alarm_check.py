@@ -10,7 +10,9 @@ so runs logged before a change of the rule are judged by the new one. Every run 
 "tuning" or "held-out", fixed by what the run is (`held_out`) before any run is looked at: thresholds are chosen on
 the tuning half and reported on the held-out one.
 
-The KL-drift factor per objective, tuned on the tuning half: `rlhf.sweeps.alarm_factors`.
+Runs logged before the periodic evaluation measured the reference's surprisal (periodic_eval/ref_surprisal) get it
+from their training statistics (`with_training_surprisal`). The surprisal threshold, set on the tuning half:
+`rlhf.sweeps.alarm_threshold`.
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ from rlhf.config.estimators import ESTIMATORS, objective_label
 from rlhf.eval.overoptimisation import (
     DISTINCT_DROP,
     GOLD_FALL,
+    SURPRISAL_RISE,
     OveroptimisationAlarm,
+    alarm_inputs,
     replay,
 )
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_SCORE
-from rlhf.sweeps.alarm_factors import factor_curve, factor_report, tune_kl_drift, with_factors
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
+from rlhf.sweeps.alarm_threshold import threshold_report, tune_surprisal_rise, with_threshold
 from rlhf.tracking.client import Tracker
 
 GROUP_DISTINCT = "group/distinct_responses"  # a training statistic (critic-free estimators with groups)
+TRAINING_REF_LOGPROBS = "objective/ref_logprobs"  # a training statistic: mean per-token log p_ref of the rollouts
+TRAINING_KEYS = [GROUP_DISTINCT, TRAINING_REF_LOGPROBS]
 PERIODIC_KEYS = ["score", "score_std", "gold", "kl", "distinct_2", "identical_share", "near_identical_share"]
-PERIODIC_KEYS += ["repetition", "ensemble_mean", "ensemble_min", "ensemble_std", "disagreement_ratio"]
+PERIODIC_KEYS += ["repetition", "ensemble_mean", "ensemble_min", "ensemble_std", "disagreement_ratio", "ref_surprisal"]
+SURPRISAL_WINDOW = 5  # updates of training rollouts that stand in for an evaluation's surprisal (older runs)
 HALVES = ("tuning", "held-out")
 
 
@@ -70,6 +77,25 @@ def evaluations(history: pd.DataFrame) -> pd.DataFrame:
     return history[history[PERIODIC_SCORE].notna()].reset_index(drop=True)
 
 
+def with_training_surprisal(history: pd.DataFrame) -> pd.DataFrame:
+    """`history` (a run's merged history) with periodic_eval/ref_surprisal filled in where the run did not log it,
+    from the training rollouts: -objective/ref_logprobs averaged over the SURPRISAL_WINDOW updates whose rollouts
+    the policy of the evaluation after `step` updates made or was next to (the statistic logged at update u is of
+    rollouts made after u - 1 updates, so the evaluation at step 0 gets update 1's: the SFT policy's own samples)."""
+    out = history.copy()
+    if TRAINING_REF_LOGPROBS not in out or out[TRAINING_REF_LOGPROBS].isna().all():
+        return out
+    if PERIODIC_REF_SURPRISAL not in out:
+        out[PERIODIC_REF_SURPRISAL] = float("nan")
+    training = out.set_index("step")[TRAINING_REF_LOGPROBS].dropna()
+    for i in out.index[out[PERIODIC_SCORE].notna() & out[PERIODIC_REF_SURPRISAL].isna()]:
+        step = int(out.at[i, "step"])
+        window = training[(training.index <= step + 1) & (training.index > step + 1 - SURPRISAL_WINDOW)]
+        if len(window):
+            out.at[i, PERIODIC_REF_SURPRISAL] = -float(window.mean())
+    return out
+
+
 def _ratio_drop(values: pd.Series) -> float:
     """1 less the smallest later value over the first (step 0, the SFT policy's): how far a diversity measure fell."""
     later = values.iloc[1:].dropna()
@@ -82,13 +108,14 @@ def _ratio_drop(values: pd.Series) -> float:
 def rule_trace(evals: pd.DataFrame) -> tuple[float, list[bool]]:
     """The alarm's rule over a run's evaluations: whether its conditions hold at each one (the alarm fires at the
     first), and the rule as one number a run can be ranked by, without gold: the largest, over the evaluations, of
-    the KL-drift ratio (`OveroptimisationAlarm.kl_drift_ratio`) and the distinct-bigram condition's ratio (the SFT
+    the surprisal condition's ratio (the rise over SURPRISAL_RISE) and the distinct-bigram condition's (the SFT
     policy's distinct-2 times DISTINCT_DROP over the evaluation's); 1 or more where the rule fires."""
     alarm, best, holds = OveroptimisationAlarm(), 0.0, []
     for row in evals.to_dict("records"):
         stats = {k.removeprefix(PERIODIC_EVAL): v for k, v in row.items() if isinstance(k, str) and v == v}
         if alarm.baseline is not None:
-            best = max(best, alarm.kl_drift_ratio(stats))
+            rise = alarm.surprisal_rise_of(stats)
+            best = max(best, rise / SURPRISAL_RISE if rise == rise else 0.0)
             base = alarm.baseline["distinct_2"]
             best = max(best, DISTINCT_DROP * base / stats["distinct_2"] if stats["distinct_2"] > 0 else float("inf"))
         alarm.check(int(row["step"]), stats)
@@ -109,6 +136,7 @@ PER_EVALUATION: dict[str, Callable[[pd.DataFrame], pd.Series]] = {
     "score_std_fall": lambda e: 1 - e[f"{PERIODIC_EVAL}score_std"] / e[f"{PERIODIC_EVAL}score_std"].iloc[0],
     "distinct_2_fall": lambda e: 1 - e[f"{PERIODIC_EVAL}distinct_2"] / e[f"{PERIODIC_EVAL}distinct_2"].iloc[0],
     "group_repeats": lambda e: 1 - e[GROUP_DISTINCT],
+    "ref_surprisal_rise": lambda e: e[PERIODIC_REF_SURPRISAL] - e[PERIODIC_REF_SURPRISAL].iloc[0],
 }
 
 
@@ -122,6 +150,9 @@ SIGNALS: dict[str, Callable[[pd.DataFrame], float]] = {
     "score_std (fall from SFT)": lambda e: _ratio_drop(e[f"{PERIODIC_EVAL}score_std"]),
     "group distinct samples (1 - min)": lambda e: 1.0 - float(e[GROUP_DISTINCT].iloc[1:].min()),
     "repetition (max)": lambda e: float(e[f"{PERIODIC_EVAL}repetition"].iloc[1:].max()),
+    "ref_surprisal, its rise from SFT's (max)": lambda e: float(
+        (e[PERIODIC_REF_SURPRISAL].iloc[1:] - e[PERIODIC_REF_SURPRISAL].iloc[0]).max()
+    ),
     "disagreement_ratio (max)": lambda e: float(e[f"{PERIODIC_EVAL}disagreement_ratio"].iloc[1:].max()),
 }
 
@@ -156,12 +187,13 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
         if name_filter not in run.name or identity["identity"] in seen:
             continue
         seen.add(identity["identity"])
-        keys = [f"{PERIODIC_EVAL}{k}" for k in PERIODIC_KEYS] + [GROUP_DISTINCT]
+        keys = [f"{PERIODIC_EVAL}{k}" for k in PERIODIC_KEYS] + TRAINING_KEYS
         history = tracker.metric_histories(run.run_id, keys)
         if history.empty or PERIODIC_GOLD not in history or history[PERIODIC_GOLD].isna().all():
             continue
-        evals = evaluations(history)
-        replayed = replay(evals.drop(columns=[GROUP_DISTINCT]))
+        evals = evaluations(with_training_surprisal(history))
+        periodic = evals.drop(columns=TRAINING_KEYS)
+        replayed = replay(periodic)
         per_evaluation = {f"per_eval: {name}": series(evals).tolist() for name, series in PER_EVALUATION.items()}
         rows.append(
             {
@@ -173,7 +205,7 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
                 "eval_steps": evals["step"].tolist(),
                 "gold_curve": evals[PERIODIC_GOLD].tolist(),
                 "rule_holds": rule_trace(evals)[1],
-                "factor_curve": factor_curve(evals.drop(columns=[GROUP_DISTINCT])),
+                "alarm_inputs": alarm_inputs(periodic),
                 **per_evaluation,
             }
         )
@@ -344,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     if table.empty:
         print("no PPO run with periodic evaluations and a gold reward")
         return
-    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds", "factor_curve")
+    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds", "alarm_inputs")
     shown = [c for c in table.columns if c not in traces and not c.startswith(("signal: ", "per_eval: "))]
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 40):
         print(table[shown].round(3).to_string(index=False))
@@ -366,20 +398,17 @@ def main(argv: list[str] | None = None) -> None:
                 )
         tuning = every[every["half"] == "tuning"]
         if len(tuning):
-            factors = tune_kl_drift(tuning)
-            print(f"\nthe KL-drift factor per objective, set on the {len(tuning)} runs of the tuning half:")
-            print("(set on, falls kept, false alarms: on the runs that set the factor, its own or its family's)")
-            columns = ["family", "runs", "falls", "healthy", "set on", "falls kept", "false alarms at default"]
-            columns += ["false alarms", "factor"]
-            print(factors.set_index("objective")[columns].round(3).to_string())
-            for row in factors.to_dict("records"):
-                print(f"  {row['objective']}: {row['factor']:g}, set by {row['set by']}; {row['why']}")
-            tuned = dict(zip(factors["objective"], factors["factor"], strict=True))
-            for name, chosen in (("the default factor for every objective", {}), ("the factor per objective", tuned)):
-                print(f"\n{name}, on the {args.half} runs ({len(table)}):")
-                print(factor_report(with_factors(table, chosen)).round(3).to_string())
+            tuned = tune_surprisal_rise(tuning)
+            print(
+                f"\nthe surprisal threshold set on the {len(tuning)} runs of the tuning half: {tuned['threshold']:g} "
+                f"nats per token (the interval ({tuned['low']:.3f}, {tuned['high']:.3f}] alarms {tuned['caught']} of "
+                f"{tuned['falls']} falls in time with {tuned['false_alarms']} false alarms of {tuned['healthy']}); "
+                f"the alarm's: {tuned['default']:g}"
+            )
+            print(f"\nthe alarm ({tuned['default']:g}), on the {args.half} runs ({len(table)}):")
+            print(threshold_report(with_threshold(table, tuned["default"])).round(3).to_string())
     if args.out:
-        table.drop(columns=["factor_curve"]).to_csv(args.out, index=False)
+        table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:
         roc_picture(table, Path(args.roc), f"{len(table)} runs ({args.half}), {', '.join(experiments)}")
 

@@ -1,0 +1,108 @@
+"""The over-optimisation alarm's surprisal threshold (`SURPRISAL_RISE`), set on the tuning half of the alarm's grid
+(`rlhf.sweeps.alarm_check`, which reports it on either half; docs/overoptimisation.md).
+
+The rule, fixed before the held-out half is read with it: the thresholds searched are the surprisal rises the tuning
+runs' evaluations reach (the alarm's outcome on those runs changes only there). First recall: the most runs whose
+gold falls alarmed before their last update. Then the fewest false alarms among the healthy runs. The threshold is
+the middle of the interval of thresholds with that outcome (arithmetic: nats add), rounded to 0.05 nats. Every other
+condition of the rule (distinct bigrams, the ensemble's) stays as it is.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from rlhf.eval.overoptimisation import SURPRISAL_RISE, OveroptimisationAlarm
+
+
+def alarm_step_at(inputs: tuple[list[dict[str, float]], float], threshold: float) -> int:
+    """The update the alarm fires after on one run's evaluations (`alarm_inputs`' output) with the surprisal
+    condition at `threshold` (-1: never)."""
+    stats, in_distribution_std = inputs
+    alarm = OveroptimisationAlarm(in_distribution_std, threshold)
+    for row in stats:
+        alarm.check(int(row["step"]), row)
+    return alarm.fired.step if alarm.fired else -1
+
+
+def with_threshold(table: pd.DataFrame, threshold: float) -> pd.DataFrame:
+    """`table` (`alarm_check.alarm_table`'s, with `alarm_inputs`) with each run's alarm at `threshold`:
+    `surprisal_rise`, `alarm_step`, `gold_at_alarm`, `gold_if_stopped` (the gold of the evaluation before the alarm,
+    the last where there is none), `lead` (updates from the alarm to the first evaluation GOLD_FALL below the peak so
+    far) and `late` (the alarm came after that evaluation), the last two for runs whose gold falls."""
+    out = table.copy()
+    out["surprisal_rise"] = threshold
+    out["alarm_step"] = [alarm_step_at(inputs, threshold) for inputs in out["alarm_inputs"]]
+
+    def gold(row: pd.Series, before: bool) -> float:
+        steps, curve = row["eval_steps"], row["gold_curve"]
+        if row["alarm_step"] < 0:
+            return float(curve[-1]) if before else float("nan")
+        i = steps.index(row["alarm_step"])
+        return float(curve[i - 1] if before else curve[i])
+
+    out["gold_at_alarm"] = out.apply(gold, axis=1, before=False)
+    out["gold_if_stopped"] = out.apply(gold, axis=1, before=True)
+    caught = out["falls"].astype(bool) & (out["alarm_step"] >= 0) & (out["alarm_step"] < out["last_step"])
+    out["lead"] = (out["fall_step"] - out["alarm_step"]).where(caught)
+    out["late"] = caught & (out["alarm_step"] > out["fall_step"])
+    return out
+
+
+def _outcome(table: pd.DataFrame) -> tuple[int, int]:
+    """(falls alarmed before their last update, false alarms) of `with_threshold`'s output."""
+    falls = table["falls"].astype(bool)
+    caught = falls & (table["alarm_step"] >= 0) & (table["alarm_step"] < table["last_step"])
+    return int(caught.sum()), int((~falls & (table["alarm_step"] >= 0)).sum())
+
+
+def tune_surprisal_rise(tuning: pd.DataFrame) -> dict:
+    """The threshold the tuning runs set by the module's rule: `threshold`, the interval (`low`, `high`] that gives
+    its outcome, and that outcome (`falls`, `caught`, `healthy`, `false_alarms`)."""
+    rises = sorted(
+        {
+            row["ref_surprisal"] - stats[0]["ref_surprisal"]
+            for stats, _ in tuning["alarm_inputs"]
+            for row in stats[1:]
+            if "ref_surprisal" in row and "ref_surprisal" in stats[0]
+        }
+    )
+    outcomes = [_outcome(with_threshold(tuning, t)) for t in rises]
+    best = max(outcomes, key=lambda o: (o[0], -o[1]))
+    chosen = [i for i, o in enumerate(outcomes) if o == best]
+    first, last = chosen[0], chosen[-1]  # the outcome holds for thresholds in (rises[first - 1], rises[last]]
+    low = rises[first - 1] if first > 0 else 0.0
+    high = rises[last]
+    falls = int(tuning["falls"].astype(bool).sum())
+    return {
+        "threshold": round((low + high) / 2 / 0.05) * 0.05,
+        "low": low,
+        "high": high,
+        "falls": falls,
+        "caught": best[0],
+        "healthy": len(tuning) - falls,
+        "false_alarms": best[1],
+        "default": SURPRISAL_RISE,
+    }
+
+
+def threshold_report(table: pd.DataFrame) -> pd.DataFrame:
+    """Per objective and over all runs of `table` (`with_threshold`'s output): runs whose gold falls and those
+    alarmed before their last update, healthy runs and those alarmed, late alarms, the lead times, the mean gold of
+    the policy 'stop' keeps."""
+
+    def figures(runs: pd.DataFrame) -> dict:
+        falls = runs["falls"].astype(bool)
+        caught = falls & (runs["alarm_step"] >= 0) & (runs["alarm_step"] < runs["last_step"])
+        return {
+            "falls": int(falls.sum()),
+            "alarmed": int(caught.sum()),
+            "healthy": int((~falls).sum()),
+            "false alarms": int((~falls & (runs["alarm_step"] >= 0)).sum()),
+            "late": int(runs["late"].sum()),
+            "leads": [int(x) for x in runs.loc[caught, "lead"]],
+            "gold with stop": float(runs["gold_if_stopped"].mean()),
+        }
+
+    rows = [{"objective": objective, **figures(runs)} for objective, runs in table.groupby("objective")]
+    return pd.DataFrame([*rows, {"objective": "all", **figures(table)}]).set_index("objective")
