@@ -228,7 +228,7 @@ EVALUATION = _group(
     (("eval/hacking_flag_length", "eval/hacking_flag_empty"), "1 where the win looks like length or empty-answer "
      "reward hacking"),
     (("eval/<policy>_distinct_2", "eval/<policy>_identical_share", "eval/<policy>_near_identical_share",
-      "eval/<policy>_repetition",
+      "eval/<policy>_repetition", "eval/<policy>_ref_surprisal",
       "eval/<policy>_ensemble_<stat>", "eval/<policy>_disagreement_ratio"), "the alarm's signs for each policy"),
     ("eval/overoptimisation_flag", "1: the alarm's rule fires on the trained policy against the SFT policy"),
     ("eval/n_prompts", "held-out prompts evaluated"),

@@ -204,3 +204,22 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
     assert {"metric": "eval/win_rate_rm_len_controlled", "value": 0.52} in rows
     assert {"metric": "eval/hacking_flag_length", "value": 1.0} in rows
     assert kw["description"].startswith("WARNING: PPO's gain over SFT is mostly explained by length")
+
+
+def test_the_evaluation_stage_s_alarm_reads_the_reference_s_surprisal():
+    """The final policy against the SFT policy: diverse, well-formed answers whose tokens the SFT model finds 1.4
+    nats more surprising each raise the flag; 1.3 nats more do not; eval/<policy>_ref_surprisal is logged."""
+    from rlhf.eval.evaluate import overoptimisation_signs
+
+    def frame(nll_per_token: float) -> pd.DataFrame:
+        responses = [f"the plot was good and the cast was fine {i}" for i in range(20)]
+        out = _frame(responses, [0.0] * 20, [10] * 20)
+        return out.assign(ref_nll=[10.0 * nll_per_token] * 20, tokens=[10] * 20)
+
+    sft = frame(1.0)
+    summary, warnings = overoptimisation_signs(sft, frame(2.4), 0.0)
+    assert summary["eval/sft_ref_surprisal"] == pytest.approx(1.0)
+    assert summary["eval/policy_ref_surprisal"] == pytest.approx(2.4)
+    assert summary["eval/overoptimisation_flag"] == 1.0 and "1.40 nats more surprising" in warnings[0]
+    summary, warnings = overoptimisation_signs(sft, frame(2.3), 0.0)
+    assert summary["eval/overoptimisation_flag"] == 0.0 and warnings == []

@@ -20,7 +20,7 @@ from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.formats import ChatRenderer
 from rlhf.data.row_columns import RowColumns
 from rlhf.eval import benchmark, length_control
-from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats
+from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats, surprisal_stats
 from rlhf.metrics import (
     EVAL_HACKING_EMPTY,
     EVAL_HACKING_LENGTH,
@@ -299,7 +299,8 @@ def overoptimisation_signs(
     alarm = OveroptimisationAlarm(in_distribution_std)
     summary: dict[str, float] = {}
     for name, frame in (("sft", sft), ("policy", policy)):
-        stats = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std)}
+        stats = {**response_stats(frame["response"].tolist()), **surprisal_stats(frame)}
+        stats |= ensemble_stats(frame, in_distribution_std)
         summary |= {f"eval/{name}_{key}": value for key, value in stats.items()}
         fired = alarm.check(int(name == "policy"), stats)
     summary[EVAL_OVEROPTIMISATION_FLAG] = float(fired is not None)

@@ -62,6 +62,14 @@ def response_stats(responses: Sequence[str]) -> dict[str, float]:
     }
 
 
+def surprisal_stats(frame: pd.DataFrame) -> dict[str, float]:
+    """`ref_surprisal`: the reference (SFT) model's surprisal at one policy's response tokens, -log p_ref in nats per
+    token over all of them (`frame`'s ref_nll and tokens columns, `generate_and_score_prompts`). Empty without."""
+    if "ref_nll" not in frame or not frame["tokens"].sum():
+        return {}
+    return {"ref_surprisal": float(frame["ref_nll"].sum() / frame["tokens"].sum())}
+
+
 def ensemble_stats(frame: pd.DataFrame, in_distribution_std: float) -> dict[str, float]:
     """An ensemble's view of one policy's responses (`frame`'s members_* columns, `member_columns`): the members'
     mean score, their std and minimum (means over responses), and `disagreement_ratio`, their std over the std they

@@ -25,8 +25,9 @@ from rlhf.eval.overoptimisation import (
     OveroptimisationAlarm,
     ensemble_stats,
     response_stats,
+    surprisal_stats,
 )
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE
 from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed
 from rlhf.ppo.models import PPOModels
@@ -70,9 +71,9 @@ def evaluate_now(
         PERIODIC_KL: kl,
         "periodic_eval/sqrt_kl": sqrt_kl(kl),
         "periodic_eval/length_mean": float(frame["length"].mean()),
-        PERIODIC_REF_SURPRISAL: float(frame["ref_nll"].sum() / max(int(frame["tokens"].sum()), 1)),
     }
-    signs = {**response_stats(frame["response"].tolist()), **ensemble_stats(frame, in_distribution_std(models.reward))}
+    signs = {**response_stats(frame["response"].tolist()), **surprisal_stats(frame)}
+    signs |= ensemble_stats(frame, in_distribution_std(models.reward))
     metrics |= {f"{PERIODIC_EVAL}{key}": value for key, value in signs.items()}
     if gold_fn is not None:
         gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]
