@@ -124,14 +124,14 @@ def test_a_signal_that_confirms_the_rule_is_tuned_on_one_half(store):
     table = alarm_check.alarm_table(tracker, "rlhf-ppo", "grid").sort_values("objective").reset_index(drop=True)
     assert table["rule_holds"][0] == [False, False, False, True, True, True]  # GRPO: from update 30 on
     assert table["eval_steps"][0] == [0, 10, 20, 30, 40, 50]
-    assert alarm_check.confirmed_alarms(table, "near_identical_share", 0.5).tolist() == [30, -1]
+    assert alarm_threshold.confirmed_alarms(table, "near_identical_share", 0.5).tolist() == [30, -1]
     # update 50 is the last: an alarm there comes too late for the fall, so 1.0 is too strict and 0.9 (update 40) is
     # the largest threshold that keeps the fall caught
-    assert alarm_check.confirmed_alarms(table, "near_identical_share", 1.0).tolist() == [50, -1]
-    tuned = {row["signal"]: row for row in alarm_check.tune_confirmation(table)}
+    assert alarm_threshold.confirmed_alarms(table, "near_identical_share", 1.0).tolist() == [50, -1]
+    tuned = {row["signal"]: row for row in alarm_threshold.tune_confirmation(table)}
     assert tuned["near_identical_share"]["threshold"] == 0.9 and tuned["near_identical_share"]["false_alarms"] == 0
     assert tuned["score_std_fall"]["threshold"] == pytest.approx(0.9)  # update 40's spread: 0.1 of the SFT's 1.0
-    counts = alarm_check.alarm_counts(table, pd.Series([40, 10]))
+    counts = alarm_threshold.alarm_counts(table, pd.Series([40, 10]))
     assert counts == {"falls": 1, "caught": 1, "healthy": 1, "false_alarms": 1}
 
 

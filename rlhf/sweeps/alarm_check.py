@@ -34,7 +34,14 @@ from rlhf.eval.overoptimisation import (
     replay,
 )
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
-from rlhf.sweeps.alarm_threshold import threshold_report, tune_surprisal_rise, with_threshold
+from rlhf.sweeps.alarm_threshold import (
+    alarm_counts,
+    confirmed_alarms,
+    threshold_report,
+    tune_confirmation,
+    tune_surprisal_rise,
+    with_threshold,
+)
 from rlhf.tracking.client import Tracker
 
 GROUP_DISTINCT = "group/distinct_responses"  # a training statistic (critic-free estimators with groups)
@@ -210,47 +217,6 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
             }
         )
     return pd.DataFrame(rows)
-
-
-def confirmed_alarms(table: pd.DataFrame, signal: str, threshold: float) -> pd.Series:
-    """The update each run's alarm fires at under the rule confirmed by `signal` (a `PER_EVALUATION` name): the first
-    evaluation where the rule's conditions hold and the signal is at `threshold` or more (-1: never)."""
-
-    def first(row: pd.Series) -> int:
-        for step, holds, value in zip(row["eval_steps"], row["rule_holds"], row[f"per_eval: {signal}"], strict=True):
-            if holds and value == value and value >= threshold:
-                return int(step)
-        return -1
-
-    return table.apply(first, axis=1)
-
-
-def alarm_counts(table: pd.DataFrame, alarm_steps: pd.Series) -> dict[str, int]:
-    """Recall and false alarms of the alarm updates `alarm_steps` (one per run of `table`)."""
-    falls = table["falls"].astype(bool)
-    caught = falls & (alarm_steps >= 0) & (alarm_steps < table["last_step"])
-    return {
-        "falls": int(falls.sum()),
-        "caught": int(caught.sum()),
-        "healthy": int((~falls).sum()),
-        "false_alarms": int((~falls & (alarm_steps >= 0)).sum()),
-    }
-
-
-def tune_confirmation(tuning: pd.DataFrame) -> list[dict[str, float | str]]:
-    """For each `PER_EVALUATION` signal, the largest threshold that keeps every fall the rule alone alarms in time on
-    the tuning half alarmed in time, and the false alarms left there (the signal's values on the tuning runs are the
-    candidates): a confirmation can only take alarms away."""
-    found = []
-    caught_by_rule = alarm_counts(tuning, tuning["alarm_step"])["caught"]
-    for signal in PER_EVALUATION:
-        values = sorted({v for row in tuning[f"per_eval: {signal}"] for v in row if v == v}, reverse=True)
-        for threshold in values:
-            counts = alarm_counts(tuning, confirmed_alarms(tuning, signal, threshold))
-            if counts["caught"] == caught_by_rule:
-                found.append({"signal": signal, "threshold": threshold, **counts})
-                break
-    return sorted(found, key=lambda row: row["false_alarms"])
 
 
 def auc(scores: pd.Series, positive: pd.Series) -> float:

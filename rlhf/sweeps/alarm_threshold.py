@@ -1,7 +1,8 @@
-"""The over-optimisation alarm's surprisal threshold (`SURPRISAL_RISE`), set on the tuning half of the alarm's grid
-(`rlhf.sweeps.alarm_check`, which reports it on either half; docs/overoptimisation.md).
+"""The over-optimisation alarm's thresholds set on the tuning half of the alarm's grid (`rlhf.sweeps.alarm_check`,
+which reports them on either half; docs/overoptimisation.md): the surprisal condition's (`SURPRISAL_RISE`), and a
+gold-free signal's that would confirm the rule (`tune_confirmation`).
 
-The rule, fixed before the held-out half is read with it: the thresholds searched are the surprisal rises the tuning
+**The surprisal threshold** (`tune_surprisal_rise`). The rule, fixed before the held-out half is read with it: the thresholds searched are the surprisal rises the tuning
 runs' evaluations reach (the alarm's outcome on those runs changes only there). First recall: the most runs whose
 gold falls alarmed before their last update. Then the fewest false alarms among the healthy runs. The threshold is
 the middle of the interval of thresholds with that outcome (arithmetic: nats add), rounded to 0.05 nats. Every other
@@ -49,11 +50,22 @@ def with_threshold(table: pd.DataFrame, threshold: float) -> pd.DataFrame:
     return out
 
 
+def alarm_counts(table: pd.DataFrame, alarm_steps: pd.Series) -> dict[str, int]:
+    """Recall and false alarms of the alarm updates `alarm_steps` (one per run of `table`)."""
+    falls = table["falls"].astype(bool)
+    caught = falls & (alarm_steps >= 0) & (alarm_steps < table["last_step"])
+    return {
+        "falls": int(falls.sum()),
+        "caught": int(caught.sum()),
+        "healthy": int((~falls).sum()),
+        "false_alarms": int((~falls & (alarm_steps >= 0)).sum()),
+    }
+
+
 def _outcome(table: pd.DataFrame) -> tuple[int, int]:
     """(falls alarmed before their last update, false alarms) of `with_threshold`'s output."""
-    falls = table["falls"].astype(bool)
-    caught = falls & (table["alarm_step"] >= 0) & (table["alarm_step"] < table["last_step"])
-    return int(caught.sum()), int((~falls & (table["alarm_step"] >= 0)).sum())
+    counts = alarm_counts(table, table["alarm_step"])
+    return counts["caught"], counts["false_alarms"]
 
 
 def tune_surprisal_rise(tuning: pd.DataFrame) -> dict:
@@ -84,6 +96,36 @@ def tune_surprisal_rise(tuning: pd.DataFrame) -> dict:
         "false_alarms": best[1],
         "default": SURPRISAL_RISE,
     }
+
+
+def confirmed_alarms(table: pd.DataFrame, signal: str, threshold: float) -> pd.Series:
+    """The update each run's alarm fires at under the rule confirmed by `signal` (its values at each evaluation in
+    the table's `per_eval: <signal>` column): the first evaluation where the rule's conditions hold and the signal is
+    at `threshold` or more (-1: never)."""
+
+    def first(row: pd.Series) -> int:
+        for step, holds, value in zip(row["eval_steps"], row["rule_holds"], row[f"per_eval: {signal}"], strict=True):
+            if holds and value == value and value >= threshold:
+                return int(step)
+        return -1
+
+    return table.apply(first, axis=1)
+
+
+def tune_confirmation(tuning: pd.DataFrame) -> list[dict[str, float | str]]:
+    """For each signal of the table (its `per_eval: <signal>` columns), the largest threshold that keeps every fall
+    the rule alone alarms in time on the tuning half alarmed in time, and the false alarms left there (the signal's
+    values on the tuning runs are the candidates): a confirmation can only take alarms away."""
+    found = []
+    caught_by_rule = alarm_counts(tuning, tuning["alarm_step"])["caught"]
+    for signal in [c.removeprefix("per_eval: ") for c in tuning.columns if c.startswith("per_eval: ")]:
+        values = sorted({v for row in tuning[f"per_eval: {signal}"] for v in row if v == v}, reverse=True)
+        for threshold in values:
+            counts = alarm_counts(tuning, confirmed_alarms(tuning, signal, threshold))
+            if counts["caught"] == caught_by_rule:
+                found.append({"signal": signal, "threshold": threshold, **counts})
+                break
+    return sorted(found, key=lambda row: row["false_alarms"])
 
 
 def threshold_report(table: pd.DataFrame) -> pd.DataFrame:
