@@ -194,7 +194,7 @@ def test_replay_judges_a_logged_history_against_gold():
     assert row["falls"] and row["fall_step"] == 40  # 0.6 <= 0.9 - 0.2
     # at 30 the SFT model finds the tokens 1.4 nats more surprising each than its own samples (1.1)
     assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
-    assert "1.40 nats more surprising each than its own samples' (2.50 against 1.10 at step 0)" in row["reasons"]
+    assert "1.40 nats more surprising each than its own samples, 2.50 against 1.10 nats at step 0" in row["reasons"]
 
 
 def test_a_kl_that_grows_by_sharpening_is_no_alarm():
@@ -211,7 +211,7 @@ def test_a_kl_that_grows_by_sharpening_is_no_alarm():
 def test_the_alarm_and_replay_apply_the_threshold_they_are_given():
     history = _plateau_history([1.1, 1.3, 1.6, 2.5, 4.0])
     assert OveroptimisationAlarm().surprisal_rise == SURPRISAL_RISE == 1.35
-    assert replay(history, 2.0)["alarm_step"] == 40 and "(4.00 against 1.10" in replay(history, 2.0)["reasons"]
+    assert replay(history, 2.0)["alarm_step"] == 40 and "4.00 against 1.10" in replay(history, 2.0)["reasons"]
     assert replay(history, 3.0)["alarm_step"] == -1  # 4.0 - 1.1 < 3
     alarm = OveroptimisationAlarm(surprisal_rise=2.0)
     rows, _ = alarm_inputs(history)

@@ -138,8 +138,8 @@ class OveroptimisationAlarm:
         rise = self.surprisal_rise_of(stats)
         if rise >= self.surprisal_rise:
             found.append(
-                f"the SFT model finds the responses' tokens {rise:.2f} nats more surprising each than its own samples' "
-                f"({stats['ref_surprisal']:.2f} against {base['ref_surprisal']:.2f} at step 0)"
+                f"the SFT model finds the responses' tokens {rise:.2f} nats more surprising each than its own samples, "
+                f"{stats['ref_surprisal']:.2f} against {base['ref_surprisal']:.2f} nats at step 0"
             )
         return found
 
