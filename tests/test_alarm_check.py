@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from rlhf.eval.overoptimisation import SURPRISAL_RISE, OveroptimisationAlarm, alarm_inputs, replay
+from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, SURPRISAL_RISE, OveroptimisationAlarm, alarm_inputs, replay
 from rlhf.sweeps import alarm_check, alarm_threshold
 from rlhf.tracking.client import Tracker
 
@@ -84,8 +84,9 @@ def test_the_table_replays_the_alarm_and_what_each_setting_keeps(store):
     assert collapse["signal: group distinct samples (1 - min)"] == pytest.approx(0.74)
     assert collapse["signal: ref_surprisal, its rise from SFT's (max)"] == pytest.approx(5.0)
     assert collapse["signal: rule"] >= 1 > healthy["signal: rule"]
-    # the healthy run's closest approach: its distinct bigrams at update 50 (0.26, against 0.35 of the SFT's 0.30)
-    assert healthy["signal: rule"] == pytest.approx(0.35 * 0.30 / 0.26)
+    # the healthy run's closest approach: its KL at update 50 (9.0) against 1.5 times update 40's (6.0) plus 1, the
+    # score having stalled since (+0.05, under 5% of the 2.0 gained by then)
+    assert healthy["signal: rule"] == pytest.approx(9.0 / (1.5 * 6.0 + 1))
     assert pd.isna(healthy["signal: disagreement_ratio (max)"])  # one reward model: nothing to read
     assert collapse["task"] == "rlhf-ppo" and collapse["seed"] == "51" and collapse["half"] in alarm_check.HALVES
 
@@ -171,14 +172,15 @@ def test_the_surprisal_threshold_keeps_every_fall_and_removes_the_false_alarms_i
     assert alarm_threshold.with_threshold(table, 1.61)["alarm_step"].tolist() == [30, -1, -1, -1, -1]
 
 
-def _plateau_history(surprisal: list[float]) -> pd.DataFrame:
-    """An evaluation history whose score plateaus from update 20 (2.0) while the KL keeps growing (5, 9, 20), with
-    the reference's surprisal `surprisal` at each evaluation, and whose gold peaks at 20 (0.9) and falls 0.3 by 40."""
+def _plateau_history(surprisal: list[float], kl: tuple[float, ...] = (0.0, 2.0, 5.0, 5.5, 6.0)) -> pd.DataFrame:
+    """An evaluation history whose score plateaus from update 20 (2.0), with the KL `kl` (by default it stops
+    growing with the score) and the reference's surprisal `surprisal` at each evaluation, and whose gold peaks at 20
+    (0.9) and falls 0.3 by 40."""
     return pd.DataFrame(
         {
             "step": [0, 10, 20, 30, 40],
             "periodic_eval/score": [0.0, 1.0, 2.0, 2.01, 2.02],
-            "periodic_eval/kl": [0.0, 2.0, 5.0, 9.0, 20.0],
+            "periodic_eval/kl": list(kl),
             "periodic_eval/gold": [0.0, 0.5, 0.9, 0.8, 0.6],
             "periodic_eval/distinct_2": [0.5] * 5,
             "periodic_eval/identical_share": [0.0] * 5,
@@ -186,6 +188,9 @@ def _plateau_history(surprisal: list[float]) -> pd.DataFrame:
             "periodic_eval/ref_surprisal": surprisal,
         }
     )
+
+
+KL_RUNS_ON = (0.0, 2.0, 5.0, 9.0, 20.0)  # the score stalled from update 20 while the KL runs on
 
 
 def test_replay_judges_a_logged_history_against_gold():
@@ -197,11 +202,15 @@ def test_replay_judges_a_logged_history_against_gold():
     assert "1.40 nats more surprising each than its own samples, 2.50 against 1.10 nats at step 0" in row["reasons"]
 
 
-def test_a_kl_that_grows_by_sharpening_is_no_alarm():
-    # the same KL growth with the score stalled, while the tokens stay as likely under the SFT model: quiet
-    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.4]))["alarm_step"] == -1  # a rise of 1.3 < 1.35
-    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.45]))["alarm_step"] == 40  # 1.35: it fires
-    # a run logged without the statistic: the condition cannot hold, the others still can
+def test_each_condition_catches_its_own_kind_of_drift():
+    # the tokens stay as likely under the SFT model (a rise of 1.25 < 1.3) and the KL stops with the score: quiet
+    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.35]))["alarm_step"] == -1
+    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.45]))["alarm_step"] == 40  # a rise of 1.35: it fires
+    # the same tokens' surprisal while the KL runs on with the score stalled: the KL-drift condition fires at 30,
+    # where KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
+    row = replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 1.3], KL_RUNS_ON))
+    assert row["alarm_step"] == 30 and "grew from 5.0 (update 20) to 9.0" in row["reasons"]
+    # a run logged without the surprisal: that condition cannot hold, the others still can
     history = _plateau_history([float("nan")] * 5)
     assert replay(history)["alarm_step"] == -1
     history["periodic_eval/distinct_2"] = [0.5, 0.5, 0.5, 0.5, 0.1]
@@ -210,7 +219,8 @@ def test_a_kl_that_grows_by_sharpening_is_no_alarm():
 
 def test_the_alarm_and_replay_apply_the_threshold_they_are_given():
     history = _plateau_history([1.1, 1.3, 1.6, 2.5, 4.0])
-    assert OveroptimisationAlarm().surprisal_rise == SURPRISAL_RISE == 1.35
+    assert OveroptimisationAlarm().surprisal_rise == SURPRISAL_RISE == 1.3
+    assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
     assert replay(history, 2.0)["alarm_step"] == 40 and "4.00 against 1.10" in replay(history, 2.0)["reasons"]
     assert replay(history, 3.0)["alarm_step"] == -1  # 4.0 - 1.1 < 3
     alarm = OveroptimisationAlarm(surprisal_rise=2.0)

@@ -208,7 +208,7 @@ def test_warning_reaches_the_pipeline_run_and_the_prefect_table(tmp_path, monkey
 
 def test_the_evaluation_stage_s_alarm_reads_the_reference_s_surprisal():
     """The final policy against the SFT policy: diverse, well-formed answers whose tokens the SFT model finds 1.4
-    nats more surprising each raise the flag; 1.3 nats more do not; eval/<policy>_ref_surprisal is logged."""
+    nats more surprising each raise the flag; 1.2 nats more do not; eval/<policy>_ref_surprisal is logged."""
     from rlhf.eval.evaluate import overoptimisation_signs
 
     def frame(nll_per_token: float) -> pd.DataFrame:
@@ -221,5 +221,5 @@ def test_the_evaluation_stage_s_alarm_reads_the_reference_s_surprisal():
     assert summary["eval/sft_ref_surprisal"] == pytest.approx(1.0)
     assert summary["eval/policy_ref_surprisal"] == pytest.approx(2.4)
     assert summary["eval/overoptimisation_flag"] == 1.0 and "1.40 nats more surprising" in warnings[0]
-    summary, warnings = overoptimisation_signs(sft, frame(2.3), 0.0)
+    summary, warnings = overoptimisation_signs(sft, frame(2.2), 0.0)
     assert summary["eval/overoptimisation_flag"] == 0.0 and warnings == []

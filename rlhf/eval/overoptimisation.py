@@ -94,7 +94,9 @@ ALARM_STEP_KEY, KEPT_STEP_KEY = "overoptimisation/alarm_step", "overoptimisation
 DISTINCT_DROP = 0.35  # distinct_2 below this fraction of the SFT policy's
 DISAGREEMENT_RATIO = 2.0  # the members disagree this many times more than on held-out data (and than at step 0)
 CONSERVATIVE_FALL = 0.5  # the ensemble's min below its best by this many in-distribution stds while its mean rose
-SURPRISAL_RISE = 1.35  # the reference's surprisal at the policy's tokens this many nats per token above the SFT's own
+KL_DRIFT_FACTOR, KL_DRIFT_NATS = 1.5, 1.0  # the KL grew past 1.5 times an earlier evaluation's plus 1 nat ...
+SCORE_GAIN_FRACTION = 0.05  # ... while the score gained under 5% of what it had gained over the SFT policy by then
+SURPRISAL_RISE = 1.3  # the reference's surprisal at the policy's tokens this many nats per token above the SFT's own
 
 
 @dataclass
@@ -116,11 +118,13 @@ class OveroptimisationAlarm:
 
     in_distribution_std: float = 0.0  # an ensemble's disagreement on held-out chosen responses (0: no ensemble)
     surprisal_rise: float = SURPRISAL_RISE  # the surprisal condition's threshold (nats per token)
+    kl_drift_factor: float = KL_DRIFT_FACTOR  # the KL-drift condition's factor
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
     mean_at_best_min: float = float("nan")
     fired: Alarm | None = None
     history: list[tuple[int, list[str]]] = field(default_factory=list)
+    points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, score, kl) of each evaluation
 
     def reasons(self, stats: dict[str, float]) -> list[str]:
         """The conditions `stats` (an evaluation's `response_stats` and `ensemble_stats`) meet against the baseline."""
@@ -141,6 +145,9 @@ class OveroptimisationAlarm:
                 f"the SFT model finds the responses' tokens {rise:.2f} nats more surprising each than its own samples, "
                 f"{stats['ref_surprisal']:.2f} against {base['ref_surprisal']:.2f} nats at step 0"
             )
+        drift = self.kl_drift(stats)
+        if drift is not None:
+            found.append(drift)
         return found
 
     def surprisal_rise_of(self, stats: dict[str, float]) -> float:
@@ -153,6 +160,36 @@ class OveroptimisationAlarm:
             return float("nan")
         return stats["ref_surprisal"] - base["ref_surprisal"]
 
+    def _stalled_points(self, stats: dict[str, float]) -> list[tuple[int, float, float]]:
+        """The earlier evaluations (after the first) the score has stalled since: it gained under
+        SCORE_GAIN_FRACTION of the gain it had made over the SFT policy by then (a gain there is needed)."""
+        if "kl" not in stats or not self.points:
+            return []
+        base = self.points[0][1]
+        return [
+            (step, score, kl)
+            for step, score, kl in self.points[1:]
+            if score - base > 0 and stats["score"] - score < SCORE_GAIN_FRACTION * (score - base)
+        ]
+
+    def kl_drift(self, stats: dict[str, float]) -> str | None:
+        """The policy moves on without reward: the KL to the reference grew past `kl_drift_factor` times an earlier
+        evaluation's (plus KL_DRIFT_NATS) while the score gained under SCORE_GAIN_FRACTION of the gain it had made
+        over the SFT policy by that evaluation. None where it does not (or where the evaluation has no KL)."""
+        for step, score, kl in self._stalled_points(stats):
+            if stats["kl"] >= self.kl_drift_factor * kl + KL_DRIFT_NATS:
+                return (
+                    f"the KL to the reference grew from {kl:.1f} (update {step}) to {stats['kl']:.1f} while the "
+                    f"score moved {stats['score'] - score:+.3f}"
+                )
+        return None
+
+    def kl_drift_ratio(self, stats: dict[str, float]) -> float:
+        """How far the KL-drift condition is from firing: the largest KL / (`kl_drift_factor` * earlier KL +
+        KL_DRIFT_NATS) over the earlier evaluations the score has stalled since (1 or more: it fires; 0: none)."""
+        stalled = self._stalled_points(stats)
+        return max((stats["kl"] / (self.kl_drift_factor * kl + KL_DRIFT_NATS) for _, _, kl in stalled), default=0.0)
+
     def check(self, step: int, stats: dict[str, float]) -> Alarm | None:
         """Take the evaluation after `step` updates; the alarm when it fires at this one (None otherwise)."""
         if self.baseline is None:
@@ -161,6 +198,8 @@ class OveroptimisationAlarm:
         if "ensemble_min" in stats and stats["ensemble_min"] > self.best_min:
             self.best_min, self.mean_at_best_min = stats["ensemble_min"], stats["ensemble_mean"]
         self.history.append((step, found))
+        if "kl" in stats:
+            self.points.append((step, stats["score"], stats["kl"]))
         if found and self.fired is None:
             self.fired = Alarm(step, found)
             return self.fired

@@ -115,14 +115,15 @@ def _ratio_drop(values: pd.Series) -> float:
 def rule_trace(evals: pd.DataFrame) -> tuple[float, list[bool]]:
     """The alarm's rule over a run's evaluations: whether its conditions hold at each one (the alarm fires at the
     first), and the rule as one number a run can be ranked by, without gold: the largest, over the evaluations, of
-    the surprisal condition's ratio (the rise over SURPRISAL_RISE) and the distinct-bigram condition's (the SFT
-    policy's distinct-2 times DISTINCT_DROP over the evaluation's); 1 or more where the rule fires."""
+    the surprisal condition's ratio (the rise over SURPRISAL_RISE), the KL-drift ratio
+    (`OveroptimisationAlarm.kl_drift_ratio`) and the distinct-bigram condition's (the SFT policy's distinct-2 times
+    DISTINCT_DROP over the evaluation's); 1 or more where the rule fires."""
     alarm, best, holds = OveroptimisationAlarm(), 0.0, []
     for row in evals.to_dict("records"):
         stats = {k.removeprefix(PERIODIC_EVAL): v for k, v in row.items() if isinstance(k, str) and v == v}
         if alarm.baseline is not None:
             rise = alarm.surprisal_rise_of(stats)
-            best = max(best, rise / SURPRISAL_RISE if rise == rise else 0.0)
+            best = max(best, alarm.kl_drift_ratio(stats), rise / SURPRISAL_RISE if rise == rise else 0.0)
             base = alarm.baseline["distinct_2"]
             best = max(best, DISTINCT_DROP * base / stats["distinct_2"] if stats["distinct_2"] > 0 else float("inf"))
         alarm.check(int(row["step"]), stats)

@@ -2,11 +2,13 @@
 which reports them on either half; docs/overoptimisation.md): the surprisal condition's (`SURPRISAL_RISE`), and a
 gold-free signal's that would confirm the rule (`tune_confirmation`).
 
-**The surprisal threshold** (`tune_surprisal_rise`). The rule, fixed before the held-out half is read with it: the thresholds searched are the surprisal rises the tuning
-runs' evaluations reach (the alarm's outcome on those runs changes only there). First recall: the most runs whose
-gold falls alarmed before their last update. Then the fewest false alarms among the healthy runs. The threshold is
-the middle of the interval of thresholds with that outcome (arithmetic: nats add), rounded to 0.05 nats. Every other
-condition of the rule (distinct bigrams, the ensemble's) stays as it is.
+**The surprisal threshold** (`tune_surprisal_rise`). The rule, fixed before the held-out half is read with it: the
+thresholds searched are the surprisal rises the tuning runs' evaluations reach (the alarm's outcome on those runs
+changes only there). First recall: the most runs whose gold falls alarmed before their last update. Then the fewest
+false alarms among the healthy runs. Then the most gold kept by `ppo.on_overoptimisation: stop` (the default: what
+the policy a user gets is worth). The threshold is the middle of the interval of thresholds with that outcome
+(arithmetic: nats add), rounded to 0.05 nats where that stays inside it. Every other condition of the rule (the KL
+drift, distinct bigrams, the ensemble's) stays as it is.
 """
 
 from __future__ import annotations
@@ -62,15 +64,16 @@ def alarm_counts(table: pd.DataFrame, alarm_steps: pd.Series) -> dict[str, int]:
     }
 
 
-def _outcome(table: pd.DataFrame) -> tuple[int, int]:
-    """(falls alarmed before their last update, false alarms) of `with_threshold`'s output."""
+def _outcome(table: pd.DataFrame) -> tuple[int, int, float]:
+    """(falls alarmed before their last update, false alarms, the mean gold of the policies 'stop' keeps) of
+    `with_threshold`'s output."""
     counts = alarm_counts(table, table["alarm_step"])
-    return counts["caught"], counts["false_alarms"]
+    return counts["caught"], counts["false_alarms"], round(float(table["gold_if_stopped"].mean()), 6)
 
 
 def tune_surprisal_rise(tuning: pd.DataFrame) -> dict:
     """The threshold the tuning runs set by the module's rule: `threshold`, the interval (`low`, `high`] that gives
-    its outcome, and that outcome (`falls`, `caught`, `healthy`, `false_alarms`)."""
+    its outcome, and that outcome (`falls`, `caught`, `healthy`, `false_alarms`, `gold_with_stop`)."""
     rises = sorted(
         {
             row["ref_surprisal"] - stats[0]["ref_surprisal"]
@@ -80,20 +83,25 @@ def tune_surprisal_rise(tuning: pd.DataFrame) -> dict:
         }
     )
     outcomes = [_outcome(with_threshold(tuning, t)) for t in rises]
-    best = max(outcomes, key=lambda o: (o[0], -o[1]))
-    chosen = [i for i, o in enumerate(outcomes) if o == best]
-    first, last = chosen[0], chosen[-1]  # the outcome holds for thresholds in (rises[first - 1], rises[last]]
+    best = max(outcomes, key=lambda o: (o[0], -o[1], o[2]))
+    first = outcomes.index(best)
+    last = first
+    while last + 1 < len(outcomes) and outcomes[last + 1] == best:
+        last += 1  # the outcome holds for thresholds in (rises[first - 1], rises[last]]
     low = rises[first - 1] if first > 0 else 0.0
     high = rises[last]
+    middle = (low + high) / 2
+    rounded = round(middle / 0.05) * 0.05
     falls = int(tuning["falls"].astype(bool).sum())
     return {
-        "threshold": round((low + high) / 2 / 0.05) * 0.05,
+        "threshold": rounded if low < rounded <= high else middle,
         "low": low,
         "high": high,
         "falls": falls,
         "caught": best[0],
         "healthy": len(tuning) - falls,
         "false_alarms": best[1],
+        "gold_with_stop": best[2],
         "default": SURPRISAL_RISE,
     }
 
