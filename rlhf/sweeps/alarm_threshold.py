@@ -2,13 +2,13 @@
 which reports them on either half; docs/overoptimisation.md): the surprisal condition's (`SURPRISAL_RISE`), and a
 gold-free signal's that would confirm the rule (`tune_confirmation`).
 
-**The surprisal threshold** (`tune_surprisal_rise`). The rule, fixed before the held-out half is read with it: the
-thresholds searched are the surprisal rises the tuning runs' evaluations reach (the alarm's outcome on those runs
-changes only there). First recall: the most runs whose gold falls alarmed before their last update. Then the fewest
-false alarms among the healthy runs. Then the most gold kept by `ppo.on_overoptimisation: stop` (the default: what
-the policy a user gets is worth). The threshold is the middle of the interval of thresholds with that outcome
-(arithmetic: nats add), rounded to 0.05 nats where that stays inside it. Every other condition of the rule (the KL
-drift, distinct bigrams, the ensemble's) stays as it is.
+**The surprisal threshold** (`tune_surprisal_rise`). The rule (docs/overoptimisation.md says when each step was
+fixed): the thresholds searched are the surprisal rises the tuning runs' evaluations reach (the alarm's outcome on
+those runs changes only there). First recall: the most runs whose gold falls alarmed before their last update. Then
+the fewest false alarms among the healthy runs. Then the most gold kept by `ppo.on_overoptimisation: stop` (the
+default: what the policy a user gets is worth). The threshold is the middle of the interval of thresholds with that
+outcome (arithmetic: nats add), rounded to 0.05 nats where that stays inside it. Every other condition of the rule
+(the KL drift, distinct bigrams, the ensemble's) stays as it is.
 """
 
 from __future__ import annotations
