@@ -145,7 +145,11 @@ def _threshold_table() -> pd.DataFrame:
 
     def inputs(peak: float) -> tuple[list[dict[str, float]], float]:
         surprisal = [1.0, 1.0, 1.0] + [1.0 + peak] * 8
-        return [{"step": 10 * k, "distinct_2": 0.3, "ref_surprisal": x} for k, x in enumerate(surprisal)], 0.0
+        score = [0.0, 1.0, 2.0] + [2.0] * 8  # stalled from update 20; the KL (5) does not drift
+        return [
+            {"step": 10 * k, "distinct_2": 0.3, "ref_surprisal": x, "score": y, "kl": min(k, 2) * 2.5}
+            for k, (x, y) in enumerate(zip(surprisal, score, strict=True))
+        ], 0.0
 
     table["alarm_inputs"] = [inputs(peak) for peak in table["peak"]]
     table["objective"] = "GRPO"
@@ -210,6 +214,13 @@ def test_each_condition_catches_its_own_kind_of_drift():
     # where KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
     row = replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 1.3], KL_RUNS_ON))
     assert row["alarm_step"] == 30 and "grew from 5.0 (update 20) to 9.0" in row["reasons"]
+    # the surprisal waits for the score to stall: `make run`'s PPO passes through short answers the SFT model finds
+    # 2 nats more surprising at update 10 while its score climbs, and recovers (gold -0.9 there, 0.91 at the end)
+    transient = _plateau_history([1.04, 3.06, 3.15, 1.17, 1.05])
+    transient["periodic_eval/score"] = [0.0, 1.71, 1.87, 1.9, 1.91]
+    assert replay(transient)["alarm_step"] == -1
+    transient["periodic_eval/ref_surprisal"] = [1.04, 3.06, 3.15, 3.2, 3.3]  # still there once the score stalls
+    assert replay(transient)["alarm_step"] == 30
     # a run logged without the surprisal: that condition cannot hold, the others still can
     history = _plateau_history([float("nan")] * 5)
     assert replay(history)["alarm_step"] == -1

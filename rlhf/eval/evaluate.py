@@ -296,7 +296,7 @@ def overoptimisation_signs(
     """The signs of a gamed reward model that need no gold reward (`rlhf.eval.overoptimisation`): each policy's
     diversity and, with an ensemble, its members' view, as eval/<policy>_<stat>; and the alarm's rule applied to the
     trained policy against the SFT policy (eval/overoptimisation_flag, and its warning)."""
-    alarm = OveroptimisationAlarm(in_distribution_std)
+    alarm = OveroptimisationAlarm(in_distribution_std, surprisal_waits_for_stall=False)
     summary: dict[str, float] = {}
     for name, frame in (("sft", sft), ("policy", policy)):
         stats = {**response_stats(frame["response"].tolist()), **surprisal_stats(frame)}

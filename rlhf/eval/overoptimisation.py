@@ -119,6 +119,9 @@ class OveroptimisationAlarm:
     in_distribution_std: float = 0.0  # an ensemble's disagreement on held-out chosen responses (0: no ensemble)
     surprisal_rise: float = SURPRISAL_RISE  # the surprisal condition's threshold (nats per token)
     kl_drift_factor: float = KL_DRIFT_FACTOR  # the KL-drift condition's factor
+    # whether the surprisal condition waits for the score to stall (the periodic evaluations; the evaluation stage,
+    # which compares the final policy with the SFT policy, has no history to stall in)
+    surprisal_waits_for_stall: bool = True
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
     mean_at_best_min: float = float("nan")
@@ -140,7 +143,7 @@ class OveroptimisationAlarm:
             if fall > CONSERVATIVE_FALL and stats["ensemble_mean"] >= self.mean_at_best_min:
                 found.append(f"the ensemble's worst score fell {fall:.1f} held-out stds while its mean rose")
         rise = self.surprisal_rise_of(stats)
-        if rise >= self.surprisal_rise:
+        if rise >= self.surprisal_rise and (self._stalled_points(stats) or not self.surprisal_waits_for_stall):
             found.append(
                 f"the SFT model finds the responses' tokens {rise:.2f} nats more surprising each than its own samples, "
                 f"{stats['ref_surprisal']:.2f} against {base['ref_surprisal']:.2f} nats at step 0"
@@ -154,7 +157,9 @@ class OveroptimisationAlarm:
         """How much more surprising the reference (the SFT model) finds the evaluation's response tokens than the
         SFT policy's own at step 0: `ref_surprisal` (mean nats per token) less the baseline's. A policy that sharpens
         onto what the SFT model already writes gains KL but not this; one that writes what the SFT model would not
-        (the reward model's blind spots: broken words, stray tokens) gains both. NaN without the statistic."""
+        (the reward model's blind spots: broken words, stray tokens) gains both. NaN without the statistic. The
+        condition also needs the score to have stalled (`_stalled_points`, as the KL drift does): early in training a
+        policy may pass through text the SFT model would not write while its score climbs, and come back."""
         base = self.baseline or stats
         if "ref_surprisal" not in stats or "ref_surprisal" not in base:
             return float("nan")
