@@ -117,7 +117,8 @@ def rule_trace(evals: pd.DataFrame) -> tuple[float, list[bool]]:
     first), and the rule as one number a run can be ranked by, without gold: the largest, over the evaluations, of
     the surprisal condition's ratio (the rise over SURPRISAL_RISE), the KL-drift ratio
     (`OveroptimisationAlarm.kl_drift_ratio`) and the distinct-bigram condition's (the SFT policy's distinct-2 times
-    DISTINCT_DROP over the evaluation's); 1 or more where the rule fires."""
+    DISTINCT_DROP over the evaluation's); 1 or more where a condition's threshold is passed (the rule fires there,
+    but for the surprisal condition before the score has stalled)."""
     alarm, best, holds = OveroptimisationAlarm(), 0.0, []
     for row in evals.to_dict("records"):
         stats = {k.removeprefix(PERIODIC_EVAL): v for k, v in row.items() if isinstance(k, str) and v == v}
