@@ -29,13 +29,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rlhf.models.heads import sequence_scores
 from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer
 from rlhf.models.reward_ensemble import member_paths
 from rlhf.ops import logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.sweeps.alarm_check import alarm_table, separation_table
 from rlhf.tracking.client import Tracker
+from rlhf.train.reward import score_texts
 
 TAIL_NATS = 5.0  # a response token the SFT model gives under e^-5 (about 0.7%) counts in the tail
 MAX_LENGTH = 128  # tokens of prompt + response scored (reward.max_length's default)
@@ -83,15 +83,16 @@ class Monitor:
     @torch.no_grad()
     def raw_scores(self, prompts: list[str], responses: list[str]) -> Tensor:
         """Each member's scores. Shape: (K, n)."""
-        rows = []
-        for model, tokenizer in self.members:
-            scores = []
-            for start in range(0, len(prompts), BATCH):
-                batch = encode_prompt_response(
-                    tokenizer, prompts[start : start + BATCH], responses[start : start + BATCH], MAX_LENGTH
-                )
-                scores.append(sequence_scores(model, batch.input_ids, batch.attention_mask).float())
-            rows.append(torch.cat(scores))
+        cpu, chunks = torch.device("cpu"), range(0, len(prompts), BATCH)
+        rows = [
+            torch.cat(
+                [
+                    score_texts(model, tokenizer, prompts[i : i + BATCH], responses[i : i + BATCH], MAX_LENGTH, cpu)
+                    for i in chunks
+                ]
+            ).float()
+            for model, tokenizer in self.members
+        ]
         return torch.stack(rows)
 
     def scores(self, prompts: list[str], responses: list[str]) -> Tensor:
@@ -168,8 +169,7 @@ def rescore_table(
         rescored = rescore_rollouts(files, sft_models[sft], monitor)
         updates.append(rescored.assign(run=row["run"]))
         rows.append({**row.to_dict(), **run_signals(rescored)})
-    empty = pd.DataFrame()
-    return pd.DataFrame(rows), pd.concat(updates, ignore_index=True) if updates else empty
+    return pd.DataFrame(rows), pd.concat(updates, ignore_index=True) if updates else pd.DataFrame()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,9 +69,23 @@ def score_pairs(
     """Scores of chosen and rejected responses. Shape: (n,), (n,)."""
     prompts = frame["prompt"].tolist() * 2
     responses = frame["chosen"].tolist() + frame["rejected"].tolist()
-    batch = encode_prompt_response(tokenizer, prompts, responses, max_length, min_prompt_tokens=min_prompt_tokens)
-    scores = sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
+    scores = score_texts(model, tokenizer, prompts, responses, max_length, device, min_prompt_tokens)
     return scores[: len(frame)], scores[len(frame) :]
+
+
+def score_texts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    responses: list[str],
+    max_length: int,
+    device: torch.device,
+    min_prompt_tokens: int = 0,
+) -> Tensor:
+    """Reward-model scores of (prompt, response) texts, each encoded as the reward model was trained on them.
+    Shape: (n,)."""
+    batch = encode_prompt_response(tokenizer, prompts, responses, max_length, min_prompt_tokens=min_prompt_tokens)
+    return sequence_scores(model, batch.input_ids.to(device), batch.attention_mask.to(device))
 
 
 # the reward model's metric keys: TRAIN_PREFIX/<stat> every step, EVAL_PREFIX/<stat> on the held-out pairs every
