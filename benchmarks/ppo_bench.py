@@ -96,6 +96,9 @@ class Bench:
     seed: int = 0
     estimator: str = "gae"  # ppo.advantage_estimator
     decode: str = "auto"  # ppo.generation.decode: auto is compiled on CUDA, dynamic on a CPU
+    # ExecutionPlan's CPU threading fields (second_thread, split_policy, scoring_second_thread) forced to a value
+    # instead of the trainer's choice (`benchmarks.paired_bench`)
+    threading: dict[str, bool] = field(default_factory=dict)
     models: PPOModels = field(init=False)
     cfg: PPOConfig = field(init=False)
     state: TrainerState = field(init=False)
@@ -110,8 +113,10 @@ class Bench:
         self.data = torch.Generator().manual_seed(self.seed)
 
     def plan(self) -> ExecutionPlan:
-        """How the optimisation executes: one process on `device` in `dtype`, the run's CPU threading."""
-        return ExecutionPlan.for_models(self.models, self.dtype, DistContext(device=self.device))
+        """How the optimisation executes: one process on `device` in `dtype`, the run's CPU threading (`threading`
+        where set)."""
+        plan = ExecutionPlan.for_models(self.models, self.dtype, DistContext(device=self.device))
+        return replace(plan, **self.threading)
 
     def query(self) -> tuple[Tensor, Tensor]:
         s, group = self.shape, self.cfg.samples_per_prompt

@@ -54,7 +54,8 @@ def split_policy_work(
     """Whether a critic-free run's micro-batches run as two halves in two CPU threads (`_policy_halves`), each op
     single-threaded: with no value model to run beside the policy, one small model's float32 matmuls would leave a
     core idle (docs/benchmark.md). Only in float32 (`dtype`) on a CPU whose torch kernels use AVX-512, where they
-    measured faster (a 2-core AMD EPYC) or even (a 2-core Intel Xeon); one micro-batch with every op on both threads
+    measured faster on a 2-core AMD EPYC (and slower on a 2-core Intel Xeon: 9% longer updates on the `cpu` shape,
+    13 of 16 paired updates, `benchmarks.paired_bench`); one micro-batch with every op on both threads
     measured faster under bf16 autocast (the optimisation's median 16% shorter on the `cpu` bench shape, 7 of 7
     alternating pairs) and with torch held to AVX2 (11%, 5 of 5). Not with several processes (they share the cores)
     or a sharded policy."""
