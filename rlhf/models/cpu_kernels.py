@@ -1,6 +1,7 @@
 """Kernels that make small and mid-sized models fast on a CPU, in float32 and under bfloat16 autocast: the tanh-GELU
-through a sigmoid, and attention in float32 where torch's bf16 CPU attention backward is slow. `use_cpu_kernels`
-puts both into a loaded model; on other devices they call torch's own kernels."""
+through a sigmoid in float32 and as torch's one-pass exact GELU in bfloat16, and attention in float32 where torch's
+bf16 CPU attention backward is slow. `use_cpu_kernels` puts both into a loaded model; on other devices they call
+torch's own kernels."""
 
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ def _gelu_sigmoid(x: Tensor) -> Tensor:
 
 
 class _SigmoidFormGELU(torch.autograd.Function):
-    """tanh-GELU and its derivative through sigmoid(u): d/dx [x s(u)] = s + x s (1 - s) u'(x). Computed in float32
-    for float32 and bfloat16 inputs, the output and the input's gradient rounded back to the input's dtype (a
-    multiplication with a bfloat16 `out=` instead measured 2.5 times slower: torch's mixed-dtype path)."""
+    """tanh-GELU and its derivative through sigmoid(u): d/dx [x s(u)] = s + x s (1 - s) u'(x), computed in float32,
+    the output and the input's gradient in the input's dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -45,17 +45,28 @@ class _SigmoidFormGELU(torch.autograd.Function):
 
 
 class CpuFastTanhGELU(nn.Module):
-    """The tanh-approximated GELU, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, computed on CPU tensors as
-    ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``: the same function (``1 + tanh(y) = 2 sigmoid(2y)``; results
-    within float32 rounding, about 1e-6), because torch's CPU tanh kernel is several times slower than its sigmoid
-    (forward and backward about 2.5x faster than ``F.gelu(approximate="tanh")`` on an AVX2 CPU). bfloat16 inputs
-    (autocast's linear outputs) are computed in float32 and rounded back (1.6 ms forward and backward for 768 x 512
-    entries on one thread of an AVX-512 CPU, against 1.7 to 2.1 for torch's kernel). torch's fused kernel everywhere
-    else (CUDA, float16)."""
+    """The tanh-approximated GELU, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, on CPU tensors.
+
+    float32: computed as ``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``, the same function (``1 + tanh(y) = 2
+    sigmoid(2y)``; results within float32 rounding, about 1e-6), because torch's CPU tanh kernel is several times
+    slower than its sigmoid (forward and backward about 2.5x faster than ``F.gelu(approximate="tanh")`` on an AVX2
+    CPU).
+
+    bfloat16 (autocast's linear outputs): the exact GELU, ``x Phi(x)``, in torch's one-pass bf16 kernel, forward and
+    backward. The tanh form approximates it to within 4.7e-4 (its derivative to 8.7e-4), the size of the rounding of
+    a bf16 output itself (on average 3e-4 to 9e-4 for inputs of standard deviation 0.5 to 4). The tanh form costs
+    six element-wise passes (the sigmoid form) or torch's one-pass kernel with its slow tanh; the exact one is one
+    fast pass: the `cpu` bench's GRPO update was 15% shorter with it (docs/benchmark.md "Paired comparisons").
+    nanoGPT runs GPT-2's released weights with the exact form. Policy, reference and reward models all compute it,
+    so the first update's KL stays exactly 0 and its ratio 1.
+
+    torch's fused tanh kernel everywhere else (CUDA, float16)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return F.gelu(x, approximate="tanh")
+        if x.dtype == torch.bfloat16:
+            return F.gelu(x)
         if torch.is_grad_enabled() and x.requires_grad:
             return _SigmoidFormGELU.apply(x)
         wide = x.float()
