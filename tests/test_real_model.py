@@ -186,12 +186,16 @@ def test_first_update_kl_is_zero_and_ratio_one(shallow, tmp_path, dtype, lora):
     batch = prompt_batch(encode_prompts(m.tokenizer, prompts, cfg.max_prompt_tokens), 0, 2, 0, m.tokenizer.pad_token_id)
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     plan = ExecutionPlan.for_models(m, compute)
-    r = ppo_update.generate_and_score(m, batch, prompts, cfg, generation_settings(cfg, m), state.sample_generator, plan)
+    # as the trainer runs it: the first epoch's order drawn before sampling, so that the rollout's forwards take the
+    # rows the optimisation's (on a CPU with two threads, in float32: two halves of one row each) take
+    first_order = ppo_update.first_epoch_order(cfg, state.shuffle_generator, len(prompts))
+    settings = generation_settings(cfg, m)
+    r = ppo_update.generate_and_score(m, batch, prompts, cfg, settings, state.sample_generator, plan, first_order)
     ppo_update.compute_advantages(r, cfg, state.kl_ctl.value)
     mask = r.mask
     diff = (r.scored.logprobs - r.scored.ref_logprobs) * mask
     kl = float(diff.sum(1).mean())
-    step = ppo_optimise.minibatch_step(m, state, r, torch.arange(2), cfg, plan)
+    step = ppo_optimise.minibatch_step(m, state, r, first_order, cfg, plan, r.scored.deferred is not None)
     print(f"{dtype} lora={lora}: KL {kl:.3g}, max |diff| {float(diff.abs().max()):.3g}, ratios {step.ratios.tolist()}")
     assert mask.sum() >= 2
     assert abs(kl) < 1e-3 and float(diff.abs().max()) < 1e-3
