@@ -155,15 +155,28 @@ def stage_lock(folder: str | Path) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator[Any]:
+    """A file opened in `mode` under a temporary name beside `path`, written to disk and renamed to `path` when the
+    block ends: a crash or a kill mid-write leaves the previous file (or none), never part of one; an exception in
+    the block removes the temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_file(path) as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:

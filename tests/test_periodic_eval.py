@@ -188,3 +188,20 @@ def test_prefect_does_not_retry_a_pruned_trial():
 
     assert retry_unless_user_error(None, None, Failed(data=TrialPruned("pruned at step 4"))) is False
     assert retry_unless_user_error(None, None, Failed(data=RuntimeError("connection reset"))) is True
+
+
+def test_the_guard_is_written_atomically_so_a_failed_write_keeps_the_previous_one(tmp_path):
+    """A run killed while it writes the guard must resume (tests/test_process_faults.py kills one): the guard file is
+    either the previous one or the whole new one, never a truncated one that torch.load cannot read."""
+    from rlhf.eval.overoptimisation import OveroptimisationAlarm
+    from rlhf.ppo.periodic_eval import GUARD_FILE, EvalGuard, load_guard, save_guard
+
+    guard = EvalGuard("warn", OveroptimisationAlarm(in_distribution_std=1.5))
+    save_guard(tmp_path, guard)
+    broken = EvalGuard("warn", OveroptimisationAlarm(in_distribution_std=2.5))
+    broken.unpicklable = lambda: None  # pickling fails part way through the write
+    with pytest.raises(Exception, match="pickle|lambda"):
+        save_guard(tmp_path, broken)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [GUARD_FILE]  # no temporary file left behind
+    resumed = load_guard(tmp_path, "stop", 9.9)
+    assert resumed.mode == "stop" and resumed.alarm.in_distribution_std == 1.5

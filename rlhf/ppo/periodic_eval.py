@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf.checkpoints import atomic_file
 from rlhf.config import PPOConfig
 from rlhf.errors import TrialPruned
 from rlhf.eval.evaluate import generate_and_score_prompts
@@ -175,9 +176,10 @@ GUARD_FILE = "overoptimisation.pt"  # the guard's state, in the trainer's resume
 
 
 def save_guard(folder: Path, guard: EvalGuard) -> None:
-    """Keep the guard (the alarm's baseline and state, the kept policy parameters) beside the resume state."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(guard, folder / GUARD_FILE)
+    """Keep the guard (the alarm's baseline and state, the kept policy parameters) beside the resume state, written
+    atomically: a run killed mid-write resumes from the previous guard, or from none."""
+    with atomic_file(folder / GUARD_FILE, "wb") as f:
+        torch.save(guard, f)
 
 
 def load_guard(folder: Path, mode: str, in_distribution_std: float) -> EvalGuard:
