@@ -26,7 +26,7 @@ import torch
 
 from rlhf.models.cpu_bf16 import cpu_has_native_bf16
 from rlhf.models.device import compute_dtype, configure_cpu, dtype_reason, resolve_device
-from rlhf.rollout.static_decode import resolve_decode
+from rlhf.rollout.static_decode import DECODE_MODES, resolve_decode
 
 from .limit import (
     copy_bandwidth,
@@ -46,6 +46,9 @@ PEERS = (("TRL 0.19.1", ".bench-peer"), ("TRL 1.12.0", ".bench-peer-trl112"))
 # the peers of each estimator of `--estimator`: TRL's PPOTrainer for gae, TRL 1.12.0's GRPOTrainer for grpo
 ESTIMATOR_PEERS = {"gae": (PEERS, "ppo"), "grpo": (PEERS[1:], "grpo")}
 MIN_UPDATES = 9  # the figure is the median of at least 8 updates after the first
+# ppo.advantage_estimator values the bench runs (`--estimator`; also `benchmarks.paired_bench`'s settings)
+ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+DECODES = ("auto", *DECODE_MODES)  # ppo.generation.decode
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -152,13 +155,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--estimator",
-        choices=["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"],
+        choices=ESTIMATORS,
         default="gae",
         help="ppo.advantage_estimator; the critic-free ones sample 4 responses a prompt (docs/benchmark.md)",
     )
     parser.add_argument(
         "--decode",
-        choices=["auto", "dynamic", "static", "compiled"],
+        choices=DECODES,
         default="auto",
         help="ppo.generation.decode: auto is compiled (a static KV cache, CUDA graphs) on CUDA, dynamic on a CPU",
     )

@@ -35,12 +35,12 @@ import torch
 from rlhf.models.cpu_bf16 import cpu_has_native_bf16
 from rlhf.models.device import compute_dtype, configure_cpu, resolve_device
 
+from .cli import DECODES, ESTIMATORS
 from .shapes import SHAPES, cuda_refusal
 
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
-    "decode": ("auto", "dynamic", "static", "compiled"),
+    "decode": DECODES,
     "estimator": ESTIMATORS,
     "halves": ("auto", "on", "off"),
     "second_thread": ("auto", "on", "off"),
