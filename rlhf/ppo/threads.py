@@ -57,8 +57,8 @@ def split_policy_work(
     measured faster on a 2-core AMD EPYC (and slower on a 2-core Intel Xeon: 9% longer updates on the `cpu` shape,
     13 of 16 paired updates, `benchmarks.paired_bench`); one micro-batch with every op on both threads
     measured faster under bf16 autocast (the optimisation's median 16% shorter on the `cpu` bench shape, 7 of 7
-    alternating pairs) and with torch held to AVX2 (11%, 5 of 5). Not with several processes (they share the cores)
-    or a sharded policy."""
+    alternating pairs), with torch held to AVX2 (11%, 5 of 5) and on an AVX2 CPU (a Zen 3 EPYC: the update 4% shorter
+    whole, 7 of 10 pairs). Not with several processes (they share the cores) or a sharded policy."""
     return (
         models.value is None
         and device.type == "cpu"
