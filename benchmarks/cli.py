@@ -165,6 +165,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="ppo.generation.decode: auto is compiled (a static KV cache, CUDA graphs) on CUDA, dynamic on a CPU",
     )
+    parser.add_argument(
+        "--compile-training",
+        action="store_true",
+        help="runtime.compile_training: the policy's and value model's training forwards under torch.compile (the "
+        "first update pays the compile)",
+    )
     parser.add_argument("--no-limit", action="store_true", help="skip the limit report (FLOPs, matmul peaks)")
     parser.add_argument("--peers", action="store_true", help="run the TRL peers first, each in its own venv")
     parser.add_argument("--rounds", type=int, default=1, help="with --peers: alternate peers and this project")
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"PPO bench: shape={args.shape} {shape} estimator={args.estimator} device={device} "
         f"threads={torch.get_num_threads()} dtype={ours} decode={resolve_decode(args.decode, device)}"
+        + (" compile_training=on" if args.compile_training else "")
     )
     reason = dtype_reason(args.dtype, device, width=shape.n_embd)
     print(f"dtype {ours}: {reason.replace('runtime.dtype', '--dtype', 1)}")
@@ -234,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         if rounds > 1:
             print(f"this project ({ours}), round {round_ + 1}/{rounds}:")
-        bench = Bench(shape, device, dtype, args.updates, estimator=args.estimator, decode=args.decode)
+        bench = Bench(
+            shape, device, dtype, args.updates, estimator=args.estimator, decode=args.decode,
+            compile_training=args.compile_training,
+        )  # fmt: skip
         summary = run_bench(bench)
         figures.append(summary["episodes/s"])
     print(f"median per update (updates after the first), {ours}:")

@@ -19,6 +19,8 @@ A setting is `key=value` (several separated by spaces or commas):
   halves         auto, on, off: a critic-free micro-batch as two halves in two threads (ExecutionPlan.split_policy)
   second_thread  auto, on, off: the value model beside the policy in the optimisation (ExecutionPlan.second_thread)
   scoring_second_thread  auto, on, off: the value and reward forwards beside the policy's in scoring
+  compile_training  off, on: the training forwards under torch.compile (`runtime.compile_training`; compiled in
+                 the warm-up update)
 `auto` (the default of each) is the trainer's own choice on this machine.
 """
 
@@ -45,6 +47,7 @@ CHOICES = {
     "halves": ("auto", "on", "off"),
     "second_thread": ("auto", "on", "off"),
     "scoring_second_thread": ("auto", "on", "off"),
+    "compile_training": ("off", "on"),
 }
 # the setting's name -> ExecutionPlan's field
 THREADING = {
@@ -65,11 +68,15 @@ class Setting:
     decode: str = "auto"
     estimator: str = "gae"
     threading: dict[str, bool] = field(default_factory=dict)
+    compile_training: str = "off"
 
     def describe(self) -> str:
         names = {plan_field: name for name, plan_field in THREADING.items()}
         forced = " ".join(f"{names[plan_field]}={'on' if on else 'off'}" for plan_field, on in self.threading.items())
-        return f"dtype={self.dtype} decode={self.decode} estimator={self.estimator}" + (f" {forced}" if forced else "")
+        compiled = " compile_training=on" if self.compile_training == "on" else ""
+        return f"dtype={self.dtype} decode={self.decode} estimator={self.estimator}{compiled}" + (
+            f" {forced}" if forced else ""
+        )
 
 
 def parse_setting(text: str, which: str, estimator: str) -> Setting:
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         benches.append(
             Bench(
                 shape, device, dtype, args.pairs + 1, estimator=setting.estimator, decode=setting.decode,
-                threading=setting.threading,
+                threading=setting.threading, compile_training=setting.compile_training == "on",
             )
         )  # fmt: skip
     result = run_pairs(*benches, args.pairs)

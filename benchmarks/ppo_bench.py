@@ -20,7 +20,7 @@ from rlhf.models.device import autocast, autocast_dtype, torch_threads
 from rlhf.models.reference import match_autocast
 from rlhf.models.training import disable_dropout, enable_gradient_checkpointing, unwrap
 from rlhf.ppo.distributed import DistContext
-from rlhf.ppo.models import PPOModels
+from rlhf.ppo.models import PPOModels, compile_trained_models
 from rlhf.ppo.optimise import optimize
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import PromptBatch
@@ -99,6 +99,7 @@ class Bench:
     # ExecutionPlan's CPU threading fields (second_thread, split_policy, scoring_second_thread) forced to a value
     # instead of the trainer's choice (`benchmarks.paired_bench`)
     threading: dict[str, bool] = field(default_factory=dict)
+    compile_training: bool = False  # runtime.compile_training: the training forwards under torch.compile
     models: PPOModels = field(init=False)
     cfg: PPOConfig = field(init=False)
     state: TrainerState = field(init=False)
@@ -106,6 +107,8 @@ class Bench:
     def __post_init__(self) -> None:
         self.cfg = ppo_config(self.shape, self.updates + 1, self.estimator)
         self.models = build_models(self.shape, self.device, self.dtype, self.seed, critic=not self.cfg.critic_free)
+        if self.compile_training:
+            compile_trained_models(self.models.policy, self.models.value)
         self.state = fresh_state(self.models, self.cfg, self.seed, self.device)
         # no stop tokens: every response has exactly response_len tokens (docs/benchmark.md)
         decode = resolve_decode(self.decode, self.device)

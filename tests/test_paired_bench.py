@@ -19,6 +19,8 @@ def test_settings_parse_and_bad_ones_name_the_key():
     assert setting.threading == {"split_policy": False}
     assert setting.describe() == "dtype=float32 decode=dynamic estimator=grpo halves=off"
     assert parse_setting("second_thread=on second_thread=auto", "a", "gae").threading == {}
+    compiled = parse_setting("compile_training=on", "b", "gae")
+    assert compiled.compile_training == "on" and compiled.describe().endswith("estimator=gae compile_training=on")
     with pytest.raises(paired_bench.SettingError, match=r"--b: halves must be one of auto, on, off, not 'maybe'"):
         parse_setting("halves=maybe", "b", "gae")
     with pytest.raises(paired_bench.SettingError, match=r"--a: 'threads=4' is not one of dtype=\.\.\."):

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from rlhf.errors import ConfigError
+from rlhf.models.compiled import training_backbone
 
 
 def hidden_width(model: PreTrainedModel) -> int:
@@ -59,7 +60,7 @@ def backbone_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: T
 
     Shape: (b, t) -> (b, t, h).
     """
-    backbone = getattr(model, model.base_model_prefix)
+    backbone = training_backbone(model)  # compiled for training forwards where runtime.compile_training is on
     return backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -135,6 +135,7 @@ def check_sharding(cfg: PPOConfig, runtime: RuntimeConfig, world_size: int) -> N
         "ppo.value_model=policy_head": cfg.value_model == "policy_head",  # a head on the sharded policy's trunk
         "ppo.generation.backend=vllm": cfg.generation.backend == "vllm",  # vLLM takes whole weights
         "ppo.eval_every > 0": cfg.eval_every > 0,  # rank 0 alone evaluates; sharded forwards need every rank
+        "runtime.compile_training": runtime.compile_training,  # compiled per process, not across FSDP's collectives
     }
     for key, on in refused.items():
         if on:

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.row_columns import RowColumns
 from rlhf.errors import ConfigError
+from rlhf.models.compiled import compile_for_training
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import MODEL_BUILD_LOCK
 from rlhf.models.heads import PolicyValueHead
@@ -100,6 +101,14 @@ def run_choices(cfg: PPOConfig, runtime: RuntimeConfig, policy_path: str) -> dic
     return choices
 
 
+def compile_trained_models(policy: nn.Module, value: nn.Module | None) -> None:
+    """runtime.compile_training: the policy's and the value model's training forwards under torch.compile
+    (`rlhf.models.compiled`)."""
+    for model in (policy, value):
+        if model is not None:
+            compile_for_training(unwrap(model))
+
+
 def load_models(
     cfg: PPOConfig,
     runtime: RuntimeConfig,
@@ -162,6 +171,8 @@ def load_models(
         if model is not None:
             disable_dropout(model)
             use_cpu_kernels(model)
+    if runtime.compile_training:
+        compile_trained_models(policy, value)
     return PPOModels(
         policy,
         reference,

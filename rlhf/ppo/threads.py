@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.models import sharding
+from rlhf.models.compiled import is_compiled_for_training
 from rlhf.models.device import autocast_dtype
 from rlhf.models.training import unwrap
 from rlhf.ppo.models import PPOModels
@@ -58,7 +59,8 @@ def split_policy_work(
     13 of 16 paired updates, `benchmarks.paired_bench`); one micro-batch with every op on both threads
     measured faster under bf16 autocast (the optimisation's median 16% shorter on the `cpu` bench shape, 7 of 7
     alternating pairs), with torch held to AVX2 (11%, 5 of 5) and on an AVX2 CPU (a Zen 3 EPYC: the update 4% shorter
-    whole, 7 of 10 pairs). Not with several processes (they share the cores) or a sharded policy."""
+    whole, 7 of 10 pairs). Not with several processes (they share the cores), a sharded policy or a policy compiled
+    for training (runtime.compile_training: one compiled module is not called from two threads at once)."""
     return (
         models.value is None
         and device.type == "cpu"
@@ -67,4 +69,5 @@ def split_policy_work(
         and torch.get_num_threads() > 1
         and world_size == 1
         and not sharding.is_sharded(unwrap(models.policy))
+        and not is_compiled_for_training(unwrap(models.policy))
     )
