@@ -54,6 +54,9 @@ RUNTIME_IN_KEY = ("device", "dtype", "attn_implementation")
 # Stages whose key also holds `runtime.sharding`: PPO's resume state is a torch.distributed.checkpoint folder under
 # 'fsdp' and a torch.save file otherwise, and its gradients are reduce-scattered rather than all-reduced.
 SHARDED_STAGES = {PPO.task}
+# Stages whose key also holds `runtime.compile_training`: the compiled training forwards fuse kernels, which moves
+# log-probs by about 1e-6 (as the attention kernel does).
+COMPILED_STAGES = {PPO.task}
 # Stages that compute nothing with a model (data preparation; the plan of the PPO models reads tokenizers only): no
 # runtime setting changes what they write. Any other stage, a new one too, has RUNTIME_IN_KEY in its key.
 MODEL_FREE_STAGES = {PREPARE.task, INIT.task}
@@ -78,8 +81,8 @@ def code_version() -> str:
 
 
 def runtime_key(stage: str, runtime: RuntimeConfig) -> dict[str, Any]:
-    """The settings of `runtime` that change `stage`'s numbers (RUNTIME_IN_KEY, and SHARDED_STAGES' sharding; none
-    for MODEL_FREE_STAGES)."""
+    """The settings of `runtime` that change `stage`'s numbers (RUNTIME_IN_KEY, SHARDED_STAGES' sharding and
+    COMPILED_STAGES' compile_training; none for MODEL_FREE_STAGES)."""
     if stage in MODEL_FREE_STAGES:
         return {}
     device = "cuda" if runtime.device.startswith("cuda") else runtime.device
@@ -97,6 +100,8 @@ def runtime_key(stage: str, runtime: RuntimeConfig) -> dict[str, Any]:
     key = {"device": device, "dtype": dtype, "attn_implementation": runtime.attn_implementation}
     if stage in SHARDED_STAGES:
         key["sharding"] = runtime.sharding
+    if stage in COMPILED_STAGES and runtime.compile_training:  # off: the keys of runs from before the setting
+        key["compile_training"] = True
     return key
 
 

@@ -76,6 +76,15 @@ def test_sharding_is_in_the_key_of_ppo_only():
         assert _key(stage, sharding="none") == _key(stage, sharding="fsdp")
 
 
+def test_compiled_training_is_in_the_key_of_ppo_only():
+    # fused kernels move the log-probs by about 1e-6; off, the key is the one of runs from before the setting
+    assert _key("train_policy_ppo", compile_training=False) != _key("train_policy_ppo", compile_training=True)
+    off = RuntimeConfig(device="cpu", dtype="float32")
+    assert "compile_training" not in caching.runtime_key("train_policy_ppo", off)
+    for stage in {*STAGES, *MODEL_FREE} - {"train_policy_ppo"}:
+        assert _key(stage, compile_training=False) == _key(stage, compile_training=True)
+
+
 def test_auto_resolves_where_that_asks_nothing_of_a_gpu(monkeypatch):
     """'auto' on a CPU is what it resolves to on this machine (float32, or bfloat16 where the CPU's bf16 check passes:
     rlhf/models/cpu_bf16.py): the same key as that dtype, another than the other one. The device 'auto' is the
@@ -100,7 +109,7 @@ def test_auto_resolves_where_that_asks_nothing_of_a_gpu(monkeypatch):
 
 def test_every_runtime_setting_is_decided():
     """A new RuntimeConfig field must be put in or out of the key on purpose (and into these tests)."""
-    decided = {s for s, _, _ in IN_KEY + OUT_OF_KEY} | {"sharding"}
+    decided = {s for s, _, _ in IN_KEY + OUT_OF_KEY} | {"sharding", "compile_training"}
     assert set(RuntimeConfig.model_fields) == decided
 
 
