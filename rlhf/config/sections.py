@@ -99,11 +99,10 @@ class RuntimeConfig(Section):
         description="Run the PPO stage's training forwards and backwards (the policy's and the value model's "
         "backbone) under torch.compile (inductor): on the 2-core CPU's `cpu` bench shape the update about 10% shorter "
         "(no gain where a large vocabulary's LM head dominates), after a compile of 10 to 40 s per model in the first "
-        "update; no-grad forwards (scoring, reference, "
-        "evaluation) and generation stay eager (ppo.generation.decode 'compiled' compiles decoding). Log-probs move "
-        "by about 1e-6, so the first update's ratio is 1 and its KL 0 within that. Where the compile fails (no C++ "
-        "compiler on a CPU, no triton on a GPU) the model trains eager, with a warning. Not with runtime.sharding "
-        "'fsdp'. docs/benchmark.md.",
+        "update; no-grad forwards (scoring, reference, evaluation) and generation stay eager (ppo.generation.decode "
+        "'compiled' compiles decoding). Log-probs move by about 1e-6, so the first update's ratio is 1 and its KL 0 "
+        "within that. Where the compile fails (no C++ compiler on a CPU, no triton on a GPU) the model trains eager, "
+        "with a warning. Not with runtime.sharding 'fsdp'. docs/benchmark.md.",
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None keeps torch's default.")
     trust_remote_code: bool = Field(False, description="Allow model/tokenizer code from the hub. Off by default.")

@@ -82,4 +82,5 @@ def training_backbone(model: nn.Module) -> Callable:
 
 
 def is_compiled_for_training(model: nn.Module) -> bool:
+    """Whether `compile_for_training` compiled `model`'s backbone (its training forwards may then run compiled)."""
     return model.__dict__.get(_ATTR) is not None
