@@ -91,6 +91,7 @@ def test_only_the_library_is_installed():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_ui_stops_every_process_it_started_on_sigterm(tmp_path):
     """`rlhf ui` as a background service (no terminal: the signal reaches its own process only): SIGTERM stops the
     serve process, the Prefect server and the MLflow UI, within a bounded wait, and leaves no process. (SIGINT, a

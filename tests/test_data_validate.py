@@ -159,11 +159,10 @@ def test_separate_prompt_source(tmp_path):
     assert pd.read_parquet(out.prompts)["prompt"].tolist() == ["\n\nUser: hi\n\nAssistant:"]
 
 
-def test_prepare_task_logs_drops_to_mlflow(tmp_path):
+def test_prepare_task_logs_drops_to_mlflow(tmp_path, harness):
     from mlflow.tracking import MlflowClient
     from prefect import flow
     from prefect.results import ResultStore
-    from prefect.testing.utilities import prefect_test_harness
 
     from rlhf.tracking.client import Tracker
     from tasks.outputs import PreparedData
@@ -189,10 +188,9 @@ def test_prepare_task_logs_drops_to_mlflow(tmp_path):
             LengthLimits(prompt_tokens=1, pair_tokens=64, sft_tokens=64),
         )
 
-    with prefect_test_harness(server_startup_timeout=120):
-        result = prepare_only()
-        # the folder the task wrote is named by the key Prefect cached its result under
-        assert ResultStore().read(Path(result.path).name).result == result
+    result = prepare_only()
+    # the folder the task wrote is named by the key Prefect cached its result under
+    assert ResultStore().read(Path(result.path).name).result == result
     assert (
         isinstance(result, PreparedData)
         and Path(result.path).parent == (tmp_path / "o").resolve() / "prepare_preferences"

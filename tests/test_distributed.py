@@ -116,6 +116,7 @@ def test_torchrun_two_processes_train_in_sync(torchrun_run, launch_inputs):
     assert not torch.equal(saved["sample_rngs"][0], saved["sample_rngs"][1])  # each rank samples its own stream
 
 
+@pytest.mark.long
 def test_torchrun_resume_matches_the_uninterrupted_run(torchrun_run, launch_inputs, tmp_path):
     out = tmp_path / "out"
     stopped = _torchrun(launch_inputs, out, "--stop-after", "1")
@@ -129,6 +130,7 @@ def test_torchrun_resume_matches_the_uninterrupted_run(torchrun_run, launch_inpu
     assert _digests(out) == _digests(torchrun_run)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not (VENV_BIN / "accelerate").exists(), reason="accelerate's CLI is not installed")
 def test_accelerate_launch_matches_torchrun(torchrun_run, launch_inputs, tmp_path):
     # accelerate's torch.distributed path is --multi_gpu; with runtime.device=cpu the ranks use gloo

@@ -142,6 +142,7 @@ def test_sft_finetuning_an_existing_model_is_retried_and_resumes(harness, tmp_pa
     assert init.data.params["policy_init"] == summary["sft_checkpoint"]
 
 
+@pytest.mark.long
 def test_data_parallel_ppo_stage_is_retried_and_resumes(harness, tmp_path, monkeypatch):
     """runtime.ppo_processes=2: the PPO stage runs as two gloo processes under torchrun; the first attempt dies after
     2 of 4 updates, the retry resumes both ranks from the saved state and logs into the same MLflow run."""

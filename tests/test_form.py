@@ -250,42 +250,41 @@ def _post(url: str, body: dict) -> httpx.Response:
     return response
 
 
-def test_prefect_refuses_a_bad_combination_before_a_flow_run_exists():
+@pytest.mark.slow
+def test_prefect_refuses_a_bad_combination_before_a_flow_run_exists(harness):
     """A real Prefect server (the test harness's): the form's deployment refuses to create a run with a bad batch
     combination (409, the field named), no flow run is created, and the UI's validation endpoint reports it. The
     server validates the form's whole schema on each call: seconds on a busy machine, past httpx's 5 s default."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        deployment_id = rlhf_run.to_deployment(name="smoke", parameters=form_parameters("conf/smoke.yaml")).apply()
-        api = PREFECT_API_URL.value()
-        deployment = httpx.get(f"{api}/deployments/{deployment_id}", timeout=TIMEOUT_S).json()
-        assert deployment["enforce_parameter_schema"]
-        bad = [
-            {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 3},
-            {"config_file": "conf/smoke.yaml", "overrides": ["ppo.num_mini_batches=3"]},
-            {"config_file": "conf/smoke.yaml", "ppo_batch_size": 128},  # more than its total_episodes (64)
-        ]
-        for run in bad:
-            refused = _post(f"{api}/deployments/{deployment_id}/create_flow_run", {"parameters": {"run": run}})
-            assert refused.status_code == 409, (run, refused.text)
-            assert "Validation failed for field 'run." in refused.json()["detail"], refused.text
-        with get_client(sync_client=True) as client:
-            assert client.read_flow_runs() == []
-        checked = _post(
-            f"{api}/ui/schemas/validate", {"schema": deployment["parameter_openapi_schema"], "values": {"run": bad[0]}}
-        )
-        assert checked.status_code == 200 and checked.json() == {
-            "errors": [{"property": "run", "errors": [{"property": "ppo_num_mini_batches", "errors": [
-                "'a divisor of ppo.batch_size (16 in conf/smoke.yaml): 1, 2, 4, 8 or 16' was expected"
-            ]}]}],
-            "valid": False,
-        }, checked.text  # fmt: skip
-        good = {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4, "ppo_batch_size": 32}
-        created = _post(f"{api}/deployments/{deployment_id}/create_flow_run", {"parameters": {"run": good}})
-        assert created.status_code == 201, created.text
+    deployment_id = rlhf_run.to_deployment(name="smoke", parameters=form_parameters("conf/smoke.yaml")).apply()
+    api = PREFECT_API_URL.value()
+    deployment = httpx.get(f"{api}/deployments/{deployment_id}", timeout=TIMEOUT_S).json()
+    assert deployment["enforce_parameter_schema"]
+    bad = [
+        {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 3},
+        {"config_file": "conf/smoke.yaml", "overrides": ["ppo.num_mini_batches=3"]},
+        {"config_file": "conf/smoke.yaml", "ppo_batch_size": 128},  # more than its total_episodes (64)
+    ]
+    for run in bad:
+        refused = _post(f"{api}/deployments/{deployment_id}/create_flow_run", {"parameters": {"run": run}})
+        assert refused.status_code == 409, (run, refused.text)
+        assert "Validation failed for field 'run." in refused.json()["detail"], refused.text
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_runs() == []
+    checked = _post(
+        f"{api}/ui/schemas/validate", {"schema": deployment["parameter_openapi_schema"], "values": {"run": bad[0]}}
+    )
+    assert checked.status_code == 200 and checked.json() == {
+        "errors": [{"property": "run", "errors": [{"property": "ppo_num_mini_batches", "errors": [
+            "'a divisor of ppo.batch_size (16 in conf/smoke.yaml): 1, 2, 4, 8 or 16' was expected"
+        ]}]}],
+        "valid": False,
+    }, checked.text  # fmt: skip
+    good = {"config_file": "conf/smoke.yaml", "ppo_num_mini_batches": 4, "ppo_batch_size": 32}
+    created = _post(f"{api}/deployments/{deployment_id}/create_flow_run", {"parameters": {"run": good}})
+    assert created.status_code == 201, created.text
 
 
 # -- The sweep's short form ---------------------------------------------------------------------------------------

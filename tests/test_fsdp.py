@@ -167,6 +167,7 @@ def test_fsdp_trains_as_the_replicated_data_parallel_run(fsdp_run, torchrun_run,
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_fsdp_resume_from_the_sharded_state_matches_the_uninterrupted_run(fsdp_run, launch_inputs, tmp_path):
     out = tmp_path / "out"
     stopped = _torchrun(launch_inputs, out, "--stop-after", "1", FSDP)

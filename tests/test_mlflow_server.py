@@ -138,7 +138,11 @@ def test_smoke_pipeline_logs_to_a_tracking_server(mlflow_server, harness, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "backend", ["sqlite", pytest.param("postgres", marks=[pytest.mark.xdist_group("postgres"), pytest.mark.team])]
+    "backend",
+    [
+        pytest.param("sqlite", marks=pytest.mark.long),
+        pytest.param("postgres", marks=[pytest.mark.xdist_group("postgres"), pytest.mark.team]),
+    ],
 )
 def test_a_server_that_goes_away_mid_run_loses_no_training(tmp_path, shared_prefect_api, backend, request):
     """The tracking server dies while PPO trains: the run fails with PPO's saved state kept; once the server is back,

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_overhead_bench_runs_both_variants_on_the_smoke_config(tmp_path):
     saved = tmp_path / "runs.json"
     command = [sys.executable, "benchmarks/overhead_bench.py", "--config", "conf/smoke.yaml", "--rounds", "1"]

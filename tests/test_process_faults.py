@@ -152,6 +152,7 @@ def uninterrupted(two_runs_at_once) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_repeated_sigkills_at_random_moments(tmp_path, uninterrupted):
     """Killed twice at seeded random moments (0-2 s after the flow reaches the reward model's, then PPO's saved
     state), saving every step: no rerun trips over a partial checkpoint. (The critic-free kill test kills PPO once
@@ -215,7 +216,7 @@ def result_of_both(root: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "code"),
-    [("ctrl-c", 130), ("sigterm", 143)],
+    [("ctrl-c", 130), pytest.param("sigterm", 143, marks=pytest.mark.long)],
     ids=["ctrl-c-to-the-terminal-group", "sigterm-to-the-process"],
 )
 def test_a_run_asked_to_stop_stops_within_seconds_keeps_its_state_and_leaves_nothing(tmp_path, how, code):
@@ -293,6 +294,7 @@ def make_gpu_limit(prefect_home: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_mid_critic_free_ppo_leaves_a_crashed_flow_run_the_rerun_names(tmp_path):
     """Issue 25 with a critic-free (GRPO) run: SIGKILL mid-PPO leaves its Prefect flow run and PPO task run Running
     and the `gpu` slot (limit 1, as `make ui` sets it) taken. The documented bound for a CLI run: the next run on that

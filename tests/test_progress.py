@@ -29,10 +29,9 @@ def test_update_lines_carry_the_watched_numbers(capsys):
     assert line_stats("x: a/b=1e-3, c=-2.5") == {"a/b": 0.001, "c": -2.5}
 
 
-def test_the_progress_bar_of_a_data_parallel_run_shows_them(capsys):
+def test_the_progress_bar_of_a_data_parallel_run_shows_them(capsys, harness):
     from prefect import flow
     from prefect.runtime import flow_run
-    from prefect.testing.utilities import prefect_test_harness
 
     from tasks.progress import echo_with_progress
 
@@ -48,8 +47,7 @@ def test_the_progress_bar_of_a_data_parallel_run_shows_them(capsys):
             echo(line)
         return flow_run.get_id()
 
-    with prefect_test_harness(server_startup_timeout=120):
-        flow_run_id = watch()
-        (bar,) = [a for a in flow_run_artifacts(flow_run_id) if a.type == "progress"]
+    flow_run_id = watch()
+    (bar,) = [a for a in flow_run_artifacts(flow_run_id) if a.type == "progress"]
     assert bar.data == 100.0
     assert bar.description == "ppo: step 2 of 2; score 0.5, KL 0.25, KL coef 0.05, gold -0.25"

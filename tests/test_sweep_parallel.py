@@ -17,7 +17,7 @@ from tests.conftest import REPO, drain_prefect_services, seed_prefect_home, stag
 
 TINY = ["ppo.total_episodes=32", "ppo.batch_size=16", "eval.n_prompts=8", "eval.batch_size=8"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def tiny_base(folder, *overrides):

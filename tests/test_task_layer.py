@@ -90,13 +90,12 @@ def test_stage_outputs_keep_their_type_through_the_json_result_serializer(output
     assert caching.stage_key("s", {"x": output}) == caching.stage_key("s", {"x": StageOutput(**output.model_dump())})
 
 
-def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_those(tmp_path):
+def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_those(tmp_path, harness):
     """Without a `gpu` limit a GPU stage runs untagged (Prefect's check of a limit that does not exist can wait 2 s
     on a SQLite server); with one (as `flows/serve.py` sets) it keeps the tag and holds a slot while it runs."""
     from prefect import flow, task
     from prefect.client.orchestration import get_client
     from prefect.context import TaskRunContext
-    from prefect.testing.utilities import prefect_test_harness
 
     from rlhf.config import RuntimeConfig
 
@@ -120,8 +119,7 @@ def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_th
                 client.delete_concurrency_limit_by_tag("gpu")
         return [first, second]
 
-    with prefect_test_harness(server_startup_timeout=120):
-        first, second = two_stages()
+    first, second = two_stages()
     assert first == {"tags": [], "holds_gpu_slot": False}  # no limit: nothing to ask the server for
     assert second == {"tags": ["gpu"], "holds_gpu_slot": True}  # the limit is honoured; `data` has none
     assert caching.limited_tags([]) == set()

@@ -161,6 +161,7 @@ def _flow_run_state(api: str, flow_run_id: str) -> dict | None:
     return state if state and state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
 
+@pytest.mark.long
 def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
     api, env, tmp = prefect_server
     log = tmp / "serve.log"
