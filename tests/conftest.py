@@ -93,6 +93,12 @@ from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer  # noqa: E402
 from rlhf.models.loading import load_reward_model  # noqa: E402
 
 
+def pytest_itemcollected(item):
+    """A `long` test is a `slow` one too: the quick loop (`-m 'not slow'`) leaves out what `make test` leaves out."""
+    if item.get_closest_marker("long") and not item.get_closest_marker("slow"):
+        item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, which names the groups
 def pytest_collection_modifyitems(config, items):
     """On a pytest-xdist worker: the grouped tests and the modules with slow tests first.

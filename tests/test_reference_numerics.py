@@ -140,9 +140,9 @@ def wide(tmp_path_factory) -> str:
         ("gae", 2, False),
         ("dr_grpo", 2, True),
         # 20 to 30 s each where bf16 is emulated (AVX2): `make test-long`
-        pytest.param("dr_grpo", 1, False, marks=[pytest.mark.slow, pytest.mark.long]),
-        pytest.param("grpo", 2, False, marks=[pytest.mark.slow, pytest.mark.long]),
-        pytest.param("reinforce_pp", 1, False, marks=[pytest.mark.slow, pytest.mark.long]),
+        pytest.param("dr_grpo", 1, False, marks=pytest.mark.long),
+        pytest.param("grpo", 2, False, marks=pytest.mark.long),
+        pytest.param("reinforce_pp", 1, False, marks=pytest.mark.long),
     ],
 )
 def test_the_trainer_s_first_update_is_exact_under_bf16(wide, tmp_path, estimator, threads, lora):
