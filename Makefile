@@ -78,11 +78,8 @@ test: lint
 	@$(PY) tools/fetch_real_model.py --dest models || echo "the real model is not installed: tests/test_real_model.py is skipped"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not team and not long" $(ARGS)
 
-# `make test-long`: the longest end-to-end runs (the `long` mark, 20 s to 90 s each), which `make test` leaves out to
-# stay under 20 minutes on 2 cores: SIGKILLs at random moments and mid critic-free PPO, a run stopped by SIGTERM, the
-# MLflow server gone mid-run, sweeps on process workers and an Optuna sweep killed and resumed, a served deployment run
-# from the API, `rlhf ui` stopped by SIGTERM, `accelerate launch`, torchrun, FSDP and data-parallel resumes, the bf16
-# first update of three more estimators, the overhead bench. CI (.ci/run) runs it after `make test`.
+# `make test-long`: the tests with the `long` mark (pyproject.toml; `pytest --collect-only -q -m long` lists them),
+# which `make test` leaves out to stay under 20 minutes on 2 cores. CI (.ci/run) runs it after `make test`.
 test-long: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m long $(ARGS)
 
