@@ -1,7 +1,8 @@
-"""The RLHF pipeline flow: preferences -> SFT -> reward model -> init -> PPO (or DPO) -> evaluation.
+"""The RLHF pipeline flow: preferences -> SFT -> (warm start) -> reward model -> init -> PPO (or DPO) -> evaluation.
 
 `algorithm: ppo` runs the RL stage with ppo.advantage_estimator (PPO's GAE or a critic-free estimator),
-`algorithm: dpo` the DPO stage instead of init and PPO; `reward.source: function` skips the reward-model stage.
+`algorithm: dpo` the DPO stage instead of init and PPO; `reward.source: function` skips the reward-model stage;
+`warm_start.enabled` fine-tunes the SFT policy on its own verified samples, and the policy stage starts from that.
 
 Run it with ``make run``, ``rlhf run`` or ``python -m flows.pipeline --config conf/default.yaml key.sub=value ...``
 (the command: flows/pipeline_command.py). Its MLflow run is flows/pipeline_run.py, the summary it prints
@@ -45,8 +46,9 @@ from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY, TIME_POLICY_TRAIN, TIME_TRAIN
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
-from rlhf.stages import REWARD, SFT, stage_of, stages_of
+from rlhf.stages import REWARD, SFT, WARM_START, stage_of, stages_of
 from rlhf.sweeps.optuna_search import TrialRef
+from rlhf.train.warm_start import WarmStartSampling
 from tasks.caching import run_stage, runtime_key
 from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.stage_runs import stopped_by_signal
@@ -60,6 +62,7 @@ from tasks.stages import (
     train_policy_dpo,
     train_policy_ppo,
     train_reward_model,
+    warm_start_policy,
 )
 from tasks.tracking import TrackingContext, tracker_for
 
@@ -112,6 +115,12 @@ class Upstream(NamedTuple):
     prepared: PreparedData
     sft_model: SFTModel
     reward_model: RewardModel | None  # None with reward.source: function
+    warm_started: SFTModel | None = None  # the warm start's checkpoint (warm_start.enabled), else None
+
+    @property
+    def policy_start(self) -> SFTModel:
+        """What the policy stage's policy and reference start from: the warm-started model, else the SFT model."""
+        return self.warm_started or self.sft_model
 
 
 def reward_function_digest(reward: RewardConfig) -> str | None:
@@ -119,8 +128,23 @@ def reward_function_digest(reward: RewardConfig) -> str | None:
     return function_digest(reward.function) if reward.uses_function and reward.function else None
 
 
+def warm_start_inputs(config: PipelineConfig) -> dict[str, Any]:
+    """The parameters of the warm-start stage that come from the config: its section, the SFT stage's fine-tuning
+    settings, what it takes of the policy stage's sampling, the seed, the verifier and its digest."""
+    assert config.reward.function is not None  # the config refuses warm_start.enabled without one
+    return {
+        "warm_cfg": config.warm_start,
+        "sft_cfg": config.sft,
+        "sampling": WarmStartSampling.of(config.warm_start, config.ppo),
+        "seed": config.seed,
+        "reward_function": config.reward.function,
+        "reward_function_digest": function_digest(config.reward.function),
+    }
+
+
 def upstream_signature(config: PipelineConfig) -> str:
-    """Equal for two configs whose data, SFT and reward-model stages are the same (a sweep builds those once)."""
+    """Equal for two configs whose data, SFT, warm-start and reward-model stages are the same (a sweep builds those
+    once): a warm start's sampling settings of ppo.* are in it, the rest of ppo.* is not."""
     keys = {
         "data": config.data.model_dump(mode="json"),
         "sft": config.sft.model_dump(mode="json"),
@@ -130,11 +154,16 @@ def upstream_signature(config: PipelineConfig) -> str:
         "output_dir": config.runtime.output_dir,
         "runtime": {stage: runtime_key(stage, config.runtime) for stage in (SFT.task, REWARD.task)},
     }
+    if config.warm_start.enabled:  # absent otherwise: the signatures of configs without a warm start are as they were
+        keys["warm_start"] = config.warm_start.model_dump(mode="json")
+        keys["warm_start_sampling"] = WarmStartSampling.of(config.warm_start, config.ppo).model_dump(mode="json")
+        keys["runtime"][WARM_START.task] = runtime_key(WARM_START.task, config.runtime)
     return json.dumps(keys, sort_keys=True, default=str)
 
 
 def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: StageProgress | None = None) -> Upstream:
-    """Preferences, SFT and reward model (from the cache when they were built before)."""
+    """Preferences, SFT, the warm start (warm_start.enabled) and reward model (from the cache when they were built
+    before)."""
     common = {"runtime": config.runtime, "tracking": tracking}
     prepared = run_stage(
         prepare_preferences,
@@ -148,8 +177,14 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
     sft_model = run_stage(supervised_finetune, sft_cfg=config.sft, prepared=prepared, seed=config.seed, **common)
     if progress:
         progress.done(stage_of(sft_model.stage).label)
+    warm = None
+    if config.warm_start.enabled:  # the SFT policy fine-tuned on its own verified samples (rlhf/train/warm_start.py)
+        inputs = warm_start_inputs(config)
+        warm = run_stage(warm_start_policy, sft_model=sft_model, prepared=prepared, **inputs, **common)
+        if progress:
+            progress.done(stage_of(warm.stage).label)
     if config.reward.source == "function":  # a reward function scores: no reward model to train
-        return Upstream(prepared, sft_model, None)
+        return Upstream(prepared, sft_model, None, warm)
     # member k of an ensemble trains with its own seed, from what `member_inits` says; member 0 is the single reward
     # model of the same config (but with reward.ensemble_models, whose first model it trains from)
     members = [
@@ -166,13 +201,13 @@ def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: St
     if progress:
         progress.done(stage_of(members[0].stage).label)
     if not config.reward.is_ensemble:
-        return Upstream(prepared, sft_model, members[0])
+        return Upstream(prepared, sft_model, members[0], warm)
     ensemble = run_stage(
         combine_reward_ensemble, reward_cfg=config.reward, members=members, prepared=prepared, **common
     )
     if progress:
         progress.done(stage_of(ensemble.stage).label)
-    return Upstream(prepared, sft_model, ensemble)
+    return Upstream(prepared, sft_model, ensemble, warm)
 
 
 def member_inits(
@@ -212,10 +247,12 @@ def member_seed(seed: int, member: int) -> int:
 def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialRef | None = None) -> dict[str, Any]:
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
     common = {"runtime": config.runtime, "tracking": tracking}
-    stages = stages_of(config.algorithm, config.reward.source, config.reward.is_ensemble)
+    stages = stages_of(config.algorithm, config.reward.source, config.reward.is_ensemble, config.warm_start.enabled)
     objective = policy_label(config)  # what trains the policy: 'PPO', 'GRPO', ..., 'DPO'
     progress = StageProgress([stage_label(stage.task, objective) for stage in stages])  # a progress artifact in Prefect
-    prepared, sft_model, reward_model = run_upstream(config, tracking, progress)
+    upstream = run_upstream(config, tracking, progress)
+    prepared, sft_model, reward_model, warm = upstream
+    policy_start = upstream.policy_start  # the policy stage's policy and reference: warm-started, else SFT
     # the reward function, where one scores: its name and source file are in the cache keys of the stages using it
     rewarding = {"reward_cfg": config.reward, "reward_function_digest": reward_function_digest(config.reward)}
     ppo_init = None
@@ -223,7 +260,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
     if config.algorithm == "ppo":
         critic = not config.ppo.critic_free
         ppo_init = run_stage(
-            init_policy_models, sft_model=sft_model, reward_model=reward_model, critic=critic, **common
+            init_policy_models, sft_model=policy_start, reward_model=reward_model, critic=critic, **common
         )
         progress.done(stage_label(ppo_init.stage, objective))
         policy = run_stage(
@@ -241,7 +278,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         policy = run_stage(
             train_policy_dpo,
             dpo_cfg=config.dpo,
-            sft_model=sft_model,
+            sft_model=policy_start,
             prepared=prepared,
             seed=config.policy_stage_seed,
             **common,
@@ -252,7 +289,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         eval_cfg=config.eval,
         ppo_cfg=config.ppo,
         policy=policy,
-        sft_model=sft_model,
+        sft_model=sft_model,  # the original SFT policy: a warm start's gain is part of the reported one
         reward_model=reward_model,
         prepared=prepared,
         benchmark_digest=benchmark.files_digest(config.eval.benchmarks),
@@ -260,7 +297,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         **common,
     )
     progress.done(stage_label(evaluation.stage, objective))
-    outputs = tuple(o for o in (prepared, sft_model, reward_model, ppo_init, policy, evaluation) if o is not None)
+    outputs = (prepared, sft_model, warm, reward_model, ppo_init, policy, evaluation)
+    outputs = tuple(o for o in outputs if o is not None)
     summary: dict[str, Any] = {
         **({REWARD_BEST_EVAL_ACCURACY: reward_model.metrics[REWARD_BEST_EVAL_ACCURACY]} if reward_model else {}),
         **evaluation.metrics,
@@ -269,6 +307,9 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         "data": prepared.path,
         "data_digest": prepared.digest,
         "sft_checkpoint": sft_model.path,
+        **({"warm_start_checkpoint": warm.path} if warm else {}),
+        # the warm start's samples: how many it kept (warm_start/kept_fraction ...), beside the evaluation's figures
+        **({k: v for k, v in warm.metrics.items() if k.startswith("warm_start/")} if warm else {}),
         "reward_checkpoint": reward_model.path if reward_model else f"none (reward function {config.reward.function})",
         "policy_checkpoint": policy.path,
         "value_checkpoint": getattr(policy, "value_path", "") or "none (no value model)",
@@ -283,7 +324,12 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
             f"memory/{name}_peak_mb": output.metrics[PEAK_MEMORY]
-            for name, output in (("sft", sft_model), ("reward", reward_model), (stage_of(policy.stage).short, policy))
+            for name, output in (
+                ("sft", sft_model),
+                ("warm_start", warm),
+                ("reward", reward_model),
+                (stage_of(policy.stage).short, policy),
+            )
             if output is not None and PEAK_MEMORY in output.metrics
         },
         # the policy stage's wall time (the attempt that finished it; a cached stage keeps the time that computed it)

@@ -254,6 +254,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [summary_block(summary)]
     for key in ("data", "sft_checkpoint", "reward_checkpoint", "policy_checkpoint", "value_checkpoint", "completions"):
         lines.append(f"{key.replace('_', ' '):<40}{summary[key]}")
+        if key == "sft_checkpoint" and "warm_start_checkpoint" in summary:  # warm_start.enabled: the policy's start
+            lines.append(f"{'warm start checkpoint':<40}{summary['warm_start_checkpoint']}")
     if "registered_policy" in summary:
         lines.append(f"{'registered policy':<40}{summary['registered_policy']}")
     lines += _mlflow_rows(summary)

@@ -13,6 +13,11 @@ class DataError(UserInputError):
     """Preference data that cannot be used; the message names the file, column or row."""
 
 
+class WarmStartError(UserInputError):
+    """A warm start (warm_start.enabled) that kept none of its sampled responses; the message says how many it
+    sampled and which keys to change. Its samples stay written in the stage's folder."""
+
+
 class TrainingInterrupted(RuntimeError):
     """A trainer stopped on purpose after `stop_after` steps (resume tests and drills) with its state saved; a
     restart continues from it. Not a user error: a retry is what should happen next."""

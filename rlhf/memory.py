@@ -220,6 +220,16 @@ def estimate(config: PipelineConfig, shape: ModelShape, device_type: str, base_r
         tokens = sft.batch_size * length
         act = _layer_activations(shape, tokens, act_b, sft.gradient_checkpointing, cpu)
         stage("sft", _trained(shape.params), act + _logits(shape, tokens, act_b, True))
+    # warm start (warm_start.enabled): the KV cache of its samples (batch_size prompts, each `samples` times), then the
+    # SFT trainer on the kept responses at warm_start.batch_size (its float32 weights and AdamW states bound the first)
+    if config.warm_start.enabled:
+        warm = config.warm_start
+        length = sft.bootstrap.n_positions if sft.model is None else min(sft.max_length, shape.positions or 1 << 30)
+        tokens = warm.batch_size * length
+        act = _layer_activations(shape, tokens, act_b, sft.gradient_checkpointing, cpu)
+        sampled = warm.batch_size * warm.samples * (ppo.max_prompt_tokens + (warm.max_new_tokens or ppo.max_new_tokens))
+        kv = 2.0 * shape.layers * sampled * shape.kv_dim * act_b
+        stage("warm_start", _trained(shape.params), max(act + _logits(shape, tokens, act_b, True), kv))
     # reward model: chosen and rejected rows of a batch, then held-out scoring under no grad; on a CPU the copy of
     # the best held-out checkpoint's float32 weights too (`BestCheckpoint`, kept beside the trained weights)
     # (reward.frozen_layers: the embeddings and the lowest blocks keep float32 weights only, no gradients, optimizer

@@ -54,6 +54,12 @@ EPISODES_PER_S = "speed/episodes_per_s"
 PEAK_MEMORY = "memory/peak_mb"
 TIME_POLICY_TRAIN = "time/policy_train"  # the policy stage's wall time, on the pipeline run
 TIME_TRAIN = "time/train"  # a policy stage's wall time (of the attempt that finished it), in its output's metrics
+WARM_START_PROMPTS, WARM_START_SAMPLES = "warm_start/prompts", "warm_start/samples"
+WARM_START_KEPT, WARM_START_KEPT_FRACTION = "warm_start/kept", "warm_start/kept_fraction"
+WARM_START_PROMPTS_KEPT, WARM_START_MEAN_SCORE = "warm_start/prompts_with_a_kept_response", "warm_start/mean_score"
+WARM_START_RESPONSE_TOKENS = "warm_start/response_tokens"
+WARM_START_KEPT_RESPONSE_TOKENS = "warm_start/kept_response_tokens"
+WARM_START_SAMPLING_TIME = "warm_start/sampling_time"
 
 # The groups: one row a metric, its keys then what they mean (a table, kept as one).
 # fmt: off
@@ -115,6 +121,10 @@ PPO_UPDATE = _group(
      "of the group's responses that differ from each other (1: every sample of the prompt is its own)"),
     ("group/zero_std_fraction", "share of the groups whose rewards are all equal (advantage 0); with dynamic "
      "sampling, of the batch trained on"),
+    ("group/zero_std_fraction/<category>", "where the reward function sorts its rows into categories (its "
+     "`categories` attribute; IFEval's and IFBench's verifiers: each instruction type, ':' written '.'): the share of "
+     "the groups of that category's prompts whose rewards are all equal, in the update's first generation round "
+     "(what the policy never or always gets right)"),
     ("dynamic_sampling/dropped_groups", "with DAPO's dynamic sampling: groups whose shaped scores were all equal, "
      "over every generation round of the update"),
     ("dynamic_sampling/extra_rounds", "generation rounds after the first that refilled the batch with new prompts"),
@@ -197,6 +207,20 @@ REWARD_ENSEMBLE = _group(
     (("reward_ensemble/members", "time/reward_ensemble"), "the number of members; the ensemble stage's time"),
 )
 
+WARM_START = _group(
+    "warm_start",
+    ((WARM_START_PROMPTS, WARM_START_SAMPLES), "the training prompts sampled for, and the responses sampled (prompts "
+     "x `warm_start.samples`)"),
+    ((WARM_START_KEPT, WARM_START_KEPT_FRACTION), "the responses kept (scored at least `warm_start.min_score`, at "
+     "most `warm_start.keep_per_prompt` distinct ones a prompt), and their share of the samples"),
+    (WARM_START_PROMPTS_KEPT, "the prompts with at least one kept response"),
+    (WARM_START_MEAN_SCORE, "the reward function's mean score over every sample"),
+    ((WARM_START_RESPONSE_TOKENS, WARM_START_KEPT_RESPONSE_TOKENS), "mean response tokens (the stop token included) "
+     "of every sample and of the kept ones"),
+    (WARM_START_SAMPLING_TIME, "seconds sampling and scoring (logged by the attempt that sampled; a retry reads the "
+     "samples)"),
+)
+
 SFT = _group(
     "sft",
     (("sft/loss", "sft/grad_norm", "sft/lr"), "step 1, every 10th step, the last and any skipped one"),
@@ -250,6 +274,7 @@ GROUPS: tuple[MetricGroup, ...] = (
     DPO,
     REWARD,
     REWARD_ENSEMBLE,
+    WARM_START,
     SFT,
     DATA,
     EVALUATION,

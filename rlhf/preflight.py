@@ -121,8 +121,10 @@ def check_ensemble_models(config: PipelineConfig) -> None:
 
 
 def check_reward_function(config: PipelineConfig) -> None:
-    """reward.function imports, and every data column it takes by name is one data.row_columns keeps."""
-    if not config.reward.uses_function or config.reward.function is None:
+    """reward.function imports, and every data column it takes by name is one data.row_columns keeps (where it
+    scores the policy stage's responses or keeps the warm start's)."""
+    used = config.reward.uses_function or config.warm_start.enabled
+    if not used or config.reward.function is None:
         return
     fn = load_reward_function(config.reward.function).fn
     check_wanted(config.reward.function, fn, config.data.row_columns, "reward.function")
@@ -212,6 +214,9 @@ def check_lengths(config: PipelineConfig, model_config: Any) -> None:
     eval_new = config.eval.max_new_tokens
     if eval_new is not None and ppo.max_prompt_tokens + eval_new > positions:
         over.append(f"ppo.max_prompt_tokens + eval.max_new_tokens ({ppo.max_prompt_tokens} + {eval_new})")
+    warm_new = config.warm_start.max_new_tokens
+    if config.warm_start.enabled and warm_new is not None and ppo.max_prompt_tokens + warm_new > positions:
+        over.append(f"ppo.max_prompt_tokens + warm_start.max_new_tokens ({ppo.max_prompt_tokens} + {warm_new})")
     if config.reward.max_length > positions:
         over.append(f"reward.max_length ({config.reward.max_length})")
     if config.sft.finetune and config.sft.max_length > positions:

@@ -9,7 +9,17 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from rlhf.checkpoints import write_manifest
-from rlhf.config import DataConfig, DPOConfig, EvalConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, flatten
+from rlhf.config import (
+    DataConfig,
+    DPOConfig,
+    EvalConfig,
+    PPOConfig,
+    RewardConfig,
+    RuntimeConfig,
+    SFTConfig,
+    WarmStartConfig,
+    flatten,
+)
 from rlhf.data import prepare
 from rlhf.data.lengths import LengthLimits, length_metrics
 from rlhf.eval import evaluate as evaluation
@@ -20,11 +30,11 @@ from rlhf.models.reward_ensemble import member_tokenizers
 from rlhf.ppo import launch
 from rlhf.ppo.models import run_choices
 from rlhf.ppo.run import PolicyInputs
-from rlhf.stages import DPO, ENSEMBLE, EVALUATE, GPU_TAG, INIT, PPO, PREPARE, REWARD, SFT
+from rlhf.stages import DPO, ENSEMBLE, EVALUATE, GPU_TAG, INIT, PPO, PREPARE, REWARD, SFT, WARM_START
 from rlhf.sweeps.optuna_search import TrialRef, pruning_reporter
 from rlhf.train import dpo as dpo_training
 from rlhf.train import reward as reward_training
-from rlhf.train import reward_ensemble
+from rlhf.train import reward_ensemble, warm_start
 from rlhf.train import sft as sft_training
 from tasks.caching import content_cache_key
 from tasks.faults import retry_unless_user_error
@@ -128,6 +138,51 @@ def supervised_finetune(
     )
 
 
+@task(name=WARM_START.task, tags=[GPU_TAG], **STAGE)
+def warm_start_policy(
+    warm_cfg: WarmStartConfig,
+    sft_cfg: SFTConfig,
+    sampling: warm_start.WarmStartSampling,
+    sft_model: SFTModel,
+    prepared: PreparedData,
+    seed: int,
+    reward_function: str,
+    reward_function_digest: str,
+    runtime: RuntimeConfig,
+    tracking: TrackingContext,
+) -> SFTModel:
+    """Verified best-of-N warm start: the SFT policy's samples on the training prompts, those `reward_function`
+    passes kept, the SFT policy fine-tuned on them. A retry reads the samples written and resumes the fine-tuning
+    from its last saved state; a warm start that kept nothing stops with one sentence, never retried.
+    `reward_function_digest` (the function's name and source file) is in the cache key only."""
+    params = {**flatten(warm_cfg, "warm_start"), **flatten(sampling, "warm_start.sampling"), "seed": seed}
+    with stage_scope(tracking, runtime, {**params, "reward.function": reward_function}, resume=True) as stage:
+        tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
+        log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
+        prompts = f"{prepared.path}/prompts.parquet"
+        samples = warm_start.draw_samples(
+            warm_cfg, sampling, runtime, sft_model.path, prompts, reward_function, folder, seed
+        )
+        sampled = warm_start.sample_metrics(samples)
+        tracker.log_metrics(run_id, sampled, 0)
+        if samples.seconds is not None and len(samples.kept):  # drawn now (MLflow appends to a table logged again)
+            tracker.log_table(run_id, samples.kept, "warm_start/kept.json")
+        log = stage.training_log(runtime, 10, warm_cfg.steps)
+        result = warm_start.finetune_on_kept(
+            warm_cfg, sft_cfg, runtime, sft_model.path, samples, folder, seed, log, stage.stop_after
+        )
+        if tracking.log_checkpoints:
+            tracker.log_artifacts(run_id, result.path, "warm_start_checkpoint")
+    return SFTModel(
+        stage=stage.name,
+        path=result.path,
+        digest=result.digest,
+        mlflow_run_id=run_id,
+        metrics={**sampled, **result.metrics},
+        trained=True,
+    )
+
+
 @task(name=REWARD.task, tags=[GPU_TAG], **STAGE)
 def train_reward_model(
     reward_cfg: RewardConfig,
@@ -206,10 +261,10 @@ def init_policy_models(
     runtime: RuntimeConfig,
     tracking: TrackingContext,
 ) -> PolicyInit:
-    """Record which checkpoints the PPO models start from (policy and frozen reference: the SFT model; value model
-    and reward model: the reward model) and whether the policy and the reward model share a tokenizer. Without a
-    value model (`critic` false: a critic-free estimator) `value_init` is empty; without a reward model
-    (reward.source: function) `reward_model` is empty and gae's value model starts from the SFT model."""
+    """Record which checkpoints the PPO models start from (policy and frozen reference: `sft_model`, the SFT model or
+    the warm-started one; value model and reward model: the reward model) and whether the policy and the reward model
+    share a tokenizer. Without a value model (`critic` false: a critic-free estimator) `value_init` is empty; without
+    a reward model (reward.source: function) `reward_model` is empty and gae's value model starts from `sft_model`."""
     reward_path = reward_model.path if reward_model is not None else ""
     value_from = reward_model.members[0] if reward_model is not None and reward_model.members else reward_path
     init = {
@@ -320,8 +375,9 @@ def train_policy_dpo(
     runtime: RuntimeConfig,
     tracking: TrackingContext,
 ) -> DPOPolicy:
-    """DPO of the SFT policy on the preference pairs against the frozen SFT model (`algorithm: dpo`); a retry
-    resumes from the last saved state and continues the same MLflow run."""
+    """DPO of the SFT policy `sft_model` (the warm-started one where warm_start.enabled) on the preference pairs
+    against its frozen self (`algorithm: dpo`); a retry resumes from the last saved state and continues the same
+    MLflow run."""
     started = time.perf_counter()
     params = {**flatten(dpo_cfg, "dpo"), "seed": seed}
     with stage_scope(tracking, runtime, params, resume=True) as stage:

@@ -152,3 +152,18 @@ def test_optimisation_statistics_are_the_running_means_of_their_values() -> None
     stats.add({"a": torch.tensor(0.0, dtype=torch.float64), "b": 1.0})
     # a: (1/3 + 0) / 2 = 1/6; b: (2 + 1) / 2 = 1.5; c: 4 / 1
     assert stats.means() == {"a": (1 / 3) / 2, "b": 1.5, "c": 4.0}
+
+
+def test_groups_without_spread_are_counted_by_each_category_of_their_row():
+    from rlhf.ppo.stats import zero_std_by_category, zero_std_counts
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.0, 0.0])  # groups of 2: equal, spread, equal, equal
+    categories = [["a", "b"]] * 2 + [["a"]] * 2 + [["b:c"]] * 2 + [["a"]] * 2
+    counts = zero_std_counts(scores, 2, categories)
+    assert counts == {"a": (2, 3), "b": (1, 1), "b:c": (1, 1)}
+    merged = zero_std_by_category([counts, {"a": (0, 1)}])  # a second process's counts
+    assert merged == {
+        "group/zero_std_fraction/a": 0.5,
+        "group/zero_std_fraction/b": 1.0,
+        "group/zero_std_fraction/b.c": 1.0,  # ':' is not in every store's metric names
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import pandas as pd
 import pytest
 
 from rlhf.config import PPOConfig, RuntimeConfig
@@ -205,3 +206,23 @@ def test_the_guard_is_written_atomically_so_a_failed_write_keeps_the_previous_on
     assert sorted(p.name for p in tmp_path.iterdir()) == [GUARD_FILE]  # no temporary file left behind
     resumed = load_guard(tmp_path, "stop", 9.9)
     assert resumed.mode == "stop" and resumed.alarm.in_distribution_std == 1.5
+
+
+def test_the_alarms_sentence_says_what_it_saw_where_the_reward_is_the_verifier():
+    """A reward model can be gamed; a verifier is the quality itself: its alarm says the policy drifts without gain,
+    and the evaluation stage's check says the responses moved, not that a reward model is gamed."""
+    from rlhf.eval.evaluate import overoptimisation_signs
+    from rlhf.eval.overoptimisation import OveroptimisationAlarm
+
+    sft = {"distinct_2": 0.8, "score": 0.4, "kl": 0.0}
+    collapsed = {"distinct_2": 0.1, "score": 0.4, "kl": 3.0}  # distinct bigrams far below the SFT policy's
+    for verified, says in ((False, "games its reward"), (True, "drifts from the SFT policy without gaining")):
+        alarm = OveroptimisationAlarm(verified=verified)
+        alarm.check(0, sft)
+        fired = alarm.check(5, collapsed)
+        assert fired is not None and says in fired.sentence() and "from update 5" in fired.sentence()
+    frames = [pd.DataFrame({"response": texts}) for texts in (["a b c d e f g h", "i j k l m n"], ["a a a a a a"] * 2)]
+    _, model_warning = overoptimisation_signs(*frames, in_distribution_std=0.0)
+    _, verifier_warning = overoptimisation_signs(*frames, in_distribution_std=0.0, verified=True)
+    assert "gamed reward model" in model_warning[0] and "gamed" not in verifier_warning[0]
+    assert "its reward is the verifier" in verifier_warning[0]

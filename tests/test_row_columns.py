@@ -33,6 +33,11 @@ def item_reward(prompts, completions, item, tags):
     return [float(len(c) % 5) for c in completions]  # varied, so dynamic sampling keeps groups
 
 
+# its rows' categories (as rlhf.data.verifiers:ifeval_strict's are its instruction types): the PPO stage breaks its
+# groups without spread down by them
+item_reward.categories = lambda item, tags: [["even" if tag["even"] else "odd", "item"] for tag in tags]
+
+
 def _rows(n: int, start: int = 0) -> list[dict]:
     return [
         {
@@ -177,6 +182,10 @@ def test_each_sample_gets_its_rows_values_in_groups_dynamic_sampling_and_the_eva
     held = {item for _, item in SCORED if item >= 100}
     assert len(trained) >= 4 and len(held) == 4  # rollouts (training rows) and periodic evaluations (held-out rows)
     assert [steps[u]["dynamic_sampling/generated_episodes"] >= 8 for u in (1, 2)] == [True, True]  # at each update
+    for u in (1, 2):  # each group counted under each category of its row: every group is an 'item'
+        by_category = {k: v for k, v in steps[u].items() if k.startswith("group/zero_std_fraction/")}
+        assert set(by_category) <= {f"group/zero_std_fraction/{c}" for c in ("even", "odd", "item")}
+        assert "group/zero_std_fraction/item" in by_category and all(0 <= v <= 1 for v in by_category.values())
     bench = tmp_path / "bench.jsonl"
     bench.write_text(
         "".join(

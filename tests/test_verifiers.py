@@ -237,19 +237,148 @@ def test_ifbenchs_test_set_reads_and_checks_with_the_registry():
 
 
 def test_generated_prompts_are_deterministic_disjoint_and_never_combine_conflicting_instructions():
-    train = instructions.make_rows(300, seed=0, split="train")
-    assert train == instructions.make_rows(300, seed=0, split="train")
-    assert len({r["prompt"] for r in train}) == 300
-    heldout = instructions.make_rows(100, seed=0, split="eval")
+    train = instructions.make_rows(600, seed=0, split="train")
+    assert train == instructions.make_rows(600, seed=0, split="train")
+    assert len({r["prompt"] for r in train}) == 600
+    heldout = instructions.make_rows(160, seed=0, split="eval")
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in heldout}
     for topic in instructions.EVAL_TOPICS:  # no held-out topic in a training prompt
         assert not any(topic in r["prompt"] for r in train)
+    for form in instructions.EVAL_FORMS:  # nor a held-out task's form
+        lead = form.split("{topic}")[0]
+        assert not any(r["prompt"].startswith(lead) for r in train)
+    for form in instructions.TRAIN_FORMS:  # and no held-out prompt has a training form
+        lead = form.split("{topic}")[0]
+        assert not any(r["prompt"].startswith(lead) for r in heldout)
     conflicts = verifiers.conflicts("ifeval")
-    for row in train:
+    for row in train + heldout:
         ids = row["instruction_id_list"]
         verifiers.check_row(ids, row["kwargs"], "ifeval", row["key"])  # the registry takes every row
         assert not any(b in conflicts.get(a, ()) for a in ids for b in ids if a != b)
-    assert {len(r["instruction_id_list"]) for r in train} == {1, 2}
+    assert {len(r["instruction_id_list"]) for r in train} == {1, 2, 3}
+    # every IFEval type the checkers score offline, in training and held out
+    scorable = set(verifiers.registry("ifeval")) - {
+        "length_constraints:number_sentences",
+        "change_case:capital_word_frequency",
+    }
+    assert {i for r in train for i in r["instruction_id_list"]} == scorable == set(instructions.INSTRUCTION_TYPES)
+    assert {i for r in heldout for i in r["instruction_id_list"]} == scorable
+    relations = {
+        (i, k.get("relation") or k.get("let_relation"))
+        for r in train
+        for i, k in zip(r["instruction_id_list"], r["kwargs"], strict=True)
+    }
+    for counted in ("length_constraints:number_words", "keywords:frequency", "keywords:letter_frequency"):
+        assert {(counted, "at least"), (counted, "less than")} <= relations  # word counts both ways
+
+
+LANGUAGE_TEXT = {
+    "fr": "Le soleil brille sur la mer et les enfants jouent sur la plage avec leurs amis pendant tout l'été.",
+    "es": "El sol brilla sobre el mar y los niños juegan en la playa con sus amigos durante todo el verano.",
+    "de": "Die Sonne scheint über dem Meer und die Kinder spielen den ganzen Sommer mit ihren Freunden am Strand.",
+    "it": "Il sole splende sul mare e i bambini giocano sulla spiaggia con i loro amici per tutta l'estate.",
+    "pt": "O sol brilha sobre o mar e as crianças brincam na praia com os seus amigos durante todo o verão.",
+}
+PLAIN = "The sun shines over the sea and the children play on the beach all summer long."
+
+
+def _words(n: int) -> str:
+    return " ".join(["sun"] * n)
+
+
+def _at_least(kw: dict) -> bool:
+    return (kw.get("relation") or kw.get("let_relation")) == "at least"
+
+
+def _either_way(kw: dict, many: str, few: str) -> tuple[str, str]:
+    """(follows, breaks) of a count: `many` follows a floor ("at least"), `few` a ceiling ("less than")."""
+    return (many, few) if _at_least(kw) else (few, many)
+
+
+def _without(letter: str) -> str:
+    return "".join(c for c in "bees hum softly by the sunny wall" if c != letter)
+
+
+def _nth_paragraph(kw: dict) -> tuple[str, str]:
+    n, nth, first = kw["num_paragraphs"], kw["nth_paragraph"], kw["first_word"]
+    good = [f"{first.capitalize()} {PLAIN}" if i == nth - 1 else PLAIN for i in range(n)]
+    return "\n\n".join(good), "\n\n".join([f"Xylophones {PLAIN}"] * n)
+
+
+def _bullets(n: int) -> str:
+    return "\n".join(f"* point {i}" for i in range(n))
+
+
+# instruction type -> kwargs -> (a response that follows it, one that breaks it), written by hand
+HAND_WRITTEN = {
+    "keywords:existence": lambda kw: (f"{PLAIN} {' '.join(kw['keywords'])}.", PLAIN),
+    "keywords:frequency": lambda kw: _either_way(kw, f"{PLAIN} {' '.join([kw['keyword']] * kw['frequency'])}", PLAIN),
+    "keywords:forbidden_words": lambda kw: ("Bees hum softly.", f"Bees hum {kw['forbidden_words'][0]} softly."),
+    "keywords:letter_frequency": lambda kw: _either_way(
+        kw, f"{_without(kw['letter'])} {kw['letter'] * kw['let_frequency']}", _without(kw["letter"])
+    ),
+    "language:response_language": lambda kw: (LANGUAGE_TEXT[kw["language"]], PLAIN),
+    "length_constraints:number_paragraphs": lambda kw: (
+        "\n***\n".join([PLAIN] * kw["num_paragraphs"]),
+        "\n***\n".join([PLAIN] * (kw["num_paragraphs"] + 1)),
+    ),
+    "length_constraints:number_words": lambda kw: _either_way(
+        kw, _words(kw["num_words"] + 5), _words(kw["num_words"] - 5)
+    ),
+    "length_constraints:nth_paragraph_first_word": _nth_paragraph,
+    "detectable_content:number_placeholders": lambda kw: (
+        f"{PLAIN} " + " ".join(f"[slot{i}]" for i in range(kw["num_placeholders"])),
+        PLAIN,
+    ),
+    "detectable_content:postscript": lambda kw: (f"{PLAIN}\n{kw['postscript_marker']} See you soon.", PLAIN),
+    "detectable_format:number_bullet_lists": lambda kw: (_bullets(kw["num_bullets"]), _bullets(kw["num_bullets"] + 1)),
+    "detectable_format:constrained_response": lambda kw: ("My answer is yes.", "Yes, of course."),
+    "detectable_format:number_highlighted_sections": lambda kw: (
+        " ".join(f"*part {i}*" for i in range(kw["num_highlights"])) + f" {PLAIN}",
+        PLAIN,
+    ),
+    "detectable_format:multiple_sections": lambda kw: (
+        "\n".join(f"{kw['section_spliter']} {i + 1}\n{PLAIN}" for i in range(kw["num_sections"])),
+        PLAIN,
+    ),
+    "detectable_format:json_format": lambda kw: ('{"answer": "bees hum"}', PLAIN),
+    "detectable_format:title": lambda kw: (f"<<Summer>>\n{PLAIN}", PLAIN),
+    "combination:two_responses": lambda kw: (f"{PLAIN}\n******\nBees hum softly in the garden.", PLAIN),
+    "combination:repeat_prompt": lambda kw: (f"{kw['prompt_to_repeat']} {PLAIN}", PLAIN),
+    "startend:end_checker": lambda kw: (f"{PLAIN} {kw['end_phrase']}", PLAIN),
+    "change_case:english_capital": lambda kw: (PLAIN.upper(), PLAIN),
+    "change_case:english_lowercase": lambda kw: (PLAIN.lower(), PLAIN),
+    "punctuation:no_comma": lambda kw: (PLAIN, "Bees, birds and ants."),
+    "startend:quotation": lambda kw: (f'"{PLAIN}"', PLAIN),
+}
+
+
+def test_every_generated_instruction_is_followed_and_broken_as_its_checker_says():
+    """For each instruction of 400 generated rows (every type, both relations of the counted ones), a response
+    written to follow it passes IFEval's checker and one written to break it fails: the prompts' arguments are
+    ones a response can meet, and the checker reads them as the prompt states them."""
+    rows = instructions.make_rows(300, seed=3, split="train") + instructions.make_rows(100, seed=3, split="eval")
+    seen = set()
+    for row in rows:
+        for instruction_id, kw in zip(row["instruction_id_list"], row["kwargs"], strict=True):
+            follows, breaks = HAND_WRITTEN[instruction_id](kw)
+            verdict = verifiers.score(row["prompt"], follows, [instruction_id], [kw], "ifeval")
+            assert verdict.strict == [True], (instruction_id, kw, follows)
+            verdict = verifiers.score(row["prompt"], breaks, [instruction_id], [kw], "ifeval")
+            assert verdict.strict == [False], (instruction_id, kw, breaks)
+            seen.add((instruction_id, kw.get("relation") or kw.get("let_relation")))
+    assert {i for i, _ in seen} == set(instructions.INSTRUCTION_TYPES)
+    assert ("length_constraints:number_words", "at least") in seen and ("keywords:frequency", "less than") in seen
+
+
+def test_a_rows_instruction_types_are_its_categories():
+    """ifeval_strict sorts its rows by instruction type: the PPO stage's group/zero_std_fraction/<type>."""
+    from rlhf.rollout.reward_function import load_reward_function
+
+    fn = load_reward_function("rlhf.data.verifiers:ifeval_strict")
+    assert fn.has_categories and not load_reward_function("rlhf.data.synthetic:gold_reward").has_categories
+    ids = [["punctuation:no_comma", "detectable_format:title"], ["startend:quotation"]]
+    assert verifiers.instruction_types(ids, kwargs=[[{}, {}], [{}]]) == ids
 
 
 def test_the_shipped_data_is_labelled_by_the_checkers():

@@ -20,7 +20,14 @@ from rlhf.config.pipeline import (
 )
 from rlhf.config.ppo import LoraConfig, PPOConfig, PPOGenerationConfig
 from rlhf.config.sections import DATA_COLUMN_ROLES, DataConfig, RuntimeConfig, SyntheticTaskConfig, TrackingConfig
-from rlhf.config.stages import BootstrapModelConfig, DPOConfig, EvalConfig, RewardConfig, SFTConfig
+from rlhf.config.stages import (
+    BootstrapModelConfig,
+    DPOConfig,
+    EvalConfig,
+    RewardConfig,
+    SFTConfig,
+    WarmStartConfig,
+)
 from rlhf.errors import ConfigError
 
 __all__ = [
@@ -40,6 +47,7 @@ __all__ = [
     "Section",
     "SyntheticTaskConfig",
     "TrackingConfig",
+    "WarmStartConfig",
     "apply_overrides",
     "build_config",
     "flatten",

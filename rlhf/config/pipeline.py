@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from rlhf.config.base import Section, format_validation_error, read_yaml, safe_load
 from rlhf.config.ppo import PPOConfig
 from rlhf.config.sections import DataConfig, RuntimeConfig, TrackingConfig
-from rlhf.config.stages import DPOConfig, EvalConfig, RewardConfig, SFTConfig
+from rlhf.config.stages import DPOConfig, EvalConfig, RewardConfig, SFTConfig, WarmStartConfig
 from rlhf.errors import ConfigError
 
 
@@ -31,6 +31,7 @@ class PipelineConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     algorithm: Literal["ppo", "dpo"] = Field(
         "ppo",
         description="The policy stage: 'ppo' (online RL on sampled responses, with the estimator of "
@@ -83,6 +84,18 @@ class PipelineConfig(Section):
                 f"reward.ensemble_trunks 'own_sft' has nothing to vary: sft.model ({self.sft.model}) is used as it is "
                 "(sft.finetune false); set sft.finetune true to fine-tune it anew for each member, or list the "
                 "members' own models in reward.ensemble_models"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _warm_start_has_a_verifier(self) -> PipelineConfig:
+        """warm_start.enabled keeps the responses reward.function passes: without a function there is nothing to
+        keep them by."""
+        if self.warm_start.enabled and not self.reward.function:
+            raise ValueError(
+                "warm_start.enabled needs reward.function to keep the sampled responses by (reward.source is "
+                f"'{self.reward.source}' with no function): name a verifier, e.g. reward.function="
+                "rlhf.data.verifiers:ifeval_strict, or set warm_start.enabled: false"
             )
         return self
 

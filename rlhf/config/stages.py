@@ -1,4 +1,5 @@
-"""The config sections of the training stages: SFT, reward model, DPO and evaluation (PPO: rlhf.config.ppo)."""
+"""The config sections of the training stages: SFT, reward model, warm start, DPO and evaluation (PPO:
+rlhf.config.ppo)."""
 
 from __future__ import annotations
 
@@ -252,6 +253,55 @@ class RewardConfig(Section):
                 f"({self.max_length}): the response needs room too"
             )
         return self
+
+
+class WarmStartConfig(Section):
+    """A verified best-of-N warm start between the SFT and the policy stage (rejection-sampling fine-tuning: RAFT,
+    Dong et al. 2023; Llama 2's rejection sampling, Touvron et al. 2023): the SFT policy samples `samples` responses
+    to each training prompt, reward.function scores them, and the SFT policy is fine-tuned on the ones that pass;
+    the policy stage's policy and reference start from that checkpoint (rlhf/train/warm_start.py,
+    docs/pipeline.md). Off by default."""
+
+    section_name = "warm_start"
+
+    enabled: bool = Field(
+        False,
+        description="Run the warm-start stage: sample, verify with reward.function (with the rows' data.row_columns), "
+        "fine-tune on the responses that pass; the policy stage (PPO's estimators or DPO) then starts from it, while "
+        "the evaluation still compares against the SFT policy. Needs reward.function.",
+    )
+    samples: int = Field(8, ge=1, description="Responses sampled per prompt (the N of best-of-N).")
+    prompts: int | None = Field(
+        None,
+        ge=1,
+        description="Training prompts (prompts.parquet, the policy stage's) sampled for, the first N of a seeded "
+        "order; None: all of them.",
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (no top-k or nucleus filtering: the policy's own distribution)."
+    )
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Response length; None uses ppo.max_new_tokens (the policy stage's)."
+    )
+    min_score: float = Field(
+        1.0,
+        description="A response is kept when the reward function scores it at least this (1.0 with IFEval's "
+        "verifiers: every instruction followed).",
+    )
+    keep_per_prompt: int = Field(
+        1, ge=1, description="Distinct responses kept per prompt at most, the highest scores first (RAFT: 1)."
+    )
+    steps: int = Field(50, ge=1, description="Fine-tuning optimizer steps on the kept responses.")
+    lr: float = Field(
+        1e-5, gt=0, description="Peak learning rate of the fine-tuning (AdamW, cosine decay, sft.warmup_ratio)."
+    )
+    batch_size: int = Field(
+        16,
+        ge=1,
+        description="Kept responses per optimizer step; also the prompts sampled at once (each `samples` times). The "
+        "other fine-tuning settings are the SFT stage's (sft.weight_decay, sft.warmup_ratio, sft.max_length, "
+        "sft.save_every, sft.gradient_checkpointing).",
+    )
 
 
 class DPOConfig(Section):

@@ -204,9 +204,17 @@ def _row_check(benchmark: Benchmark):
     return check
 
 
+def instruction_types(instruction_id_list: list, **_: Any) -> list[list[str]]:
+    """The categories of each row: its instruction types (the PPO stage's `group/zero_std_fraction/<type>`)."""
+    return [list(ids) for ids in instruction_id_list]
+
+
 # The data stage checks every row of a data set whose gold reward carries a `check_row` (rlhf.data.prepare): an
-# unknown instruction id or bad kwargs is named by file and row before any model loads.
+# unknown instruction id or bad kwargs is named by file and row before any model loads. The PPO stage breaks its
+# groups without spread down by a reward function's `categories` (rlhf.rollout.reward_function).
 for _fn in (ifeval_strict, ifeval_loose):
     _fn.check_row = _row_check("ifeval")  # type: ignore[attr-defined]
 for _fn in (ifbench_strict, ifbench_loose):
     _fn.check_row = _row_check("ifbench")  # type: ignore[attr-defined]
+for _fn in (ifeval_strict, ifeval_loose, ifbench_strict, ifbench_loose):
+    _fn.categories = instruction_types  # type: ignore[attr-defined]

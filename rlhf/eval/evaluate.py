@@ -277,7 +277,8 @@ def evaluate_policies(
     for rows in benchmarks:
         figures, tables[rows.name] = score_benchmark(rows, answers[rows.name], cfg.length_tolerance)
         summary |= figures
-    signs, alarm = overoptimisation_signs(frames["sft"], frames["policy"], in_distribution_std(reward))
+    verified = reward is None and reward_fn is not None  # the reward is a verifier: its score is the quality
+    signs, alarm = overoptimisation_signs(frames["sft"], frames["policy"], in_distribution_std(reward), verified)
     summary |= signs
     warnings += alarm
     log(summary, 0)
@@ -291,11 +292,12 @@ def evaluate_policies(
 
 
 def overoptimisation_signs(
-    sft: pd.DataFrame, policy: pd.DataFrame, in_distribution_std: float
+    sft: pd.DataFrame, policy: pd.DataFrame, in_distribution_std: float, verified: bool = False
 ) -> tuple[dict[str, float], list[str]]:
     """The signs of a gamed reward model that need no gold reward (`rlhf.eval.overoptimisation`): each policy's
     diversity and, with an ensemble, its members' view, as eval/<policy>_<stat>; and the alarm's rule applied to the
-    trained policy against the SFT policy (eval/overoptimisation_flag, and its warning)."""
+    trained policy against the SFT policy (eval/overoptimisation_flag, and its warning: where the reward is a
+    verifier, `verified`, what was seen rather than a gamed reward model)."""
     alarm = OveroptimisationAlarm(in_distribution_std, surprisal_waits_for_stall=False)
     summary: dict[str, float] = {}
     for name, frame in (("sft", sft), ("policy", policy)):
@@ -306,9 +308,15 @@ def overoptimisation_signs(
     summary[EVAL_OVEROPTIMISATION_FLAG] = float(fired is not None)
     if fired is None:
         return summary, []
+    seen = "; ".join(fired.reasons)
+    if verified:
+        return summary, [
+            f"the trained policy's responses moved far from the SFT policy's ({seen}); its reward is the verifier, "
+            "so its verified scores above say whether that paid (docs/overoptimisation.md)"
+        ]
     return summary, [
-        f"the trained policy's responses show signs of a gamed reward model against the SFT policy's "
-        f"({'; '.join(fired.reasons)}): its score may rise while its quality falls (docs/overoptimisation.md)"
+        f"the trained policy's responses show signs of a gamed reward model against the SFT policy's ({seen}): its "
+        "score may rise while its quality falls (docs/overoptimisation.md)"
     ]
 
 

@@ -103,11 +103,20 @@ SURPRISAL_RISE = 1.3  # the reference's surprisal at the policy's tokens this ma
 class Alarm:
     step: int  # the update after which the evaluation that fired ran
     reasons: list[str]
+    # the reward is a verifier (a reward function and no reward model): its score is the quality, so the alarm says
+    # what it saw (the policy moving away with no gain), not that a proxy is gamed
+    verified: bool = False
 
     def sentence(self) -> str:
+        seen = "; ".join(self.reasons)
+        if self.verified:
+            return (
+                f"the policy drifts from the SFT policy without gaining from update {self.step} on ({seen}): the "
+                "verified score no longer pays for the distance (docs/overoptimisation.md)"
+            )
         return (
-            f"the policy looks like it games its reward from update {self.step} on ({'; '.join(self.reasons)}): its "
-            "scores may be rising while its quality falls (docs/overoptimisation.md)"
+            f"the policy looks like it games its reward from update {self.step} on ({seen}): its scores may be "
+            "rising while its quality falls (docs/overoptimisation.md)"
         )
 
 
@@ -122,6 +131,7 @@ class OveroptimisationAlarm:
     # whether the surprisal condition waits for the score to stall (the periodic evaluations; the evaluation stage,
     # which compares the final policy with the SFT policy, has no history to stall in)
     surprisal_waits_for_stall: bool = True
+    verified: bool = False  # the reward is a verifier (`Alarm.verified`)
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
     mean_at_best_min: float = float("nan")
@@ -206,7 +216,7 @@ class OveroptimisationAlarm:
         if "kl" in stats:
             self.points.append((step, stats["score"], stats["kl"]))
         if found and self.fired is None:
-            self.fired = Alarm(step, found)
+            self.fired = Alarm(step, found, self.verified)
             return self.fired
         return None
 

@@ -182,14 +182,15 @@ def save_guard(folder: Path, guard: EvalGuard) -> None:
         torch.save(guard, f)
 
 
-def load_guard(folder: Path, mode: str, in_distribution_std: float) -> EvalGuard:
-    """The guard a resumed run saved in `folder`, or a new one (`mode`: ppo.on_overoptimisation)."""
+def load_guard(folder: Path, mode: str, in_distribution_std: float, verified: bool = False) -> EvalGuard:
+    """The guard a resumed run saved in `folder`, or a new one (`mode`: ppo.on_overoptimisation; `verified`: the
+    reward is a verifier, a reward function with no reward model, whose alarm says so)."""
     file = folder / GUARD_FILE
     if file.is_file():
         guard = torch.load(file, weights_only=False)  # our own file, written by save_guard
         guard.mode = mode
         return guard
-    return EvalGuard(mode, OveroptimisationAlarm(in_distribution_std))
+    return EvalGuard(mode, OveroptimisationAlarm(in_distribution_std, verified=verified))
 
 
 def periodic_eval(

@@ -205,3 +205,36 @@ MICRO_KEYS = (
     "policy/kl_loss",
     "policy/seq_clipfrac",
 )
+
+
+# the MLflow key of a category's share of groups without spread: `group/zero_std_fraction/<category>` (a category's
+# ':' becomes '.', which metric names take everywhere)
+ZERO_STD_BY_CATEGORY = "group/zero_std_fraction/"
+
+
+@torch.no_grad()
+def zero_std_counts(scores: Tensor, group_size: int, categories: list[list[str]]) -> dict[str, tuple[int, int]]:
+    """Per category (an instruction type, a task): the groups of its prompts whose `scores` are all equal (no
+    learning signal), and its groups. `categories` has one list per row (the rows of a group share their prompt's);
+    a group counts once for each of its prompt's categories. Shape: scores (b,) in groups of `group_size` rows."""
+    flat = scores.reshape(-1, group_size)
+    equal = (flat.amax(dim=1) == flat.amin(dim=1)).tolist()
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for group, all_equal in enumerate(equal):
+        for category in dict.fromkeys(categories[group * group_size]):
+            counts[category][0] += int(all_equal)
+            counts[category][1] += 1
+    return {category: (zero, total) for category, (zero, total) in counts.items()}
+
+
+def zero_std_by_category(counts: list[dict[str, tuple[int, int]]]) -> dict[str, float]:
+    """`group/zero_std_fraction/<category>` over the counts of every process (`zero_std_counts`), by category."""
+    merged: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for part in counts:
+        for category, (zero, total) in part.items():
+            merged[category][0] += zero
+            merged[category][1] += total
+    return {
+        ZERO_STD_BY_CATEGORY + category.replace(":", "."): zero / total
+        for category, (zero, total) in sorted(merged.items())
+    }

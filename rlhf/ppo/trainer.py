@@ -38,7 +38,7 @@ from rlhf.ppo.records import record_rollouts
 from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
-from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats
+from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats, zero_std_by_category, zero_std_counts
 from rlhf.ppo.update import Rollout, compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
@@ -124,7 +124,8 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     bar = tqdm(range(state.step, total), desc="ppo", disable=not show, initial=state.step, total=total)
 
     # the over-optimisation alarm at the periodic evaluations, and what ppo.on_overoptimisation keeps
-    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, in_distribution_std(models.reward))
+    verified = models.reward is None and models.reward_fn is not None  # the reward is the verifier itself
+    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, in_distribution_std(models.reward), verified)
 
     def evaluate_if_due(step: int) -> bool:
         """Whether training stops after this evaluation (the alarm, with ppo.on_overoptimisation 'stop')."""
@@ -133,6 +134,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
         return periodic_eval(step, models, run, plan, settings, guard)
 
     pad_id = models.tokenizer.pad_token_id
+    category_stats = category_zero_std(models, run.prompts, cfg, dist)
     sample_rollout = rollout_sampler(models, state, prompt_ids, run, plan, settings)
     if state.step == 0:
         evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
@@ -140,7 +142,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
         raise_if_stop_requested(f"PPO training at update {update + 1}")
         t0 = time.perf_counter()
         # steps 1-3. sample prompts (this rank's slice of the global batch), generate, score under no grad
-        rollout, sampling_stats = sample_update(update, sample_rollout, cfg, pad_id, dist)
+        rollout, sampling_stats = sample_update(update, sample_rollout, cfg, pad_id, dist, category_stats)
         # steps 4-6. rewards with the KL penalty, advantages (GAE or the critic-free estimator's; whitened with the
         # global batch's moments)
         compute_advantages(rollout, cfg, state.kl_ctl.value, dist)
@@ -209,18 +211,45 @@ def rollout_sampler(
     return sample
 
 
+def category_zero_std(
+    models: PPOModels, prompts: list[str], cfg: PPOConfig, dist: DistContext
+) -> Callable[[Rollout], dict[str, float]] | None:
+    """The share of groups without spread by category (`group/zero_std_fraction/<category>`) of a rollout's first
+    generation round, where the reward function sorts its rows into categories (a `categories` attribute taking
+    the row columns, as `rlhf.data.verifiers.ifeval_strict` has: its instruction types); None elsewhere, and
+    without groups."""
+    reward_fn = models.reward_fn
+    if reward_fn is None or cfg.samples_per_prompt < 2 or not reward_fn.has_categories:
+        return None
+
+    def stats(rollout: Rollout) -> dict[str, float]:
+        categories = reward_fn.categories([prompts[i] for i in rollout.indices])
+        counts = zero_std_counts(rollout.scored.scores, cfg.samples_per_prompt, categories)
+        return zero_std_by_category(distributed.all_gather_object(counts) if dist.world_size > 1 else [counts])
+
+    return stats
+
+
 def sample_update(
-    update: int, sample: Callable[[int], Rollout], cfg: PPOConfig, pad_id: int, dist: DistContext
+    update: int,
+    sample: Callable[[int], Rollout],
+    cfg: PPOConfig,
+    pad_id: int,
+    dist: DistContext,
+    category_stats: Callable[[Rollout], dict[str, float]] | None = None,
 ) -> tuple[Rollout, dict[str, float]]:
     """Steps 1-3 of an update: `sample(position)` generates and scores the prompts at that position of the prompt
     stream. With dynamic sampling (ppo.dynamic_sampling_rounds), groups without spread are replaced by groups of new
     prompts, from positions past the run's own (the k-th extra round of update u: num_updates + u * rounds + k - 1,
-    so a resumed run samples the same ones); its statistics come back with the batch."""
+    so a resumed run samples the same ones); its statistics come back with the batch. `category_stats`
+    (`category_zero_std`): the first round's groups without spread by category, with the statistics."""
     rollout = sample(update)
+    first = category_stats(rollout) if category_stats is not None else {}
     if not cfg.dynamic_rounds:
-        return rollout, {}
+        return rollout, first
     first_extra = cfg.num_updates + update * cfg.dynamic_rounds
-    return dynamic_sampling.refill(rollout, lambda k: sample(first_extra + k - 1), cfg, pad_id, dist)
+    rollout, stats = dynamic_sampling.refill(rollout, lambda k: sample(first_extra + k - 1), cfg, pad_id, dist)
+    return rollout, {**first, **stats}
 
 
 def place_models(models: PPOModels, dist: DistContext, sharded: bool) -> None:

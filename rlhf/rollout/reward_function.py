@@ -57,6 +57,17 @@ class RewardFunction:
             return {}
         return self.columns.values(prompts, wanted.of(self.columns.names))
 
+    @property
+    def has_categories(self) -> bool:
+        """Whether the function sorts rows into categories: a `categories` attribute that takes the same row
+        columns and returns one list of names per row (`rlhf.data.verifiers.ifeval_strict`: its instruction
+        types), which the statistics break down by."""
+        return callable(getattr(self.fn, "categories", None))
+
+    def categories(self, prompts: list[str]) -> list[list[str]]:
+        """The categories of each prompt's row (`has_categories`)."""
+        return [list(names) for names in self.fn.categories(**self.column_kwargs(list(prompts)))]  # type: ignore[attr-defined]
+
     def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
         """The scores of the (prompt, response) pairs, checked: one finite float per pair."""
         if len(prompts) != len(responses):
