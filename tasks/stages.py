@@ -442,6 +442,7 @@ def evaluate_policies(
             prepare.gold_scorer(prepared.manifest, prepared.path),
             tracker.metric_logger(run_id),
             reward_cfg,
+            reward_is_gold=reward_cfg is not None and reward_cfg.is_the_gold(prepared.manifest.get("gold_reward")),
         )
         completions = pd.read_parquet(result.completions)
         tracker.log_table(run_id, completions, "completions.json")

@@ -215,3 +215,21 @@ def test_each_sample_gets_its_rows_values_in_groups_dynamic_sampling_and_the_eva
     assert (tmp_path / "eval" / "benchmark-toy.md").read_text().startswith("# toy")
     verdicts = pd.read_parquet(tmp_path / "eval" / "benchmark-toy.parquet")
     assert sorted(verdicts["policy"].unique()) == ["policy", "sft"] and len(verdicts) == 10
+
+
+def test_the_run_knows_when_its_reward_is_the_gold_reward_itself(tmp_path, family_checkpoint):
+    """The alarm says 'games its reward' of a proxy and 'drifts without gaining' of the gold reward itself
+    (`RewardConfig.is_the_gold`): the policy run is told which, from the prepared data's gold reward."""
+    model = str(family_checkpoint("llama"))
+    gold = f"{__name__}:item_reward"
+    data_cfg = _data(tmp_path, tokenizer=model, gold_reward=gold).model_copy(update={"format": "explicit"})
+    prepared = prepare_preferences(data_cfg, tmp_path / "prepared")
+    ppo = PPOConfig(samples_per_prompt=2, batch_size=4, total_episodes=4, advantage_estimator="grpo")
+    for function, is_gold in ((gold, True), ("rlhf.data.synthetic:gold_reward", False)):
+        reward_cfg = RewardConfig(source="function", function=function)
+        inputs = PolicyInputs.prepared(
+            ppo, RUNTIME, 0, prepared.folder, policy_path=model, reward_path=None, out_dir=str(tmp_path / "ppo"),
+            reward=reward_cfg,
+        )  # fmt: skip
+        assert inputs.policy_run().reward_is_gold is is_gold
+    assert not RewardConfig(source="model", function=gold, function_weight=0.5).is_the_gold(gold)  # a model scores too

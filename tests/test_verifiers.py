@@ -396,3 +396,34 @@ def test_the_shipped_data_is_labelled_by_the_checkers():
     train = pd.read_json(REPO / "data" / "ifeval" / "train.jsonl.gz", lines=True)
     prompts = pd.read_json(REPO / "data" / "ifeval" / "prompts.jsonl.gz", lines=True)
     assert set(train["prompt"]) <= set(prompts["prompt"]) and not set(prompts["prompt"]) & set(heldout["prompt"])
+
+
+def test_partial_credit_grades_what_is_not_followed_and_a_pass_scores_more():
+    """rlhf.data.partial_credit: 1 where IFEval's strict checker passes; below PARTIAL, by how far the response got,
+    where it does not (hand-checked values); the hand-written responses of every generated type: a pass 1, a
+    break at most PARTIAL."""
+    from rlhf.data.partial_credit import PARTIAL, ifeval_partial, instruction_credit
+
+    def credit(response: str, instruction_id: str, **kw) -> float:
+        return instruction_credit("p", response, [instruction_id], [kw])
+
+    assert credit("hello there", "change_case:english_lowercase") == 1.0
+    assert credit("Hello There", "change_case:english_lowercase") == pytest.approx(0.5 * 8 / 10)  # 8 of 10 letters
+    assert credit('"hello', "startend:quotation") == 0.25  # the opening quote, not the closing one
+    request = "Write a poem about cats. Use no commas."
+    assert credit("Write a poem about cats. Sure", "combination:repeat_prompt", prompt_to_repeat=request) == 0.5 * 5 / 8
+    assert credit("one two three", "length_constraints:number_words", num_words=6, relation="at least") == 0.25
+    assert credit("one two three", "length_constraints:number_words", num_words=2, relation="less than") == 0.0
+    assert credit("a\n***\nb", "length_constraints:number_paragraphs", num_paragraphs=4) == 0.25  # 2 of 4
+    nth = {"num_paragraphs": 3, "nth_paragraph": 1, "first_word": "first"}
+    assert credit("First a\n\nb", "length_constraints:nth_paragraph_first_word", **nth) == 0.25  # the word, not 3
+    assert credit("Bees, yes.", "punctuation:no_comma") == 0.0  # a type without a graded progress
+    rows = instructions.make_rows(200, seed=5, split="train")
+    for row in rows:
+        for instruction_id, kw in zip(row["instruction_id_list"], row["kwargs"], strict=True):
+            follows, breaks = HAND_WRITTEN[instruction_id](kw)
+            assert ifeval_partial([row["prompt"]], [follows], [[instruction_id]], [[kw]]) == [1.0]
+            assert ifeval_partial([row["prompt"]], [breaks], [[instruction_id]], [[kw]])[0] <= PARTIAL
+    # a row's score is the mean over its instructions
+    both = ifeval_partial(["p"], ["hello there"], [["change_case:english_lowercase", "startend:quotation"]], [[{}, {}]])
+    assert both == [pytest.approx((1.0 + 0.0) / 2)]

@@ -232,6 +232,11 @@ class RewardConfig(Section):
     def is_ensemble(self) -> bool:
         return self.source == "model" and self.ensemble_size > 1
 
+    def is_the_gold(self, gold_reward: str | None) -> bool:
+        """Whether the reward is the data's gold reward itself (`data.gold_reward`, a verifier) and nothing else:
+        its score is then the quality, not a proxy of it (the over-optimisation alarm says so)."""
+        return self.source == "function" and self.function is not None and self.function == gold_reward
+
     def member_config(self) -> RewardConfig:
         """What one member's training reads: this section without the ensemble's own keys (at their defaults), so
         member 0 of an ensemble is the single reward model of the same config (one cache entry). What a member

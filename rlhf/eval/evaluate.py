@@ -218,10 +218,12 @@ def evaluate_policies(
     gold_fn: GoldFn | None,
     log: LogFn,
     reward_cfg: RewardConfig | None = None,
+    reward_is_gold: bool = False,
 ) -> EvalResult:
     """Generate with the trained and the SFT policies (same prompts, same seed) and compare them. The score is the
     reward model's at `reward_path`, the reward function of `reward_cfg` (reward.source: function, `reward_path`
-    None), or the model's plus the weighted function (reward.function_weight), as in training."""
+    None), or the model's plus the weighted function (reward.function_weight), as in training. `reward_is_gold`:
+    that function is the data's gold reward itself (`RewardConfig.is_the_gold`), which the alarm's check says."""
     device = resolve_device(runtime.device)
     trust_remote_code = runtime.trust_remote_code
     benchmarks = read_benchmarks(cfg)  # a bad benchmark file stops the stage before any model loads
@@ -277,8 +279,9 @@ def evaluate_policies(
     for rows in benchmarks:
         figures, tables[rows.name] = score_benchmark(rows, answers[rows.name], cfg.length_tolerance)
         summary |= figures
-    verified = reward is None and reward_fn is not None  # the reward is a verifier: its score is the quality
-    signs, alarm = overoptimisation_signs(frames["sft"], frames["policy"], in_distribution_std(reward), verified)
+    signs, alarm = overoptimisation_signs(
+        frames["sft"], frames["policy"], in_distribution_std(reward), verified=reward_is_gold
+    )
     summary |= signs
     warnings += alarm
     log(summary, 0)

@@ -54,6 +54,7 @@ class PolicyRun:
     on_eval: EvalCallback | None = None  # called after each periodic evaluation (rank 0); may raise to stop
     reward_cfg: RewardConfig | None = None  # with reward.function: its scores replace or add to the model's
     row_columns: RowColumns | None = None  # data.row_columns of the prompts and held-out prompts, by prompt
+    reward_is_gold: bool = False  # the reward is the data's gold reward itself (a verifier): `RewardConfig.is_the_gold`
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -75,6 +76,11 @@ def gold_fn_of(manifest_path: str | Path | None):
         return None
 
     return gold_scorer(json.loads(Path(manifest_path).read_text()), Path(manifest_path).parent)
+
+
+def gold_reward_of(manifest_path: str | Path | None) -> str | None:
+    """The name of the gold reward (`data.gold_reward`) of the data set whose manifest.json is at `manifest_path`."""
+    return json.loads(Path(manifest_path).read_text()).get("gold_reward") if manifest_path else None
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class PolicyInputs:
             eval_prompts=eval_prompts(self.eval_file, self.ppo.eval_n_prompts) if evaluated else None,
             on_eval=on_eval, reward_cfg=self.reward,
             row_columns=RowColumns.read(self.prompts_file, self.eval_file or ""),
+            reward_is_gold=self.reward is not None and self.reward.is_the_gold(gold_reward_of(self.data_manifest)),
         )  # fmt: skip
 
     def write(self, path: Path) -> None:

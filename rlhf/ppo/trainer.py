@@ -124,8 +124,8 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
     bar = tqdm(range(state.step, total), desc="ppo", disable=not show, initial=state.step, total=total)
 
     # the over-optimisation alarm at the periodic evaluations, and what ppo.on_overoptimisation keeps
-    verified = models.reward is None and models.reward_fn is not None  # the reward is the verifier itself
-    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, in_distribution_std(models.reward), verified)
+    std = in_distribution_std(models.reward)
+    guard = load_guard(out_dir / "state", cfg.on_overoptimisation, std, verified=run.reward_is_gold)
 
     def evaluate_if_due(step: int) -> bool:
         """Whether training stops after this evaluation (the alarm, with ppo.on_overoptimisation 'stop')."""
