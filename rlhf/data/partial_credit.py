@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 
 from rlhf.data import verifiers
 
@@ -124,9 +123,5 @@ def ifeval_partial(prompts: list[str], completions: list[str], instruction_id_li
     ]
 
 
-def _categories(instruction_id_list: list, **_: Any) -> list[list[str]]:
-    return verifiers.instruction_types(instruction_id_list)
-
-
 ifeval_partial.check_row = verifiers.ifeval_strict.check_row  # type: ignore[attr-defined]
-ifeval_partial.categories = _categories  # type: ignore[attr-defined]
+ifeval_partial.categories = verifiers.instruction_types  # type: ignore[attr-defined]
