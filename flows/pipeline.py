@@ -43,7 +43,13 @@ from rlhf.errors import TrialPruned
 from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
-from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY, TIME_POLICY_TRAIN, TIME_TRAIN
+from rlhf.metrics import (
+    PEAK_MEMORY,
+    REWARD_BEST_EVAL_ACCURACY,
+    REWARD_FUNCTION_PREFIX,
+    TIME_POLICY_TRAIN,
+    TIME_TRAIN,
+)
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
 from rlhf.stages import REWARD, SFT, WARM_START, stage_of, stages_of
@@ -125,20 +131,21 @@ class Upstream(NamedTuple):
 
 def reward_function_digest(reward: RewardConfig) -> str | None:
     """The digest of the reward function the policy and evaluation stages score with (None: none is used)."""
-    return function_digest(reward.function) if reward.uses_function and reward.function else None
+    return function_digest(reward.function_specs, reward.function_weights) if reward.uses_function else None
 
 
 def warm_start_inputs(config: PipelineConfig) -> dict[str, Any]:
     """The parameters of the warm-start stage that come from the config: its section, the SFT stage's fine-tuning
     settings, what it takes of the policy stage's sampling, the seed, the verifier and its digest."""
-    assert config.reward.function is not None  # the config refuses warm_start.enabled without one
+    reward = config.reward  # the config refuses warm_start.enabled without a function
     return {
         "warm_cfg": config.warm_start,
         "sft_cfg": config.sft,
         "sampling": WarmStartSampling.of(config.warm_start, config.ppo),
         "seed": config.seed,
-        "reward_function": config.reward.function,
-        "reward_function_digest": function_digest(config.reward.function),
+        "reward_functions": reward.function_specs,
+        "reward_weights": reward.function_weights,
+        "reward_function_digest": function_digest(reward.function_specs, reward.function_weights),
     }
 
 
@@ -303,6 +310,8 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         **({REWARD_BEST_EVAL_ACCURACY: reward_model.metrics[REWARD_BEST_EVAL_ACCURACY]} if reward_model else {}),
         **evaluation.metrics,
         **{k: v for k, v in policy.metrics.items() if k in (ALARM_STEP_KEY, KEPT_STEP_KEY)},
+        # each reward function's mean and std over the last update's responses (reward.functions)
+        **{k: v for k, v in policy.metrics.items() if k.startswith(REWARD_FUNCTION_PREFIX)},
         OBJECTIVE_LABEL_TAG: objective,
         "data": prepared.path,
         "data_digest": prepared.digest,
@@ -310,7 +319,9 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         **({"warm_start_checkpoint": warm.path} if warm else {}),
         # the warm start's samples: how many it kept (warm_start/kept_fraction ...), beside the evaluation's figures
         **({k: v for k, v in warm.metrics.items() if k.startswith("warm_start/")} if warm else {}),
-        "reward_checkpoint": reward_model.path if reward_model else f"none (reward function {config.reward.function})",
+        "reward_checkpoint": reward_model.path
+        if reward_model
+        else f"none (reward functions {', '.join(config.reward.function_specs)})",
         "policy_checkpoint": policy.path,
         "value_checkpoint": getattr(policy, "value_path", "") or "none (no value model)",
         "completions": f"{evaluation.path}/completions.parquet",

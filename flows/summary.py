@@ -14,6 +14,7 @@ from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY, KEPT_STEP_KEY
 from rlhf.metrics import (
+    EVAL_GOLD_PREFIX,
     EVAL_HACKING_EMPTY,
     EVAL_HACKING_LENGTH,
     EVAL_KL,
@@ -28,6 +29,7 @@ from rlhf.metrics import (
     EVAL_WIN_RATE_RM,
     EVAL_WIN_RATE_RM_LC,
     REWARD_BEST_EVAL_ACCURACY,
+    REWARD_FUNCTION_PREFIX,
 )
 from rlhf.models.device import dtype_reason, resolve_device, run_dtype
 from rlhf.stages import INIT, PPO, STAGES, stage_of
@@ -185,12 +187,25 @@ def figure_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         if EVAL_WIN_RATE_GOLD_LC in summary:
             rows.append(("  at equal length (gold, ties half)", _equal_length(summary, "gold")))
         gold = f"{summary[EVAL_POLICY_GOLD]:.3f} / {summary[EVAL_SFT_GOLD]:.3f}"
+        if f"{EVAL_GOLD_PREFIX}gain" in summary:  # with the 95% intervals and the paired gain
+            gold = (
+                f"{summary[EVAL_POLICY_GOLD]:.3f} [{summary[f'{EVAL_GOLD_PREFIX}policy_lo']:.3f}, "
+                f"{summary[f'{EVAL_GOLD_PREFIX}policy_hi']:.3f}] / {summary[EVAL_SFT_GOLD]:.3f} "
+                f"[{summary[f'{EVAL_GOLD_PREFIX}sft_lo']:.3f}, {summary[f'{EVAL_GOLD_PREFIX}sft_hi']:.3f}]"
+            )
         rows.append((f"mean gold reward {label} / SFT", gold))
+        if f"{EVAL_GOLD_PREFIX}gain" in summary:
+            gain = (summary[f"{EVAL_GOLD_PREFIX}{k}"] for k in ("gain", "gain_lo", "gain_hi"))
+            rows.append(("  gain over SFT (paired 95% interval)", "{:+.3f} [{:+.3f}, {:+.3f}]".format(*gain)))
     score = "reward-model score" if REWARD_BEST_EVAL_ACCURACY in summary else "reward-function score"
     rows.append((f"{label} beats SFT on {score}", f"{summary[EVAL_WIN_RATE_RM]:.1%}"))
     if EVAL_WIN_RATE_RM_LC in summary:
         rows.append(("  at equal length (RM, ties half)", _equal_length(summary, "rm")))
     rows.append((f"mean KL({label} || SFT) per response", f"{summary[EVAL_KL]:.3f}"))
+    functions = [k for k in summary if k.startswith(REWARD_FUNCTION_PREFIX) and k.endswith("/mean")]
+    if functions:  # reward.functions: each one's mean over the last update's responses
+        means = (f"{k.removeprefix(REWARD_FUNCTION_PREFIX).removesuffix('/mean')} {summary[k]:.3f}" for k in functions)
+        rows.append(("reward functions, last update's mean", ", ".join(means)))
     if EVAL_POLICY_LENGTH in summary:
         for name in ("policy", "sft"):
             mean, p10, p50, p90 = (summary[f"eval/{name}_length_{s}"] for s in ("mean", "p10", "p50", "p90"))

@@ -33,6 +33,7 @@ def _group(name: str, *rows: tuple[str | tuple[str, ...], str]) -> MetricGroup:
 # Keys written in more than one module (the stages, the summary, sweeps, rankings, the MLflow view).
 EVAL_POLICY_SCORE, EVAL_SFT_SCORE = "eval/policy_score", "eval/sft_score"
 EVAL_POLICY_GOLD, EVAL_SFT_GOLD = "eval/policy_gold", "eval/sft_gold"
+EVAL_GOLD_PREFIX = "eval/gold_"  # the gold's intervals and gain: eval/gold_policy_lo ... eval/gold_gain_hi
 EVAL_KL = "eval/kl"
 EVAL_WIN_RATE_RM, EVAL_WIN_RATE_GOLD = "eval/win_rate_rm", "eval/win_rate_gold"
 EVAL_TIE_RATE_GOLD = "eval/tie_rate_gold"
@@ -43,6 +44,7 @@ EVAL_HACKING_LENGTH, EVAL_HACKING_EMPTY = "eval/hacking_flag_length", "eval/hack
 EVAL_OVEROPTIMISATION_FLAG = "eval/overoptimisation_flag"
 EVAL_N_PROMPTS, EVAL_N_LEN_MATCHED = "eval/n_prompts", "eval/n_len_matched"
 PERIODIC_EVAL = "periodic_eval/"  # the prefix of PPO's periodic evaluation
+REWARD_FUNCTION_PREFIX = "rewards/"  # each reward function's own statistics: rewards/<name>/mean, /std
 PERIODIC_SCORE, PERIODIC_GOLD, PERIODIC_KL = "periodic_eval/score", "periodic_eval/gold", "periodic_eval/kl"
 PERIODIC_REF_SURPRISAL = "periodic_eval/ref_surprisal"
 REWARD_BEST_EVAL_ACCURACY = "reward/best_eval_accuracy"
@@ -130,6 +132,9 @@ PPO_UPDATE = _group(
     ("dynamic_sampling/extra_rounds", "generation rounds after the first that refilled the batch with new prompts"),
     ("dynamic_sampling/filled_groups", "groups without spread put back after the last round to keep the batch's size"),
     ("dynamic_sampling/generated_episodes", "episodes sampled in the update, every round together"),
+    (("rewards/<name>/mean", "rewards/<name>/std"), "with reward functions (reward.functions, or reward.function "
+     "as a list of one): each function's own score over the update's responses, before its weight (`<name>`: the "
+     "callable's name); the pipeline's summary names each with its last mean"),
     (("ensemble/mean", "ensemble/std", "ensemble/min", "ensemble/disagreement_ratio"),
      "with a reward-model ensemble: the periodic evaluation's `periodic_eval/ensemble_*` statistics on the training "
      "samples"),
@@ -146,6 +151,8 @@ PERIODIC_EVALUATION = _group(
     ("periodic_eval/gold", "mean gold reward (data with a gold reward only)"),
     (("periodic_eval/kl", "periodic_eval/sqrt_kl"), "KL to the SFT policy, as `eval/kl`, and its square root"),
     ("periodic_eval/length_mean", "mean response length in tokens"),
+    (("periodic_eval/rewards/<name>/mean", "periodic_eval/rewards/<name>/std"), "with reward functions: each "
+     "function's own score of the held-out responses, as `rewards/<name>/*` on the training samples"),
     ("periodic_eval/ref_surprisal", "the reference (SFT) model's surprisal at the response tokens, -log p_ref, in nats "
      "per token (over all the responses' tokens; the over-optimisation alarm's surprisal condition)"),
     ("periodic_eval/distinct_2", "distinct word bigrams over all bigrams of the responses (distinct-2)"),
@@ -245,6 +252,14 @@ EVALUATION = _group(
     ("eval/kl", "KL of the trained policy to the SFT policy on its own responses"),
     (("eval/policy_gold", "eval/sft_gold", "eval/win_rate_gold", "eval/tie_rate_gold"),
      "with a gold reward: the mean gold rewards, the strict win rate and the tie rate"),
+    (("eval/gold_policy_lo", "eval/gold_policy_hi", "eval/gold_sft_lo", "eval/gold_sft_hi"), "with a gold reward: "
+     "the 95% bootstrap interval of each mean gold reward over the held-out prompts (2,000 resamples); with a "
+     "verifier as the gold (a verifiable task), of the held-out accuracy"),
+    (("eval/gold_gain", "eval/gold_gain_lo", "eval/gold_gain_hi"), "the trained policy's mean gold minus SFT's, "
+     "with its paired 95% interval (the same resampled prompts for both)"),
+    (("eval/policy_rewards/<name>", "eval/sft_rewards/<name>"), "with reward functions: each function's own mean "
+     "score of the trained and the SFT policy's held-out responses (the completions' policy_reward_<name> and "
+     "sft_reward_<name>)"),
     (("eval/<policy>_length_mean", "eval/<policy>_length_std", "eval/<policy>_empty_rate", "eval/<policy>_stop_rate"),
      "`<policy>`: policy or sft; lengths in tokens, share of empty answers, share that stopped"),
     (("eval/win_rate_<judge>_len_matched", "eval/win_rate_<judge>_len_controlled", "eval/n_len_matched"),

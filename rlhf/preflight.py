@@ -15,7 +15,7 @@ from rlhf.errors import ConfigError
 from rlhf.eval.benchmark import read_benchmark
 from rlhf.memory import StageEstimate, model_positions, read_model_config
 from rlhf.memory_fit import plan_memory
-from rlhf.rollout.reward_function import load_reward_function
+from rlhf.rollout.reward_function import load_reward_functions
 from rlhf.tracking.store import check_tracking_uri
 
 
@@ -121,13 +121,15 @@ def check_ensemble_models(config: PipelineConfig) -> None:
 
 
 def check_reward_function(config: PipelineConfig) -> None:
-    """reward.function imports, and every data column it takes by name is one data.row_columns keeps (where it
-    scores the policy stage's responses or keeps the warm start's)."""
-    used = config.reward.uses_function or config.warm_start.enabled
-    if not used or config.reward.function is None:
+    """reward.function (or each of reward.functions) imports, and every data column it takes by name is one
+    data.row_columns keeps (where it scores the policy stage's responses or keeps the warm start's)."""
+    if not (config.reward.uses_function or config.warm_start.enabled):
         return
-    fn = load_reward_function(config.reward.function).fn
-    check_wanted(config.reward.function, fn, config.data.row_columns, "reward.function")
+    functions = load_reward_functions(config.reward.function_specs, config.reward.function_weights)
+    several = len(functions.functions) > 1
+    for i, function in enumerate(functions.functions):
+        key = f"reward.functions[{i}]" if several else "reward.function"
+        check_wanted(function.spec, function.fn, config.data.row_columns, key)
 
 
 def check_fit(config: PipelineConfig) -> list[StageEstimate]:

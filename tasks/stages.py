@@ -146,22 +146,24 @@ def warm_start_policy(
     sft_model: SFTModel,
     prepared: PreparedData,
     seed: int,
-    reward_function: str,
+    reward_functions: list[str],
+    reward_weights: list[float],
     reward_function_digest: str,
     runtime: RuntimeConfig,
     tracking: TrackingContext,
 ) -> SFTModel:
-    """Verified best-of-N warm start: the SFT policy's samples on the training prompts, those `reward_function`
-    passes kept, the SFT policy fine-tuned on them. A retry reads the samples written and resumes the fine-tuning
-    from its last saved state; a warm start that kept nothing stops with one sentence, never retried.
+    """Verified best-of-N warm start: the SFT policy's samples on the training prompts, those `reward_functions`
+    (their weighted sum) pass kept, the SFT policy fine-tuned on them. A retry reads the samples written and resumes
+    the fine-tuning from its last saved state; a warm start that kept nothing stops with one sentence, never retried.
     `reward_function_digest` (the function's name and source file) is in the cache key only."""
     params = {**flatten(warm_cfg, "warm_start"), **flatten(sampling, "warm_start.sampling"), "seed": seed}
-    with stage_scope(tracking, runtime, {**params, "reward.function": reward_function}, resume=True) as stage:
+    verifier = {"reward.functions": ", ".join(reward_functions), "reward.weights": str(reward_weights)}
+    with stage_scope(tracking, runtime, {**params, **verifier}, resume=True) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "prompts.parquet")
         prompts = f"{prepared.path}/prompts.parquet"
         samples = warm_start.draw_samples(
-            warm_cfg, sampling, runtime, sft_model.path, prompts, reward_function, folder, seed
+            warm_cfg, sampling, runtime, sft_model.path, prompts, reward_functions, reward_weights, folder, seed
         )
         sampled = warm_start.sample_metrics(samples)
         tracker.log_metrics(run_id, sampled, 0)

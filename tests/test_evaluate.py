@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flows.summary import format_summary, name_the_policy
+from flows.summary import figure_rows, format_summary, name_the_policy
 from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
 from rlhf.data import synthetic
 from rlhf.eval.evaluate import evaluate_policies, summarize
@@ -58,6 +58,38 @@ def test_summarize_flags_short_empty_answers_that_the_reward_model_prefers():
     named = name_the_policy(warnings, "GRPO")
     assert "the GRPO policy wins 90%" in named[0] and named[1].startswith("the GRPO policy answers nothing")
     assert not any("PPO" in line or "trained policy" in line for line in named)
+
+
+def test_a_verifiable_gold_gets_intervals_and_a_paired_gain_in_the_summary():
+    """200 held-out items: SFT right on 80 (0.40), the trained policy on those 80 and 30 more (0.55). The paired
+    interval of the gain is far narrower than the two means' intervals, because it resamples the same items."""
+    n = 200
+    prompts = [f"q{i}" for i in range(n)]
+    right = {"sft": set(range(80)), "policy": set(range(110))}
+    frames = {who: _frame([f"{who} {i}" for i in range(n)], [0.0] * n, [10] * n) for who in right}
+
+    def correct(prompt, response):
+        who, i = response.split()
+        return float(int(i) in right[who])
+
+    _, summary, _ = summarize(prompts, frames["sft"], frames["policy"], correct, length_tolerance=0.2)
+    assert summary["eval/policy_gold"] == 0.55 and summary["eval/sft_gold"] == 0.40
+    assert summary["eval/gold_gain"] == pytest.approx(0.15)
+    for who, mean in (("policy", 0.55), ("sft", 0.40)):  # the binomial interval: about +-1.96 * sqrt(p(1-p)/n)
+        half = 1.96 * np.sqrt(mean * (1 - mean) / n)
+        assert summary[f"eval/gold_{who}_lo"] == pytest.approx(mean - half, abs=0.015)
+        assert summary[f"eval/gold_{who}_hi"] == pytest.approx(mean + half, abs=0.015)
+    # paired: the gain is 1 on 30 items and 0 elsewhere, so its interval is 0.15 +- 1.96 * sqrt(.15 * .85 / 200)
+    half = 1.96 * np.sqrt(0.15 * 0.85 / n)
+    assert summary["eval/gold_gain_lo"] == pytest.approx(0.15 - half, abs=0.015) and summary["eval/gold_gain_lo"] > 0
+    assert summary["eval/gold_gain_hi"] == pytest.approx(0.15 + half, abs=0.015)
+    printed = format_summary_rows(summary)
+    assert "mean gold reward PPO / SFT" in printed and "0.550 [" in printed
+    assert f"gain over SFT (paired 95% interval)  +0.150 [{summary['eval/gold_gain_lo']:+.3f}, " in printed
+
+
+def format_summary_rows(summary: dict) -> str:
+    return "\n".join(f"{what}  {value}" for what, value in figure_rows(summary))
 
 
 def test_summarize_same_answers_no_flags():

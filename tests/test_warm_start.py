@@ -195,7 +195,8 @@ def test_warm_start_keeps_what_the_verifier_passes_is_logged_retried_and_cached(
     (run,) = by_stage["warm_start_policy"]
     assert run.info.run_name.endswith("/warm")
     assert run.data.params["warm_start.samples"] == str(SAMPLES)
-    assert run.data.params["reward.function"] == f"{__name__}:item_parity"
+    assert run.data.params["reward.functions"] == f"{__name__}:item_parity"
+    assert run.data.params["reward.weights"] == "[1.0]"
     metrics = run.data.metrics
     assert metrics[declared.WARM_START_PROMPTS] == PROMPTS and metrics[declared.WARM_START_SAMPLES] == PROMPTS * SAMPLES
     assert metrics[declared.WARM_START_KEPT] == len(kept)

@@ -19,7 +19,14 @@ from rlhf.config.pipeline import (
     section_digest,
 )
 from rlhf.config.ppo import LoraConfig, PPOConfig, PPOGenerationConfig
-from rlhf.config.sections import DATA_COLUMN_ROLES, DataConfig, RuntimeConfig, SyntheticTaskConfig, TrackingConfig
+from rlhf.config.sections import (
+    DATA_COLUMN_ROLES,
+    DataConfig,
+    ReasoningTaskConfig,
+    RuntimeConfig,
+    SyntheticTaskConfig,
+    TrackingConfig,
+)
 from rlhf.config.stages import (
     BootstrapModelConfig,
     DPOConfig,
@@ -41,6 +48,7 @@ __all__ = [
     "PPOConfig",
     "PPOGenerationConfig",
     "PipelineConfig",
+    "ReasoningTaskConfig",
     "RewardConfig",
     "RuntimeConfig",
     "SFTConfig",

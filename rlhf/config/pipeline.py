@@ -89,9 +89,9 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _warm_start_has_a_verifier(self) -> PipelineConfig:
-        """warm_start.enabled keeps the responses reward.function passes: without a function there is nothing to
-        keep them by."""
-        if self.warm_start.enabled and not self.reward.function:
+        """warm_start.enabled keeps the responses reward.function (or reward.functions) passes: without a function
+        there is nothing to keep them by."""
+        if self.warm_start.enabled and not self.reward.function_specs:
             raise ValueError(
                 "warm_start.enabled needs reward.function to keep the sampled responses by (reward.source is "
                 f"'{self.reward.source}' with no function): name a verifier, e.g. reward.function="

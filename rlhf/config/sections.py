@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from rlhf.config.base import Section
+from rlhf.config.data_tasks import ReasoningTaskConfig, SyntheticTaskConfig
 
 # MLflow's convention: the tracking URI of a process that names none. Where it is set (`rlhf serve` prints it for a
 # team's machines), it is the default of tracking.uri; a config file or an override still wins.
@@ -177,37 +178,9 @@ class RuntimeConfig(Section):
         return data
 
 
-class SyntheticTaskConfig(Section):
-    seed: int = Field(0, description="Seed of the generated task (prompts, demonstrations, pairs).")
-    n_sft: int = Field(4000, ge=16, description="Number of SFT demonstrations.")
-    n_train_pairs: int = Field(4000, ge=16, description="Number of training preference pairs.")
-    n_eval_pairs: int = Field(500, ge=8, description="Number of held-out preference pairs.")
-    label_noise: float = Field(
-        0.1, ge=0.0, lt=0.5, description="Probability that a training pair's label is flipped (human-like noise)."
-    )
-    length_bias: float = Field(
-        0.0,
-        ge=0.0,
-        description="Labellers' taste for longer reviews: a training pair's chosen review is the one with the higher "
-        "gold score plus length_bias per well-formed clause (the gold reward does not share it; held-out pairs "
-        "are labelled by the gold score alone). 0: no bias. docs/overoptimisation.md.",
-    )
-    max_clauses: int = Field(
-        3,
-        ge=2,
-        le=10,  # the task has 10 aspects, each used once per review
-        description="Longest review (clauses) of the demonstrations and pairs; reviews have 2 to max_clauses "
-        "clauses. 5 clauses are 25 tokens of the bootstrapped tokenizer: past ppo.max_new_tokens 24, so cut short.",
-    )
-    sft_max_clauses: int | None = Field(
-        None,
-        ge=2,
-        le=10,
-        description="Longest SFT demonstration (clauses), when it should differ from the pairs' max_clauses: "
-        "shorter demonstrations make the long reviews the labellers favour rare under the SFT policy. None: "
-        "max_clauses. docs/overoptimisation.md.",
-    )
-
+# The row columns of a reasoning_gym source's rows (rlhf/data/reasoning_gym.py): the generator's answer, and the
+# JSON text of the rest of its item (task, generator settings, question, metadata) that the task's score_answer reads
+REASONING_GYM_COLUMNS = ("answer", "entry")
 
 # Roles a source column can play (``data.columns`` maps a role to the source's column name).
 DATA_COLUMN_ROLES = (
@@ -226,10 +199,11 @@ DATA_COLUMN_ROLES = (
 class DataConfig(Section):
     """Where the preference data comes from and how it is validated (see rlhf/data/ and docs/data.md)."""
 
-    source: Literal["synthetic", "local", "hub"] = Field(
+    source: Literal["synthetic", "local", "hub", "reasoning_gym"] = Field(
         "synthetic",
         description="'synthetic': the built-in task; 'local': a file or save_to_disk folder (see `path`); "
-        "'hub': a Hugging Face hub data set (see `name`).",
+        "'hub': a Hugging Face hub data set (see `name`); 'reasoning_gym': a task of the reasoning-gym package "
+        "(see `task`; `pip install -e '.[reasoning]'`).",
     )
     path: str | None = Field(
         None,
@@ -342,6 +316,11 @@ class DataConfig(Section):
     num_proc: int | None = Field(None, ge=1, description="Processes for validation/tokenization; None: one.")
     batch_size: int = Field(1000, ge=1, description="Rows per validation/tokenization batch (bounds memory).")
     synthetic: SyntheticTaskConfig = Field(default_factory=SyntheticTaskConfig)
+    task: ReasoningTaskConfig = Field(
+        default_factory=ReasoningTaskConfig,
+        description="The reasoning-gym task of data.source 'reasoning_gym' (its rows keep the row columns answer "
+        "and entry, which rlhf.data.reasoning_gym's reward functions take).",
+    )
 
     @field_validator("encoding")
     @classmethod
@@ -373,9 +352,32 @@ class DataConfig(Section):
             raise ValueError("data.row_columns applies to 'local' and 'hub' sources: the synthetic task has no columns")
         if self.source == "synthetic" and self.gold_reward:
             raise ValueError("data.gold_reward applies to 'local' and 'hub' sources: the synthetic task has its own")
+        if self.source == "reasoning_gym":
+            self._check_reasoning_gym()
         if self.source == "hub" and not self.name:
             raise ValueError("data.name must name a hub data set (e.g. 'Anthropic/hh-rlhf') when data.source is 'hub'")
         unknown = sorted(set(self.columns) - set(DATA_COLUMN_ROLES))
         if unknown:
             raise ValueError(f"data.columns: unknown role '{unknown[0]}' (use {', '.join(DATA_COLUMN_ROLES)})")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_gym_columns(cls, data: Any) -> Any:
+        """A reasoning_gym source keeps its rows' truth (REASONING_GYM_COLUMNS) unless row_columns names them."""
+        if isinstance(data, dict) and data.get("source") == "reasoning_gym" and not data.get("row_columns"):
+            data = {**data, "row_columns": list(REASONING_GYM_COLUMNS)}
+        return data
+
+    def _check_reasoning_gym(self) -> None:
+        given = [key for key in ("path", "eval_path", "name", "prompts_path", "prompts_name") if getattr(self, key)]
+        if given:
+            raise ValueError(
+                f"data.{given[0]} names a file or data set, but data.source 'reasoning_gym' generates its "
+                "items (data.task); remove it"
+            )
+        if sorted(self.row_columns) != sorted(REASONING_GYM_COLUMNS):
+            raise ValueError(
+                f"data.row_columns of data.source 'reasoning_gym' are {', '.join(REASONING_GYM_COLUMNS)} "
+                f"(got {', '.join(self.row_columns)}); leave the key out"
+            )

@@ -109,6 +109,16 @@ class RewardConfig(Section):
         description="With source: model, the score is the reward model's plus function_weight * function(...) "
         "(format rewards on top of a reward model); 0 leaves the function out.",
     )
+    functions: list[str] | None = Field(
+        None,
+        description="Several reward functions, each 'module:callable' as `function` is (TRL's reward_funcs): the "
+        "score is their sum weighted by `weights`, plus the reward model's with source: model. Each is logged on its "
+        "own, rewards/<name>/mean and /std (name: the callable's). `function` is a list of one; set one of the two.",
+    )
+    weights: list[float] | None = Field(
+        None,
+        description="One finite weight per entry of `functions` (TRL's reward_weights); None: all 1.",
+    )
     epochs: float = Field(2.0, gt=0, description="Passes over the training pairs.")
     batch_size: int = Field(32, ge=1, description="Pairs per optimizer step.")
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (AdamW, linear decay).")
@@ -182,10 +192,30 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _function_given(self) -> RewardConfig:
-        if self.source == "function" and not self.function:
-            raise ValueError("reward.source: function needs reward.function ('module:callable')")
+        if self.function and self.functions is not None:
+            raise ValueError(
+                "reward.function and reward.functions both name reward functions: set one of them (a list of one "
+                "is reward.function)"
+            )
+        if self.functions is not None and not self.functions:
+            raise ValueError("reward.functions is empty: list 'module:callable' names, or leave the key out")
+        if self.source == "function" and not self.function_specs:
+            raise ValueError("reward.source: function needs reward.function ('module:callable') or reward.functions")
         if self.source == "model" and self.function_weight and not self.function:
             raise ValueError("reward.function_weight needs reward.function ('module:callable')")
+        if self.functions is not None and self.function_weight:
+            raise ValueError(
+                "reward.function_weight weighs reward.function beside the reward model; with reward.functions give "
+                "each its weight in reward.weights"
+            )
+        if self.weights is not None:
+            if self.functions is None:
+                raise ValueError("reward.weights weighs the entries of reward.functions: list them there")
+            if len(self.weights) != len(self.functions):
+                raise ValueError(
+                    f"reward.weights has {len(self.weights)} values for the {len(self.functions)} functions of "
+                    "reward.functions: give one weight per function, or leave reward.weights out (all 1)"
+                )
         return self
 
     @model_validator(mode="before")
@@ -225,8 +255,22 @@ class RewardConfig(Section):
         return self
 
     @property
+    def function_specs(self) -> list[str]:
+        """The reward functions' names, 'module:callable': `functions`, or `function` as a list of one."""
+        return list(self.functions) if self.functions is not None else [self.function] if self.function else []
+
+    @property
+    def function_weights(self) -> list[float]:
+        """One weight per entry of `function_specs`: `weights`, or all 1."""
+        return list(self.weights) if self.weights is not None else [1.0] * len(self.function_specs)
+
+    @property
     def uses_function(self) -> bool:
-        return self.function is not None and (self.source == "function" or self.function_weight != 0)
+        """Whether reward functions score: alone (source: function), listed beside the reward model
+        (`functions`), or the one `function` at a non-zero `function_weight`."""
+        if not self.function_specs:
+            return False
+        return self.source == "function" or self.functions is not None or self.function_weight != 0
 
     @property
     def is_ensemble(self) -> bool:
@@ -235,7 +279,12 @@ class RewardConfig(Section):
     def is_the_gold(self, gold_reward: str | None) -> bool:
         """Whether the reward is the data's gold reward itself (`data.gold_reward`, a verifier) and nothing else:
         its score is then the quality, not a proxy of it (the over-optimisation alarm says so)."""
-        return self.source == "function" and self.function is not None and self.function == gold_reward
+        return (
+            self.source == "function"
+            and gold_reward is not None
+            and self.function_specs == [gold_reward]
+            and self.function_weights == [1.0]
+        )
 
     def member_config(self) -> RewardConfig:
         """What one member's training reads: this section without the ensemble's own keys (at their defaults), so

@@ -1,8 +1,8 @@
 """Prepare preference data: read a source, validate it, write train/eval Parquet with a manifest.
 
 Sources (``data.source``): the built-in ``synthetic`` task; ``local`` files (JSONL, JSON, Parquet, CSV) or
-``save_to_disk`` folders; ``hub`` data sets (see sources.py). Formats and column mapping: formats.py. Drop rules
-and reasons: validate.py.
+``save_to_disk`` folders; ``hub`` data sets (see sources.py); a ``reasoning_gym`` task, written as local files
+(reasoning_gym.py). Formats and column mapping: formats.py. Drop rules and reasons: validate.py.
 
 Output folder layout (the fixed schema every later stage reads):
 - ``train.parquet``, ``eval.parquet``: prompt, chosen, rejected (strings), margin (float, null when unknown),
@@ -30,7 +30,7 @@ import pandas as pd
 
 from rlhf.checkpoints import atomic_dir, dir_digest, file_digest, text_digest, write_manifest
 from rlhf.config import DataConfig
-from rlhf.data import output, row_columns, scan, sources, synthetic, validate
+from rlhf.data import output, reasoning_gym, row_columns, scan, sources, synthetic, validate
 from rlhf.data.formats import ChatRenderer, Markers, Plan, plan_columns
 from rlhf.data.lengths import LengthLimits, length_report, length_table
 from rlhf.data.output import PAIR_COLUMNS
@@ -73,6 +73,8 @@ def check_source(cfg: DataConfig, scan_limit: int = scan.PREFLIGHT_SCAN_BYTES) -
     read through (`scan.scan_file`): a byte that does not decode, a line that is not JSON, a CSV line with the wrong
     number of fields, a Parquet file cut short, and more NaN or infinite scores than data.max_drop_fraction allows
     are one sentence naming the file and the line."""
+    if cfg.source == "reasoning_gym":  # installed, a task it knows, settings its generator takes
+        reasoning_gym.check_task(cfg.task)
     if cfg.source == "local":
         sources.check_local_path("data.path", cfg.path, cfg.data_dir)
         sources.check_local_path("data.eval_path", cfg.eval_path)
@@ -132,9 +134,10 @@ def _scan_pairs(cfg: DataConfig, plan: Plan | None, limit: int) -> None:
 
 def source_fingerprint(cfg: DataConfig) -> str:
     """Content digest of the local files a config reads (part of the prepare stage's cache key), so a file
-    changed in place is prepared again; hub sources are identified by name, configuration and revision."""
+    changed in place is prepared again; hub sources are identified by name, configuration and revision, and a
+    reasoning_gym task (data.task) by reasoning-gym's version."""
 
-    parts: list[str] = []
+    parts: list[str] = [reasoning_gym.version()] if cfg.source == "reasoning_gym" else []  # its generators' code
     for path in (cfg.path, cfg.eval_path, cfg.prompts_path):
         if cfg.source == "synthetic" or not path:
             continue
@@ -365,7 +368,9 @@ def prepare_preferences(cfg: DataConfig, out_dir: str | Path, limits: LengthLimi
             gold = synthetic.GOLD_REWARD_NAME
             fields["dropped"] = dict.fromkeys(validate.REASONS, 0)  # generated valid: nothing to drop
         else:
-            fields, gold = _prepare_pairs(cfg, tmp, scratch, limits), cfg.gold_reward
+            local = reasoning_gym.local_source(cfg, scratch) if cfg.source == "reasoning_gym" else cfg
+            fields, gold = _prepare_pairs(local, tmp, scratch, limits), cfg.gold_reward
+            fields |= reasoning_gym.manifest_fields(cfg.task) if local is not cfg else {}
             if gold:  # its source file's digest: a changed checker is a changed data set
                 fields["gold_reward_digest"] = function_digest(gold)
         manifest = write_manifest(tmp, gold_reward=gold, **fields)

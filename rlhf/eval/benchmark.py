@@ -156,6 +156,19 @@ def figures(scored: dict[str, pd.DataFrame], seed: int = 0) -> dict[str, float]:
     return out
 
 
+def mean_intervals(policy: np.ndarray, sft: np.ndarray, seed: int = 0) -> dict[str, float]:
+    """Per-prompt scores of the trained and the SFT policy (the same prompts, in order): each one's 95% bootstrap
+    interval of the mean and the gain's paired interval (the same resampled prompts for both), as `figures` gives
+    the benchmarks': keys policy_lo, policy_hi, sft_lo, sft_hi, gain, gain_lo, gain_hi."""
+    policy, sft = np.asarray(policy, dtype=float), np.asarray(sft, dtype=float)
+    samples = np.random.default_rng(seed).integers(0, len(policy), size=(RESAMPLES, len(policy)))
+    boot = {"policy": policy[samples].mean(1), "sft": sft[samples].mean(1)}
+    out = {"gain": float(policy.mean() - sft.mean())}
+    for name, values in (*boot.items(), ("gain", boot["policy"] - boot["sft"])):
+        out[f"{name}_lo"], out[f"{name}_hi"] = (float(v) for v in np.percentile(values, [2.5, 97.5]))
+    return out
+
+
 def by_type(scored: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Per instruction type: prompts, SFT's and the trained policy's strict accuracy, and the change (points)."""
     rows = []

@@ -22,6 +22,7 @@ from rlhf.data.row_columns import RowColumns
 from rlhf.eval import benchmark, length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats, surprisal_stats
 from rlhf.metrics import (
+    EVAL_GOLD_PREFIX,
     EVAL_HACKING_EMPTY,
     EVAL_HACKING_LENGTH,
     EVAL_KL,
@@ -35,6 +36,7 @@ from rlhf.metrics import (
     EVAL_TIE_RATE_GOLD,
     EVAL_WIN_RATE_GOLD,
     EVAL_WIN_RATE_RM,
+    REWARD_FUNCTION_PREFIX,
 )
 from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
@@ -99,7 +101,7 @@ def generate_and_score_prompts(
         mask = resp.mask.float()
         kl = kl_per_token(scored.logprobs, scored.ref_logprobs, "k1") * mask  # (b, r)
         texts = response_texts(tokenizer, resp)  # special tokens inside a response visible
-        members = member_columns(scored.member_scores)
+        members = member_columns(scored.member_scores) | function_columns(models, scored.function_scores)
         for i, prompt in enumerate(batch_prompts):
             rows.append(
                 {
@@ -192,6 +194,14 @@ def benchmark_markdown(summary: dict[str, float], name: str) -> str:
             "",
         ]
     )
+
+
+def function_columns(models: ScoringModels, function_scores: Tensor | None) -> dict[str, Tensor]:
+    """Each reward function's own scores as a column, rewards/<name> (reward.functions); none without functions."""
+    if function_scores is None or models.reward_fn is None:
+        return {}
+    names = models.reward_fn.names
+    return {REWARD_FUNCTION_PREFIX + name: row for name, row in zip(names, function_scores, strict=True)}
 
 
 def member_columns(member_scores: Tensor | None) -> dict[str, Tensor]:
@@ -348,7 +358,16 @@ def summarize(
             "policy_empty": empty["policy"],
         }
     )
+    for column in (c for c in policy.columns if c.startswith(REWARD_FUNCTION_PREFIX)):  # each reward function's
+        name = column.removeprefix(REWARD_FUNCTION_PREFIX)
+        table[f"sft_reward_{name}"], table[f"policy_reward_{name}"] = sft[column], policy[column]
     summary = {
+        **{
+            f"eval/{who}_{column}": float(frame[column].mean())
+            for who, frame in (("policy", policy), ("sft", sft))
+            for column in frame.columns
+            if column.startswith(REWARD_FUNCTION_PREFIX)
+        },
         EVAL_N_PROMPTS: float(len(prompts)),
         EVAL_POLICY_SCORE: float(policy["score"].mean()),
         EVAL_SFT_SCORE: float(sft["score"].mean()),
@@ -381,6 +400,9 @@ def summarize(
                 EVAL_TIE_RATE_GOLD: float(np.mean(table["policy_gold"] == table["sft_gold"])),
             }
         )
+        # the held-out gold's 95% intervals and the paired gain (a verifiable task: the held-out accuracy)
+        intervals = benchmark.mean_intervals(table["policy_gold"].to_numpy(), table["sft_gold"].to_numpy())
+        summary |= {f"{EVAL_GOLD_PREFIX}{key}": value for key, value in intervals.items()}
         add_length_control("gold", "gold reward", table["policy_gold"], table["sft_gold"])
     verdict = length_control.hacking_verdict(
         controls, policy["length"], sft["length"], empty["policy"], empty["sft"], policy["score"]

@@ -64,11 +64,13 @@ def merge_scored(parts: list[ScoredResponses], rows: list[Tensor], pad_id: int) 
         add("values", None if part.values is None else _pad(part.values[idx], width_r, 0.0))
         add("scores", part.scores[idx])
         add("member_scores", None if part.member_scores is None else part.member_scores[:, idx])
+        add("function_scores", None if part.function_scores is None else part.function_scores[:, idx])
     timings: dict[str, float] = {}
     for part in parts:
         for key, seconds in part.timings.items():
             timings[key] = timings.get(key, 0.0) + seconds
-    cat = {name: torch.cat(values, dim=1 if name == "member_scores" else 0) for name, values in pieces.items()}
+    by_row = ("member_scores", "function_scores")  # (K, b) and (F, b): rows are the second dimension
+    cat = {name: torch.cat(values, dim=1 if name in by_row else 0) for name, values in pieces.items()}
     return ScoredResponses(
         cat["query_responses"],
         cat["qr_mask"],
@@ -80,6 +82,7 @@ def merge_scored(parts: list[ScoredResponses], rows: list[Tensor], pad_id: int) 
         cat["scores"],
         timings,
         cat.get("member_scores"),
+        cat.get("function_scores"),
     )
 
 

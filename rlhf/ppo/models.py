@@ -41,7 +41,7 @@ from rlhf.models.training import (
     unwrap,
 )
 from rlhf.rollout.generation import Sampler
-from rlhf.rollout.reward_function import RewardFunction, reward_function
+from rlhf.rollout.reward_function import RewardFunctions, reward_function
 from rlhf.rollout.scoring import ScoringModels
 
 
@@ -58,7 +58,7 @@ class PPOModels:
     stop_token_ids: tuple[int, ...]
     same_tokenizer: bool
     sampler: Sampler | None = None  # ppo.generation.backend other than the built-in one (started by the trainer)
-    reward_fn: RewardFunction | None = None  # reward.function: the score, or added to the reward model's
+    reward_fn: RewardFunctions | None = None  # reward.function(s): the score, or added to the reward model's
     reward_fn_weight: float = 1.0
     # per scoring model, the tokenizer it re-tokenizes the decoded text with (None: the policy's ids as they are)
     member_tokenizers: list[PreTrainedTokenizerBase | None] | None = None

@@ -76,6 +76,9 @@ def evaluate_now(
     signs = {**response_stats(frame["response"].tolist()), **surprisal_stats(frame)}
     signs |= ensemble_stats(frame, in_distribution_std(models.reward))
     metrics |= {f"{PERIODIC_EVAL}{key}": value for key, value in signs.items()}
+    for column in (c for c in frame.columns if c.startswith("rewards/")):  # each reward function's own scores
+        metrics[f"{PERIODIC_EVAL}{column}/mean"] = float(frame[column].mean())
+        metrics[f"{PERIODIC_EVAL}{column}/std"] = float(frame[column].std(ddof=0))
     if gold_fn is not None:
         gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]
         metrics[PERIODIC_GOLD] = float(sum(gold) / len(gold))

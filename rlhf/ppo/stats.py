@@ -144,6 +144,20 @@ def ensemble_rollout_stats(member_scores: Tensor | None, in_distribution_std: fl
     }
 
 
+@torch.no_grad()
+def function_rollout_stats(function_scores: Tensor | None, names: list[str]) -> dict[str, float]:
+    """Each reward function's own scores over one rollout batch (reward.functions, TRL's per-function curves):
+    rewards/<name>/mean and rewards/<name>/std. Shape: function_scores (F, b), one row per name; empty without
+    reward functions (None)."""
+    if function_scores is None:
+        return {}
+    stats: dict[str, float] = {}
+    for name, row in zip(names, function_scores, strict=True):
+        stats[f"rewards/{name}/mean"] = row.mean().item()
+        stats[f"rewards/{name}/std"] = row.std(unbiased=False).item()
+    return stats
+
+
 class MicroStats(NamedTuple):
     """One micro-batch's optimisation statistics; `metrics()` names them with their keys (`MICRO_KEYS`), leaving
     out what the run does not have (value statistics without a value model, the KL loss with the KL in the reward)."""

@@ -38,7 +38,13 @@ from rlhf.ppo.records import record_rollouts
 from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
-from rlhf.ppo.stats import ensemble_rollout_stats, rollout_stats, zero_std_by_category, zero_std_counts
+from rlhf.ppo.stats import (
+    ensemble_rollout_stats,
+    function_rollout_stats,
+    rollout_stats,
+    zero_std_by_category,
+    zero_std_counts,
+)
 from rlhf.ppo.update import Rollout, compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
@@ -135,6 +141,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
 
     pad_id = models.tokenizer.pad_token_id
     category_stats = category_zero_std(models, run.prompts, cfg, dist)
+    function_names = models.reward_fn.names if models.reward_fn is not None else []
     sample_rollout = rollout_sampler(models, state, prompt_ids, run, plan, settings)
     if state.step == 0:
         evaluate_if_due(0)  # the SFT policy: the reference point of the run's evaluations (and of the alarm)
@@ -154,6 +161,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
         # step 8. statistics (reduced across ranks) and the KL controller (the global mean KL)
         t_stats = time.perf_counter()
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value, guard.in_distribution_std)
+        stats.update(function_rollout_stats(rollout.scored.function_scores, function_names))
         stats.update(sampling_stats)
         stats.update(record_rollouts(out_dir, update, models, run.prompts, rollout, cfg, run.gold_fn, dist))
         stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, dist.device, dist.world_size))

@@ -1,5 +1,7 @@
 """Rule-based rewards: a Python callable ``(prompts: list[str], responses: list[str]) -> list[float]`` scores the
 responses instead of (``reward.source: function``) or on top of (``reward.function_weight``) the reward model.
+Several (``reward.functions`` with ``reward.weights``, TRL's ``reward_funcs``) score their weighted sum, each one's
+scores kept apart for the statistics (``RewardFunctions``).
 
 A function may also take the data set's own columns as keyword arguments (TRL's convention,
 ``reward(prompts, completions, instruction_id_list, kwargs)``, or ``**kwargs`` for all of them): the columns
@@ -133,21 +135,98 @@ def load_reward_function(spec: str, key: str = "reward.function") -> RewardFunct
     return RewardFunction(spec, target)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class RewardFunctions:
+    """Reward functions with their weights (reward.functions and reward.weights, TRL's reward_funcs and
+    reward_weights; reward.function is a list of one): the score is the weighted sum of theirs, and `parts` gives
+    each one's own scores, which the statistics log under `names`."""
+
+    functions: tuple[RewardFunction, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def spec(self) -> str:
+        return ", ".join(function.spec for function in self.functions)
+
+    @property
+    def names(self) -> list[str]:
+        """Each function's name in the metrics (rewards/<name>/mean): the callable's name, numbered from the second
+        where two share one."""
+        names: list[str] = []
+        for function in self.functions:
+            base = function.spec.rpartition(":")[2].rpartition(".")[2]
+            name, n = base, 1
+            while name in names:
+                n += 1
+                name = f"{base}_{n}"
+            names.append(name)
+        return names
+
+    def with_columns(self, columns: RowColumns | None) -> RewardFunctions:
+        """These functions, given the row columns of the prompts they will score."""
+        return RewardFunctions(tuple(function.with_columns(columns) for function in self.functions), self.weights)
+
+    @property
+    def has_categories(self) -> bool:
+        """Whether one of the functions sorts rows into categories (`RewardFunction.has_categories`)."""
+        return any(function.has_categories for function in self.functions)
+
+    def categories(self, prompts: list[str]) -> list[list[str]]:
+        """The categories of each prompt's row, by the first function that has them."""
+        return next(function for function in self.functions if function.has_categories).categories(prompts)
+
+    def parts(self, prompts: list[str], responses: list[str]) -> list[list[float]]:
+        """Each function's own (unweighted, checked) scores of the pairs: one list per function."""
+        return [function(prompts, responses) for function in self.functions]
+
+    def combine(self, parts: list[list[float]]) -> list[float]:
+        """The weighted sum of `parts` (one list per function), per pair."""
+        if len(self.functions) == 1 and self.weights == (1.0,):
+            return list(parts[0])
+        return [sum(w * s for w, s in zip(self.weights, row, strict=True)) for row in zip(*parts, strict=True)]
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """The weighted sum of the functions' scores of the (prompt, response) pairs."""
+        return self.combine(self.parts(prompts, responses))
+
+
+def load_reward_functions(specs: list[str], weights: list[float] | None = None) -> RewardFunctions:
+    """The callables `specs` names with their `weights` (all 1 where None); each import failure is a ConfigError
+    naming its key (reward.function, or reward.functions[i] of a list of several)."""
+    keys = ["reward.function"] if len(specs) == 1 else [f"reward.functions[{i}]" for i in range(len(specs))]
+    functions = tuple(load_reward_function(spec, key) for spec, key in zip(specs, keys, strict=True))
+    return RewardFunctions(functions, tuple(weights) if weights is not None else (1.0,) * len(specs))
+
+
 def reward_function(
     reward_cfg: RewardConfig | None, columns: RowColumns | None = None
-) -> tuple[RewardFunction | None, float]:
-    """The reward function of `reward_cfg` (reward.function), given the prompts' row `columns`, and its weight beside
-    a reward model (1 where it scores alone, reward.source: function); (None, 1.0) where none is used."""
+) -> tuple[RewardFunctions | None, float]:
+    """The reward functions of `reward_cfg` (reward.functions or reward.function) with their weights, given the
+    prompts' row `columns`, and the weight of their sum beside a reward model (reward.function_weight for the one
+    reward.function, 1 for a list or where they score alone); (None, 1.0) where none is used."""
     if reward_cfg is None or not reward_cfg.uses_function:
         return None, 1.0
-    assert reward_cfg.function is not None
-    weight = 1.0 if reward_cfg.source == "function" else reward_cfg.function_weight
-    return load_reward_function(reward_cfg.function).with_columns(columns), weight
+    beside_model = reward_cfg.source == "model" and reward_cfg.functions is None
+    weight = reward_cfg.function_weight if beside_model else 1.0
+    functions = load_reward_functions(reward_cfg.function_specs, reward_cfg.function_weights)
+    return functions.with_columns(columns), weight
 
 
-def function_digest(spec: str) -> str:
-    """The function's name and its source file's content digest: what a stage scoring with it is cached on (a
-    changed rule recomputes the stage). Functions without a source file (builtins) are keyed on the name alone."""
+def function_digest(spec: str | list[str], weights: list[float] | None = None) -> str:
+    """The functions' names (and weights) and their source files' content digests: what a stage scoring with them
+    is cached on (a changed rule recomputes the stage). Functions without a source file (builtins) are keyed on the
+    name alone. A single name digests as it always has."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    weights = [1.0] * len(specs) if weights is None else [float(w) for w in weights]
+    if len(specs) == 1 and weights == [1.0]:
+        return _one_digest(specs[0])
+    h = hashlib.sha256(repr(weights).encode())
+    for one in specs:
+        h.update(_one_digest(one).encode())
+    return h.hexdigest()[:16]
+
+
+def _one_digest(spec: str) -> str:
     fn = load_reward_function(spec).fn
     try:
         source = inspect.getsourcefile(inspect.unwrap(fn))

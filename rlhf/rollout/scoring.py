@@ -23,7 +23,7 @@ from rlhf.models.training import unwrap
 from rlhf.ops import entropy_from_logits, linear_logprobs, logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
 from rlhf.rollout.generation import GenerationSettings, Responses, Sampler, sample_responses
-from rlhf.rollout.reward_function import RewardFunction
+from rlhf.rollout.reward_function import RewardFunctions
 from rlhf.rollout.row_groups import forward_rows, used_columns
 from rlhf.rollout.sides import run_sides
 from rlhf.rollout.static_decode import COMPILE_LOG
@@ -116,17 +116,20 @@ def reference_logprobs(
 
 def function_scores(
     models: ScoringModels, prompts: list[str] | None, resp: Responses, model_scores: Tensor | None, device: torch.device
-) -> Tensor:
-    """The reward function's scores of the decoded responses (reward.source: function), or the reward model's
-    scores plus ``reward_fn_weight`` times them. Shape: (b,)."""
+) -> tuple[Tensor, Tensor]:
+    """The reward functions' weighted scores of the decoded responses (reward.source: function), or the reward
+    model's scores plus ``reward_fn_weight`` times them; and each function's own scores. Shape: (b,), (F, b)."""
     if prompts is None:
         raise ValueError("a reward function scores texts: the prompts' texts are needed")
+    assert models.reward_fn is not None
     tokenizer = models.tokenizer
     texts = tokenizer.batch_decode(
         resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
     )
-    rule = torch.tensor(models.reward_fn(prompts, texts), dtype=torch.float32, device=device)
-    return rule if model_scores is None else model_scores + models.reward_fn_weight * rule
+    parts = models.reward_fn.parts(prompts, texts)
+    rule = torch.tensor(models.reward_fn.combine(parts), dtype=torch.float32, device=device)
+    parts_tensor = torch.tensor(parts, dtype=torch.float32, device=device).view(len(parts), len(texts))
+    return (rule if model_scores is None else model_scores + models.reward_fn_weight * rule), parts_tensor
 
 
 @torch.no_grad()
@@ -197,8 +200,8 @@ class ScoringModels:
     same_tokenizer: bool
     value: nn.Module | None = None
     sampler: Sampler | None = None
-    reward_fn: RewardFunction | None = None  # reward.function: the score (no reward model) or added to it
-    reward_fn_weight: float = 1.0  # with a reward model: score = model + weight * function
+    reward_fn: RewardFunctions | None = None  # reward.function(s): the score (no reward model) or added to it
+    reward_fn_weight: float = 1.0  # with a reward model: score = model + weight * functions' weighted sum
     # per scoring model, the tokenizer it re-tokenizes the decoded text with, None: the policy's token ids as they are
     # (`rlhf.models.reward_ensemble.member_tokenizers`); None: every one as `same_tokenizer` says
     member_tokenizers: list[PreTrainedTokenizerBase | None] | None = None
@@ -225,6 +228,7 @@ class ScoredResponses:
     scores: Tensor  # (b,) reward-model scores (an ensemble's: its objective's)
     timings: dict[str, float] = field(default_factory=dict)
     member_scores: Tensor | None = None  # (K, b) an ensemble's members' scores less their offsets; None without one
+    function_scores: Tensor | None = None  # (F, b) each reward function's own scores; None without functions
     # (b,) bool: the rows whose policy log-probs the optimisation's first pass computes and writes into `logprobs`
     # (`rlhf.ppo.optimise`); None: all computed here
     deferred: Tensor | None = None
@@ -356,7 +360,7 @@ def generate_and_score(
                         for s in chunks
                     ]
                 ).float()
-            scores = members = None
+            scores = members = parts = None
             if models.reward is not None:
                 raw = reward_scores(
                     models.reward,
@@ -375,16 +379,16 @@ def generate_and_score(
                 else:
                     scores = raw[0]
         if models.reward_fn is not None:
-            scores = function_scores(models, prompt_texts, resp, scores, device)
-        return values, (scores, members)
+            scores, parts = function_scores(models, prompt_texts, resp, scores, device)
+        return values, (scores, members, parts)
 
     with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded
-        (logprobs, ref_logprobs), (values, (scores, members)) = run_sides(policy_side, value_side, second_thread)
+        (logprobs, ref_logprobs), (values, (scores, members, parts)) = run_sides(policy_side, value_side, second_thread)
     sharding.reshard(policy, models.reference, models.value, models.reward)  # free what the no-grad calls gathered
     timings = {"time/generate": t1 - t0, "time/score": time.perf_counter() - t1}
     if settings.decode == "compiled":  # the compile warm-up of this call (0 once compiled), inside time/generate
         timings["time/decode_compile"] = COMPILE_LOG.seconds - compiled_before
     return ScoredResponses(
         query_responses, qr_mask, prompt_len, resp, logprobs, ref_logprobs, values, scores, timings, members,
-        None if deferred is None else deferred.to(device),
+        function_scores=parts, deferred=None if deferred is None else deferred.to(device),
     )  # fmt: skip

@@ -3,7 +3,7 @@ reward in MLflow experiments, its gold curve, where the alarm fires, what each `
 how well each gold-free signal tells the runs whose gold falls from the rest (docs/overoptimisation.md).
 
     python -m rlhf.sweeps.alarm_check --experiment rlhf-ppo [--experiment rlhf-overoptimisation] [--filter NAME]
-        [--half held-out] [--out table.csv] [--roc roc.png]
+        [--half held-out] [--out table.csv] [--roc roc.png] [--kept [kept.png]]
 
 Each run's alarm is replayed from its logged periodic_eval/* history with today's rule (`rlhf.eval.overoptimisation`),
 so runs logged before a change of the rule are judged by the new one. Every run belongs to one half of the study,
@@ -34,6 +34,8 @@ from rlhf.eval.overoptimisation import (
     replay,
 )
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
+from rlhf.sweeps import alarm_kept
+from rlhf.sweeps.alarm_kept import keep_best_index
 from rlhf.sweeps.alarm_threshold import (
     alarm_counts,
     confirmed_alarms,
@@ -178,12 +180,10 @@ def signal_scores(evals: pd.DataFrame) -> dict[str, float]:
 
 
 def kept_best_gold(evals: pd.DataFrame, alarm_step: int) -> float:
-    """The gold of the policy `ppo.on_overoptimisation: keep_best` keeps: the evaluation before the alarm (all of
-    them where it never fires) with the best conservative score (the ensemble's minimum; the score with one model)."""
-    before = evals if alarm_step < 0 else evals[evals["step"] < alarm_step]
-    column = f"{PERIODIC_EVAL}ensemble_min"
-    score = before[column] if column in before and before[column].notna().all() else before[PERIODIC_SCORE]
-    return float(before[PERIODIC_GOLD][score.idxmax()])
+    """The gold of the policy `ppo.on_overoptimisation: keep_best` keeps (`alarm_kept.keep_best_index`: the
+    evaluation before the alarm, all of them where it never fires, with the best conservative score)."""
+    picked = keep_best_index(evals, alarm_step)
+    return float(evals[PERIODIC_GOLD].iloc[-1 if picked is None else picked])
 
 
 def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.DataFrame:
@@ -208,6 +208,7 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
             {
                 "run": run.name,
                 **identity,
+                "mode": run.params.get("ppo.on_overoptimisation", ""),  # '': logged before the setting
                 **replayed,
                 "gold_if_kept_best": kept_best_gold(evals, int(replayed["alarm_step"])),
                 **signal_scores(evals),
@@ -330,6 +331,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--half", choices=[*HALVES, "all"], default="all", help="only the runs of this half")
     parser.add_argument("--out", help="also write the table to this CSV file")
     parser.add_argument("--roc", help="also draw the ROC curves of the signals into this PNG file")
+    parser.add_argument(
+        "--kept",
+        nargs="?",
+        const="",
+        help="also print what each ppo.on_overoptimisation keeps of the runs trained to their end with warn, as "
+        "markdown tables (rlhf.sweeps.alarm_kept), and draw their share of the best gain into this PNG file if named",
+    )
+    parser.add_argument("--confirm", type=int, default=1, help="--kept's alarm: the rule holding this many in a row")
+    parser.add_argument("--from-evidence", action="store_true", help="--kept's stop: keep from before the evidence")
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, args.filter) for name in experiments]
@@ -375,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(f"\nthe alarm ({tuned['default']:g}), on the {args.half} runs ({len(table)}):")
             print(threshold_report(with_threshold(table, tuned["default"])).round(3).to_string())
+    if args.kept is not None:
+        title = f"{len(table)} runs ({args.half}), {', '.join(experiments)}"
+        print("\n".join(alarm_kept.report(table, args.kept, title, args.confirm, args.from_evidence)))
     if args.out:
         table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:

@@ -52,7 +52,7 @@ from rlhf.models.training import enable_gradient_checkpointing
 from rlhf.rollout.batching import pad_left
 from rlhf.rollout.generation import GenerationSettings, Responses, sample_responses
 from rlhf.rollout.prompt_fit import fit_prompts
-from rlhf.rollout.reward_function import load_reward_function
+from rlhf.rollout.reward_function import load_reward_functions
 from rlhf.rollout.static_decode import resolve_decode
 from rlhf.tracking.metrics_writer import LogFn
 from rlhf.train.sft import SFTResult, train_sft
@@ -162,20 +162,21 @@ def draw_samples(
     runtime: RuntimeConfig,
     sft_path: str,
     prompts_file: str | Path,
-    reward_function: str,
+    reward_functions: list[str],
+    reward_weights: list[float],
     out_dir: str | Path,
     seed: int,
 ) -> Samples:
-    """`cfg.samples` responses of the SFT policy at `sft_path` to each training prompt, scored by `reward_function`
-    (with the prompts' row columns) and selected (`select`), written to `out_dir`/samples.parquet; an earlier
-    attempt's file (a retry, a rerun of the same stage) is read instead of sampling again."""
+    """`cfg.samples` responses of the SFT policy at `sft_path` to each training prompt, scored by the weighted sum of
+    `reward_functions` (with the prompts' row columns) and selected (`select`), written to `out_dir`/samples.parquet;
+    an earlier attempt's file (a retry, a rerun of the same stage) is read instead of sampling again."""
     path = Path(out_dir) / SAMPLES_FILE
     if path.is_file():
         return Samples(pd.read_parquet(path))
     started = time.perf_counter()
     prompts = training_prompts(prompts_file, cfg.prompts, seed)
     # the verifier and the rows' own truth first: a function that cannot be used stops before a model loads
-    verifier = load_reward_function(reward_function).with_columns(RowColumns.read(prompts_file))
+    verifier = load_reward_functions(reward_functions, reward_weights).with_columns(RowColumns.read(prompts_file))
     device = resolve_device(runtime.device)
     tokenizer = load_tokenizer(sft_path, trust_remote_code=runtime.trust_remote_code)
     model = load_causal_lm(sft_path, device, **load_options(runtime, device, trainable=False)).eval()

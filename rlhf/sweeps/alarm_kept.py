@@ -1,0 +1,232 @@
+"""What each `ppo.on_overoptimisation` would have kept, from recorded runs: the user's question "with the defaults, how
+good is the policy I get, next to the best policy the run passed through?" (docs/overoptimisation.md), answered
+from the periodic evaluations of runs trained to their end with `warn` (`rlhf.sweeps.alarm_check --kept`).
+
+For each such run (`alarm_check.alarm_table`'s rows) the gold of the policy each mode keeps:
+
+- `warn`: the last update's policy (the final periodic evaluation, which runs after the last update);
+- `stop`: the policy of the last periodic evaluation before the alarm (the last update's where it never fires);
+- `keep_best`: that mode's own pick, replayed as `rlhf.ppo.periodic_eval.EvalGuard` makes it (`keep_best_index`),
+
+set beside the run's best periodic gold and SFT's (the gold at update 0). A mode's **share of the best gain** on a
+run is (kept - SFT) / (best - SFT): 1 where it kept the best policy the run passed through, 0 where it kept no more
+than the SFT policy, below 0 where it kept worse. The best is the largest gold over the evaluations, update 0's
+among them, so it is never below SFT's; where it equals SFT's (no evaluation beat the SFT policy, a run with **no
+gain**) the share is undefined: NaN, left out of the means and the worst run and counted apart ("no gain"). What
+such a run loses still counts among the collapsed. A run **ends collapsed** under a mode when the policy it keeps is
+GOLD_FALL (0.2) or more below the run's best.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from rlhf.eval.overoptimisation import GOLD_FALL, SURPRISAL_RISE
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
+
+MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
+NO_GAIN = 1e-9  # a best gain over SFT this small or smaller is none: the share is NaN there
+KEPT_COLUMNS = ["run", "task", "objective", "kl_coef", "seed", "half", "sft", "best"]
+
+
+def keep_best_index(evals: pd.DataFrame, alarm_step: int) -> int | None:
+    """The row of `evals` (a run's periodic evaluations in step order) whose policy `ppo.on_overoptimisation:
+    keep_best` makes final, replayed as `EvalGuard.observe` picks it: at every evaluation before the alarm (all of
+    them where it never fires, update 0's, the SFT policy's, among them), its conservative score (the ensemble's
+    minimum where that evaluation logged one, the score otherwise) replaces the best so far only where it is strictly
+    higher (the first of equal scores stays; a NaN never wins). None where no evaluation was picked (then the guard
+    keeps the last update's policy)."""
+    best, best_score = None, float("-inf")
+    minimum = f"{PERIODIC_EVAL}ensemble_min"
+    for i, row in enumerate(evals.to_dict("records")):
+        if 0 <= alarm_step <= row["step"]:
+            break
+        value = row.get(minimum, float("nan"))
+        score = value if value == value else row[PERIODIC_SCORE]
+        if score > best_score:
+            best, best_score = i, score
+    return best
+
+
+def gain_share(kept: float, sft: float, best: float) -> float:
+    """(kept - sft) / (best - sft): the share of the run's best gain over the SFT policy a kept policy holds; NaN
+    where the run had no gain (its best at most NO_GAIN above SFT's)."""
+    gain = best - sft
+    return (kept - sft) / gain if gain > NO_GAIN else float("nan")
+
+
+def trained_to_end(table: pd.DataFrame) -> pd.Series:
+    """Which runs of `alarm_check.alarm_table` trained to their end with `warn` (`ppo.on_overoptimisation` logged as
+    'warn', or not logged: runs made before the setting), so that every mode's pick is among their evaluations."""
+    mode = table["mode"] if "mode" in table else pd.Series("", index=table.index)
+    return mode.fillna("").isin(["", "warn"])
+
+
+def kept_table(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per run of `alarm_check.alarm_table` trained to its end with `warn`: what it is, SFT's gold (update
+    0), its best periodic gold, and for each mode the gold it keeps, its share of the best gain (`gain_share`) and
+    whether it ends collapsed (GOLD_FALL or more below the best)."""
+    runs = table[trained_to_end(table)]
+    out = pd.DataFrame({c: runs[c] for c in KEPT_COLUMNS if c in runs and c not in ("sft", "best")})
+    out["sft"], out["best"] = runs["gold_start"], runs["gold_peak"]
+    for mode, column in MODES.items():
+        out[mode] = runs[column]
+        out[f"{mode} share"] = [
+            gain_share(k, s, b) for k, s, b in zip(runs[column], out["sft"], out["best"], strict=True)
+        ]
+        out[f"{mode} collapsed"] = out["best"] - out[mode] >= GOLD_FALL - 1e-9
+    return out.reset_index(drop=True)
+
+
+def _summary_row(runs: pd.DataFrame) -> dict[str, object]:
+    row: dict[str, object] = {"runs": len(runs), "no gain": int(runs["warn share"].isna().sum())}
+    for mode in MODES:
+        shares = runs[f"{mode} share"]
+        row[f"{mode}: mean share"] = shares.mean()
+        if shares.notna().any():
+            worst = runs.loc[shares.idxmin()]
+            row[f"{mode}: worst"] = f"{shares.min():.2f} ({worst.get('run', '?')})"
+        else:
+            row[f"{mode}: worst"] = "-"
+        row[f"{mode}: collapsed"] = int(runs[f"{mode} collapsed"].sum())
+    return row
+
+
+def kept_summary(kept: pd.DataFrame) -> pd.DataFrame:
+    """`kept_table` summarised per estimator (objective), per task and over all runs: the runs, those with no gain,
+    and per mode the mean share of the best gain (over the runs with a gain), the worst run's share and name, and the
+    runs that end collapsed."""
+    rows = {}
+    for by in ("objective", "task"):
+        if by in kept:
+            for name, runs in kept.groupby(by):
+                rows[str(name)] = _summary_row(runs)
+    rows["all runs"] = _summary_row(kept)
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def markdown(frame: pd.DataFrame, digits: int = 3) -> str:
+    """`frame` as a markdown table, numbers to `digits` places."""
+    return frame.round(digits).to_markdown(floatfmt=f".{digits}f")
+
+
+def kept_picture(kept: pd.DataFrame, path: Path, title: str) -> None:
+    """Each mode's share of the best gain per estimator, as a PNG: a bar for the mean over the runs with a gain, a
+    dot for each run (a ring where the run ends collapsed), and the issue's goals (95% on average, 85% at worst)."""
+    from matplotlib.figure import Figure
+
+    objectives = sorted(kept["objective"].unique())
+    colours = {"warn": "tab:grey", "stop": "tab:blue", "keep_best": "tab:green"}
+    figure = Figure(figsize=(8.0, 4.8))
+    ax = figure.subplots()
+    width = 0.8 / len(MODES)
+    for k, mode in enumerate(MODES):
+        for j, objective in enumerate(objectives):
+            runs = kept[kept["objective"] == objective]
+            shares = runs[f"{mode} share"]
+            x = j - 0.4 + width * (k + 0.5)
+            label = mode if j == 0 else None
+            ax.bar(x, shares.mean(), width * 0.9, color=colours[mode], alpha=0.45, label=label)
+            known = shares.notna()
+            collapsed = runs[f"{mode} collapsed"]
+            ax.scatter([x] * int((known & ~collapsed).sum()), shares[known & ~collapsed], s=10, color=colours[mode])
+            ax.scatter(
+                [x] * int((known & collapsed).sum()),
+                shares[known & collapsed],
+                s=22,
+                facecolors="none",
+                edgecolors="tab:red",
+                linewidths=0.9,
+            )
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.axhline(0.95, color="tab:orange", linestyle="--", linewidth=0.8, label="goal: mean 0.95")
+    ax.axhline(0.85, color="tab:orange", linestyle=":", linewidth=0.8, label="goal: worst 0.85")
+    ax.axhline(0.0, color="grey", linewidth=0.6)
+    ax.set_xticks(range(len(objectives)), objectives, fontsize=8)
+    ax.set_ylabel("kept gold, share of the run's best gain over SFT")
+    ax.set_title(f"{title} (red rings: kept {GOLD_FALL} or more below the best)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.07), ncols=5, frameon=False)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
+def report(
+    table: pd.DataFrame, picture: str | None, title: str, confirm: int = 1, from_evidence: bool = False
+) -> list[str]:
+    """The kept-policy tables of `alarm_check.alarm_table`'s runs as markdown lines (per run, then the summary), and
+    the picture where `picture` names a PNG file; with the levers of `with_lever` where they are not today's."""
+    lever = ""
+    if confirm != 1 or from_evidence:
+        table = with_lever(table, confirm, from_evidence)
+        lever = f" (levers: the rule holding at {confirm} evaluations in a row, stop keeping the policy from before "
+        lever += "the evidence began)" if from_evidence else "the alarm)"
+        title += "\n" + lever.strip()
+    kept = kept_table(table)
+    if kept.empty:
+        return ["no run trained to its end with ppo.on_overoptimisation: warn"]
+    shown = [c for c in kept.columns if not c.endswith("collapsed")]
+    lines = [
+        f"\nwhat each ppo.on_overoptimisation keeps, {len(kept)} runs trained to their end with warn"
+        f"{lever} (share: (kept - SFT) / (best - SFT); collapsed: kept {GOLD_FALL} or more below the best):\n",
+        markdown(kept[shown].set_index("run") if "run" in kept else kept[shown]),
+        "\nper estimator, per task and over all runs:\n",
+        markdown(kept_summary(kept)),
+    ]
+    if picture:
+        kept_picture(kept, Path(picture), title)
+    return lines
+
+
+def confirmed_index(holds: list[bool], confirm: int = 1) -> int | None:
+    """The evaluation (its index; 0 is the SFT policy's) at which an alarm that needs the rule to hold at `confirm`
+    evaluations in a row fires, from `alarm_check.rule_trace`'s per-evaluation trace (None: it never does). With
+    `confirm` 1 it is today's alarm (without an ensemble's conditions, which the trace leaves out). An evaluation
+    right after the alarm that can take it back (the alarm stands only if the rule still holds there) fires where
+    `confirm` 2 does."""
+    streak = 0
+    for i, held in enumerate(holds):
+        streak = streak + 1 if held and i > 0 else 0
+        if streak >= confirm:
+            return i
+    return None
+
+
+def evidence_start(holds: list[bool], rises: list[float], fired: int, confirm: int = 1) -> int:
+    """Where the evidence behind an alarm fired at evaluation `fired` began: the first of the `confirm` evaluations
+    the rule held at, moved back over the evaluations just before it at which the reference's surprisal had already
+    risen SURPRISAL_RISE or more above the SFT policy's (`rises`, the surprisal condition without its wait for the
+    score to stall): a fast fall shows there before the score stalls and the rule may hold."""
+    start = fired - confirm + 1
+    while start - 1 >= 1 and (holds[start - 1] or rises[start - 1] >= SURPRISAL_RISE):
+        start -= 1
+    return start
+
+
+def with_lever(table: pd.DataFrame, confirm: int = 1, from_evidence: bool = False) -> pd.DataFrame:
+    """`alarm_check.alarm_table`'s runs with the alarm and what `stop` and `keep_best` keep replayed under two levers
+    (docs/overoptimisation.md; the issue's item 2): the alarm fires once the rule has held at `confirm` evaluations
+    in a row (`confirmed_index`), and `stop` keeps the policy of the evaluation before the evidence began
+    (`from_evidence`, `evidence_start`) or before the alarm (the default); `keep_best` picks among the evaluations
+    before the same one. `alarm_step` (-1: none), `gold_if_stopped` and `gold_if_kept_best` replaced. Each is a
+    guard a run could keep live: it needs a copy of the policy at the last evaluation without evidence."""
+    out = table.copy()
+    alarms, stopped, best = [], [], []
+    for _, row in out.iterrows():
+        holds, steps, gold = list(row["rule_holds"]), list(row["eval_steps"]), list(row["gold_curve"])
+        stats = pd.DataFrame(row["alarm_inputs"][0])
+        surprisal = stats["ref_surprisal"] if "ref_surprisal" in stats else pd.Series(float("nan"), index=stats.index)
+        rises = (surprisal - surprisal.iloc[0]).fillna(float("-inf")).tolist()
+        fired = confirmed_index(holds, confirm)
+        cut = None
+        if fired is not None:
+            cut = evidence_start(holds, rises, fired, confirm) if from_evidence else fired
+        alarms.append(-1 if fired is None else int(steps[fired]))
+        stopped.append(gold[-1] if cut is None else gold[cut - 1])
+        evals = stats.rename(columns={c: f"{PERIODIC_EVAL}{c}" for c in stats.columns if c != "step"})
+        picked = keep_best_index(evals, -1 if cut is None else int(steps[cut]))
+        best.append(gold[-1] if picked is None else gold[picked])
+    out["alarm_step"], out["gold_if_stopped"], out["gold_if_kept_best"] = alarms, stopped, best
+    return out

@@ -1,0 +1,210 @@
+"""What each ppo.on_overoptimisation keeps (rlhf.sweeps.alarm_kept, `alarm_check --kept`): hand-made runs written into
+a real MLflow store (SQLite in a temporary folder), read back, replayed, and their kept gold checked against what is
+computed here by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from rlhf.sweeps import alarm_check, alarm_kept
+from rlhf.tracking.client import Tracker
+
+# evaluations at updates 0, 10, ..., 50: (score, gold, KL, the reference's surprisal in nats per token); distinct-2
+# stays at 0.3, so only the surprisal condition can fire (the KL never drifts 1.5 times past an earlier one)
+FALLS = [  # the score stalls from update 20; at 40 the surprisal is 1.5 nats above SFT's: the alarm fires at 40
+    (-0.2, 0.1, 0.0, 1.0),
+    (1.5, 0.6, 2.0, 1.1),
+    (1.9, 0.9, 3.0, 1.2),  # the best score before the alarm: keep_best keeps this (gold 0.9, the run's best)
+    (1.88, 0.8, 3.2, 1.3),  # the last evaluation before the alarm: stop keeps this (gold 0.8)
+    (1.92, 0.3, 3.4, 2.5),
+    (1.93, -0.5, 3.5, 3.0),  # warn keeps the last update's (gold -0.5)
+]
+HEALTHY = [  # no alarm: warn and stop keep the last update's (0.9, the best); keep_best the best score's (40: 0.85)
+    (-0.2, 0.0, 0.0, 1.0),
+    (1.0, 0.5, 1.0, 1.0),
+    (1.5, 0.7, 2.0, 1.0),
+    (1.7, 0.8, 2.5, 1.0),
+    (1.9, 0.85, 3.0, 1.0),
+    (1.85, 0.9, 3.2, 1.0),
+]
+NO_GAIN = [  # never better than SFT (0.2) and no alarm (the score climbs throughout): every mode keeps -0.5
+    (-0.2, 0.2, 0.0, 1.0),
+    (0.5, 0.1, 1.0, 1.0),
+    (1.0, 0.0, 2.0, 1.0),
+    (1.5, -0.1, 3.0, 1.0),
+    (2.0, -0.3, 4.0, 1.0),
+    (2.5, -0.5, 5.0, 1.0),
+]
+
+
+def _log_run(tracker: Tracker, name: str, estimator: str, points, mode: str | None = "warn") -> None:
+    run_id = tracker.start_run(name, tags={"stage": "train_policy_ppo"})
+    params = {"ppo.advantage_estimator": estimator, "ppo.kl_coef": 0.05, "seed": 61}
+    if mode is not None:
+        params["ppo.on_overoptimisation"] = mode
+    tracker.log_params(run_id, params)
+    for i, (score, gold, kl, surprisal) in enumerate(points):
+        metrics = {
+            "periodic_eval/score": score,
+            "periodic_eval/gold": gold,
+            "periodic_eval/kl": kl,
+            "periodic_eval/distinct_2": 0.3,
+            "periodic_eval/identical_share": 0.0,
+            "periodic_eval/near_identical_share": 0.0,
+            "periodic_eval/repetition": 0.1,
+            "periodic_eval/score_std": 1.0,
+            "periodic_eval/ref_surprisal": surprisal,
+        }
+        tracker.log_metrics(run_id, metrics, 10 * i)
+    tracker.end_run(run_id)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    uri = f"sqlite:///{tmp_path_factory.mktemp('kept') / 'mlflow.db'}"
+    default = Tracker(uri, "rlhf-ppo")
+    _log_run(default, "grid-falls/ppo", "grpo", FALLS)
+    _log_run(default, "grid-healthy/ppo", "gae", HEALTHY, mode=None)  # logged before the setting: trained to its end
+    _log_run(default, "grid-stopped/ppo", "rloo", FALLS[:4], mode="stop")  # stopped early: not in the kept table
+    _log_run(Tracker(uri, "rlhf-overoptimisation"), "grid-no-gain/ppo", "rloo", NO_GAIN)
+    return uri
+
+
+def _tables(uri: str) -> pd.DataFrame:
+    return pd.concat(
+        [alarm_check.alarm_table(Tracker(uri, name), name, "grid") for name in ("rlhf-ppo", "rlhf-overoptimisation")],
+        ignore_index=True,
+    )
+
+
+def test_each_mode_keeps_what_the_guard_would_have(store):
+    table = _tables(store)
+    assert sorted(table["mode"]) == ["", "stop", "warn", "warn"]
+    kept = alarm_kept.kept_table(table).set_index("run")
+    assert sorted(kept.index) == ["grid-falls/ppo", "grid-healthy/ppo", "grid-no-gain/ppo"]  # the stopped run left out
+    falls, healthy, no_gain = kept.loc["grid-falls/ppo"], kept.loc["grid-healthy/ppo"], kept.loc["grid-no-gain/ppo"]
+    assert table.set_index("run").loc["grid-falls/ppo", "alarm_step"] == 40
+    assert (falls["sft"], falls["best"]) == (0.1, 0.9)
+    assert (falls["warn"], falls["stop"], falls["keep_best"]) == (-0.5, 0.8, 0.9)
+    assert falls["warn share"] == pytest.approx((-0.5 - 0.1) / 0.8)  # -0.75
+    assert falls["stop share"] == pytest.approx(0.7 / 0.8) and falls["keep_best share"] == pytest.approx(1.0)
+    assert (falls["warn collapsed"], falls["stop collapsed"], falls["keep_best collapsed"]) == (True, False, False)
+    # no alarm: warn and stop keep the last update's policy, keep_best the best score's (update 40's)
+    assert (healthy["warn"], healthy["stop"], healthy["keep_best"]) == (0.9, 0.9, 0.85)
+    assert healthy["keep_best share"] == pytest.approx(0.85 / 0.9) and healthy["stop share"] == 1.0
+    assert not healthy[["warn collapsed", "stop collapsed", "keep_best collapsed"]].any()
+    # no gain over SFT: the share is undefined (NaN), the loss still counts as a collapse
+    assert (no_gain["sft"], no_gain["best"], no_gain["warn"], no_gain["keep_best"]) == (0.2, 0.2, -0.5, -0.5)
+    assert all(math.isnan(no_gain[f"{mode} share"]) for mode in alarm_kept.MODES)
+    assert no_gain[["warn collapsed", "stop collapsed", "keep_best collapsed"]].all()
+
+
+def test_the_summary_per_estimator_task_and_overall(store):
+    summary = alarm_kept.kept_summary(alarm_kept.kept_table(_tables(store)))
+    assert list(summary.index) == ["GRPO", "PPO", "RLOO", "rlhf-overoptimisation", "rlhf-ppo", "all runs"]
+    every = summary.loc["all runs"]
+    assert (every["runs"], every["no gain"]) == (3, 1)
+    assert every["warn: mean share"] == pytest.approx((-0.75 + 1.0) / 2)  # the run with no gain left out
+    assert every["stop: mean share"] == pytest.approx((0.875 + 1.0) / 2)
+    assert every["keep_best: mean share"] == pytest.approx((1.0 + 0.85 / 0.9) / 2)
+    assert every["warn: worst"] == "-0.75 (grid-falls/ppo)" and every["keep_best: worst"] == "0.94 (grid-healthy/ppo)"
+    assert (every["warn: collapsed"], every["stop: collapsed"], every["keep_best: collapsed"]) == (2, 1, 1)
+    rloo = summary.loc["RLOO"]  # its one run has no gain: no mean, no worst
+    assert math.isnan(rloo["stop: mean share"]) and rloo["stop: worst"] == "-" and rloo["stop: collapsed"] == 1
+    assert summary.loc["rlhf-ppo", "runs"] == 2 and summary.loc["rlhf-ppo", "warn: collapsed"] == 1
+
+
+def test_gain_share_and_collapse_edges():
+    assert alarm_kept.gain_share(0.5, 0.0, 1.0) == 0.5
+    assert alarm_kept.gain_share(-1.0, 0.0, 0.5) == -2.0  # worse than SFT: below 0
+    assert math.isnan(alarm_kept.gain_share(0.3, 0.3, 0.3))  # no gain: undefined
+    # exactly 0.2 below the best is collapsed (as the gold's fall is counted), 0.19 is not
+    table = pd.DataFrame(
+        {
+            "run": ["a", "b"],
+            "objective": "PPO",
+            "task": "t",
+            "gold_start": [0.0, 0.0],
+            "gold_peak": [0.9, 0.9],
+            "gold_final": [0.7, 0.71],
+            "gold_if_stopped": [0.7, 0.71],
+            "gold_if_kept_best": [0.9, 0.9],
+        }
+    )
+    kept = alarm_kept.kept_table(table)
+    assert kept["warn collapsed"].tolist() == [True, False]
+
+
+def test_keep_best_replays_the_guard():
+    evals = pd.DataFrame(
+        {
+            "step": [0, 10, 20, 30, 40],
+            "periodic_eval/score": [0.0, 2.0, 1.0, 3.0, 5.0],
+            "periodic_eval/ensemble_min": [0.0, 0.5, 0.9, float("nan"), 0.1],
+            "periodic_eval/gold": [0.0, 0.1, 0.2, 0.3, 0.4],
+        }
+    )
+    # the ensemble's minimum where logged (0.9 at 20 beats 0.5 at 10), the score where not (3.0 at 30)
+    assert alarm_kept.keep_best_index(evals, -1) == 3
+    assert alarm_kept.keep_best_index(evals, 30) == 2  # only the evaluations before the alarm
+    assert alarm_check.kept_best_gold(evals, 30) == 0.2
+    single = evals.drop(columns="periodic_eval/ensemble_min")
+    single["periodic_eval/score"] = [0.0, 2.0, 2.0, 1.0, 1.0]
+    assert alarm_kept.keep_best_index(single, -1) == 1  # equal scores: the first stays
+
+
+def test_the_command_prints_the_kept_tables_and_draws_them(store, tmp_path, capsys):
+    picture = tmp_path / "kept.png"
+    argv = ["--tracking-uri", store, "--experiment", "rlhf-ppo", "--experiment", "rlhf-overoptimisation"]
+    alarm_check.main([*argv, "--filter", "grid", "--kept", str(picture)])
+    printed = capsys.readouterr().out
+    assert "what each ppo.on_overoptimisation keeps, 3 runs trained to their end with warn" in printed
+    assert "| all runs " in printed and "| grid-falls/ppo " in printed and "stop: mean share" in printed
+    assert picture.stat().st_size > 10_000
+    alarm_check.main([*argv, "--filter", "grid", "--kept"])  # the tables without a picture
+    assert "per estimator, per task and over all runs" in capsys.readouterr().out
+
+
+def test_the_levers_replayed_on_the_recorded_evaluations(store):
+    assert alarm_kept.confirmed_index([False, True, False, True, True], 1) == 1
+    assert alarm_kept.confirmed_index([False, True, False, True, True], 2) == 4
+    assert alarm_kept.confirmed_index([False, True, False, True, True], 3) is None
+    assert alarm_kept.confirmed_index([True, True], 2) is None  # the SFT policy's evaluation is never evidence
+    table = _tables(store).sort_values("run").reset_index(drop=True)
+    falls = table["run"] == "grid-falls/ppo"
+    assert table.loc[falls, "rule_holds"].iloc[0] == [False, False, False, False, True, True]
+    today = alarm_kept.with_lever(table)  # one evaluation, the policy before the alarm: today's, unchanged
+    for column in ("alarm_step", "gold_if_stopped", "gold_if_kept_best"):
+        assert today[column].tolist() == table[column].tolist()
+    # two in a row: it fires at 50; stop keeps update 40's (0.3), and so does keep_best (40's score, 1.92, is the
+    # best before 50: the gamed policy scores highest), or from before the evidence began 30's and 20's (0.8, 0.9)
+    later = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-falls/ppo"]
+    assert (later["alarm_step"], later["gold_if_stopped"], later["gold_if_kept_best"]) == (50, 0.3, 0.3)
+    early = alarm_kept.with_lever(table, confirm=2, from_evidence=True).set_index("run").loc["grid-falls/ppo"]
+    assert (early["alarm_step"], early["gold_if_stopped"], early["gold_if_kept_best"]) == (50, 0.8, 0.9)
+    healthy = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-healthy/ppo"]
+    assert (healthy["alarm_step"], healthy["gold_if_stopped"], healthy["gold_if_kept_best"]) == (-1, 0.9, 0.85)
+    lines = alarm_kept.report(table, None, "t", confirm=2, from_evidence=True)
+    assert (
+        "the rule holding at 2 evaluations in a row, stop keeping the policy from before the evidence" in lines[0]
+        and "| grid-falls/ppo " in lines[1]
+    )
+
+
+def test_the_evidence_begins_where_the_surprisal_rose_before_the_score_stalled():
+    # a fast fall: the surprisal 2 nats up at update 20 while the score still climbs (the rule waits), the rule holds
+    # from 30; gold 0.9 at 10, -0.2 from 20 on
+    holds = [False, False, False, True, True]
+    rises = [0.0, 0.1, 2.0, 2.1, 2.2]
+    assert alarm_kept.evidence_start(holds, rises, 3) == 2 and alarm_kept.evidence_start(holds, rises, 4, 2) == 2
+    assert alarm_kept.evidence_start(holds, [0.0] * 5, 4, 2) == 3  # without the early rise: the streak's first
+    stats = [{"step": 10 * i, "score": float(i), "ref_surprisal": 1.0 + r} for i, r in enumerate(rises)]
+    row = {"rule_holds": holds, "eval_steps": [0, 10, 20, 30, 40], "gold_curve": [0.0, 0.9, -0.2, -0.2, -0.2]}
+    table = pd.DataFrame([{**row, "alarm_inputs": (stats, 0.0)}])
+    today = alarm_kept.with_lever(table).iloc[0]
+    assert (today["alarm_step"], today["gold_if_stopped"], today["gold_if_kept_best"]) == (30, -0.2, -0.2)
+    back = alarm_kept.with_lever(table, from_evidence=True).iloc[0]
+    assert (back["alarm_step"], back["gold_if_stopped"], back["gold_if_kept_best"]) == (30, 0.9, 0.9)
