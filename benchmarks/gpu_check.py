@@ -128,7 +128,7 @@ def _trl_peer(shape: str, estimator: str, updates: int) -> str:
 def bench_row(plan: Plan, results: dict, shape_name: str, estimator: str, updates: int, flops: bool) -> Row:
     """Episodes/s of the bench shape (this project), per-phase times, peak memory; with `flops` the MFU of the
     optimisation against the measured bf16 peak."""
-    from rlhf.memory_usage import reset_peak_memory
+    from rlhf.memory import reset_peak_memory
     from rlhf.rollout.static_decode import COMPILE_LOG
 
     from .ppo_bench import Bench, run_bench

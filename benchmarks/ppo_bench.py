@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
-from rlhf.memory_usage import peak_memory_mb
+from rlhf.memory import peak_memory_mb
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, autocast_dtype, torch_threads
 from rlhf.models.reference import match_autocast

@@ -106,7 +106,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def cmd_memory(argv: list[str]) -> int:
-    from rlhf.memory_report import main  # heavy: pydantic config models, transformers' config classes
+    from rlhf.memory.report import main  # heavy: pydantic config models, transformers' config classes
 
     return main(argv)
 

@@ -2,7 +2,8 @@
 Crashed, and the concurrency slots they held released; and the link from a rerun to the crashed run it resumed.
 
 Prefect records a run's end from inside its process: a process killed with SIGKILL records nothing, and its flow
-run, its task runs and its in-process subflows (a sweep's variants) would stay Running for good. So:
+run, its task runs and its in-process subflows (a sweep's variants) would stay Running for good. Prefect 3.9 has no
+zombie detection on a temporary server (its heartbeat automation needs a server that outlives the run). So:
 
 * every pipeline flow run labels itself at its start (`check_in`): ``rlhf.process`` names its process (host, pid and
   start time) and ``rlhf.prefect_server`` the Prefect server it reports to (``temporary``: the server a CLI run starts
@@ -58,6 +59,7 @@ from prefect.states import Crashed
 from flows import HEARTBEAT_S
 from flows.terminal import prefect_api_problem
 from rlhf.checkpoints import stage_lock
+from rlhf.tracking.store import process_alive
 from tasks.stage_runs import RESUMED_FROM_TAG
 from tasks.tracking import TrackingContext, tracker_for
 
@@ -105,13 +107,8 @@ def process_gone(label: str) -> bool | None:
     if host != socket.gethostname() or not pid.isdigit():
         return None
     try:
-        process = psutil.Process(int(pid))
-        if process.status() == psutil.STATUS_ZOMBIE:  # ended, not yet reaped by its parent
-            return True
-        return bool(started) and abs(process.create_time() - float(started)) > 1.0  # the pid is another's now
-    except psutil.NoSuchProcess:
-        return True
-    except (psutil.AccessDenied, ValueError):
+        return not process_alive(int(pid), float(started) if started else None)
+    except ValueError:
         return False
 
 

@@ -52,7 +52,7 @@ from rlhf.metrics import (
 )
 from rlhf.preflight import preflight
 from rlhf.rollout.reward_function import function_digest
-from rlhf.stages import REWARD, SFT, WARM_START, stage_of, stages_of
+from rlhf.stages import DPO, ENSEMBLE, EVALUATE, INIT, PPO, PREPARE, REWARD, SFT, WARM_START, stage_of, stages_of
 from rlhf.sweeps.optuna_search import TrialRef
 from rlhf.train.warm_start import WarmStartSampling
 from tasks.caching import run_stage, runtime_key
@@ -87,7 +87,7 @@ def rlhf_pipeline(
     check_in()  # labels this run with its process; runs of killed processes become Crashed (flows/crashed_runs.py)
     quiet_stop_in_served_run()  # served by make ui: Ctrl-C there prints one sentence, not the stage's traceback
     estimates = preflight(config)
-    said = compute(config)  # runtime.dtype resolved ('auto': by this machine's CPU check, cached), and why
+    said = compute(config.runtime)  # runtime.dtype resolved ('auto': by this machine's CPU check, cached), and why
     get_run_logger().info("computing in %s (%s)", said[COMPUTE_TAG], said[COMPUTE_REASON_TAG])
     tracking = open_pipeline_run(config, trial)
     try:
@@ -134,19 +134,57 @@ def reward_function_digest(reward: RewardConfig) -> str | None:
     return function_digest(reward.function_specs, reward.function_weights) if reward.uses_function else None
 
 
-def warm_start_inputs(config: PipelineConfig) -> dict[str, Any]:
-    """The parameters of the warm-start stage that come from the config: its section, the SFT stage's fine-tuning
-    settings, what it takes of the policy stage's sampling, the seed, the verifier and its digest."""
-    reward = config.reward  # the config refuses warm_start.enabled without a function
-    return {
-        "warm_cfg": config.warm_start,
-        "sft_cfg": config.sft,
-        "sampling": WarmStartSampling.of(config.warm_start, config.ppo),
-        "seed": config.seed,
-        "reward_functions": reward.function_specs,
-        "reward_weights": reward.function_weights,
-        "reward_function_digest": function_digest(reward.function_specs, reward.function_weights),
+def hand_out(config: PipelineConfig) -> dict[str, Any]:
+    """The one place the config is handed out: by stage task, for the stages this config runs in their order, what
+    the stage takes of it: its own section, any other section its signature names, and the shared facts it needs
+    (the runtime, its seed, the digests of the files it reads). These and its upstream outputs are its cache key, so
+    a section's change recomputes only the stages handed it. The reward-model stage gets one entry per ensemble
+    member: its seed and what it trains from (`base_model`, of reward.ensemble_models; `trunk`, the parameters of an
+    SFT stage of its own with reward.ensemble_trunks 'own_sft'; neither: the pipeline's SFT model)."""
+    runtime, seed, reward, warm = config.runtime, config.seed, config.reward, config.warm_start
+    policy_seed, benchmarks = config.policy_stage_seed, benchmark.files_digest(config.eval.benchmarks)
+    facts = {"runtime": runtime}
+    sft = {"sft_cfg": config.sft, "seed": seed, **facts}
+    rewarding = {"reward_cfg": reward, "reward_function_digest": reward_function_digest(reward), **facts}
+
+    def trunk(k: int) -> dict[str, Any]:  # member k's seed is its own (`member_seed`), and so is its own SFT's
+        if reward.ensemble_models:  # no SFT checkpoint in its key: changing one model retrains that member only
+            return {"sft_model": None, "base_model": reward.ensemble_models[k]}
+        own = reward.ensemble_trunks == "own_sft" and k > 0
+        return {"trunk": {**sft, "seed": member_seed(seed, k)}} if own else {}
+
+    handed = {
+        PREPARE.task: {
+            "data_cfg": config.data,
+            "source_digest": source_fingerprint(config.data),
+            "lengths": LengthLimits.from_config(config),  # the report's limits: a change re-prepares (same digest)
+            **facts,
+        },
+        SFT.task: sft,
+        REWARD.task: [
+            {"reward_cfg": reward.member_config(), "seed": member_seed(seed, k), **trunk(k), **facts}
+            for k in range(reward.ensemble_size)
+        ],
+        ENSEMBLE.task: {"reward_cfg": reward, **facts},
+        INIT.task: {"critic": not config.ppo.critic_free, **facts},
+        PPO.task: {"ppo_cfg": config.ppo, "seed": policy_seed, "processes": runtime.ppo_processes, **rewarding},
+        DPO.task: {"dpo_cfg": config.dpo, "seed": policy_seed, **facts},
+        EVALUATE.task: {"eval_cfg": config.eval, "ppo_cfg": config.ppo, "benchmark_digest": benchmarks, **rewarding},
     }
+    if warm.enabled:  # the SFT stage's fine-tuning settings, its share of ppo's sampling, the verifier (the config
+        # refuses warm_start.enabled without a function) and its digest
+        handed[WARM_START.task] = {
+            "warm_cfg": warm,
+            "sft_cfg": config.sft,
+            "sampling": WarmStartSampling.of(warm, config.ppo),
+            "seed": seed,
+            "reward_functions": reward.function_specs,
+            "reward_weights": reward.function_weights,
+            "reward_function_digest": function_digest(reward.function_specs, reward.function_weights),
+            **facts,
+        }
+    stages = stages_of(config.algorithm, reward.source, reward.is_ensemble, warm.enabled)
+    return {stage.task: handed[stage.task] for stage in stages}
 
 
 def upstream_signature(config: PipelineConfig) -> str:
@@ -168,79 +206,43 @@ def upstream_signature(config: PipelineConfig) -> str:
     return json.dumps(keys, sort_keys=True, default=str)
 
 
-def run_upstream(config: PipelineConfig, tracking: TrackingContext, progress: StageProgress | None = None) -> Upstream:
-    """Preferences, SFT, the warm start (warm_start.enabled) and reward model (from the cache when they were built
-    before)."""
-    common = {"runtime": config.runtime, "tracking": tracking}
-    prepared = run_stage(
-        prepare_preferences,
-        data_cfg=config.data,
-        source_digest=source_fingerprint(config.data),
-        lengths=LengthLimits.from_config(config),  # the report's limits: a change re-prepares (same digest)
-        **common,
-    )
-    if progress:
-        progress.done(stage_of(prepared.stage).label)
-    sft_model = run_stage(supervised_finetune, sft_cfg=config.sft, prepared=prepared, seed=config.seed, **common)
-    if progress:
-        progress.done(stage_of(sft_model.stage).label)
-    warm = None
-    if config.warm_start.enabled:  # the SFT policy fine-tuned on its own verified samples (rlhf/train/warm_start.py)
-        inputs = warm_start_inputs(config)
-        warm = run_stage(warm_start_policy, sft_model=sft_model, prepared=prepared, **inputs, **common)
+def run_upstream(handed: dict[str, Any], tracking: TrackingContext, progress: StageProgress | None = None) -> Upstream:
+    """Preferences, SFT, the warm start and reward model (from the cache when they were built before), each with what
+    `hand_out` gave it (`handed`)."""
+
+    def run(task, **inputs: Any) -> Any:
+        return run_stage(task, **inputs, tracking=tracking)
+
+    def done(output: Any) -> None:
         if progress:
-            progress.done(stage_of(warm.stage).label)
-    if config.reward.source == "function":  # a reward function scores: no reward model to train
+            progress.done(stage_of(output.stage).label)
+
+    prepared = run(prepare_preferences, **handed[PREPARE.task])
+    done(prepared)
+    sft_model = run(supervised_finetune, **handed[SFT.task], prepared=prepared)
+    done(sft_model)
+    warm = None
+    if WARM_START.task in handed:  # the SFT policy fine-tuned on its own verified samples (rlhf/train/warm_start.py)
+        warm = run(warm_start_policy, **handed[WARM_START.task], sft_model=sft_model, prepared=prepared)
+        done(warm)
+    if REWARD.task not in handed:  # a reward function scores: no reward model to train
         return Upstream(prepared, sft_model, None, warm)
-    # member k of an ensemble trains with its own seed, from what `member_inits` says; member 0 is the single reward
-    # model of the same config (but with reward.ensemble_models, whose first model it trains from)
+    # member k of an ensemble trains with its own seed, from what `hand_out` says (own SFT stages first); member 0 is
+    # the single reward model of the same config (but with reward.ensemble_models, whose first model it trains from)
+    members = [dict(member) for member in handed[REWARD.task]]
+    trunks = [
+        run(supervised_finetune, **m.pop("trunk"), prepared=prepared) if "trunk" in m else sft_model for m in members
+    ]
     members = [
-        run_stage(
-            train_reward_model,
-            reward_cfg=config.reward.member_config(),
-            prepared=prepared,
-            seed=member_seed(config.seed, k),
-            **init,
-            **common,
-        )
-        for k, init in enumerate(member_inits(config, sft_model, prepared, tracking))
+        run(train_reward_model, **{"sft_model": t, **m}, prepared=prepared)
+        for t, m in zip(trunks, members, strict=True)
     ]
-    if progress:
-        progress.done(stage_of(members[0].stage).label)
-    if not config.reward.is_ensemble:
+    done(members[0])
+    if ENSEMBLE.task not in handed:
         return Upstream(prepared, sft_model, members[0], warm)
-    ensemble = run_stage(
-        combine_reward_ensemble, reward_cfg=config.reward, members=members, prepared=prepared, **common
-    )
-    if progress:
-        progress.done(stage_of(ensemble.stage).label)
+    ensemble = run(combine_reward_ensemble, **handed[ENSEMBLE.task], members=members, prepared=prepared)
+    done(ensemble)
     return Upstream(prepared, sft_model, ensemble, warm)
-
-
-def member_inits(
-    config: PipelineConfig, sft_model: SFTModel, prepared: PreparedData, tracking: TrackingContext
-) -> list[dict[str, Any]]:
-    """What each reward-model member trains from, as `train_reward_model`'s `sft_model` and `base_model` (in its
-    cache key): the pipeline's SFT checkpoint (reward.ensemble_trunks 'shared'); with 'own_sft', member k > 0 from a
-    `supervised_finetune` stage of its own, run here with the member's seed; with reward.ensemble_models, member k
-    from the k-th model listed (no SFT checkpoint in its key: changing one model retrains that member only)."""
-    reward = config.reward
-    if reward.ensemble_models:
-        return [{"sft_model": None, "base_model": model} for model in reward.ensemble_models]
-    if reward.ensemble_trunks == "shared":
-        return [{"sft_model": sft_model}] * reward.ensemble_size
-    own = [
-        run_stage(
-            supervised_finetune,
-            sft_cfg=config.sft,
-            prepared=prepared,
-            seed=member_seed(config.seed, k),
-            runtime=config.runtime,
-            tracking=tracking,
-        )
-        for k in range(1, reward.ensemble_size)
-    ]
-    return [{"sft_model": trunk} for trunk in (sft_model, *own)]
 
 
 MEMBER_SEED_STRIDE = 7919  # member k's seed is the run's seed plus k times this (seed s's members are not s + 1's)
@@ -253,55 +255,28 @@ def member_seed(seed: int, member: int) -> int:
 
 def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialRef | None = None) -> dict[str, Any]:
     """The stages in order; each result (paths and digests) feeds the next stage's cache key."""
-    common = {"runtime": config.runtime, "tracking": tracking}
-    stages = stages_of(config.algorithm, config.reward.source, config.reward.is_ensemble, config.warm_start.enabled)
+    handed = hand_out(config)  # what each stage takes of the config
+
+    def run(task, **inputs: Any) -> Any:
+        return run_stage(task, **handed[task.name], **inputs, tracking=tracking)
+
     objective = policy_label(config)  # what trains the policy: 'PPO', 'GRPO', ..., 'DPO'
-    progress = StageProgress([stage_label(stage.task, objective) for stage in stages])  # a progress artifact in Prefect
-    upstream = run_upstream(config, tracking, progress)
+    progress = StageProgress([stage_label(task, objective) for task in handed])  # a progress artifact in Prefect
+    upstream = run_upstream(handed, tracking, progress)
     prepared, sft_model, reward_model, warm = upstream
     policy_start = upstream.policy_start  # the policy stage's policy and reference: warm-started, else SFT
-    # the reward function, where one scores: its name and source file are in the cache keys of the stages using it
-    rewarding = {"reward_cfg": config.reward, "reward_function_digest": reward_function_digest(config.reward)}
     ppo_init = None
     policy: PPOPolicy | DPOPolicy
-    if config.algorithm == "ppo":
-        critic = not config.ppo.critic_free
-        ppo_init = run_stage(
-            init_policy_models, sft_model=policy_start, reward_model=reward_model, critic=critic, **common
-        )
+    if PPO.task in handed:
+        ppo_init = run(init_policy_models, sft_model=policy_start, reward_model=reward_model)
         progress.done(stage_label(ppo_init.stage, objective))
-        policy = run_stage(
-            train_policy_ppo,
-            ppo_cfg=config.ppo,
-            ppo_init=ppo_init,
-            prepared=prepared,
-            seed=config.policy_stage_seed,
-            processes=config.runtime.ppo_processes,
-            trial=trial,
-            **rewarding,
-            **common,
-        )
+        policy = run(train_policy_ppo, ppo_init=ppo_init, prepared=prepared, trial=trial)
     else:
-        policy = run_stage(
-            train_policy_dpo,
-            dpo_cfg=config.dpo,
-            sft_model=policy_start,
-            prepared=prepared,
-            seed=config.policy_stage_seed,
-            **common,
-        )
+        policy = run(train_policy_dpo, sft_model=policy_start, prepared=prepared)
     progress.done(stage_label(policy.stage, objective))
-    evaluation = run_stage(
-        evaluate_policies,
-        eval_cfg=config.eval,
-        ppo_cfg=config.ppo,
-        policy=policy,
-        sft_model=sft_model,  # the original SFT policy: a warm start's gain is part of the reported one
-        reward_model=reward_model,
-        prepared=prepared,
-        benchmark_digest=benchmark.files_digest(config.eval.benchmarks),
-        **rewarding,
-        **common,
+    # the original SFT policy is evaluated against: a warm start's gain is part of the reported one
+    evaluation = run(
+        evaluate_policies, policy=policy, sft_model=sft_model, reward_model=reward_model, prepared=prepared
     )
     progress.done(stage_label(evaluation.stage, objective))
     outputs = (prepared, sft_model, warm, reward_model, ppo_init, policy, evaluation)
@@ -331,7 +306,7 @@ def _run_stages(config: PipelineConfig, tracking: TrackingContext, trial: TrialR
         TRACKING_URI_FROM: tracking_uri_origin(config.tracking.uri),  # $MLFLOW_TRACKING_URI, the default or the config
         # the run's budget, by which the summary tells a plumbing check from learning (flows/summary.py)
         **budget(config),
-        **compute(config),  # the device type and the dtype the stages computed in, and why ('auto' resolved)
+        **compute(config.runtime),  # the device type and the dtype the stages computed in, and why ('auto' resolved)
         # the measured peak memory of the training stages (logged beside the preflight estimate)
         **{
             f"memory/{name}_peak_mb": output.metrics[PEAK_MEMORY]

@@ -125,7 +125,8 @@ def deployments(
 
 
 def wait_for_api(timeout: float = 120.0) -> str:
-    """Wait until the Prefect server answers ``/health``; returns the API URL."""
+    """Wait until the Prefect server answers ``/health``; returns the API URL. (Prefect 3.9's `api_healthcheck()`
+    retries a timed-out request with backoff, PREFECT_CLIENT_MAX_RETRIES times: a 5-second GET per try is plainer.)"""
     url = PREFECT_API_URL.value()
     if not url:
         raise SystemExit("error: PREFECT_API_URL is not set; start a server with `make ui` (or `make prefect-ui`)")

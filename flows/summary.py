@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from flows.pipeline_run import RESULTS_FROM_TAG
-from rlhf.config import PipelineConfig
+from rlhf.config import PipelineConfig, RuntimeConfig
 from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.config.sections import is_tracking_server
 from rlhf.eval import benchmark
@@ -105,10 +105,9 @@ def budget(config: PipelineConfig) -> dict[str, int]:
     }
 
 
-def compute(config: PipelineConfig) -> dict[str, str]:
+def compute(runtime: RuntimeConfig) -> dict[str, str]:
     """The device type and the dtype the run's models compute in (`runtime.dtype` resolved: 'auto' by this machine's
     check on a CPU, rlhf/models/cpu_bf16.py) and why, as the summary's tags."""
-    runtime = config.runtime
     device = resolve_device(runtime.device)
     dtype = run_dtype(runtime, device)
     return {

@@ -43,7 +43,7 @@ from flows.artifacts import (
     publish_ranking,
     publish_table,
 )
-from flows.pipeline import run_upstream, upstream_signature
+from flows.pipeline import hand_out, run_upstream, upstream_signature
 from flows.pipeline_run import tracking_context
 from flows.summary import sweep_note
 from flows.terminal import quiet_stop_in_served_run, served_stop_cancels
@@ -352,7 +352,7 @@ def build_shared_stages(base: PipelineConfig, space: SweepSpace, search, sweep_r
         signature = upstream_signature(config)
         if signature not in seen:
             seen.add(signature)
-            run_upstream(config, tracking_context(config, sweep_run_id, f"sweep-{space.name}"))
+            run_upstream(hand_out(config), tracking_context(config, sweep_run_id, f"sweep-{space.name}"))
 
 
 def finish_variant(

@@ -9,11 +9,11 @@ use; Prefect's server uses asyncpg. Both read a password left out of the URL fro
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from alembic.script import ScriptDirectory
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -138,20 +138,12 @@ def _create(cursor, name: str, team: TeamDatabases) -> None:
 
 
 def migration_revisions(package: str, folder: str) -> tuple[set[str], set[str]]:
-    """(every revision, the heads) of the Alembic migrations under `folder` of an installed `package`, read from the
-    scripts' text (the package itself is not imported)."""
+    """(every revision, the heads) of the Alembic migrations under `folder` of an installed `package`."""
     spec = importlib.util.find_spec(package)
     assert spec is not None and spec.submodule_search_locations, package
-    revisions, parents = set(), set()
-    for script in (Path(spec.submodule_search_locations[0]) / folder).glob("*.py"):
-        text = script.read_text(errors="replace")
-        found = re.search(r"^revision\s*(?::\s*str\s*)?=\s*['\"]([0-9a-zA-Z_]+)['\"]", text, re.M)
-        if found:
-            revisions.add(found.group(1))
-        down = re.search(r"^down_revision\s*(?::[^=]*)?=\s*(.+)$", text, re.M)
-        if down:
-            parents.update(re.findall(r"['\"]([0-9a-zA-Z_]+)['\"]", down.group(1)))
-    return revisions, revisions - parents
+    versions = Path(spec.submodule_search_locations[0]) / folder
+    scripts = ScriptDirectory(str(versions.parent), version_locations=[str(versions)])
+    return {script.revision for script in scripts.walk_revisions()}, set(scripts.get_heads())
 
 
 def check_schema_versions(team: TeamDatabases) -> None:

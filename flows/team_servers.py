@@ -215,7 +215,8 @@ def server_commands(plan: Plan) -> tuple[list[str], list[str]]:
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, what: str, stop: StopRequest) -> None:
-    """Until `url` answers 200 (or Ctrl-C); a server that exits first, or never answers, is an error naming its log."""
+    """Until `url` answers 200 (or Ctrl-C); a server that exits first, or never answers, is an error naming its log.
+    One loop for both servers: MLflow has no `api_healthcheck()`, and Prefect 3.9's would need a client per URL."""
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline and stop.signum is None:
         if proc.poll() is not None:

@@ -4,7 +4,8 @@ Prefect starts it in a subprocess when the flow first talks to its API: seven se
 on a quiet 2-core machine, after the command's own ten seconds of importing torch, transformers, MLflow and the flow.
 `start_early` starts it before those imports, so that the two overlap; the first Prefect client that asks for the
 server then waits until it answers (`_ServerStart`) instead of starting one. The server runs in a session of its own
-and dies with the command (`temporary_server_in_own_session`).
+and dies with the command (`temporary_server_in_own_session`). `_ServerStart` polls ``/health`` itself: Prefect
+3.9's `api_healthcheck()` needs a client, and a client without PREFECT_API_URL starts the server being started.
 """
 
 from __future__ import annotations

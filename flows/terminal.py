@@ -359,7 +359,8 @@ def stopped_before_the_flow(signum: int) -> int:
 
 def prefect_api_problem(timeout: float = 5.0) -> str | None:
     """The sentence for a Prefect server that PREFECT_API_URL (the environment or the Prefect profile) names and that
-    does not answer: without it the flow would retry its first call for minutes, then end in a traceback."""
+    does not answer: without it the flow would retry its first call for minutes, then end in a traceback (Prefect
+    3.9's `api_healthcheck()` goes through that retrying client, so one plain GET /health asks)."""
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()

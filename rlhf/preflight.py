@@ -13,8 +13,8 @@ from rlhf.data.prepare import check_source
 from rlhf.data.row_columns import check_wanted
 from rlhf.errors import ConfigError
 from rlhf.eval.benchmark import read_benchmark
-from rlhf.memory import StageEstimate, model_positions, read_model_config
-from rlhf.memory_fit import plan_memory
+from rlhf.memory import StageEstimate, plan_memory
+from rlhf.models.model_config import config_device_type, model_positions, read_model_config
 from rlhf.rollout.reward_function import load_reward_functions
 from rlhf.tracking.store import check_tracking_uri
 
@@ -138,9 +138,9 @@ def check_fit(config: PipelineConfig) -> list[StageEstimate]:
     the per-stage memory estimates."""
     check_ppo_processes(config)
     check_generation_backend(config)
-    model_config = read_model_config(config)
+    model_config = read_model_config(config.sft, config.runtime.trust_remote_code)
     check_lengths(config, model_config)
-    return plan_memory(config, device_type(config), model_config)
+    return plan_memory(config, config_device_type(config.runtime.device), model_config)
 
 
 def check_device(device: str) -> None:
@@ -194,16 +194,6 @@ def check_output_dir(output_dir: str) -> None:
         ) from None
 
 
-def device_type(config: PipelineConfig) -> str:
-    """'cuda' or 'cpu': where `runtime.device` puts the models (nothing is initialised on the device)."""
-    device = config.runtime.device
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if device.startswith("cuda") else "cpu"
-
-
 def check_lengths(config: PipelineConfig, model_config: Any) -> None:
     """Every configured length fits in the SFT model's positions (the reward and value models share them)."""
     positions = model_positions(model_config)
@@ -241,7 +231,7 @@ def check_generation_backend(config: PipelineConfig) -> None:
         return
     from rlhf.rollout.vllm_backend import check_vllm_backend  # heavy: torch; only for the optional vLLM backend
 
-    check_vllm_backend(device_type(config), config.runtime.device, config.runtime.ppo_processes)
+    check_vllm_backend(config_device_type(config.runtime.device), config.runtime.device, config.runtime.ppo_processes)
 
 
 def check_ppo_processes(config: PipelineConfig) -> None:

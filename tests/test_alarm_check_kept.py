@@ -11,6 +11,7 @@ import pytest
 
 from rlhf.sweeps import alarm_check, alarm_kept
 from rlhf.tracking.client import Tracker
+from tests.conftest import REPO
 
 # evaluations at updates 0, 10, ..., 50: (score, gold, KL, the reference's surprisal in nats per token); distinct-2
 # stays at 0.3, so only the surprisal condition can fire (the KL never drifts 1.5 times past an earlier one)
@@ -208,3 +209,26 @@ def test_the_evidence_begins_where_the_surprisal_rose_before_the_score_stalled()
     assert (today["alarm_step"], today["gold_if_stopped"], today["gold_if_kept_best"]) == (30, -0.2, -0.2)
     back = alarm_kept.with_lever(table, from_evidence=True).iloc[0]
     assert (back["alarm_step"], back["gold_if_stopped"], back["gold_if_kept_best"]) == (30, 0.9, 0.9)
+
+
+def test_the_recorded_tables_of_the_docs_are_read_as_runs(tmp_path):
+    page = tmp_path / "grid.md"
+    page.write_text(
+        "| half | task | objective | kl_coef | seed | gold at 0 | peak (update) | final | falls 0.2 (update) | alarm "
+        "(update) | 'stop' keeps | 'keep_best' keeps |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+        "--- | --- |\n"
+        "| held-out | default | GRPO | 0 | 51 | 0.100 | 0.900 (20) | -0.500 | yes (30) | 30 | 0.500 | 0.900 |\n\n"
+        f"{alarm_kept.FRESH_HEADING}\n\n"
+        "| task | objective | kl_coef | seed | gold at 0 | peak | final | falls | alarm | earlier | stop | best |\n"
+        "| default | RLOO | 0.05 | 54 | 0.000 | 0.800 (60) | 0.800 | no | no | - | 0.800 | 0.800 |\n"
+    )
+    runs = alarm_kept.recorded_runs(page)
+    assert runs["half"].tolist() == ["held-out", "fresh"]
+    kept = alarm_kept.kept_table(runs).set_index("run")
+    grpo = kept.loc["default GRPO kl 0 seed 51"]
+    # warn keeps the fallen final policy, stop half the gain, keep_best all of it
+    assert (grpo["warn share"], grpo["stop share"], grpo["keep_best share"]) == pytest.approx((-0.75, 0.5, 1.0))
+    assert [grpo["warn collapsed"], grpo["stop collapsed"], grpo["keep_best collapsed"]] == [True, True, False]
+    assert kept.loc["default RLOO kl 0.05 seed 54", "stop share"] == 1.0
+    shipped = alarm_kept.recorded_runs(REPO / "docs" / "alarm-grid.md")
+    assert len(shipped) == 84 + 56  # the shipped page: the grid and the fresh runs

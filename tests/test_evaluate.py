@@ -35,7 +35,7 @@ def test_summarize_flags_short_empty_answers_that_the_reward_model_prefers():
     ppo_scores = [3.0] * 4 + [1.0] * 32 + [-1.0] * 4  # the empty answers score best
     ppo = _frame(ppo_resp, ppo_scores, ppo_len)
 
-    def gold(prompt, response):
+    def gold(prompt, response, row=None):
         return float(len(response))
 
     table, summary, warnings = summarize(prompts, sft, ppo, gold, length_tolerance=0.2)
@@ -68,7 +68,7 @@ def test_a_verifiable_gold_gets_intervals_and_a_paired_gain_in_the_summary():
     right = {"sft": set(range(80)), "policy": set(range(110))}
     frames = {who: _frame([f"{who} {i}" for i in range(n)], [0.0] * n, [10] * n) for who in right}
 
-    def correct(prompt, response):
+    def correct(prompt, response, row=None):
         who, i = response.split()
         return float(int(i) in right[who])
 
@@ -134,7 +134,7 @@ def test_evaluate_policies_reports_lengths_empties_and_flags(tiny_checkpoints, p
         tiny_checkpoints["reward"],
         eval_file,
         tmp_path / "eval",
-        lambda prompt, response: float(len(response.split())),
+        lambda prompt, response, row: float(len(response.split())),
         lambda metrics, step: logged.append(metrics),
     )
     s = result.summary

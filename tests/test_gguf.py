@@ -94,7 +94,7 @@ def test_the_dequantised_folder_is_reused_and_a_half_written_one_never_is(source
 
 
 def test_sft_model_names_a_gguf_file_or_a_folder_and_gguf_file(source, tmp_path):
-    from rlhf.memory import read_model_config
+    from rlhf.models.model_config import read_model_config
     from rlhf.preflight import preflight
     from rlhf.train.sft import load_existing
 
@@ -104,7 +104,7 @@ def test_sft_model_names_a_gguf_file_or_a_folder_and_gguf_file(source, tmp_path)
         assert (config.data.tokenizer, config.data.tokenizer_gguf_file) == (config.sft.model, config.sft.gguf_file)
         preflight(config)  # reads the metadata only: no folder written yet
         assert not (tmp_path / CACHE_FOLDER).exists()
-        shape = read_model_config(config)
+        shape = read_model_config(config.sft)
         assert (shape.model_type, shape.num_hidden_layers, shape.hidden_size) == ("llama", 2, 32)
     # the config preflight builds from the header is the one transformers builds from the whole file
     from transformers import AutoConfig

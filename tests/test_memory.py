@@ -9,8 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
-from rlhf.memory import CPU_PROCESS_BASE, GIB, dtype_bytes, estimate, model_positions, read_model_config, shape_of
-from rlhf.memory_fit import check_fits
+from rlhf.memory import CPU_PROCESS_BASE, GIB, check_fits, dtype_bytes, estimate, shape_of
+from rlhf.models.model_config import model_positions, read_model_config
 
 TINY = {
     "llama": dict(
@@ -126,7 +126,7 @@ def test_a_run_that_does_not_fit_is_one_sentence_with_settings_that_would():
 
 def test_the_bootstrap_models_shape_comes_from_its_config_section():
     config = load_config("conf/smoke.yaml")
-    cfg = read_model_config(config)
+    cfg = read_model_config(config.sft)
     assert model_positions(cfg) == config.sft.bootstrap.n_positions
     assert shape_of(cfg).hidden == config.sft.bootstrap.n_embd
 
@@ -146,7 +146,7 @@ def test_the_cpu_activation_count_matches_what_autograd_keeps_in_a_float32_llama
     leaves out the norms' float32 intermediates and the MLP's activation) is 25% short."""
     from transformers import AutoModelForSequenceClassification
 
-    from rlhf.memory import _layer_activations
+    from rlhf.memory.estimates import _layer_activations
     from rlhf.models.cpu_kernels import use_cpu_kernels
 
     cfg = AutoConfig.for_model(
@@ -213,7 +213,7 @@ def test_rlhf_memory_answers_for_the_configs_own_device(capsys, tmp_path, monkey
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMOL}))
-    from rlhf.memory_report import main
+    from rlhf.memory.report import main
 
     def report(*args):
         assert main(["--config", "conf/default.yaml", "--model-config", str(tmp_path), *args]) == 0

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf.config import DataConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig
+from rlhf.config import DataConfig, PPOConfig, RewardConfig, RuntimeConfig, SFTConfig, TrackingConfig
 from rlhf.data import synthetic
 from rlhf.data.prepare import prepare_preferences
 from rlhf.errors import TrainingInterrupted as RMInterrupted
@@ -497,8 +497,8 @@ def test_policy_inputs_travel_to_the_processes_as_they_are(tmp_path):
         stop_after=3,
     )  # fmt: skip
     inputs.write(tmp_path / "inputs.yaml")
-    back, config = inputs_from_args(parse_args(["--inputs", str(tmp_path / "inputs.yaml")]))
-    assert config is None and back.ppo == inputs.ppo and back.reward == inputs.reward
+    back, tracking = inputs_from_args(parse_args(["--inputs", str(tmp_path / "inputs.yaml")]))
+    assert tracking == TrackingConfig() and back.ppo == inputs.ppo and back.reward == inputs.reward
     assert back.runtime == inputs.runtime.model_copy(update={"progress": False})
     assert (back.seed, back.reward_path, back.stop_after, back.eval_file) == (
         7,

@@ -16,8 +16,8 @@ import pytest
 from rlhf.config import DataConfig, ReasoningTaskConfig
 from rlhf.data import reasoning_gym as rg
 from rlhf.data.prepare import check_source, prepare_preferences, source_fingerprint
-from rlhf.data.row_columns import RowColumns
 from rlhf.errors import ConfigError
+from rlhf.rollout.rows import PromptRows, RowColumns
 
 pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (`pip install -e '.[reasoning]'`)")
 
@@ -134,16 +134,16 @@ def test_prepare_writes_prompts_and_pairs_with_their_truth(tmp_path):
     assert all(rg.INSTRUCTION in p for p in prompts["prompt"])
     assert not set(prompts["prompt"]) & set(held["prompt"])
     columns = RowColumns.read(prepared.eval, prepared.prompts)
-    values = columns.values(list(prompts["prompt"][:3]), ["answer", "entry"])
+    values = columns.values(PromptRows.read(prepared.prompts).keys[:3], ["answer", "entry"])
     first = items.train[0]
     assert values["answer"][0] == first["answer"] and json.loads(values["entry"][0])["question"] == first["question"]
     # the chosen responses score 1 on both rewards, the rejected ones less on their sum
-    got = rg.correct(list(held["prompt"]), list(held["chosen"]), **_held_columns(columns, held))
+    got = rg.correct(list(held["prompt"]), list(held["chosen"]), **_held_columns(columns, prepared.eval))
     assert got == [1.0] * len(held) and rg.formatted([], list(held["chosen"])) == [1.0] * len(held)
     rejected = [
         c + 0.2 * f
         for c, f in zip(
-            rg.correct([], list(held["rejected"]), **_held_columns(columns, held)),
+            rg.correct([], list(held["rejected"]), **_held_columns(columns, prepared.eval)),
             rg.formatted([], list(held["rejected"])),
             strict=True,
         )
@@ -152,8 +152,8 @@ def test_prepare_writes_prompts_and_pairs_with_their_truth(tmp_path):
     assert source_fingerprint(cfg) != source_fingerprint(cfg.model_copy(update={"source": "hub"}))
 
 
-def _held_columns(columns: RowColumns, held: pd.DataFrame) -> dict[str, list]:
-    return columns.values(list(held["prompt"]), ["answer", "entry"])
+def _held_columns(columns: RowColumns, held: Path) -> dict[str, list]:
+    return columns.values(PromptRows.read(held).keys, ["answer", "entry"])
 
 
 @pytest.mark.parametrize("case", ["unknown task", "not installed"])

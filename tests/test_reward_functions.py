@@ -98,11 +98,11 @@ def test_the_single_function_is_a_list_of_one_and_unchanged():
 
 
 def test_categories_come_from_the_function_that_has_them():
-    from rlhf.data.row_columns import RowColumns, _key
+    from rlhf.rollout.rows import RowColumns
 
     functions = load_reward_functions([f"{HERE}:short", f"{HERE}:tagged"], [1.0, 0.0])
     assert functions.has_categories
-    columns = RowColumns(["item"], {_key("a"): ["2"], _key("b"): ["3"]}, "two rows")
+    columns = RowColumns(["item"], {"a": ["2"], "b": ["3"]}, "two rows")
     assert functions.with_columns(columns).categories(["a", "b"]) == [["even"], ["odd"]]
     assert not load_reward_functions([f"{HERE}:short"]).has_categories
 

@@ -1,6 +1,7 @@
-"""Reward functions that see the row (rlhf/data/row_columns.py): data.row_columns kept through preparation and in
-the digest, each value reaching its own sample in PPO's groups, under dynamic sampling, in the periodic evaluation
-and in the evaluation stage (a tiny Llama-style model with a chat template), and the errors, one sentence each."""
+"""Reward functions that see the row (rlhf/data/row_columns.py, rlhf/rollout/rows.py): data.row_columns kept through
+preparation and in the digest, each value reaching its own sample by its row's key in PPO's groups, under dynamic
+sampling, in the periodic evaluation and in the evaluation stage (a tiny Llama-style model with a chat template), two
+rows with the same prompt each with its own truth, and the errors, one sentence each."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import pytest
 
 from rlhf.config import DataConfig, EvalConfig, PipelineConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.prepare import check_source, gold_scorer, prepare_preferences
-from rlhf.data.row_columns import RowColumns, file_columns
 from rlhf.errors import ConfigError, DataError
 from rlhf.eval.evaluate import evaluate_policies
 from rlhf.ppo.run import PolicyInputs
 from rlhf.ppo.trainer import train_ppo
 from rlhf.preflight import check_reward_function
 from rlhf.rollout.reward_function import load_reward_function
+from rlhf.rollout.rows import PromptRows, RowColumns, file_columns
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False)
 SCORED: list[tuple[str, int]] = []  # (prompt, item) of every sample `item_reward` scored
@@ -68,13 +69,14 @@ def test_preparation_keeps_the_named_columns_and_they_key_the_data(tmp_path):
         assert file_columns(tmp_path / "prepared" / f"{name}.parquet") == ["item", "tags"]
     assert file_columns(tmp_path / "prepared" / "sft.parquet") == []
     columns = RowColumns.read(prepared.prompts, prepared.eval)
+    key = {p: k for path in (prepared.prompts, prepared.eval) for p, k in zip(*PromptRows.read(path), strict=True)}
     prompts = ["Item 3: tell me about bees.", "Item 101: tell me about bees.", "Item 3: tell me about bees."]
-    assert columns.values(prompts, ["tags", "item"]) == {
+    assert columns.values([key[p] for p in prompts], ["tags", "item"]) == {
         "tags": [{"n": 3, "even": False}, {"n": 101, "even": False}, {"n": 3, "even": False}],
         "item": [3, 101, 3],
     }
-    with pytest.raises(DataError, match="the prompt 'Item 7000: bees' has no row in"):
-        columns.values(["Item 7000: bees"], ["item"])
+    with pytest.raises(DataError, match="the row 'no such key' is not in"):
+        columns.values(["no such key"], ["item"])
     # a changed value of a kept column is a changed data set: another digest, so every later stage reruns
     rows = _rows(24)
     rows[5]["tags"]["even"] = not rows[5]["tags"]["even"]
@@ -124,7 +126,7 @@ def test_a_keyword_argument_that_names_no_column_is_refused_before_anything_load
 def test_a_two_argument_function_is_called_as_before(tmp_path):
     prepared = prepare_preferences(_data(tmp_path), tmp_path / "prepared")
     fn = load_reward_function("rlhf.data.synthetic:gold_reward").with_columns(RowColumns.read(prepared.prompts))
-    assert fn.column_kwargs(["anything"]) == {}  # no lookup at all: the prompt need not be a row's
+    assert fn.column_kwargs(["anything"]) == {}  # no lookup at all: the key need not be a row's
     assert len(fn(["Item 3: tell me about bees."], ["Bees hum."])) == 1
 
 
@@ -233,3 +235,57 @@ def test_the_run_knows_when_its_reward_is_the_gold_reward_itself(tmp_path, famil
         )  # fmt: skip
         assert inputs.policy_run().reward_is_gold is is_gold
     assert not RewardConfig(source="model", function=gold, function_weight=0.5).is_the_gold(gold)  # a model scores too
+
+
+TRUTHS: list[list[int]] = []  # the `item` of each call of `truth_reward`, in order
+
+
+def truth_reward(prompts, completions, item):
+    """Records the truths it is given; its prompts are all alike, so only the row's key can tell them apart."""
+    TRUTHS.append(list(item))
+    return [float(len(c) % 5) for c in completions]
+
+
+def test_two_rows_with_the_same_prompt_keep_their_own_truths(tmp_path, family_checkpoint):
+    """Twelve training rows of two prompts and four held-out rows of one, each with its own `item`: preparation keeps
+    them all, each rollout group of GRPO's gets its own row's truth, and the periodic evaluation, the evaluation stage
+    and the gold reward score every held-out row against its own (a lookup by the prompt's text gave every row of a
+    prompt its first row's truth)."""
+    model = str(family_checkpoint("llama"))
+    topic = ["bees", "ants"]
+    rows = [
+        {"prompt": f"Tell me about {topic[i // 6]}.", "chosen": f"Yes {i}.", "rejected": "No.", "item": i}
+        for i in range(12)
+    ]
+    held = [
+        {"prompt": "Tell me about wasps.", "chosen": f"Yes {i}.", "rejected": "No.", "item": i} for i in range(100, 104)
+    ]
+    cfg = DataConfig(
+        source="local", path=_write(tmp_path / "train.jsonl", rows), eval_path=_write(tmp_path / "eval.jsonl", held),
+        format="explicit", row_columns=["item"], tokenizer=model, gold_reward=f"{__name__}:truth_reward",
+    )  # fmt: skip
+    prepared = prepare_preferences(cfg, tmp_path / "prepared")
+    assert prepared.manifest["rows"]["prompts"] == 12  # one PPO prompt per row, not per distinct prompt text
+    reward_cfg = RewardConfig(source="function", function=f"{__name__}:truth_reward")
+    ppo = PPOConfig(
+        advantage_estimator="grpo", samples_per_prompt=4, batch_size=8, num_mini_batches=1, total_episodes=16,
+        max_new_tokens=4, eval_every=2, eval_n_prompts=4,
+    )  # fmt: skip
+    inputs = PolicyInputs.prepared(
+        ppo, RUNTIME, 0, prepared.folder, policy_path=model, reward_path=None, out_dir=str(tmp_path / "ppo"),
+        reward=reward_cfg,
+    )  # fmt: skip
+    TRUTHS.clear()
+    result = train_ppo(inputs.policy_run())
+    rollouts = [call for call in TRUTHS if len(call) == 8]  # two groups of 4 an update
+    assert len(rollouts) == 2 and all(len(set(c[:4])) == len(set(c[4:])) == 1 for c in rollouts)
+    assert len({item for call in rollouts for item in call}) == 4  # four groups, four rows, whatever their prompt
+    assert [sorted(call) for call in TRUTHS if len(call) == 4] == [[100, 101, 102, 103]] * 2  # periodic evaluations
+    TRUTHS.clear()
+    evaluate_policies(
+        EvalConfig(n_prompts=4, batch_size=4), ppo, RUNTIME, result.policy_path, model, None, prepared.eval,
+        tmp_path / "eval", gold_scorer(prepared.manifest, prepared.folder), lambda metrics, step: None, reward_cfg,
+    )  # fmt: skip
+    scored, gold = [c for c in TRUTHS if len(c) == 4], [c[0] for c in TRUTHS if len(c) == 1]
+    assert [sorted(call) for call in scored] == [[100, 101, 102, 103]] * 2  # the SFT policy and the trained one
+    assert sorted(gold[:4]) == sorted(gold[4:]) == [100, 101, 102, 103]  # each policy's responses, each row's own

@@ -17,11 +17,11 @@ from tests.conftest import REPO
 
 def test_interval95_by_hand():
     # 0.9, 0.8, 1.0: mean 0.9; sample sd sqrt((0.01 + 0.01) / 2) = 0.1; se 0.1 / sqrt(3) = 0.057735;
-    # t(0.975, 2 df) = 4.303 -> half-width 0.248434
+    # t(0.975, 2 df) = 4.302653 -> half-width 0.248414
     mean, half = interval95([0.9, 0.8, 1.0])
-    assert mean == pytest.approx(0.9) and half == pytest.approx(0.248434, abs=1e-6)
-    # 2 values 1 and 3: mean 2, sd sqrt(2) = 1.414214, se 1, t(1 df) = 12.706
-    assert interval95([1.0, 3.0]) == pytest.approx((2.0, 12.706))
+    assert mean == pytest.approx(0.9) and half == pytest.approx(0.248414, abs=1e-6)
+    # 2 values 1 and 3: mean 2, sd sqrt(2) = 1.414214, se 1, t(1 df) = 12.706205
+    assert interval95([1.0, 3.0]) == pytest.approx((2.0, 12.706205))
     mean, half = interval95([0.5, float("nan"), None])  # one finite value: no interval
     assert mean == 0.5 and math.isnan(half)
 
@@ -29,9 +29,9 @@ def test_interval95_by_hand():
 def test_rate_interval95_by_hand_stays_inside_zero_and_one():
     # logits of 0.9, 0.8, 0.95: ln 9, ln 4, ln 19 = 2.197225, 1.386294, 2.944439; mean 2.175986; squared
     # deviations 0.000451 + 0.623613 + 0.590520 = 1.214584, sd sqrt(1.214584 / 2) = 0.779290, se 0.449923,
-    # t(2) 4.303 -> 2.175986 +- 1.936019 -> sigmoid(0.239967) = 0.559706 .. sigmoid(4.112005) = 0.983889
+    # t(2) 4.302653 -> 2.175986 +- 1.935863 -> sigmoid(0.240124) = 0.559744 .. sigmoid(4.111848) = 0.983886
     mean, low, high = rate_interval95([0.9, 0.8, 0.95])
-    assert (mean, low, high) == pytest.approx((0.883333, 0.559706, 0.983889), abs=1e-5)
+    assert (mean, low, high) == pytest.approx((0.883333, 0.559744, 0.983886), abs=1e-5)
     # runs that split (GRPO's 96.4%, 7.7%, 1.8% on the embedded task): the t-interval on the rates was 35.3% +- 131.6%
     mean, low, high = rate_interval95([0.964, 0.077, 0.018])
     assert mean == pytest.approx(0.353) and 0.0 <= low < 0.01 and 0.99 < high <= 1.0

@@ -23,7 +23,8 @@ from rlhf import metrics as declared
 from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from rlhf.eval import evaluate
-from rlhf.memory import estimate, read_model_config, shape_of
+from rlhf.memory import estimate, shape_of
+from rlhf.models.model_config import read_model_config
 from rlhf.preflight import check_lengths
 from rlhf.stages import stages_of
 from rlhf.train import warm_start
@@ -111,6 +112,7 @@ def test_select_keeps_distinct_passing_responses_best_first():
     frame = pd.DataFrame(
         {
             "prompt": ["a", "a", "a", "a", "b", "b"],
+            "row": ["a", "a", "a", "a", "b", "b"],
             "response": ["x", "y", "y", "z", "u", "v"],
             "score": [0.5, 1.0, 1.0, 0.2, 0.9, 0.1],
         }
@@ -263,7 +265,7 @@ def test_a_warm_start_longer_than_the_models_positions_is_refused_and_its_memory
         REPO / "conf" / "smoke.yaml",
         ["reward.source=function", f"reward.function={__name__}:never", "warm_start.enabled=true"],
     )
-    model_config = read_model_config(cfg)
+    model_config = read_model_config(cfg.sft)
     check_lengths(cfg, model_config)  # ppo.max_new_tokens: 64 + 12 of the 128 positions
     assert "warm_start" in [e.stage for e in estimate(cfg, shape_of(model_config), "cpu")]
     cfg.warm_start.max_new_tokens = 100

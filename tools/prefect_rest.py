@@ -1,5 +1,7 @@
 """The Prefect server's REST API as tools/ui_check.py uses it: its deployments, the flow runs it starts and waits
-for, and their artifacts and logs; with the polling and the free port the check needs."""
+for, and their artifacts and logs; with the polling and the free port the check needs. Raw HTTP, as the UI sends it,
+not Prefect 3.9's client (`read_deployment_by_name`, `run_deployment`, `wait_for_flow_run`, `api_healthcheck`): that
+client retries 429, 502 and 503 answers, which would hide what the form's own requests get."""
 
 from __future__ import annotations
 
@@ -68,19 +70,16 @@ def artifacts_of(api: str, flow_run_id: str) -> dict[str, dict]:
     return {a["key"]: a for a in found if a.get("key")}
 
 
-def logs_of(api: str, flow_run_id: str) -> list[str]:
+def logs_of(api: str, flow_run_id: str, timeout: float = 60) -> list[str]:
     found = httpx.post(
-        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=60
+        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=timeout
     ).json()
     return [log["message"] for log in found]
 
 
 def training(api: str, flow_run_id: str) -> bool:
     """A training task of the flow run has logged a step ('sft step 10 of 20: ...')."""
-    found = httpx.post(
-        f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=30
-    ).json()
-    return any(" step " in log["message"] for log in found)
+    return any(" step " in message for message in logs_of(api, flow_run_id, timeout=30))
 
 
 def submit_repeatedly(api: str, deployment_id: str, run: dict, count: int) -> tuple[list[int], list[float]]:

@@ -66,9 +66,17 @@ def shuffled(kept: np.ndarray, seed: int) -> np.ndarray:
     return kept[np.random.default_rng(seed).permutation(len(kept))]
 
 
-def first_prompt_positions(table: pa.Table, positions: np.ndarray) -> np.ndarray:
-    """Positions of the first occurrence of each distinct prompt, in the order of `positions`."""
+def first_prompt_positions(
+    table: pa.Table, positions: np.ndarray, source: Any = None, columns: list[str] | None = None
+) -> np.ndarray:
+    """Positions of the first occurrence of each distinct prompt, in the order of `positions`; with `columns`
+    (data.row_columns, of the `source` rows), of each distinct prompt and truth: a prompt asked with two truths is
+    two rows."""
     keys = table.column("prompt_key").to_numpy()[positions]
+    if columns:
+        kept = source.select(table.column("row").to_numpy()[positions])
+        texts = [row_columns.encode(kept[name]).to_pylist() for name in columns]
+        keys = np.array([repr(row) for row in zip(keys.tolist(), *texts, strict=True)])
     return positions[np.sort(np.unique(keys, return_index=True)[1])]
 
 

@@ -38,6 +38,7 @@ from rlhf.data.sources import read_table
 from rlhf.data.validate import Checked, Limits, text_lengths
 from rlhf.errors import ConfigError, DataError, first_line
 from rlhf.rollout.reward_function import function_digest, load_reward_function
+from rlhf.rollout.rows import RowColumns
 
 __all__ = ["PAIR_COLUMNS", "PreparedData", "check_source", "drop_report", "gold_scorer", "prepare_preferences"]
 __all__ += ["LengthLimits", "length_table", "read_table"]
@@ -334,7 +335,7 @@ def _write_prompts(
     path = tmp / "prompts.parquet"
     src = sources.open_prompts(cfg, scratch)
     if src is None:
-        positions = output.first_prompt_positions(train_table, train_pos)
+        positions = output.first_prompt_positions(train_table, train_pos, train_rows, cfg.row_columns)
         n = output.write_rows(train_table, positions, path, "prompts", train_rows, cfg.row_columns)
         return {"rows": n, "prompts_source": "train"}, train_table, positions
     _check_row_columns(cfg, src)
@@ -394,10 +395,10 @@ def drop_report(manifest: dict) -> list[dict[str, Any]]:
 
 
 def gold_scorer(manifest: dict, folder: str | Path | None = None):
-    """The gold score of one (prompt, response) of the data set whose manifest is given: the synthetic task's, or
-    the data.gold_reward function's (called one pair at a time, its checks on the returned values applied, given
-    the row columns of the prepared `folder`'s prompts and held-out pairs); None when the data set has no gold
-    reward."""
+    """The gold score of one (prompt, response, row key) of the data set whose manifest is given: the synthetic
+    task's, or the data.gold_reward function's (called one pair at a time, its checks on the returned values
+    applied, given the row columns of the prepared `folder`'s prompts and held-out pairs, by the row's key); None
+    when the data set has no gold reward."""
     name = manifest.get("gold_reward")
     if name == synthetic.GOLD_REWARD_NAME:
         return synthetic.gold_score
@@ -405,6 +406,6 @@ def gold_scorer(manifest: dict, folder: str | Path | None = None):
         return None
     columns = None
     if folder is not None:
-        columns = row_columns.RowColumns.read(Path(folder) / "eval.parquet", Path(folder) / "prompts.parquet")
+        columns = RowColumns.read(Path(folder) / "eval.parquet", Path(folder) / "prompts.parquet")
     function = load_reward_function(name, "data.gold_reward").with_columns(columns)
-    return lambda prompt, response: function([prompt], [response])[0]
+    return lambda prompt, response, row=None: function([prompt], [response], None if row is None else [row])[0]

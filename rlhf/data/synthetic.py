@@ -119,9 +119,9 @@ def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
     return [gold_score(p, r) for p, r in zip(prompts, responses, strict=True)]
 
 
-def gold_score(prompt: str, response: str) -> float:
-    """Programmatic gold score of a response, in [-1.5, 1] (the prompt does not change it)."""
-    del prompt
+def gold_score(prompt: str, response: str, row: str | None = None) -> float:
+    """Programmatic gold score of a response, in [-1.5, 1] (the prompt and its row do not change it)."""
+    del prompt, row
     valences = [VALENCE[adj] for aspect, adj in _CLAUSE.findall(response) if aspect in ASPECTS and adj in VALENCE]
     if not valences:
         return -1.0

@@ -18,7 +18,6 @@ from tqdm.auto import tqdm
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.formats import ChatRenderer
-from rlhf.data.row_columns import RowColumns
 from rlhf.eval import benchmark, length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats, surprisal_stats
 from rlhf.metrics import (
@@ -47,6 +46,7 @@ from rlhf.rollout.batching import pad_left
 from rlhf.rollout.generation import GenerationSettings, response_texts, sample_responses
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.reward_function import reward_function
+from rlhf.rollout.rows import PromptRows, RowColumns
 from rlhf.rollout.scoring import ScoringModels, generate_and_score
 from rlhf.rollout.static_decode import resolve_decode
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
@@ -69,9 +69,9 @@ class EvalResult:
         return sorted(Path(self.folder).glob("benchmark-*"))
 
 
-def eval_prompts(eval_file: str | Path, n: int) -> list[str]:
-    """The first `n` distinct prompts of the held-out split, in file order."""
-    return list(dict.fromkeys(pd.read_parquet(eval_file)["prompt"].tolist()))[:n]
+def eval_prompts(eval_file: str | Path, n: int) -> PromptRows:
+    """The first `n` distinct rows of the held-out split (a prompt with two truths is two), in file order."""
+    return PromptRows.read(eval_file).distinct(n)
 
 
 def generate_and_score_prompts(
@@ -83,30 +83,34 @@ def generate_and_score_prompts(
     generator: torch.Generator,
     dtype: torch.dtype,
     progress: bool = False,
+    rows: list[str] | None = None,
 ) -> pd.DataFrame:
     """One policy's responses to `prompts` in batches (`rlhf.rollout.scoring.generate_and_score`, as PPO rollouts are
     made), with their reward-model score and their KL from the reference (the k1 estimator summed over the
-    response), one row per prompt: prompt, response, score, kl, ref_nll (the reference's surprisal summed over the
-    same tokens: -log p_ref), tokens (how many), length (tokens before the stop token), stopped.
+    response), one row per prompt: prompt, row (its key, of `rows`: ``rlhf.rollout.rows``), response, score, kl,
+    ref_nll (the reference's surprisal summed over the same tokens: -log p_ref), tokens (how many), length (tokens
+    before the stop token), stopped.
     Used by the evaluation stage and by PPO's periodic evaluation (``rlhf.ppo.periodic_eval``)."""
     tokenizer = models.tokenizer
     device = generator.device
-    rows = []
+    out = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
         batch_prompts = prompts[start : start + batch_size]
         ids = fit_prompts(tokenizer, batch_prompts, max_prompt_tokens).ids  # as PPO fits its prompts
         query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
-        scored = generate_and_score(models, query, query_mask, batch_prompts, settings, generator, dtype)
+        keys = None if rows is None else rows[start : start + batch_size]
+        scored = generate_and_score(models, query, query_mask, batch_prompts, settings, generator, dtype, rows=keys)
         resp = scored.resp
         mask = resp.mask.float()
         kl = kl_per_token(scored.logprobs, scored.ref_logprobs, "k1") * mask  # (b, r)
         texts = response_texts(tokenizer, resp)  # special tokens inside a response visible
         members = member_columns(scored.member_scores) | function_columns(models, scored.function_scores)
         for i, prompt in enumerate(batch_prompts):
-            rows.append(
+            out.append(
                 {
                     **{name: float(column[i]) for name, column in members.items()},
                     "prompt": prompt,
+                    "row": None if keys is None else keys[i],
                     "response": texts[i],
                     "score": float(scored.scores[i]),
                     "kl": float(kl[i].sum()),
@@ -116,7 +120,7 @@ def generate_and_score_prompts(
                     "stopped": bool(resp.contains_stop[i]),
                 }
             )
-    return pd.DataFrame(rows)
+    return pd.DataFrame(out)
 
 
 def read_benchmarks(cfg: EvalConfig) -> list[benchmark.BenchmarkRows]:
@@ -258,7 +262,7 @@ def evaluate_policies(
     readers = None if reward_path is None else member_tokenizers(reward_path, tokenizer, trust_remote_code)
     same_tokenizer = readers is None or all(reader is None for reader in readers)
     dtype = run_dtype(runtime, device)
-    prompts = eval_prompts(eval_file, cfg.n_prompts)
+    prompts, keys = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
     answers: dict[str, dict[str, pd.DataFrame]] = {rows.name: {} for rows in benchmarks}
     for name, path in (("sft", sft_path), ("policy", policy_path)):
@@ -276,8 +280,9 @@ def evaluate_policies(
         )  # fmt: skip (no value model)
         generator = torch.Generator(device=device).manual_seed(cfg.seed)  # the same seed for both policies
         frames[name] = generate_and_score_prompts(
-            models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress
-        )
+            models, prompts, settings, ppo_cfg.max_prompt_tokens, cfg.batch_size, generator, dtype, runtime.progress,
+            keys,
+        )  # fmt: skip
         for rows, bench_cfg in zip(benchmarks, cfg.benchmarks, strict=True):
             bench_settings = replace(settings, max_new_tokens=bench_cfg.max_new_tokens or settings.max_new_tokens)
             answers[rows.name][name] = benchmark_responses(
@@ -339,7 +344,8 @@ def summarize(
     """The completions table, the summary metrics and the reward-hacking warnings of two policies' generations.
 
     `sft` and `policy` (the trained policy: PPO, a critic-free estimator or DPO) have one row per prompt: response,
-    score, kl, length (tokens before the stop token), stopped.
+    score, kl, length (tokens before the stop token), stopped, and row (the row's key, which the gold reward reads its
+    columns by; None where absent).
     """
     empty = {
         name: length_control.is_empty(f["length"], f["response"]) for name, f in (("sft", sft), ("policy", policy))
@@ -390,8 +396,9 @@ def summarize(
 
     add_length_control("rm", "reward-model score", policy["score"], sft["score"])
     if gold_fn is not None:
-        table["sft_gold"] = [gold_fn(p, r) for p, r in zip(prompts, sft["response"], strict=True)]
-        table["policy_gold"] = [gold_fn(p, r) for p, r in zip(prompts, policy["response"], strict=True)]
+        for who, frame in (("sft", sft), ("policy", policy)):
+            keys = frame.get("row", [None] * len(frame))
+            table[f"{who}_gold"] = [gold_fn(*row) for row in zip(prompts, frame["response"], keys, strict=True)]
         summary.update(
             {
                 EVAL_POLICY_GOLD: float(table["policy_gold"].mean()),

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlhf.checkpoints import atomic_write_text
-from rlhf.config import PipelineConfig, TrackingConfig, flatten, load_config
+from rlhf.config import TrackingConfig, flatten, load_config
 from rlhf.errors import ConfigError
 from rlhf.metrics import (
     EPISODES_PER_S,
@@ -94,18 +94,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def inputs_from_args(args: argparse.Namespace) -> tuple[PolicyInputs, PipelineConfig | None]:
-    """The run's inputs: the file of `--inputs`, or the pipeline config and the paths given as options (then also
-    the config, for the launcher's own MLflow run)."""
+def inputs_from_args(args: argparse.Namespace) -> tuple[PolicyInputs, TrackingConfig]:
+    """The run's inputs: the file of `--inputs`, or the pipeline config and the paths given as options; and the
+    config's tracking section, for the launcher's own MLflow run (the default with `--inputs`)."""
     if args.inputs:
-        return PolicyInputs.read(args.inputs), None
+        return PolicyInputs.read(args.inputs), TrackingConfig()
     cfg = load_config(args.config, args.overrides)
     inputs = PolicyInputs(
         cfg.ppo, cfg.runtime, cfg.seed if args.seed is None else args.seed, args.policy, args.reward or None,
         args.prompts, args.out, value_path=args.value or None, reward=cfg.reward, eval_file=args.eval_prompts,
         data_manifest=args.data_manifest, stop_after=args.stop_after,
     )  # fmt: skip
-    return inputs, cfg
+    return inputs, cfg.tracking
 
 
 def _tracking(
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     check_launcher()
-    inputs, cfg = inputs_from_args(args)
+    inputs, tracking = inputs_from_args(args)
     # before any model is loaded or process group started
     world_size = distributed.world_size_from_env()
     distributed.check_world_size(inputs.ppo, world_size)
@@ -199,7 +199,7 @@ def _main(args: argparse.Namespace) -> int:
     run = inputs.policy_run(digests=args.write_param_digest)  # the prompts read: a missing file is one sentence
     configure_cpu(inputs.runtime.threads)
     ctx = distributed.init_distributed(inputs.runtime)
-    run.log, end_run = _tracking(args, inputs, cfg.tracking if cfg is not None else TrackingConfig(), ctx)
+    run.log, end_run = _tracking(args, inputs, tracking, ctx)
     try:
         result = train_ppo(run, ctx)
     except TrainingInterrupted as stop:

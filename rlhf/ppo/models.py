@@ -11,7 +11,6 @@ from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
-from rlhf.data.row_columns import RowColumns
 from rlhf.errors import ConfigError
 from rlhf.models.compiled import compile_for_training
 from rlhf.models.cpu_kernels import use_cpu_kernels
@@ -42,6 +41,7 @@ from rlhf.models.training import (
 )
 from rlhf.rollout.generation import Sampler
 from rlhf.rollout.reward_function import RewardFunctions, reward_function
+from rlhf.rollout.rows import RowColumns
 from rlhf.rollout.scoring import ScoringModels
 
 

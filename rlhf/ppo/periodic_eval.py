@@ -63,8 +63,9 @@ def evaluate_now(
     scoring = dataclasses.replace(models.scoring(), value=None)
     generator = torch.Generator(device=plan.device).manual_seed(run.seed + EVAL_SEED_OFFSET)
     frame = generate_and_score_prompts(
-        scoring, run.eval_prompts, settings, cfg.max_prompt_tokens, cfg.batch_size, generator, plan.dtype
-    )
+        scoring, run.eval_prompts, settings, cfg.max_prompt_tokens, cfg.batch_size, generator, plan.dtype,
+        rows=run.eval_rows,
+    )  # fmt: skip
     kl = float(frame["kl"].mean())
     metrics = {
         PERIODIC_SCORE: float(frame["score"].mean()),
@@ -80,7 +81,7 @@ def evaluate_now(
         metrics[f"{PERIODIC_EVAL}{column}/mean"] = float(frame[column].mean())
         metrics[f"{PERIODIC_EVAL}{column}/std"] = float(frame[column].std(ddof=0))
     if gold_fn is not None:
-        gold = [gold_fn(p, r) for p, r in zip(frame["prompt"], frame["response"], strict=True)]
+        gold = [gold_fn(*row) for row in zip(frame["prompt"], frame["response"], frame["row"], strict=True)]
         metrics[PERIODIC_GOLD] = float(sum(gold) / len(gold))
     return metrics
 

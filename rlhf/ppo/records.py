@@ -7,32 +7,25 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf.config import PPOConfig
 from rlhf.ppo import distributed
 from rlhf.ppo.distributed import DistContext
 from rlhf.ppo.models import PPOModels
+from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.update import Rollout
 from rlhf.rollout.generation import response_texts
 from rlhf.tracking.metrics_writer import GoldFn
 
 
 def record_rollouts(
-    out_dir: Path,
-    update: int,
-    models: PPOModels,
-    prompts: list[str],
-    rollout: Rollout,
-    cfg: PPOConfig,
-    gold_fn: GoldFn | None,
-    dist: DistContext,
+    run: PolicyRun, update: int, models: PPOModels, rollout: Rollout, dist: DistContext
 ) -> dict[str, float]:
     """The update's rollout records to Parquet (ppo.record_rollouts) and, with a gold reward, its mean gold score."""
-    if not cfg.record_rollouts and gold_fn is None:
+    if not run.cfg.record_rollouts and run.gold_fn is None:
         return {}
-    records = rollout_records(models, update, prompts, rollout, gold_fn)
-    if cfg.record_rollouts:
-        write_records(out_dir, update, records, dist)
-    return {"objective/gold_score": float(records["gold_score"].mean())} if gold_fn is not None else {}
+    records = rollout_records(models, update, run.prompts, rollout, run.gold_fn, run.prompt_rows)
+    if run.cfg.record_rollouts:
+        write_records(Path(run.out_dir), update, records, dist)
+    return {"objective/gold_score": float(records["gold_score"].mean())} if run.gold_fn is not None else {}
 
 
 def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistContext) -> None:
@@ -47,9 +40,15 @@ def write_records(out_dir: Path, update: int, records: pd.DataFrame, dist: DistC
 
 
 def rollout_records(
-    models: PPOModels, update: int, prompts: list[str], rollout: Rollout, gold_fn: GoldFn | None
+    models: PPOModels,
+    update: int,
+    prompts: list[str],
+    rollout: Rollout,
+    gold_fn: GoldFn | None,
+    rows: list[str] | None = None,
 ) -> pd.DataFrame:
-    """Per-sample records of one update (the Parquet artifact of the rollouts)."""
+    """Per-sample records of one update (the Parquet artifact of the rollouts); the gold reward reads each row's
+    columns by its key, of `rows`."""
     resp = rollout.scored.resp
     responses = response_texts(models.tokenizer, resp)  # special tokens inside a response visible
     frame = pd.DataFrame(
@@ -66,5 +65,6 @@ def rollout_records(
         }
     )
     if gold_fn is not None:
-        frame["gold_score"] = [gold_fn(p, x) for p, x in zip(frame["prompt"], frame["response"], strict=True)]
+        keys = [None if rows is None else rows[i] for i in rollout.indices]
+        frame["gold_score"] = [gold_fn(*row) for row in zip(frame["prompt"], frame["response"], keys, strict=True)]
     return frame

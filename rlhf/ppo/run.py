@@ -16,15 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
+import pyarrow.parquet as pq
 import yaml
 
 from rlhf.checkpoints import MANIFEST, atomic_write_text
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.prepare import gold_scorer
-from rlhf.data.row_columns import RowColumns
 from rlhf.errors import ConfigError
 from rlhf.eval.evaluate import eval_prompts
+from rlhf.rollout.rows import PromptRows, RowColumns
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
 
 EvalCallback = Callable[[int, dict[str, float]], None]  # (updates done, the periodic evaluation's metrics)
@@ -53,21 +53,23 @@ class PolicyRun:
     eval_prompts: list[str] | None = None  # the held-out prompts of ppo.eval_every's periodic evaluation
     on_eval: EvalCallback | None = None  # called after each periodic evaluation (rank 0); may raise to stop
     reward_cfg: RewardConfig | None = None  # with reward.function: its scores replace or add to the model's
-    row_columns: RowColumns | None = None  # data.row_columns of the prompts and held-out prompts, by prompt
+    row_columns: RowColumns | None = None  # data.row_columns of the prompts and held-out prompts, by row key
+    prompt_rows: list[str] | None = None  # each prompt's row key (rlhf.rollout.rows), as `prompts`
+    eval_rows: list[str] | None = None  # each held-out prompt's row key, as `eval_prompts`
     reward_is_gold: bool = False  # the reward is the data's gold reward itself (a verifier): `RewardConfig.is_the_gold`
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
 
 
-def read_prompts(path: str) -> list[str]:
+def read_prompts(path: str) -> PromptRows:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--prompts: {file} does not exist")
-    frame = pd.read_parquet(file)
-    if "prompt" not in frame.columns:
-        raise ConfigError(f"--prompts: {file} has no 'prompt' column (columns: {', '.join(frame.columns)})")
-    return frame["prompt"].astype(str).tolist()
+    names = pq.read_schema(file).names
+    if "prompt" not in names:
+        raise ConfigError(f"--prompts: {file} has no 'prompt' column (columns: {', '.join(names)})")
+    return PromptRows.read(file)
 
 
 def gold_fn_of(manifest_path: str | Path | None):
@@ -114,13 +116,15 @@ class PolicyInputs:
     def policy_run(self, log: LogFn = no_log, on_eval: EvalCallback | None = None, digests: bool = False) -> PolicyRun:
         """The run these inputs describe, read from their files (prompts, held-out prompts, the gold reward)."""
         evaluated = self.eval_file is not None and self.ppo.eval_every > 0
+        prompts = read_prompts(self.prompts_file)
+        held = eval_prompts(self.eval_file, self.ppo.eval_n_prompts) if evaluated else None
         return PolicyRun(
-            self.ppo, self.runtime, self.policy_path, self.reward_path, read_prompts(self.prompts_file),
+            self.ppo, self.runtime, self.policy_path, self.reward_path, prompts.prompts,
             self.out_dir, self.seed, log, value_path=self.value_path or self.reward_path,
             gold_fn=gold_fn_of(self.data_manifest), stop_after=self.stop_after, param_digest=digests,
-            eval_prompts=eval_prompts(self.eval_file, self.ppo.eval_n_prompts) if evaluated else None,
-            on_eval=on_eval, reward_cfg=self.reward,
+            eval_prompts=held.prompts if held else None, on_eval=on_eval, reward_cfg=self.reward,
             row_columns=RowColumns.read(self.prompts_file, self.eval_file or ""),
+            prompt_rows=prompts.keys, eval_rows=held.keys if held else None,
             reward_is_gold=self.reward is not None and self.reward.is_the_gold(gold_reward_of(self.data_manifest)),
         )  # fmt: skip
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig
 from rlhf.errors import TrainingInterrupted
-from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import EPISODES_PER_S, OBJECTIVE_KL, OBJECTIVE_SCORES, PEAK_MEMORY
 from rlhf.models import sharding
 from rlhf.models.device import resolve_device, run_dtype
@@ -140,7 +140,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
         return periodic_eval(step, models, run, plan, settings, guard)
 
     pad_id = models.tokenizer.pad_token_id
-    category_stats = category_zero_std(models, run.prompts, cfg, dist)
+    category_stats = category_zero_std(models, run.prompt_rows, cfg, dist)
     function_names = models.reward_fn.names if models.reward_fn is not None else []
     sample_rollout = rollout_sampler(models, state, prompt_ids, run, plan, settings)
     if state.step == 0:
@@ -163,7 +163,7 @@ def train_ppo(run: PolicyRun, dist: DistContext | None = None) -> PPOResult:
         stats = update_stats(rollout, optim.stats, optim.ratio_quantiles, state.kl_ctl.value, guard.in_distribution_std)
         stats.update(function_rollout_stats(rollout.scored.function_scores, function_names))
         stats.update(sampling_stats)
-        stats.update(record_rollouts(out_dir, update, models, run.prompts, rollout, cfg, run.gold_fn, dist))
+        stats.update(record_rollouts(run, update, models, rollout, dist))
         stats.update(speed_stats(rollout, stats, t0, t_stats, cfg.batch_size, dist.device, dist.world_size))
         stats = distributed.reduce_stats(stats)
         state.kl_ctl.update(stats[OBJECTIVE_KL], cfg.batch_size)
@@ -214,24 +214,26 @@ def rollout_sampler(
             prompt_ids, position, cfg.batch_size, run.seed, pad_id, dist.rank, dist.world_size, cfg.samples_per_prompt
         )
         first_order = first_epoch_order(cfg, state.shuffle_generator, len(batch.indices))
-        return generate_and_score(models, batch, run.prompts, cfg, settings, state.sample_generator, plan, first_order)
+        return generate_and_score(
+            models, batch, run.prompts, cfg, settings, state.sample_generator, plan, first_order, run.prompt_rows
+        )
 
     return sample
 
 
 def category_zero_std(
-    models: PPOModels, prompts: list[str], cfg: PPOConfig, dist: DistContext
+    models: PPOModels, rows: list[str] | None, cfg: PPOConfig, dist: DistContext
 ) -> Callable[[Rollout], dict[str, float]] | None:
     """The share of groups without spread by category (`group/zero_std_fraction/<category>`) of a rollout's first
     generation round, where the reward function sorts its rows into categories (a `categories` attribute taking
-    the row columns, as `rlhf.data.verifiers.ifeval_strict` has: its instruction types); None elsewhere, and
-    without groups."""
+    the row columns, as `rlhf.data.verifiers.ifeval_strict` has: its instruction types) of the prompts' `rows` (their
+    row keys); None elsewhere, and without groups."""
     reward_fn = models.reward_fn
     if reward_fn is None or cfg.samples_per_prompt < 2 or not reward_fn.has_categories:
         return None
 
     def stats(rollout: Rollout) -> dict[str, float]:
-        categories = reward_fn.categories([prompts[i] for i in rollout.indices])
+        categories = reward_fn.categories(None if rows is None else [rows[i] for i in rollout.indices])
         counts = zero_std_counts(rollout.scored.scores, cfg.samples_per_prompt, categories)
         return zero_std_by_category(distributed.all_gather_object(counts) if dist.world_size > 1 else [counts])
 

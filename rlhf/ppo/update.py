@@ -66,11 +66,13 @@ def generate_and_score(
     generator: torch.Generator,
     plan: ExecutionPlan,
     first_order: Tensor | None = None,
+    rows: list[str] | None = None,
 ) -> Rollout:
     """Steps 1-3: sample responses, then (no grad) policy and reference log-probs, values and scores, on the plan's
     device, under its autocast dtype (float32 turns it off) and threads.
 
-    `batch.indices` are the rows of `prompts` in the batch (None: no texts, when no reward model re-tokenizes).
+    `batch.indices` are the rows of `prompts` in the batch (None: no texts, when no reward model re-tokenizes), and
+    of `rows`, the prompts' row keys (``rlhf.rollout.rows``; None: no reward function takes row columns).
     `first_order` (`first_epoch_order`): the policy and reference log-probs of the first minibatch's rows are
     computed on the rows, and the columns, that the optimisation's first policy forwards take
     (`ExecutionPlan.rollout_groups`), on its torch threads, so that they are what it computes, bit for bit; where
@@ -78,6 +80,7 @@ def generate_and_score(
     log-probs (the policy has not changed yet) and writes them in. Shape: batch.ids, batch.mask (b, p).
     """
     texts = [prompts[i] for i in batch.indices] if prompts is not None else None
+    keys = [rows[i] for i in batch.indices] if rows is not None else None
     query, query_mask = batch.ids.to(plan.device), batch.mask.to(plan.device)
     deferred = groups = None
     if first_order is not None:
@@ -89,7 +92,7 @@ def generate_and_score(
         models.scoring(), query, query_mask, texts, settings, generator, plan.dtype, cfg.forward_batch_size,
         second_thread=plan.scoring_second_thread, deferred=deferred, groups=groups,
         policy_threads=plan.optimise_threads if groups is not None else None,
-        paired=groups is not None and plan.paired_scoring,
+        paired=groups is not None and plan.paired_scoring, rows=keys,
     )  # fmt: skip
     return Rollout(batch.indices, scored, first_order=first_order)
 

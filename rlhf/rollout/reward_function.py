@@ -5,7 +5,7 @@ scores kept apart for the statistics (``RewardFunctions``).
 
 A function may also take the data set's own columns as keyword arguments (TRL's convention,
 ``reward(prompts, completions, instruction_id_list, kwargs)``, or ``**kwargs`` for all of them): the columns
-``data.row_columns`` keeps reach it row by row (``rlhf.data.row_columns``).
+``data.row_columns`` keeps reach it row by row, looked up by each row's key (``rlhf.rollout.rows``).
 
 The callable is named ``"module:callable"`` (``rlhf.data.synthetic:gold_reward`` is the built-in task's gold
 reward) and must be importable in the run's environment. Every way it can go wrong is one sentence naming the
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf.config import RewardConfig
-from rlhf.data.row_columns import RowColumns, wanted_columns
 from rlhf.errors import ConfigError, UserInputError
+from rlhf.rollout.rows import RowColumns, wanted_columns
 
 RewardCallable = Callable[..., Sequence[float]]  # (prompts, responses, **row_columns) -> one score per response
 
@@ -45,8 +45,8 @@ class RewardFunction:
         """This function, given the row columns of the prompts it will score."""
         return RewardFunction(self.spec, self.fn, columns)
 
-    def column_kwargs(self, prompts: list[str]) -> dict[str, list]:
-        """The row columns the function takes, one value per prompt (none for a two-argument function)."""
+    def column_kwargs(self, rows: list[str] | None) -> dict[str, list]:
+        """The row columns the function takes, one value per row key (none for a two-argument function)."""
         wanted = wanted_columns(self.fn)
         if not wanted.named and not wanted.takes_all:
             return {}
@@ -57,7 +57,9 @@ class RewardFunction:
                     "keeps no row columns: set data.row_columns"
                 )
             return {}
-        return self.columns.values(prompts, wanted.of(self.columns.names))
+        if rows is None:
+            raise ValueError(f"reward function {self.spec} takes row columns: each response's row key is needed")
+        return self.columns.values(rows, wanted.of(self.columns.names))
 
     @property
     def has_categories(self) -> bool:
@@ -66,15 +68,16 @@ class RewardFunction:
         types), which the statistics break down by."""
         return callable(getattr(self.fn, "categories", None))
 
-    def categories(self, prompts: list[str]) -> list[list[str]]:
-        """The categories of each prompt's row (`has_categories`)."""
-        return [list(names) for names in self.fn.categories(**self.column_kwargs(list(prompts)))]  # type: ignore[attr-defined]
+    def categories(self, rows: list[str] | None) -> list[list[str]]:
+        """The categories of each row (`has_categories`), by row key."""
+        return [list(names) for names in self.fn.categories(**self.column_kwargs(rows))]  # type: ignore[attr-defined]
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        """The scores of the (prompt, response) pairs, checked: one finite float per pair."""
+    def __call__(self, prompts: list[str], responses: list[str], rows: list[str] | None = None) -> list[float]:
+        """The scores of the (prompt, response) pairs, checked: one finite float per pair; `rows`: each pair's row
+        key, for a function that takes row columns."""
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-        kwargs = self.column_kwargs(list(prompts))
+        kwargs = self.column_kwargs(rows)
         try:
             values = self.fn(list(prompts), list(responses), **kwargs)
         except Exception as err:  # noqa: BLE001 (the user's code: any error is reported in one sentence)
@@ -171,13 +174,14 @@ class RewardFunctions:
         """Whether one of the functions sorts rows into categories (`RewardFunction.has_categories`)."""
         return any(function.has_categories for function in self.functions)
 
-    def categories(self, prompts: list[str]) -> list[list[str]]:
-        """The categories of each prompt's row, by the first function that has them."""
-        return next(function for function in self.functions if function.has_categories).categories(prompts)
+    def categories(self, rows: list[str] | None) -> list[list[str]]:
+        """The categories of each row, by the first function that has them."""
+        return next(function for function in self.functions if function.has_categories).categories(rows)
 
-    def parts(self, prompts: list[str], responses: list[str]) -> list[list[float]]:
-        """Each function's own (unweighted, checked) scores of the pairs: one list per function."""
-        return [function(prompts, responses) for function in self.functions]
+    def parts(self, prompts: list[str], responses: list[str], rows: list[str] | None = None) -> list[list[float]]:
+        """Each function's own (unweighted, checked) scores of the pairs (`rows`: their row keys): one list per
+        function."""
+        return [function(prompts, responses, rows) for function in self.functions]
 
     def combine(self, parts: list[list[float]]) -> list[float]:
         """The weighted sum of `parts` (one list per function), per pair."""
@@ -185,9 +189,9 @@ class RewardFunctions:
             return list(parts[0])
         return [sum(w * s for w, s in zip(self.weights, row, strict=True)) for row in zip(*parts, strict=True)]
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        """The weighted sum of the functions' scores of the (prompt, response) pairs."""
-        return self.combine(self.parts(prompts, responses))
+    def __call__(self, prompts: list[str], responses: list[str], rows: list[str] | None = None) -> list[float]:
+        """The weighted sum of the functions' scores of the (prompt, response) pairs (`rows`: their row keys)."""
+        return self.combine(self.parts(prompts, responses, rows))
 
 
 def load_reward_functions(specs: list[str], weights: list[float] | None = None) -> RewardFunctions:

@@ -115,10 +115,16 @@ def reference_logprobs(
 
 
 def function_scores(
-    models: ScoringModels, prompts: list[str] | None, resp: Responses, model_scores: Tensor | None, device: torch.device
+    models: ScoringModels,
+    prompts: list[str] | None,
+    rows: list[str] | None,
+    resp: Responses,
+    model_scores: Tensor | None,
+    device: torch.device,
 ) -> tuple[Tensor, Tensor]:
     """The reward functions' weighted scores of the decoded responses (reward.source: function), or the reward
-    model's scores plus ``reward_fn_weight`` times them; and each function's own scores. Shape: (b,), (F, b)."""
+    model's scores plus ``reward_fn_weight`` times them; and each function's own scores. `rows`: each response's row
+    key (``rlhf.rollout.rows``), for functions that take the row's columns. Shape: (b,), (F, b)."""
     if prompts is None:
         raise ValueError("a reward function scores texts: the prompts' texts are needed")
     assert models.reward_fn is not None
@@ -126,7 +132,7 @@ def function_scores(
     texts = tokenizer.batch_decode(
         resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
     )
-    parts = models.reward_fn.parts(prompts, texts)
+    parts = models.reward_fn.parts(prompts, texts, rows)
     rule = torch.tensor(models.reward_fn.combine(parts), dtype=torch.float32, device=device)
     parts_tensor = torch.tensor(parts, dtype=torch.float32, device=device).view(len(parts), len(texts))
     return (rule if model_scores is None else model_scores + models.reward_fn_weight * rule), parts_tensor
@@ -304,6 +310,7 @@ def generate_and_score(
     groups: list[Tensor] | None = None,
     policy_threads: int | None = None,
     paired: bool = False,
+    rows: list[str] | None = None,
 ) -> ScoredResponses:
     """Sample responses to left-padded prompts, then (no grad) policy and reference log-probs at the sampling
     temperature, values (when there is a value model) and reward-model scores. `second_thread` (a CPU, models of
@@ -320,7 +327,8 @@ def generate_and_score(
     halves). None: consecutive rows. Either way policy and reference take the same rows (a KL of exactly 0 at
     identical weights).
 
-    `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes); `dtype` is the autocast
+    `prompt_texts` are the rows' prompts (needed when the reward model re-tokenizes), `rows` their row keys (needed
+    by a reward function that takes row columns: ``rlhf.rollout.rows``); `dtype` is the autocast
     dtype (float32 turns it off); no-grad forwards take `forward_batch_size` rows at a time (None: all).
     Shape: query, query_mask (b, p) -> ScoredResponses with (b, p + r), (b, r) and (b,) tensors.
     """
@@ -379,7 +387,7 @@ def generate_and_score(
                 else:
                     scores = raw[0]
         if models.reward_fn is not None:
-            scores, parts = function_scores(models, prompt_texts, resp, scores, device)
+            scores, parts = function_scores(models, prompt_texts, rows, resp, scores, device)
         return values, (scores, members, parts)
 
     with torch_threads(1 if second_thread else None):  # in two threads, each side's ops single-threaded

@@ -230,3 +230,62 @@ def with_lever(table: pd.DataFrame, confirm: int = 1, from_evidence: bool = Fals
         best.append(gold[-1] if picked is None else gold[picked])
     out["alarm_step"], out["gold_if_stopped"], out["gold_if_kept_best"] = alarms, stopped, best
     return out
+
+
+def recorded_runs(path: Path) -> pd.DataFrame:
+    """The per-run tables of docs/alarm-grid.md (the grid's two halves, and the fresh runs after its section
+    FRESH_HEADING) as `alarm_check.alarm_table`'s columns: what `kept_table` reads where the runs' store is not kept.
+    Those tables hold each run's gold at update 0, its peak, its final gold and what 'stop' and 'keep_best' kept."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    fresh_from = lines.index(FRESH_HEADING) if FRESH_HEADING in lines else len(lines)
+    rows = []
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or len(cells) != 12 or not cells[3 + (i < fresh_from)].isdigit():
+            continue  # not a run's row (a header, a rule, another table): a run's has its seed there
+        if i < fresh_from:
+            half, task, objective, kl, seed, start, peak, final, _falls, _alarm, stop, best = cells
+        else:
+            task, objective, kl, seed, start, peak, final, _falls, _alarm, _earlier, stop, best = cells
+            half = "fresh"
+        rows.append(
+            {
+                "run": f"{task} {objective} kl {kl} seed {seed}",
+                "half": half,
+                "task": task,
+                "objective": objective,
+                "gold_start": float(start),
+                "gold_peak": float(peak.split()[0]),
+                "gold_final": float(final),
+                "gold_if_stopped": float(stop),
+                "gold_if_kept_best": float(best),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+FRESH_HEADING = "## Fresh runs, made after the surprisal condition was fixed"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m rlhf.sweeps.alarm_kept docs/alarm-grid.md [--half held-out] [--picture PNG]`: the kept shares of
+    the runs a recorded table lists (`recorded_runs`), as markdown."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="what each alarm setting keeps, from a recorded per-run table")
+    parser.add_argument("table", type=Path)
+    parser.add_argument("--half", choices=["held-out", "tuning", "fresh"], action="append")
+    parser.add_argument("--picture", type=Path)
+    args = parser.parse_args(argv)
+    runs = recorded_runs(args.table)
+    if args.half:
+        runs = runs[runs["half"].isin(args.half)]
+    kept = kept_table(runs)
+    print(f"{len(kept)} runs ({', '.join(args.half or ['every half'])})\n")
+    print(markdown(kept_summary(kept), 2))
+    if args.picture:
+        kept_picture(kept, args.picture, f"{len(kept)} recorded runs ({', '.join(args.half or ['all'])})")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ found again from `TrialRef`, so the reporting pipeline may run in another proces
 storage that machine can reach).
 
 No Prefect and no MLflow here: the sweep flow (``flows/sweep.py``) asks, runs and tells.
+Optuna 5.0's FrozenTrial has no public id, so a killed trial and `TrialRef` read ``trial._trial_id``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def resume(study) -> list[int]:
     optuna = require_optuna()
     killed = []
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study._storage.set_trial_user_attr(trial._trial_id, KILLED_ATTR, True)
+        optuna.trial.Trial(study, trial._trial_id).set_user_attr(KILLED_ATTR, True)
         study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
         if trial_point(trial):
             study.enqueue_trial(trial_point(trial))
@@ -281,12 +282,14 @@ class OptunaSearch:
             config = variant_config(self.base, self.space, variant)
         except ConfigError as err:
             return Planned(variant, None, error=str(err))
-        self.study._storage.set_trial_user_attr(trial._trial_id, RUN_NAME_ATTR, config.run_name)
+        trial.set_user_attr(RUN_NAME_ATTR, config.run_name)
         return Planned(variant, config, trial_ref(self.study, trial, self.storage, self.metric, self.space.optuna))
 
     def tell(self, planned: Planned, status: str, value: float | None, mlflow_run_id: str | None) -> None:
         if planned.trial is not None and mlflow_run_id:
-            self.study._storage.set_trial_user_attr(planned.trial.trial_id, MLFLOW_RUN_ATTR, mlflow_run_id)
+            require_optuna().trial.Trial(self.study, planned.trial.trial_id).set_user_attr(
+                MLFLOW_RUN_ATTR, mlflow_run_id
+            )
         tell(self.study, planned.variant.index, status, value)
 
     def kept(self) -> list[dict[str, Any]]:

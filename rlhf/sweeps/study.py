@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from scipy import stats
+from scipy.special import expit, logit
 
 from rlhf.eval.overoptimisation import ALARM_STEP_KEY
 from rlhf.metrics import (
@@ -37,13 +39,6 @@ from rlhf.metrics import (
 from rlhf.sweeps.overoptimisation import collect_histories
 from rlhf.sweeps.plots import save_figure
 from rlhf.tracking.client import Tracker
-
-# Two-sided 95% critical values of Student's t for 1..30 degrees of freedom (beyond: the normal's 1.96).
-T95 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
 
 # (column of the study table, the run's summary metrics (the first a run has), how the arm's runs combine: 'rate' a
 # share in [0, 1] with its logit-scale interval, 'mean' with its t-interval, 'max' the largest)
@@ -80,7 +75,7 @@ def _measure(run: Mapping[str, Any], metrics: Sequence[str]) -> float:
 def interval95(values: Sequence[float]) -> tuple[float, float]:
     """(mean, half-width of the 95% t-interval) of the finite `values`; the half-width is NaN below two values.
 
-    >>> interval95([0.9, 0.8, 1.0])  # sd 0.1, se 0.1 / sqrt(3) = 0.0577, t(2) = 4.303 -> 0.248
+    >>> interval95([0.9, 0.8, 1.0])  # sd 0.1, se 0.1 / sqrt(3) = 0.0577, t(2) = 4.3027 -> 0.248
     (0.9, 0.248...)
     """
     x = np.asarray([v for v in values if _finite(v)], dtype=float)
@@ -88,22 +83,13 @@ def interval95(values: Sequence[float]) -> tuple[float, float]:
         return math.nan, math.nan
     if len(x) == 1:
         return float(x[0]), math.nan
-    t = T95[len(x) - 2] if len(x) - 1 <= len(T95) else 1.96
+    t = stats.t.ppf(0.975, len(x) - 1)  # two-sided 95% critical value of Student's t
     return float(x.mean()), float(t * x.std(ddof=1) / math.sqrt(len(x)))
 
 
 # a rate of 0 or 1 has an infinite logit: rates are held this far inside [0, 1] on the logit scale (a tenth of a
 # percent: below the resolution of an evaluation on a few hundred prompts)
 RATE_EDGE = 1e-3
-
-
-def _logit(p: float) -> float:
-    p = min(max(p, RATE_EDGE), 1.0 - RATE_EDGE)
-    return math.log(p / (1.0 - p))
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
 def rate_interval95(values: Sequence[float]) -> tuple[float, float, float]:
@@ -119,10 +105,10 @@ def rate_interval95(values: Sequence[float]) -> tuple[float, float, float]:
     if not x:
         return math.nan, math.nan, math.nan
     mean = float(np.mean(x))
-    centre, half = interval95([_logit(v) for v in x])
+    centre, half = interval95([float(logit(min(max(v, RATE_EDGE), 1.0 - RATE_EDGE))) for v in x])
     if not math.isfinite(half):
         return mean, math.nan, math.nan
-    return mean, min(_sigmoid(centre - half), mean), max(_sigmoid(centre + half), mean)
+    return mean, min(float(expit(centre - half)), mean), max(float(expit(centre + half)), mean)
 
 
 def study_table(rows: Sequence[Mapping[str, Any]], arms: Sequence[str]) -> pd.DataFrame:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 LogFn = Callable[[dict[str, float], int], None]
 """``log(metrics, step)``: record a step's statistics (the flows pass `Tracker.metric_logger`)."""
 
-GoldFn = Callable[[str, str], float]
-"""``gold(prompt, response)``: the task's gold reward of a response, where the task has one (synthetic data)."""
+GoldFn = Callable[[str, str, str | None], float]
+"""``gold(prompt, response, row)``: the task's gold reward of a response, where the task has one (synthetic data, or
+data.gold_reward, which reads the row's columns by its key `row`: ``rlhf.rollout.rows``)."""
 
 StepRecord = tuple[dict[str, float], int, float]
 """``(metrics, step, time)``: one logged step, with the time (``time.time()``) it was logged at."""
@@ -35,7 +36,8 @@ class BatchedLog:
     Writing one step at a time costs a store transaction per step (an MLflow SQLite store: ~15 ms for PPO's 70-odd
     statistics); a batch of steps costs much less per step. Nothing is dropped: the trainers flush before they save
     a resume state (`flush_log`), so every step up to a saved state is written, the owner flushes (`close()`) at
-    the end, and the process flushes the loggers still open when it exits normally."""
+    the end, and the process flushes the loggers still open when it exits normally. Not MLflow's own asynchronous
+    logging (``synchronous=False``, MLflow 3.17): it drops a batch whose write failed, where this one keeps it."""
 
     def __init__(
         self,

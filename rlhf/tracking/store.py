@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import psutil
+
 from rlhf.checkpoints import file_digest, stage_lock
 from rlhf.errors import ConfigError
 from rlhf.metrics import current_metric_name
@@ -97,15 +99,18 @@ def process_tags() -> dict[str, str]:
     return {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname()}
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` of this host still exists."""
+def process_alive(pid: int, started: float | None = None) -> bool:
+    """Whether process `pid` of this host still runs (a zombie has ended) and, given its start time `started`, is the
+    process that started then rather than another that reused the pid."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # ended, not yet reaped by its parent
+            return False
+        return started is None or abs(process.create_time() - started) <= 1.0
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # another user's process
+    except psutil.AccessDenied:  # another user's process
         return True
-    return True
 
 
 def store_lock(uri: str) -> AbstractContextManager:

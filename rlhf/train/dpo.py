@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_sc
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DPOConfig, RuntimeConfig
 from rlhf.errors import DataError
-from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import PEAK_MEMORY
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, resolve_device, run_dtype

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_sc
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import DPOConfig, RewardConfig, RuntimeConfig
 from rlhf.errors import ConfigError
-from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import PEAK_MEMORY, REWARD_BEST_EVAL_ACCURACY
 from rlhf.models.cpu_kernels import use_cpu_kernels
 from rlhf.models.device import autocast, resolve_device, run_dtype

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_wi
 
 from rlhf.checkpoints import atomic_dir, dir_digest, text_digest, write_manifest
 from rlhf.config import RuntimeConfig, SFTConfig
-from rlhf.memory_usage import peak_memory_mb, reset_peak_memory
+from rlhf.memory import peak_memory_mb, reset_peak_memory
 from rlhf.metrics import PEAK_MEMORY
 from rlhf.models.bootstrap import build_tiny_gpt2, build_tokenizer
 from rlhf.models.cpu_kernels import use_cpu_kernels

@@ -32,7 +32,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rlhf.checkpoints import atomic_file
 from rlhf.config import PPOConfig, RuntimeConfig, SFTConfig, WarmStartConfig
-from rlhf.data.row_columns import RowColumns
 from rlhf.errors import WarmStartError
 from rlhf.metrics import (
     WARM_START_KEPT,
@@ -53,13 +52,14 @@ from rlhf.rollout.batching import pad_left
 from rlhf.rollout.generation import GenerationSettings, Responses, sample_responses
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.reward_function import load_reward_functions
+from rlhf.rollout.rows import PromptRows, RowColumns
 from rlhf.rollout.static_decode import resolve_decode
 from rlhf.tracking.metrics_writer import LogFn
 from rlhf.train.sft import SFTResult, train_sft
 
-SAMPLES_FILE = "samples.parquet"  # every sample (prompt, sample, response, score, tokens, kept), in the stage's folder
+SAMPLES_FILE = "samples.parquet"  # every sample (prompt, row, sample, response, ...: COLUMNS), in the stage's folder
 CHECKPOINT = "final"  # the warm-started checkpoint's folder inside the stage's folder (its resume state: final/state)
-COLUMNS = ("prompt", "sample", "response", "score", "tokens", "kept")
+COLUMNS = ("prompt", "row", "sample", "response", "score", "tokens", "kept")  # row: its row key (rlhf.rollout.rows)
 
 
 class WarmStartSampling(BaseModel):
@@ -94,19 +94,21 @@ class Samples:
         return self.frame[self.frame["kept"]]
 
 
-def training_prompts(prompts_file: str | Path, n: int | None, seed: int) -> list[str]:
-    """The distinct prompts of `prompts_file` in a seeded order, the first `n` of them (None: all)."""
-    prompts = list(dict.fromkeys(pd.read_parquet(prompts_file, columns=["prompt"])["prompt"].astype(str)))
-    random.Random(seed).shuffle(prompts)
-    return prompts if n is None else prompts[:n]
+def training_prompts(prompts_file: str | Path, n: int | None, seed: int) -> PromptRows:
+    """The distinct rows of `prompts_file` (a prompt with two truths is two) in a seeded order, the first `n` of them
+    (None: all)."""
+    rows = PromptRows.read(prompts_file).distinct()
+    order = list(range(len(rows.keys)))
+    random.Random(seed).shuffle(order)
+    return PromptRows([rows.prompts[i] for i in order[:n]], [rows.keys[i] for i in order[:n]])
 
 
 def select(frame: pd.DataFrame, min_score: float, keep_per_prompt: int) -> pd.Series:
     """Which samples are kept: those scoring at least `min_score`, at most `keep_per_prompt` distinct responses per
-    prompt, the highest scores first (ties: the earlier sample). Shape: (rows,) bool, aligned with `frame`."""
+    prompt row, the highest scores first (ties: the earlier sample). Shape: (rows,) bool, aligned with `frame`."""
     passing = frame[frame["score"] >= min_score].sort_values("score", ascending=False, kind="stable")
-    distinct = passing.drop_duplicates(["prompt", "response"])
-    chosen = distinct.groupby("prompt", sort=False).head(keep_per_prompt).index
+    distinct = passing.drop_duplicates(["row", "response"])
+    chosen = distinct.groupby("row", sort=False).head(keep_per_prompt).index
     return pd.Series(frame.index.isin(chosen), index=frame.index)
 
 
@@ -174,7 +176,7 @@ def draw_samples(
     if path.is_file():
         return Samples(pd.read_parquet(path))
     started = time.perf_counter()
-    prompts = training_prompts(prompts_file, cfg.prompts, seed)
+    rows = training_prompts(prompts_file, cfg.prompts, seed)
     # the verifier and the rows' own truth first: a function that cannot be used stops before a model loads
     verifier = load_reward_functions(reward_functions, reward_weights).with_columns(RowColumns.read(prompts_file))
     device = resolve_device(runtime.device)
@@ -189,11 +191,12 @@ def draw_samples(
     )
     generator = torch.Generator(device=device).manual_seed(seed)
     frame = sample_candidates(
-        model, tokenizer, prompts, cfg.samples, settings, sampling.max_prompt_tokens, cfg.batch_size, generator,
+        model, tokenizer, rows.prompts, cfg.samples, settings, sampling.max_prompt_tokens, cfg.batch_size, generator,
         run_dtype(runtime, device), runtime.progress,
     )  # fmt: skip
     del model
-    frame["score"] = verifier(frame["prompt"].tolist(), frame.pop("text").tolist())
+    frame["row"] = [key for key in rows.keys for _ in range(cfg.samples)]  # prompt-major, as the samples
+    frame["score"] = verifier(frame["prompt"].tolist(), frame.pop("text").tolist(), frame["row"].tolist())
     frame["kept"] = select(frame, cfg.min_score, cfg.keep_per_prompt)
     frame = frame[list(COLUMNS)]
     with atomic_file(path, "wb") as f:  # whole or absent: a retry reads complete samples or samples anew

@@ -1,22 +1,4 @@
-"""How much memory a run needs, estimated from the model's ``config.json`` before any weight is loaded.
-
-The estimate of each stage is the memory it holds for its whole run (weights, gradients, AdamW states) plus the
-largest transient of its phases (activations of a training micro-batch, the logits over the vocabulary, the
-KV cache of generation), plus a fixed overhead (CUDA context and allocator slack on a GPU; the process's own
-resident memory on CPU). Parameter counts are exact: the architecture is instantiated on torch's ``meta``
-device, which allocates nothing. The activation terms follow Korthikanti et al. (2022) for a decoder layer with
-fused attention (sdpa: no stored attention matrix), in the autocast dtype; expect agreement within about 30%.
-
-Stages and what they hold (P: causal-LM parameters, R: reward-model parameters, b: bytes of the runtime dtype):
-- ``sft``: the trained model in fp32 (16 bytes/param: weights, grads, AdamW m and v), a batch of
-  ``sft.max_length`` tokens with full-vocabulary logits;
-- ``reward``: the same for the reward model, on chosen and rejected rows of ``reward.max_length``;
-- ``ppo``: policy 16P (LoRA: fp32 base + 16 bytes per adapter parameter, no reference copy), reference P*b,
-  reward model R*b, value model 16R (``policy_head``: one head); transient: the larger of generation (KV cache
-  of the rollout batch, prefill logits of the last position) and the training pass (policy and value micro
-  batch activations, response logits), and no-grad scoring of ``forward_batch_size`` rows;
-- ``evaluate``: the SFT and PPO policies and the reward model in the runtime dtype, generation of a batch.
-"""
+"""The estimate: each stage's bytes from the model's shape (counted on the meta device) and the config."""
 
 from __future__ import annotations
 
@@ -24,11 +6,10 @@ import copy
 import functools
 import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlhf.config import PipelineConfig
-from rlhf.errors import ConfigError
+from rlhf.models.model_config import config_value, model_positions
 from rlhf.stages import REWARD, stages_of
 
 GIB = 2**30
@@ -57,20 +38,6 @@ class ModelShape:
     lowered_params: int = 0  # causal-LM parameters the PPO reference holds in the compute dtype (the rest float32)
 
 
-def _get(cfg: Any, *names: str) -> Any:
-    for name in names:
-        value = getattr(cfg, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def model_positions(cfg: Any) -> int | None:
-    """The longest sequence a config's model accepts (positions of its embedding or rotary table)."""
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return _get(text, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-
 def shape_of(cfg: Any) -> ModelShape:
     """Count the parameters of `cfg`'s causal LM and reward model on the meta device (nothing is allocated)."""
     return _shape_of_json(cfg.to_json_string(use_diff=False), type(cfg))
@@ -97,58 +64,22 @@ def _shape_of_json(config_json: str, config_class: type) -> ModelShape:
         rm = AutoModelForSequenceClassification.from_config(reward_cfg)
     head = lm.get_output_embeddings()
     in_out = sum(m.in_features + m.out_features for m in lm.modules() if isinstance(m, nn.Linear) and m is not head)
-    hidden = int(_get(text, "hidden_size", "n_embd", "d_model"))
-    heads = int(_get(text, "num_attention_heads", "n_head"))
-    head_dim = int(_get(text, "head_dim") or hidden // heads)
-    kv_heads = int(_get(text, "num_key_value_heads") or heads)
+    hidden = int(config_value(text, "hidden_size", "n_embd", "d_model"))
+    heads = int(config_value(text, "num_attention_heads", "n_head"))
+    head_dim = int(config_value(text, "head_dim") or hidden // heads)
+    kv_heads = int(config_value(text, "num_key_value_heads") or heads)
     return ModelShape(
         params=sum(p.numel() for p in lm.parameters()),
         reward_params=sum(p.numel() for p in rm.parameters()),
-        layers=int(_get(text, "num_hidden_layers", "n_layer")),
+        layers=int(config_value(text, "num_hidden_layers", "n_layer")),
         hidden=hidden,
-        intermediate=int(_get(text, "intermediate_size", "ffn_dim", "n_inner") or 4 * hidden),
+        intermediate=int(config_value(text, "intermediate_size", "ffn_dim", "n_inner") or 4 * hidden),
         kv_dim=kv_heads * head_dim,
         vocab=int(text.vocab_size),
         positions=model_positions(cfg),
         linear_in_out=in_out,
         lowered_params=sum(p.numel() for p in autocast_lowered_parameters(lm).values()),
     )
-
-
-def read_model_config(config: PipelineConfig, model_config: str | Path | None = None) -> Any:
-    """The SFT model's config: `model_config` (a config.json or its folder) when given, the bootstrap GPT-2's
-    when ``sft.model`` is None, else ``config.json`` of ``sft.model`` (a local folder or, with hub access, an id;
-    only that file is read), or the metadata of its GGUF file."""
-    from transformers import AutoConfig, GPT2Config
-
-    if model_config is not None:
-        path = Path(model_config)
-        fields = json.loads((path if path.is_file() else path / "config.json").read_text())
-        fields = {k: v for k, v in fields.items() if not k.startswith("_")}
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if config.sft.model is None:
-        boot = config.sft.bootstrap
-        return GPT2Config(
-            vocab_size=boot.vocab_size,
-            n_positions=boot.n_positions,
-            n_embd=boot.n_embd,
-            n_layer=boot.n_layer,
-            n_head=boot.n_head,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    from rlhf.models.gguf import gguf_config, gguf_path, gguf_reference  # heavy: torch (a GGUF model's shape)
-
-    ref = gguf_reference(config.sft.model, config.sft.gguf_file)
-    if ref is not None:  # a GGUF file: its metadata is the config
-        return gguf_config("sft.model", gguf_path("sft.model", ref, config.sft.revision))
-    try:
-        return AutoConfig.from_pretrained(
-            config.sft.model, revision=config.sft.revision, trust_remote_code=config.runtime.trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"sft.model: could not read the config of '{config.sft.model}': {first}") from None
 
 
 def dtype_bytes(dtype: str, device_type: str, width: int | None = None) -> int:
@@ -309,17 +240,6 @@ def _dpo_memory(config: PipelineConfig, shape: ModelShape, act_b: int, cpu: bool
     tokens = 2 * dpo.batch_size * dpo.max_length
     activations = _layer_activations(shape, tokens, act_b, dpo.gradient_checkpointing, cpu)
     return _trained(shape.params), activations + _logits(shape, tokens, act_b, True)
-
-
-def config_device_type(config: PipelineConfig) -> str:
-    """'cuda' or 'cpu': where `runtime.device` puts the models ('auto': CUDA where this machine has it; MPS, with
-    memory shared with the CPU, is estimated as a CPU). Nothing is initialised on the device."""
-    device = config.runtime.device
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def fmt_gib(n: float) -> str:

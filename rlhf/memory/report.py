@@ -1,5 +1,5 @@
-"""The memory estimate on the command line: ``rlhf memory --config X`` (or ``python -m rlhf.memory_report``) prints
-each stage's estimate (`rlhf.memory`) for the config's own device: against this machine's RAM for a CPU config
+"""The memory estimate on the command line: ``rlhf memory --config X`` (or ``python -m rlhf.memory.report``) prints
+each stage's estimate for the config's own device: against this machine's RAM for a CPU config
 (``runtime.device: cpu``, or ``auto`` on a machine without CUDA), against GPU sizes (24 and 80 GiB unless
 ``--gpu-gb`` says) for a CUDA one. ``--device cuda --gpu-gb 24`` plans a GPU run from a CPU machine, ``--device
 cpu --ram-gb 16`` a CPU run of another machine."""
@@ -11,17 +11,9 @@ import sys
 
 from rlhf.config import load_config
 from rlhf.errors import UserInputError
-from rlhf.memory import (
-    FIT_SHARE,
-    GIB,
-    StageEstimate,
-    config_device_type,
-    estimate,
-    fmt_gib,
-    read_model_config,
-    shape_of,
-)
-from rlhf.memory_usage import machine_ram, process_rss
+from rlhf.memory.estimates import FIT_SHARE, GIB, StageEstimate, estimate, fmt_gib, shape_of
+from rlhf.memory.usage import machine_ram, process_rss
+from rlhf.models.model_config import config_device_type, read_model_config
 
 
 def _fits(total: float, sizes: list[tuple[str, float]]) -> str:
@@ -47,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        shape = shape_of(read_model_config(config, args.model_config))
+        shape = shape_of(read_model_config(config.sft, config.runtime.trust_remote_code, args.model_config))
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     device = args.device
     if device == "auto":
-        device = "cuda" if args.gpu_gb is not None else config_device_type(config)
+        device = "cuda" if args.gpu_gb is not None else config_device_type(config.runtime.device)
     if device == "cuda":
         sizes = [(f"{gb:g} GiB", gb * GIB) for gb in (args.gpu_gb if args.gpu_gb is not None else [24, 80])]
         where = "GPU (runtime.device: " + config.runtime.device + ")"

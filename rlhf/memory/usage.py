@@ -1,6 +1,6 @@
-"""What this machine and process use now, as opposed to `rlhf.memory`'s estimate before anything loads: free RAM or
-GPU memory, the process's resident set, and a stage's measured peak (logged as ``memory/peak_mb`` beside the
-estimate). psutil and torch are imported where called: `rlhf memory` and the preflight stay light."""
+"""What this machine and process use now, as opposed to the estimate: free RAM or GPU memory, the process's resident
+set, and a stage's measured peak. psutil and torch are imported where called: `rlhf memory` and the preflight stay
+light."""
 
 from __future__ import annotations
 
