@@ -19,6 +19,7 @@ from rlhf.config.pipeline import (
     section_digest,
 )
 from rlhf.config.ppo import LoraConfig, PPOConfig, PPOGenerationConfig
+from rlhf.config.reward import RewardConfig
 from rlhf.config.sections import (
     DATA_COLUMN_ROLES,
     DataConfig,
@@ -31,7 +32,6 @@ from rlhf.config.stages import (
     BootstrapModelConfig,
     DPOConfig,
     EvalConfig,
-    RewardConfig,
     SFTConfig,
     WarmStartConfig,
 )

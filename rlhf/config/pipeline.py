@@ -11,8 +11,9 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from rlhf.config.base import Section, format_validation_error, read_yaml, safe_load
 from rlhf.config.ppo import PPOConfig
+from rlhf.config.reward import RewardConfig
 from rlhf.config.sections import DataConfig, RuntimeConfig, TrackingConfig
-from rlhf.config.stages import DPOConfig, EvalConfig, RewardConfig, SFTConfig, WarmStartConfig
+from rlhf.config.stages import DPOConfig, EvalConfig, SFTConfig, WarmStartConfig
 from rlhf.errors import ConfigError
 
 

@@ -28,7 +28,7 @@ from rlhf.eval.overoptimisation import (
     response_stats,
     surprisal_stats,
 )
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE, REWARD_FUNCTION_PREFIX
 from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed
 from rlhf.ppo.models import PPOModels
@@ -77,7 +77,8 @@ def evaluate_now(
     signs = {**response_stats(frame["response"].tolist()), **surprisal_stats(frame)}
     signs |= ensemble_stats(frame, in_distribution_std(models.reward))
     metrics |= {f"{PERIODIC_EVAL}{key}": value for key, value in signs.items()}
-    for column in (c for c in frame.columns if c.startswith("rewards/")):  # each reward function's own scores
+    functions = (c for c in frame.columns if c.startswith(REWARD_FUNCTION_PREFIX))
+    for column in functions:  # each reward function's own scores
         metrics[f"{PERIODIC_EVAL}{column}/mean"] = float(frame[column].mean())
         metrics[f"{PERIODIC_EVAL}{column}/std"] = float(frame[column].std(ddof=0))
     if gold_fn is not None:

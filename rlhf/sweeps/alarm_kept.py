@@ -232,6 +232,9 @@ def with_lever(table: pd.DataFrame, confirm: int = 1, from_evidence: bool = Fals
     return out
 
 
+FRESH_HEADING = "## Fresh runs, made after the surprisal condition was fixed"
+
+
 def recorded_runs(path: Path) -> pd.DataFrame:
     """The per-run tables of docs/alarm-grid.md (the grid's two halves, and the fresh runs after its section
     FRESH_HEADING) as `alarm_check.alarm_table`'s columns: what `kept_table` reads where the runs' store is not kept.
@@ -262,9 +265,6 @@ def recorded_runs(path: Path) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
-
-
-FRESH_HEADING = "## Fresh runs, made after the surprisal condition was fixed"
 
 
 def main(argv: list[str] | None = None) -> None:
