@@ -131,10 +131,10 @@ def submit_later(api: str, deployment_id: str, run: dict) -> tuple[int, str]:
     return created.status_code, created.json()["id"] if created.status_code == 201 else created.text
 
 
-def _training(api: str, flow_run_id: str) -> bool:
-    """A training task of the flow run has logged a step ('sft step 10 of 20: ...')."""
+def _training(api: str, flow_run_id: str, stage: str = "sft") -> bool:
+    """The flow run's `stage` has logged a training step ('sft step 100 of 1000: ...')."""
     found = request("POST", f"{api}/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
-    return any(" step " in log["message"] for log in found)
+    return any(log["message"].startswith(f"{stage} step ") for log in found)
 
 
 def trigger_tiny_run(
@@ -245,7 +245,9 @@ def test_served_pipeline_deployment_runs_from_the_api(prefect_server):
             f"runtime.output_dir={folder}/out",
         ]
         sizes = {"ppo_total_episodes": 32, "ppo_batch_size": 16}  # the typed fields of the form
-        run = {"config_file": "conf/smoke.yaml", **sizes, "overrides": [*TINY[2:], *where, "ppo.kl_coef=0.1", "seed=1"]}
+        # SFT long enough (seconds, on any machine) that the submits below overlap it, once its first step is logged
+        longer = ["sft.steps=1000", "ppo.kl_coef=0.1", "seed=1"]
+        run = {"config_file": "conf/smoke.yaml", **sizes, "overrides": [*TINY[2:], *where, *longer]}
         created = request("POST", f"{api}/deployments/{form['id']}/create_flow_run", json={"parameters": {"run": run}})
         assert created.status_code == 201, created.text
         form_run_id = created.json()["id"]
