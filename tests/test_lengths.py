@@ -61,6 +61,18 @@ def test_encode_keeps_the_prompt_end_and_the_response_start(tok):
     assert pair_lengths(tok, [prompt], [response], ["no."]).tolist() == [len(p) + len(r_eos)]
 
 
+def test_a_response_that_did_not_end_gets_no_eos_to_learn(tok):
+    """Per-row `add_eos`: a sample cut at its token limit (the warm start's `stopped` False) is trained without the
+    EOS, so the fine-tuned policy does not learn to stop where the sampler cut it."""
+    prompt, response = "the plot was superb.", " the film was great and the acting was"
+    p, r = tok(prompt, add_special_tokens=False)["input_ids"], tok(response, add_special_tokens=False)["input_ids"]
+    batch, _ = encode_and_measure(tok, [prompt, prompt], [response, response], 512, add_eos=[True, False])
+    ended, cut = batch.input_ids.tolist()
+    assert ended[: len(p) + len(r) + 1] == p + r + [tok.eos_token_id]
+    assert cut[: len(p) + len(r)] == p + r and batch.attention_mask[1].sum() == len(p) + len(r)
+    assert batch.loss_mask.sum(1).tolist() == [len(r) + 1, len(r)]
+
+
 def write_pairs(path, n: int, long_every: int, start: int = 0) -> str:
     """Pairs of the synthetic vocabulary; every `long_every`-th has a long chosen response."""
     rows = []

@@ -168,6 +168,10 @@ def test_warm_start_keeps_what_the_verifier_passes_is_logged_retried_and_cached(
     stage_folder = Path(summary["warm_start_checkpoint"]).parent
     samples = pd.read_parquet(stage_folder / warm_start.SAMPLES_FILE)
     assert list(samples.columns) == list(warm_start.COLUMNS) and len(samples) == PROMPTS * SAMPLES
+    # stopped: ended with a stop token; a response at the token limit without one was cut (and learns no EOS)
+    limit = cfg.warm_start.max_new_tokens or cfg.ppo.max_new_tokens
+    assert not samples.loc[samples["tokens"] < limit, "stopped"].eq(False).any()
+    assert samples["stopped"].dtype == bool
     # the verifier's first calls (then PPO's and the evaluation's): the warm start's samples, each with its own row
     assert [prompt for prompt, _ in SCORED[: len(samples)]] == samples["prompt"].tolist()
     kept = samples[samples["kept"]]

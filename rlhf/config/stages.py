@@ -111,8 +111,11 @@ class WarmStartConfig(Section):
         description="Training prompts (prompts.parquet, the policy stage's) sampled for, the first N of a seeded "
         "order; None: all of them.",
     )
-    temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature (no top-k or nucleus filtering: the policy's own distribution)."
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        description="Sampling temperature (no top-k or nucleus filtering); None: ppo.temperature, as the policy stage "
+        "samples.",
     )
     max_new_tokens: int | None = Field(
         None, ge=1, description="Response length; None uses ppo.max_new_tokens (the policy stage's)."

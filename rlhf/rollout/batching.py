@@ -9,6 +9,7 @@ longer than its budget keeps the BOS, the end of its prompt and the start of its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -131,18 +132,19 @@ def encode_and_measure(
     prompts: list[str],
     responses: list[str],
     max_length: int,
-    add_eos: bool = True,
+    add_eos: bool | Sequence[bool] = True,
     min_prompt_tokens: int = 0,
 ) -> tuple[TokenBatch, Truncation]:
-    """Right-padded prompt + response (+ eos) rows fitted into `max_length` by `fit_lengths`, and what that cut."""
-    eos = [tokenizer.eos_token_id] if add_eos else []
+    """Right-padded prompt + response (+ eos) rows fitted into `max_length` by `fit_lengths`, and what that cut.
+    `add_eos` per row: False where a response did not end (cut at a sampling limit), so none is taught to stop."""
+    ends = [add_eos] * len(prompts) if isinstance(add_eos, bool) else list(add_eos)
     prefix = bos_prefix(tokenizer)
     prompt_ids = [_without(ids, prefix) for ids in encode_texts(tokenizer, prompts)]  # the BOS goes back below
     response_ids = encode_texts(tokenizer, responses)
     rows, response_spans = [], []
     cut = np.zeros((4, len(prompts)), dtype=bool)  # any, prompt, response, prompt lost
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
-        r = r + eos
+    for i, (p, r, end) in enumerate(zip(prompt_ids, response_ids, ends, strict=True)):
+        r = r + [tokenizer.eos_token_id] if end else r
         fit = fit_lengths(len(p), len(r), max_length - len(prefix), min_prompt_tokens)
         cut[1, i], cut[2, i] = fit.prompt < len(p), fit.response < len(r)
         cut[3, i] = fit.prompt == 0 and len(p) > 0

@@ -116,7 +116,8 @@ def train_sft(
     max_length: int,
     stop_after: int | None = None,
 ) -> SFTResult:
-    """Next-token loss on the response tokens (and the closing EOS) only, for `cfg.steps` AdamW steps.
+    """Next-token loss on the response tokens (and the closing EOS, except on rows of `demos` whose optional
+    ``stopped`` column is False) only, for `cfg.steps` AdamW steps.
 
     A demonstration longer than `max_length` keeps its response first and loses the start of its prompt (the
     response is cut on the right only when it does not fit alone); the shares cut are logged once
@@ -137,8 +138,11 @@ def train_sft(
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, round(cfg.warmup_ratio * cfg.steps), cfg.steps, min_lr_rate=0.1
     )
-    # the response keeps its tokens first, the prompt is cut on the left; the share cut is measured and logged
-    batch, cut = encode_and_measure(tokenizer, demos["prompt"].tolist(), demos["response"].tolist(), max_length)
+    # the response keeps its tokens first, the prompt is cut on the left; the share cut is measured and logged.
+    # A demonstration marked not `stopped` (a sample cut at its token limit) gets no EOS to learn.
+    ends = demos["stopped"].tolist() if "stopped" in demos else True
+    prompts, responses = demos["prompt"].tolist(), demos["response"].tolist()
+    batch, cut = encode_and_measure(tokenizer, prompts, responses, max_length, add_eos=ends)
     rows = max(cut.rows, 1)
     length_stats = {
         "sft/truncated_fraction": cut.truncated / rows,

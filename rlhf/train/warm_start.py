@@ -13,7 +13,8 @@ reward is a verifier (``reward.function``, e.g. IFEval's checkers with the rows'
    ``samples.parquet`` in the stage's folder. A retry or a rerun of the same stage reads that file instead of
    sampling again.
 2. `finetune_on_kept`: the SFT trainer (`rlhf.train.sft.train_sft`, its save and resume in ``final/state``) on the
-   kept (prompt, response) pairs, `warm_start.steps` steps at `warm_start.lr`; the checkpoint is ``final/``. A warm
+   kept (prompt, response) pairs (a response cut at the token limit without its EOS, so that none learns to stop
+   mid-sentence), `warm_start.steps` steps at `warm_start.lr`; the checkpoint is ``final/``. A warm
    start that kept nothing stops here with one sentence (`WarmStartError`).
 """
 
@@ -59,7 +60,8 @@ from rlhf.train.sft import SFTResult, train_sft
 
 SAMPLES_FILE = "samples.parquet"  # every sample (prompt, row, sample, response, ...: COLUMNS), in the stage's folder
 CHECKPOINT = "final"  # the warm-started checkpoint's folder inside the stage's folder (its resume state: final/state)
-COLUMNS = ("prompt", "row", "sample", "response", "score", "tokens", "kept")  # row: its row key (rlhf.rollout.rows)
+# row: its row key (rlhf.rollout.rows); stopped: the response ended with a stop token (False: cut at its token limit)
+COLUMNS = ("prompt", "row", "sample", "response", "score", "tokens", "stopped", "kept")
 
 
 class WarmStartSampling(BaseModel):
@@ -67,6 +69,7 @@ class WarmStartSampling(BaseModel):
     sweep over the rest of ppo.* shares the warm start)."""
 
     max_new_tokens: int  # warm_start.max_new_tokens, else ppo.max_new_tokens
+    temperature: float  # warm_start.temperature, else ppo.temperature
     max_prompt_tokens: int  # ppo.max_prompt_tokens: prompts are fitted as PPO fits them
     stop_tokens: list[int | str]  # ppo.stop_tokens, beside the tokenizer's EOS and end-of-turn ids
     decode: str  # ppo.generation.decode (the same tokens in every mode; 'auto' resolved on the device)
@@ -75,6 +78,7 @@ class WarmStartSampling(BaseModel):
     def of(cls, cfg: WarmStartConfig, ppo: PPOConfig) -> WarmStartSampling:
         return cls(
             max_new_tokens=cfg.max_new_tokens or ppo.max_new_tokens,
+            temperature=cfg.temperature or ppo.temperature,
             max_prompt_tokens=ppo.max_prompt_tokens,
             stop_tokens=list(ppo.stop_tokens),
             decode=ppo.generation.decode,
@@ -140,10 +144,10 @@ def sample_candidates(
     """`n` responses to each prompt, `batch_prompts` prompts (times `n`) a generation call: one row per sample,
     prompt-major (rows i*n .. i*n + n - 1 are prompt i's): prompt, sample, response (`demonstration_texts`), text
     (what a reward function reads: special tokens and padding dropped, as PPO's scoring decodes), tokens (response
-    tokens, the stop token included)."""
+    tokens, the stop token included), stopped (it ended with a stop token, not at the token limit)."""
     device = generator.device
     fitted = fit_prompts(tokenizer, prompts, max_prompt_tokens).ids  # as PPO fits its prompts
-    rows: dict[str, list] = {"response": [], "text": [], "tokens": []}
+    rows: dict[str, list] = {"response": [], "text": [], "tokens": [], "stopped": []}
     for start in tqdm(range(0, len(prompts), batch_prompts), desc="warm start", disable=not progress):
         ids = [row for row in fitted[start : start + batch_prompts] for _ in range(n)]  # (prompts,) -> (prompts * n,)
         query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
@@ -154,6 +158,7 @@ def sample_candidates(
             resp.tokens.masked_fill(resp.mask == 0, tokenizer.pad_token_id), skip_special_tokens=True
         )
         rows["tokens"] += resp.mask.sum(1).tolist()
+        rows["stopped"] += resp.contains_stop.tolist()
     repeated = [prompt for prompt in prompts for _ in range(n)]  # (prompts,) -> (prompts * n,), as the responses
     return pd.DataFrame({"prompt": repeated, "sample": list(range(n)) * len(prompts), **rows})
 
@@ -184,7 +189,7 @@ def draw_samples(
     model = load_causal_lm(sft_path, device, **load_options(runtime, device, trainable=False)).eval()
     settings = GenerationSettings(
         sampling.max_new_tokens,
-        cfg.temperature,
+        sampling.temperature,
         stop_token_ids=stop_token_ids(tokenizer, sampling.stop_tokens, model.config, model.generation_config),
         pad_token_id=tokenizer.pad_token_id,
         decode=resolve_decode(sampling.decode, device),
@@ -259,6 +264,6 @@ def finetune_on_kept(
     max_length = min(train_cfg.max_length, positions) if positions else train_cfg.max_length
     if train_cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    demos = samples.kept[["prompt", "response"]].reset_index(drop=True)
+    demos = samples.kept[["prompt", "response", "stopped"]].reset_index(drop=True)  # a cut response learns no EOS
     out = Path(out_dir) / CHECKPOINT
     return train_sft(model, tokenizer, demos, train_cfg, runtime, out, seed, log, max_length, stop_after)
