@@ -29,7 +29,7 @@ from pydantic import BaseModel
 import rlhf
 import tasks
 from rlhf.checkpoints import is_complete, stage_lock
-from rlhf.config import RuntimeConfig
+from rlhf.config import PPOConfig, RuntimeConfig
 from rlhf.stages import GPU_TAG, INIT, PPO, PREPARE
 from rlhf.stop_request import raise_if_stop_requested
 from tasks.faults import busy_server_in_one_sentence
@@ -60,6 +60,9 @@ COMPILED_STAGES = {PPO.task}
 # Stages that compute nothing with a model (data preparation; the plan of the PPO models reads tokenizers only): no
 # runtime setting changes what they write. Any other stage, a new one too, has RUNTIME_IN_KEY in its key.
 MODEL_FREE_STAGES = {PREPARE.task, INIT.task}
+SFT_SIDE = "sft_side"  # the evaluation's SFT side's folder and key name (`sft_side_dir`)
+# What of ppo.* the evaluation's sampling reads (rlhf.eval.evaluate.evaluate_policies), in its SFT side's key
+EVAL_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "max_prompt_tokens", "generation")
 # The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
 CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
 
@@ -128,6 +131,15 @@ def stage_key(stage: str, parameters: dict[str, Any]) -> str:
 def stage_dir(stage: str, parameters: dict[str, Any]) -> Path:
     """`<runtime.output_dir>/<stage>/<stage key>`: the output folder of a stage called with these parameters."""
     return Path(parameters["runtime"].output_dir).resolve() / stage / stage_key(stage, parameters)
+
+
+def sft_side_dir(ppo_cfg: PPOConfig, runtime: RuntimeConfig, **inputs: Any) -> Path:
+    """`<runtime.output_dir>/sft_side/sft_side-<digest>`: the folder of the evaluation's SFT side
+    (`rlhf.eval.sft_side`), named as a stage's is by the digest of `inputs` (the SFT policy, the scorer, the prompts,
+    eval.*, the benchmarks' content), of the policy stage's sampling settings alone (not its training ones: another
+    objective or seed shares it) and of the runtime's keyed settings."""
+    sampling = {key: getattr(ppo_cfg, key) for key in EVAL_SAMPLING_KEYS}
+    return stage_dir(SFT_SIDE, {**inputs, "sampling": sampling, "runtime": runtime})
 
 
 def content_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ from rlhf.train import dpo as dpo_training
 from rlhf.train import reward as reward_training
 from rlhf.train import reward_ensemble, warm_start
 from rlhf.train import sft as sft_training
-from tasks.caching import content_cache_key
+from tasks.caching import content_cache_key, sft_side_dir
 from tasks.faults import retry_unless_user_error
 from tasks.outputs import DPOPolicy, Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
 from tasks.progress import echo_with_progress, task_logger
@@ -47,6 +47,8 @@ from tasks.tracking import TrackingContext
 OBJECTIVE_TAG = "rlhf.objective"  # the policy stage's objective: an advantage estimator (gae, grpo, ...) or dpo
 # the MLflow tag of a PPO stage's run (and the pipeline's) whose over-optimisation alarm fired: its sentence
 OVEROPTIMISATION_TAG = "rlhf.overoptimisation_alarm"
+# the MLflow tag of an evaluation stage's run: "true" where the SFT policy's side was an earlier run's (not sampled)
+SFT_SIDE_REUSED_TAG = "rlhf.eval_sft_side_reused"
 
 STAGE = dict(
     cache_key_fn=content_cache_key,
@@ -429,7 +431,12 @@ def evaluate_policies(
     model's, or the reward function's), KL, win rates (also at equal length), response lengths and empty answers,
     reward-hacking flags, completions table; the eval.benchmarks' figures (`benchmark_digest`, their files' content,
     is in the cache key only)."""
-    with stage_scope(tracking, runtime, flatten(eval_cfg, "eval")) as stage:
+    # the SFT policy's side: shared with every run of the same SFT policy, scorer, prompts and sampling settings
+    sft_side = sft_side_dir(
+        ppo_cfg, runtime, eval_cfg=eval_cfg, sft_model=sft_model, reward_model=reward_model, prepared=prepared,
+        reward_cfg=reward_cfg, reward_function_digest=reward_function_digest, benchmark_digest=benchmark_digest,
+    )  # fmt: skip
+    with stage_scope(tracking, runtime, {**flatten(eval_cfg, "eval"), "eval.sft_side": str(sft_side)}) as stage:
         tracker, run_id, folder = stage.tracker, stage.run_id, stage.folder
         log_data_inputs(tracker, run_id, prepared.path, prepared.digest, "eval.parquet")
         result = evaluation.evaluate_policies(
@@ -445,7 +452,11 @@ def evaluate_policies(
             tracker.metric_logger(run_id),
             reward_cfg,
             reward_is_gold=reward_cfg is not None and reward_cfg.is_the_gold(prepared.manifest.get("gold_reward")),
+            sft_side=sft_side,
         )
+        tracker.set_tags(run_id, {SFT_SIDE_REUSED_TAG: str(result.sft_reused).lower()})
+        if result.sft_reused:
+            task_logger().info("the SFT policy's responses were read from %s (an earlier run's, same inputs)", sft_side)
         completions = pd.read_parquet(result.completions)
         tracker.log_table(run_id, completions, "completions.json")
         tracker.log_artifacts(run_id, result.completions, "evaluation")

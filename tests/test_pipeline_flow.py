@@ -26,6 +26,7 @@ from rlhf.models.device import compute_dtype, dtype_reason
 from rlhf.stages import STAGE_TASKS, STAGES, stages_of
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
 from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.stages import SFT_SIDE_REUSED_TAG
 from tests.conftest import REPO, flow_run_artifacts, flow_run_logs, task_states
 
 
@@ -268,6 +269,16 @@ def test_pipeline_runs_logs_and_is_cached(harness, tmp_path, monkeypatch):
     assert states["train_reward_model"] == "Cached" and states["supervised_finetune"] == "Cached"
     assert states["train_policy_ppo"] == "Completed" and states["evaluate_policies"] == "Completed"
     assert client.get_run(third.result()["mlflow_run_id"]).data.tags["rlhf.cached"] == "partial"
+    # ... and its evaluation reads the SFT policy's side the first one sampled (same SFT, scorer, prompts, sampling)
+    (third_eval,) = [
+        r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("stage") == "evaluate_policies"
+        and r.info.run_id != children["evaluate_policies"].info.run_id
+    ]  # fmt: skip
+    assert children["evaluate_policies"].data.tags[SFT_SIDE_REUSED_TAG] == "false"
+    assert third_eval.data.tags[SFT_SIDE_REUSED_TAG] == "true"
+    assert third_eval.data.params["eval.sft_side"] == children["evaluate_policies"].data.params["eval.sft_side"]
+    for key in ("eval/sft_score", "eval/sft_length_mean", "eval/sft_gold", "eval/sft_empty_rate"):
+        assert third.result()[key] == summary[key], key
     assert third.result()["registered_policy"] == "models:/rlhf-policy/2"
 
 

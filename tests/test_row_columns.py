@@ -208,15 +208,30 @@ def test_each_sample_gets_its_rows_values_in_groups_dynamic_sampling_and_the_eva
         n_prompts=6, batch_size=4, benchmarks=[{"name": "toy", "path": str(bench), "verifier": "ifeval"}]
     )
     logged: dict[str, float] = {}
+    side = tmp_path / "sft_side"  # the SFT policy's side, written by this evaluation for the next
     out = evaluate_policies(
         eval_cfg, ppo, RUNTIME, result.policy_path, model, None, prepared.eval, tmp_path / "eval",
         gold_scorer(prepared.manifest, prepared.folder), lambda metrics, step: logged.update(metrics), reward_cfg,
+        sft_side=side,
     )  # fmt: skip
     assert {item for _, item in SCORED} == set(range(100, 106))  # the scores and the gold, held-out rows only
+    first_calls = len(SCORED)
     assert out.summary["benchmark/toy/n_prompts"] == 5 and "benchmark/toy/gain/prompt_strict_lo" in logged
     assert (tmp_path / "eval" / "benchmark-toy.md").read_text().startswith("# toy")
     verdicts = pd.read_parquet(tmp_path / "eval" / "benchmark-toy.parquet")
     assert sorted(verdicts["policy"].unique()) == ["policy", "sft"] and len(verdicts) == 10
+
+    # a second evaluation with the same inputs reads the SFT side instead of sampling it: every figure the same
+    SCORED.clear()
+    again = evaluate_policies(
+        eval_cfg, ppo, RUNTIME, result.policy_path, model, None, prepared.eval, tmp_path / "again",
+        gold_scorer(prepared.manifest, prepared.folder), lambda metrics, step: None, reward_cfg, sft_side=side,
+    )  # fmt: skip
+    assert (out.sft_reused, again.sft_reused) == (False, True)
+    assert len(SCORED) == first_calls - 6  # the SFT policy's 6 responses were not scored again
+    assert pd.Series(again.summary).equals(pd.Series(out.summary))
+    pd.testing.assert_frame_equal(pd.read_parquet(again.completions), pd.read_parquet(out.completions))
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "again" / "benchmark-toy.parquet"), verdicts)
 
 
 def test_the_run_knows_when_its_reward_is_the_gold_reward_itself(tmp_path, family_checkpoint):

@@ -20,6 +20,7 @@ from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.formats import ChatRenderer
 from rlhf.eval import benchmark, length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats, surprisal_stats
+from rlhf.eval.sft_side import SFTSide, read_sft_side, write_sft_side
 from rlhf.metrics import (
     EVAL_GOLD_PREFIX,
     EVAL_HACKING_EMPTY,
@@ -58,6 +59,7 @@ class EvalResult:
     digest: str
     summary: dict[str, float]
     warnings: list[str] = field(default_factory=list)  # sentences, one per reward-hacking flag set
+    sft_reused: bool = False  # the SFT policy's side was read from an earlier run's (`rlhf.eval.sft_side`)
 
     @property
     def completions(self) -> Path:
@@ -233,11 +235,14 @@ def evaluate_policies(
     log: LogFn,
     reward_cfg: RewardConfig | None = None,
     reward_is_gold: bool = False,
+    sft_side: str | Path | None = None,
 ) -> EvalResult:
     """Generate with the trained and the SFT policies (same prompts, same seed) and compare them. The score is the
     reward model's at `reward_path`, the reward function of `reward_cfg` (reward.source: function, `reward_path`
     None), or the model's plus the weighted function (reward.function_weight), as in training. `reward_is_gold`:
-    that function is the data's gold reward itself (`RewardConfig.is_the_gold`), which the alarm's check says."""
+    that function is the data's gold reward itself (`RewardConfig.is_the_gold`), which the alarm's check says.
+    `sft_side`: the folder of the SFT policy's side for exactly these inputs (`rlhf.eval.sft_side`), read where an
+    earlier run wrote it, else written."""
     device = resolve_device(runtime.device)
     trust_remote_code = runtime.trust_remote_code
     benchmarks = read_benchmarks(cfg)  # a bad benchmark file stops the stage before any model loads
@@ -265,7 +270,14 @@ def evaluate_policies(
     prompts, keys = eval_prompts(eval_file, cfg.n_prompts)
     frames = {}
     answers: dict[str, dict[str, pd.DataFrame]] = {rows.name: {} for rows in benchmarks}
+    reused = read_sft_side(sft_side, list(answers))
+    if reused is not None:
+        frames["sft"] = reused.responses
+        for name, frame in reused.answers.items():
+            answers[name]["sft"] = frame
     for name, path in (("sft", sft_path), ("policy", policy_path)):
+        if name in frames:  # the SFT side, read
+            continue
         policy = reference if name == "sft" else load_causal_lm(path, device, **frozen).eval()
         models = ScoringModels(
             policy,
@@ -289,6 +301,8 @@ def evaluate_policies(
                 policy, tokenizer, rows, bench_settings, bench_cfg.max_prompt_tokens, cfg.batch_size,
                 generator.manual_seed(cfg.seed), dtype, runtime.progress,
             )  # fmt: skip
+        if name == "sft" and sft_side is not None:
+            write_sft_side(sft_side, SFTSide(frames["sft"], {bench: sides["sft"] for bench, sides in answers.items()}))
     table, summary, warnings = summarize(prompts, frames["sft"], frames["policy"], gold_fn, cfg.length_tolerance)
     tables = {}
     for rows in benchmarks:
@@ -306,7 +320,7 @@ def evaluate_policies(
             responses.to_parquet(tmp / f"benchmark-{name}.parquet", index=False)
             (tmp / f"benchmark-{name}.md").write_text(benchmark_markdown(summary, name))
         manifest = write_manifest(tmp, stage="evaluate", summary=summary, warnings=warnings)
-    return EvalResult(str(out_dir), manifest["digest"], summary, warnings)
+    return EvalResult(str(out_dir), manifest["digest"], summary, warnings, sft_reused=reused is not None)
 
 
 def overoptimisation_signs(
