@@ -29,7 +29,7 @@ from pydantic import BaseModel
 import rlhf
 import tasks
 from rlhf.checkpoints import is_complete, stage_lock
-from rlhf.config import PPOConfig, RuntimeConfig
+from rlhf.config import EvalConfig, PPOConfig, RuntimeConfig
 from rlhf.stages import GPU_TAG, INIT, PPO, PREPARE
 from rlhf.stop_request import raise_if_stop_requested
 from tasks.faults import busy_server_in_one_sentence
@@ -133,13 +133,15 @@ def stage_dir(stage: str, parameters: dict[str, Any]) -> Path:
     return Path(parameters["runtime"].output_dir).resolve() / stage / stage_key(stage, parameters)
 
 
-def sft_side_dir(ppo_cfg: PPOConfig, runtime: RuntimeConfig, **inputs: Any) -> Path:
+def sft_side_dir(eval_cfg: EvalConfig, ppo_cfg: PPOConfig, runtime: RuntimeConfig, **inputs: Any) -> Path:
     """`<runtime.output_dir>/sft_side/sft_side-<digest>`: the folder of the evaluation's SFT side
     (`rlhf.eval.sft_side`), named as a stage's is by the digest of `inputs` (the SFT policy, the scorer, the prompts,
-    eval.*, the benchmarks' content), of the policy stage's sampling settings alone (not its training ones: another
-    objective or seed shares it) and of the runtime's keyed settings."""
+    the benchmarks' content), eval.*, the sampling settings the evaluation resolves (eval.max_new_tokens and
+    eval.temperature, else ppo.*'s; ppo.*'s other sampling settings, not its training ones: another objective or seed
+    shares it) and the runtime's keyed settings."""
     sampling = {key: getattr(ppo_cfg, key) for key in EVAL_SAMPLING_KEYS}
-    return stage_dir(SFT_SIDE, {**inputs, "sampling": sampling, "runtime": runtime})
+    sampling |= {key: getattr(eval_cfg, key) or sampling[key] for key in ("max_new_tokens", "temperature")}
+    return stage_dir(SFT_SIDE, {**inputs, "eval_cfg": eval_cfg, "sampling": sampling, "runtime": runtime})
 
 
 def content_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -433,7 +433,7 @@ def evaluate_policies(
     is in the cache key only)."""
     # the SFT policy's side: shared with every run of the same SFT policy, scorer, prompts and sampling settings
     sft_side = sft_side_dir(
-        ppo_cfg, runtime, eval_cfg=eval_cfg, sft_model=sft_model, reward_model=reward_model, prepared=prepared,
+        eval_cfg, ppo_cfg, runtime, sft_model=sft_model, reward_model=reward_model, prepared=prepared,
         reward_cfg=reward_cfg, reward_function_digest=reward_function_digest, benchmark_digest=benchmark_digest,
     )  # fmt: skip
     with stage_scope(tracking, runtime, {**flatten(eval_cfg, "eval"), "eval.sft_side": str(sft_side)}) as stage:

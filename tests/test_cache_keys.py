@@ -124,3 +124,33 @@ def test_a_stage_folder_follows_its_key(tmp_path):
     assert caching.stage_dir("supervised_finetune", {**params, "runtime": bf16}) != fp32
     more_threads = float32.model_copy(update={"threads": 7})
     assert caching.stage_dir("supervised_finetune", {**params, "runtime": more_threads}) == fp32
+
+
+def _sft_side(*overrides: str) -> Path:
+    config = load_config(REPO / "conf" / "smoke.yaml", ["runtime.device=cpu", *overrides])
+    return caching.sft_side_dir(config.eval, config.ppo, config.runtime, sft_model="sft-digest", prepared="data")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["ppo.lr=1e-4"], ["ppo.kl_coef=0.3"], ["seed=5"], ["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=4"],
+     ["runtime.threads=1"]],
+)  # fmt: skip
+def test_the_evaluations_sft_side_is_shared_across_training_settings(overrides):
+    """Another seed, objective or training setting evaluates the same SFT policy in the same way: the same folder."""
+    assert _sft_side(*overrides) == _sft_side()
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["eval.seed=7", "eval.n_prompts=8", "ppo.temperature=0.7", "ppo.max_new_tokens=9", "ppo.top_k=5",
+     "ppo.max_prompt_tokens=16", "runtime.dtype=float16"],
+)  # fmt: skip
+def test_what_changes_the_sft_policys_responses_names_another_sft_side(override):
+    assert _sft_side(override) != _sft_side()
+
+
+def test_the_sft_side_keys_the_temperature_the_evaluation_samples_at():
+    pinned = ("eval.temperature=0.7", "eval.max_new_tokens=12")
+    assert _sft_side(*pinned, "ppo.temperature=1.0") == _sft_side(*pinned, "ppo.temperature=0.5")
+    assert _sft_side(*pinned, "ppo.max_new_tokens=30") == _sft_side(*pinned)
