@@ -140,8 +140,11 @@ def sft_side_dir(eval_cfg: EvalConfig, ppo_cfg: PPOConfig, runtime: RuntimeConfi
     eval.temperature, else ppo.*'s; ppo.*'s other sampling settings, not its training ones: another objective or seed
     shares it) and the runtime's keyed settings."""
     sampling = {key: getattr(ppo_cfg, key) for key in EVAL_SAMPLING_KEYS}
-    sampling |= {key: getattr(eval_cfg, key) or sampling[key] for key in ("max_new_tokens", "temperature")}
-    return stage_dir(SFT_SIDE, {**inputs, "eval_cfg": eval_cfg, "sampling": sampling, "runtime": runtime})
+    resolved = ("max_new_tokens", "temperature")
+    sampling |= {key: getattr(eval_cfg, key) or sampling[key] for key in resolved}
+    # eval.length_tolerance compares the two sides; it changes no response
+    evaluation = eval_cfg.model_dump(mode="json", exclude={*resolved, "length_tolerance"})
+    return stage_dir(SFT_SIDE, {**inputs, "eval_cfg": evaluation, "sampling": sampling, "runtime": runtime})
 
 
 def content_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:

@@ -154,3 +154,6 @@ def test_the_sft_side_keys_the_temperature_the_evaluation_samples_at():
     pinned = ("eval.temperature=0.7", "eval.max_new_tokens=12")
     assert _sft_side(*pinned, "ppo.temperature=1.0") == _sft_side(*pinned, "ppo.temperature=0.5")
     assert _sft_side(*pinned, "ppo.max_new_tokens=30") == _sft_side(*pinned)
+    # eval.temperature stated or resolved from ppo.temperature: the same temperature, the same folder
+    assert _sft_side("eval.temperature=0.7", "ppo.temperature=0.7") == _sft_side("ppo.temperature=0.7")
+    assert _sft_side("eval.length_tolerance=0.5") == _sft_side()
