@@ -62,7 +62,9 @@ COMPILED_STAGES = {PPO.task}
 MODEL_FREE_STAGES = {PREPARE.task, INIT.task}
 SFT_SIDE = "sft_side"  # the evaluation's SFT side's folder and key name (`sft_side_dir`)
 # What of ppo.* the evaluation's sampling reads (rlhf.eval.evaluate.evaluate_policies), in its SFT side's key
-EVAL_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "max_prompt_tokens", "generation")
+EVAL_SAMPLING_KEYS = (
+    "max_new_tokens", "temperature", "top_k", "top_p", "stop_tokens", "max_prompt_tokens", "generation",
+)  # fmt: skip
 # The packages whose source decides a stage's result: the library, and the task bodies (what they write and log).
 CODE_PACKAGES = (Path(rlhf.__file__).parent, Path(tasks.__file__).parent)
 
