@@ -86,6 +86,13 @@ def saved_state(root: Path, stage: str) -> bool:
     return any((root / "out" / stage).glob("*/state/trainer_state.pt"))
 
 
+def completed(root: Path, stage: str) -> bool:
+    """The stage's output is complete: its manifest (the reward model's folder, PPO's final policy) is written."""
+    return any((root / "out" / stage).glob("*/manifest.json")) or any(
+        (root / "out" / stage).glob("*/final/manifest.json")
+    )
+
+
 def runs(root: Path) -> list:
     client = MlflowClient(f"sqlite:///{root}/mlflow.db")
     (experiment,) = [e for e in client.search_experiments() if e.name != "Default"]
@@ -155,26 +162,30 @@ def uninterrupted(two_runs_at_once) -> dict:
 @pytest.mark.long
 def test_repeated_sigkills_at_random_moments(tmp_path, uninterrupted):
     """Killed twice at seeded random moments (0-2 s after the flow reaches the reward model's, then PPO's saved
-    state), saving every step: no rerun trips over a partial checkpoint. (The critic-free kill test kills PPO once
-    more; a kill near the end of a run races the run's own finish, which this test cannot tell apart.)"""
+    state, or as the stage completes if that comes first), saving every step: no rerun trips over a partial
+    checkpoint. (The critic-free kill test kills PPO once more.) A kill is never later than its stage's end: a
+    smoke stage takes a fraction of a second, and a later kill could race the whole pipeline's own finish."""
     rng = random.Random(0)
-    # each attempt gets past a point of the flow (load-independent), then is killed at a random moment after it
+    # each attempt gets past a point of the flow (load-independent), then is killed at a random moment after it,
+    # before the stage's output is complete
     points = (
-        lambda: saved_state(tmp_path, "train_reward_model"),
-        lambda: saved_state(tmp_path, "train_policy_ppo"),
+        (lambda: saved_state(tmp_path, "train_reward_model"), lambda: completed(tmp_path, "train_reward_model")),
+        (lambda: saved_state(tmp_path, "train_policy_ppo"), lambda: completed(tmp_path, "train_policy_ppo")),
     )
-    finished_first = 0  # an attempt that finishes the pipeline before its kill comes (none expected, counted anyway)
-    for attempt, reached in enumerate(points):
+    for attempt, (reached, stage_done) in enumerate(points):
         proc, log = start(tmp_path, name=f"killed{attempt}")
         deadline = time.monotonic() + 240
         while proc.poll() is None and not reached() and time.monotonic() < deadline:
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 2.0))
-        finished_first += proc.poll() == 0
+        kill_at = time.monotonic() + rng.uniform(0.0, 2.0)
+        while proc.poll() is None and time.monotonic() < kill_at and not stage_done():
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before its kill came"
         kill(proc)
         assert "Traceback" not in log.read_text(), log.read_text()
     finish(*start(tmp_path, name="final"))
-    assert_clean_store(tmp_path, finished_runs=1 + finished_first)
+    assert_clean_store(tmp_path)
+    assert Counter(r.info.status for r in pipeline_runs(tmp_path))["KILLED"] == 2  # each kill landed mid-pipeline
     for stage, key in (("train_reward_model", "reward/train/loss"), ("train_policy_ppo", "objective/kl")):
         (run,) = [r for r in stage_runs(tmp_path, stage) if r.info.status == "FINISHED"]
         logged = steps(tmp_path, run, key)
