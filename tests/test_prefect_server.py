@@ -1,7 +1,7 @@
-"""`make ui`'s Prefect server (flows/prefect_server.py): a request answered 503 (SQLite busy) is tried again, a
-deployment's parameter schema is checked against the metaschema once, while the parameters are validated every time,
-and concurrency slots are taken while others write, without a 503 (the real server). A stage's request that the
-server still answers 503 after Prefect's retries stops the run with one sentence (tasks/faults.py).
+"""`make ui`'s Prefect server (flows/prefect_server.py): a deployment's parameter schema is checked against the
+metaschema once, while the parameters are validated every time, and concurrency slots are taken while others write,
+without a 503 (the real server). A stage's request that the server still answers 503 after Prefect's retries stops
+the run with one sentence (tasks/faults.py).
 
 The server under a training run, submitted to repeatedly: tests/test_ui_server.py."""
 
@@ -16,65 +16,9 @@ from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
 from prefect.utilities.schema_tools import ValidationError, validate
 from prefect.utilities.schema_tools import validation as prefect_validation
 
-from flows.prefect_server import BUSY, RetryBusyRequests, check_schemas_once
+from flows.prefect_server import check_schemas_once
 from tasks.faults import PrefectServerBusy, busy_server_in_one_sentence
 from tests.conftest import prefect_server
-
-
-def _asgi_call(app, body: bytes, path: str = "/api/deployments/d/create_flow_run") -> tuple[int, bytes]:
-    """One POST through an ASGI app, its body in two parts; returns (status, response body)."""
-    parts = [body[:3], body[3:]]
-    sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    asyncio.run(app({"type": "http", "method": "POST", "path": path, "root_path": ""}, receive, send))
-    (start,) = [m for m in sent if m["type"] == "http.response.start"]
-    return start["status"], b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-
-
-def _busy_then_created(busy_answers: int, raise_after_busy: bool = False):
-    """An app that answers 503 `busy_answers` times (as Prefect does for 'database is locked'; Starlette raising the
-    error again after answering, with `raise_after_busy`), then 201 with the request's body."""
-    seen: list[bytes] = []
-
-    async def app(scope, receive, send) -> None:
-        assert scope["root_path"] == "", "the scope the client sent, not one an earlier try changed"
-        scope["root_path"] += "/api"  # as Starlette's Mount does
-        message = await receive()
-        seen.append(message["body"])
-        status = BUSY if len(seen) <= busy_answers else 201
-        await send({"type": "http.response.start", "status": status, "headers": []})
-        await send({"type": "http.response.body", "body": b"busy" if status == BUSY else message["body"]})
-        if status == BUSY and raise_after_busy:
-            raise RuntimeError("database is locked")
-
-    return app, seen
-
-
-@pytest.mark.parametrize("raise_after_busy", [False, True])
-def test_a_busy_answer_is_retried_with_the_same_body(raise_after_busy):
-    app, seen = _busy_then_created(2, raise_after_busy)
-    status, body = _asgi_call(RetryBusyRequests(app, retries=3, wait_s=0.01), b'{"run": 1}')
-    assert (status, body) == (201, b'{"run": 1}')
-    assert seen == [b'{"run": 1}'] * 3  # the whole body each time
-
-
-def test_the_last_busy_answer_reaches_the_client():
-    app, seen = _busy_then_created(5)
-    assert _asgi_call(RetryBusyRequests(app, retries=2, wait_s=0.01), b"{}") == (BUSY, b"busy")
-    assert len(seen) == 3
-
-
-def test_only_the_forms_submit_is_retried():
-    """Prefect's Python clients (serve, the runs) retry a 503 themselves, each try within their own timeout."""
-    app, seen = _busy_then_created(1)
-    assert _asgi_call(RetryBusyRequests(app, retries=2, wait_s=0.01), b"{}", "/api/deployments/") == (BUSY, b"busy")
-    assert len(seen) == 1
 
 
 def test_the_schema_is_checked_once_and_the_parameters_every_time(monkeypatch):
