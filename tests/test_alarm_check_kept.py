@@ -177,18 +177,19 @@ def test_the_levers_replayed_on_the_recorded_evaluations(store):
     table = _tables(store).sort_values("run").reset_index(drop=True)
     falls = table["run"] == "grid-falls/ppo"
     assert table.loc[falls, "rule_holds"].iloc[0] == [False, False, False, False, True, True]
-    today = alarm_kept.with_lever(table)  # one evaluation, the policy before the alarm: today's, unchanged
+    today = alarm_kept.with_lever(table)  # one evaluation, the policy before the evidence: the guard's, unchanged
     for column in ("alarm_step", "gold_if_stopped", "gold_if_kept_best"):
         assert today[column].tolist() == table[column].tolist()
-    # two in a row: it fires at 50; stop keeps update 40's (0.3), and so does keep_best (40's score, 1.92, is the
-    # best before 50: the gamed policy scores highest), or from before the evidence began 30's and 20's (0.8, 0.9)
-    later = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-falls/ppo"]
+    # two in a row, from before the alarm alone: it fires at 50; stop keeps update 40's (0.3), and so does keep_best
+    # (40's score, 1.92, is the best before 50: the gamed policy scores highest), or from before the evidence began
+    # 30's and 20's (0.8, 0.9)
+    later = alarm_kept.with_lever(table, confirm=2, evidence_rise=float("inf")).set_index("run").loc["grid-falls/ppo"]
     assert (later["alarm_step"], later["gold_if_stopped"], later["gold_if_kept_best"]) == (50, 0.3, 0.3)
-    early = alarm_kept.with_lever(table, confirm=2, from_evidence=True).set_index("run").loc["grid-falls/ppo"]
+    early = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-falls/ppo"]
     assert (early["alarm_step"], early["gold_if_stopped"], early["gold_if_kept_best"]) == (50, 0.8, 0.9)
     healthy = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-healthy/ppo"]
     assert (healthy["alarm_step"], healthy["gold_if_stopped"], healthy["gold_if_kept_best"]) == (-1, 0.9, 0.85)
-    lines = alarm_kept.report(table, None, "t", confirm=2, from_evidence=True)
+    lines = alarm_kept.report(table, None, "t", confirm=2)
     assert (
         "the rule holding at 2 evaluations in a row, stop keeping the policy from before the evidence" in lines[0]
         and "| grid-falls/ppo " in lines[1]
@@ -205,9 +206,13 @@ def test_the_evidence_begins_where_the_surprisal_rose_before_the_score_stalled()
     stats = [{"step": 10 * i, "score": float(i), "ref_surprisal": 1.0 + r} for i, r in enumerate(rises)]
     row = {"rule_holds": holds, "eval_steps": [0, 10, 20, 30, 40], "gold_curve": [0.0, 0.9, -0.2, -0.2, -0.2]}
     table = pd.DataFrame([{**row, "alarm_inputs": (stats, 0.0)}])
-    today = alarm_kept.with_lever(table).iloc[0]
-    assert (today["alarm_step"], today["gold_if_stopped"], today["gold_if_kept_best"]) == (30, -0.2, -0.2)
-    back = alarm_kept.with_lever(table, from_evidence=True).iloc[0]
+    alarm_alone = alarm_kept.with_lever(table, evidence_rise=float("inf")).iloc[0]
+    assert (alarm_alone["alarm_step"], alarm_alone["gold_if_stopped"], alarm_alone["gold_if_kept_best"]) == (
+        30,
+        -0.2,
+        -0.2,
+    )
+    back = alarm_kept.with_lever(table).iloc[0]  # the guard's: from before the evidence
     assert (back["alarm_step"], back["gold_if_stopped"], back["gold_if_kept_best"]) == (30, 0.9, 0.9)
 
 

@@ -226,3 +226,41 @@ def test_the_alarms_sentence_says_what_it_saw_where_the_reward_is_the_verifier()
     _, verifier_warning = overoptimisation_signs(*frames, in_distribution_std=0.0, verified=True)
     assert "gamed reward model" in model_warning[0] and "gamed" not in verifier_warning[0]
     assert "its reward is the verifier" in verifier_warning[0]
+
+
+def test_stop_and_keep_best_keep_the_policy_from_before_the_evidence_as_the_replay_does():
+    """A fast fall: at update 20 the SFT model already finds the responses 2 nats more surprising while the score
+    still climbs (the rule waits for a stall), and the alarm fires at 30. `stop` and `keep_best` keep update 10's
+    policy, not 20's (the last the alarm passed), and the replay of the recorded evaluations keeps the same one."""
+    import torch
+
+    from rlhf.eval.overoptimisation import OveroptimisationAlarm, replay
+    from rlhf.ppo.periodic_eval import EvalGuard
+
+    # (step, score, KL, the reference's surprisal, gold): the score stalls at 30, the gold fell at 20
+    points = [(0, 0.0, 0.0, 1.0, 0.0), (10, 1.0, 1.0, 1.1, 0.8), (20, 1.5, 2.0, 3.0, -0.5), (30, 1.5, 2.2, 3.1, -0.9)]
+    policy = torch.nn.Linear(2, 1, bias=False)
+    for mode, fires_at, kept in (("stop", 30, 10), ("keep_best", 30, 10), ("warn", 30, None)):
+        guard = EvalGuard(mode, OveroptimisationAlarm())
+        for step, score, kl, surprisal, _ in points:
+            with torch.no_grad():
+                policy.weight.fill_(step)  # the policy at each evaluation, told apart by its weights
+            stats = {"distinct_2": 0.3, "score": score, "kl": kl, "ref_surprisal": surprisal}
+            metrics = {f"periodic_eval/{key}": value for key, value in stats.items()}
+            stopped = guard.observe(step, metrics, policy)
+        assert guard.alarm.fired is not None and guard.alarm.fired.step == fires_at and stopped == (mode == "stop")
+        if kept is None:
+            assert guard.kept() is None
+        else:
+            step, parameters = guard.kept()
+            assert step == kept and parameters["weight"].eq(kept).all()
+            assert "before the alarm or its first sign" in guard.outcome(30)
+    history = pd.DataFrame(
+        [
+            {"step": s, "periodic_eval/score": sc, "periodic_eval/kl": kl, "periodic_eval/distinct_2": 0.3}
+            | {"periodic_eval/ref_surprisal": su, "periodic_eval/gold": g}
+            for s, sc, kl, su, g in points
+        ]
+    )
+    replayed = replay(history)
+    assert replayed["alarm_step"] == 30 and replayed["gold_if_stopped"] == 0.8  # update 10's gold

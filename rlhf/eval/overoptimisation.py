@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_REF_SURPRISAL
 
 
 def _bigrams(text: str) -> list[tuple[str, str]]:
@@ -243,7 +243,8 @@ def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dic
     `step` column and the periodic_eval/* metrics (`rlhf.ppo.periodic_eval`, with periodic_eval/gold). Returns the
     gold peak and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
     never), the update the alarm fires at (-1: never), the gold there and the gold of the policy 'stop' keeps (the
-    evaluation before the alarm; the final one where it never fires)."""
+    last evaluation before the alarm without a surprisal rise of `surprisal_rise`, as `EvalGuard` keeps it; the
+    final one where it never fires)."""
     history = history.sort_values("step").reset_index(drop=True)
     stats, in_distribution_std = alarm_inputs(history)
     alarm = OveroptimisationAlarm(in_distribution_std, surprisal_rise)
@@ -253,6 +254,10 @@ def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dic
     peak = int(gold.idxmax())
     fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)
     fired = alarm.fired
+    surprisal = (
+        history[PERIODIC_REF_SURPRISAL] if PERIODIC_REF_SURPRISAL in history else pd.Series(float("nan"), gold.index)
+    )
+    quiet = ~(surprisal - surprisal.iloc[0] >= surprisal_rise)  # update 0's is always quiet
     return {
         "gold_start": float(gold.iloc[0]),
         "gold_peak": float(gold.iloc[peak]),
@@ -263,7 +268,10 @@ def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dic
         "last_step": int(history["step"].iloc[-1]),
         "alarm_step": fired.step if fired else -1,
         "gold_at_alarm": float(gold[history["step"] == fired.step].iloc[0]) if fired else float("nan"),
-        # what ppo.on_overoptimisation 'stop' would have kept: the policy of the evaluation before the alarm
-        "gold_if_stopped": float(gold[history["step"] < fired.step].iloc[-1]) if fired else float(gold.iloc[-1]),
+        # what ppo.on_overoptimisation 'stop' would have kept: the policy of the last evaluation before the alarm
+        # that shows no evidence (EvalGuard.evidence)
+        "gold_if_stopped": float(gold[(history["step"] < fired.step) & quiet].iloc[-1])
+        if fired
+        else float(gold.iloc[-1]),
         "reasons": "; ".join(fired.reasons) if fired else "",
     }

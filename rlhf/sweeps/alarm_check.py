@@ -339,7 +339,12 @@ def main(argv: list[str] | None = None) -> None:
         "markdown tables (rlhf.sweeps.alarm_kept), and draw their share of the best gain into this PNG file if named",
     )
     parser.add_argument("--confirm", type=int, default=1, help="--kept's alarm: the rule holding this many in a row")
-    parser.add_argument("--from-evidence", action="store_true", help="--kept's stop: keep from before the evidence")
+    parser.add_argument(
+        "--evidence-rise",
+        type=float,
+        default=SURPRISAL_RISE,
+        help="--kept's stop: keep from before the surprisal rose this much (inf: from before the alarm alone)",
+    )
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, args.filter) for name in experiments]
@@ -387,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
             print(threshold_report(with_threshold(table, tuned["default"])).round(3).to_string())
     if args.kept is not None:
         title = f"{len(table)} runs ({args.half}), {', '.join(experiments)}"
-        print("\n".join(alarm_kept.report(table, args.kept, title, args.confirm, args.from_evidence)))
+        print("\n".join(alarm_kept.report(table, args.kept, title, args.confirm, args.evidence_rise)))
     if args.out:
         table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:

@@ -5,7 +5,9 @@ from the periodic evaluations of runs trained to their end with `warn` (`rlhf.sw
 For each such run (`alarm_check.alarm_table`'s rows) the gold of the policy each mode keeps:
 
 - `warn`: the last update's policy (the final periodic evaluation, which runs after the last update);
-- `stop`: the policy of the last periodic evaluation before the alarm (the last update's where it never fires);
+- `stop`: the policy of the last periodic evaluation before the alarm and before the evidence behind it began (the
+  SFT model's surprisal at the responses risen SURPRISAL_RISE: `evidence_start`); the last update's where it never
+  fires;
 - `keep_best`: that mode's own pick, replayed as `rlhf.ppo.periodic_eval.EvalGuard` makes it (`keep_best_index`),
 
 set beside the run's best periodic gold and SFT's (the gold at update 0). A mode's **share of the best gain** on a
@@ -24,25 +26,32 @@ from pathlib import Path
 import pandas as pd
 
 from rlhf.eval.overoptimisation import GOLD_FALL, SURPRISAL_RISE
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
 
 MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
 NO_GAIN = 1e-9  # a best gain over SFT this small or smaller is none: the share is NaN there
 KEPT_COLUMNS = ["run", "task", "objective", "kl_coef", "seed", "half", "sft", "best"]
 
 
-def keep_best_index(evals: pd.DataFrame, alarm_step: int) -> int | None:
+def keep_best_index(evals: pd.DataFrame, alarm_step: int, evidence_rise: float = SURPRISAL_RISE) -> int | None:
     """The row of `evals` (a run's periodic evaluations in step order) whose policy `ppo.on_overoptimisation:
     keep_best` makes final, replayed as `EvalGuard.observe` picks it: at every evaluation before the alarm (all of
-    them where it never fires, update 0's, the SFT policy's, among them), its conservative score (the ensemble's
+    them where it never fires, update 0's, the SFT policy's, among them) that shows no evidence (the reference's
+    surprisal risen `evidence_rise` above update 0's; inf: none does), its conservative score (the ensemble's
     minimum where that evaluation logged one, the score otherwise) replaces the best so far only where it is strictly
     higher (the first of equal scores stays; a NaN never wins). None where no evaluation was picked (then the guard
     keeps the last update's policy)."""
     best, best_score = None, float("-inf")
     minimum = f"{PERIODIC_EVAL}ensemble_min"
+    surprisal = (
+        evals[PERIODIC_REF_SURPRISAL] if PERIODIC_REF_SURPRISAL in evals else pd.Series(float("nan"), evals.index)
+    )
+    rises = (surprisal - surprisal.iloc[0]).tolist()
     for i, row in enumerate(evals.to_dict("records")):
         if 0 <= alarm_step <= row["step"]:
             break
+        if rises[i] >= evidence_rise:  # NaN: no evidence
+            continue
         value = row.get(minimum, float("nan"))
         score = value if value == value else row[PERIODIC_SCORE]
         if score > best_score:
@@ -154,15 +163,23 @@ def kept_picture(kept: pd.DataFrame, path: Path, title: str) -> None:
 
 
 def report(
-    table: pd.DataFrame, picture: str | None, title: str, confirm: int = 1, from_evidence: bool = False
+    table: pd.DataFrame,
+    picture: str | None,
+    title: str,
+    confirm: int = 1,
+    evidence_rise: float = SURPRISAL_RISE,
 ) -> list[str]:
     """The kept-policy tables of `alarm_check.alarm_table`'s runs as markdown lines (per run, then the summary), and
     the picture where `picture` names a PNG file; with the levers of `with_lever` where they are not today's."""
     lever = ""
-    if confirm != 1 or from_evidence:
-        table = with_lever(table, confirm, from_evidence)
+    if confirm != 1 or evidence_rise != SURPRISAL_RISE:
+        table = with_lever(table, confirm, evidence_rise)
         lever = f" (levers: the rule holding at {confirm} evaluations in a row, stop keeping the policy from before "
-        lever += "the evidence began)" if from_evidence else "the alarm)"
+        lever += (
+            f"the evidence began, a surprisal rise of {evidence_rise:g} nats)"
+            if evidence_rise < float("inf")
+            else "the alarm)"
+        )
         title += "\n" + lever.strip()
     kept = kept_table(table)
     if kept.empty:
@@ -194,24 +211,27 @@ def confirmed_index(holds: list[bool], confirm: int = 1) -> int | None:
     return None
 
 
-def evidence_start(holds: list[bool], rises: list[float], fired: int, confirm: int = 1) -> int:
+def evidence_start(
+    holds: list[bool], rises: list[float], fired: int, confirm: int = 1, evidence_rise: float = SURPRISAL_RISE
+) -> int:
     """Where the evidence behind an alarm fired at evaluation `fired` began: the first of the `confirm` evaluations
     the rule held at, moved back over the evaluations just before it at which the reference's surprisal had already
-    risen SURPRISAL_RISE or more above the SFT policy's (`rises`, the surprisal condition without its wait for the
-    score to stall): a fast fall shows there before the score stalls and the rule may hold."""
+    risen `evidence_rise` or more above the SFT policy's (`rises`; at SURPRISAL_RISE, the surprisal condition without
+    its wait for the score to stall): a fast fall shows there before the score stalls and the rule may hold."""
     start = fired - confirm + 1
-    while start - 1 >= 1 and (holds[start - 1] or rises[start - 1] >= SURPRISAL_RISE):
+    while start - 1 >= 1 and (holds[start - 1] or rises[start - 1] >= evidence_rise):
         start -= 1
     return start
 
 
-def with_lever(table: pd.DataFrame, confirm: int = 1, from_evidence: bool = False) -> pd.DataFrame:
+def with_lever(table: pd.DataFrame, confirm: int = 1, evidence_rise: float = SURPRISAL_RISE) -> pd.DataFrame:
     """`alarm_check.alarm_table`'s runs with the alarm and what `stop` and `keep_best` keep replayed under two levers
     (docs/overoptimisation.md; the issue's item 2): the alarm fires once the rule has held at `confirm` evaluations
-    in a row (`confirmed_index`), and `stop` keeps the policy of the evaluation before the evidence began
-    (`from_evidence`, `evidence_start`) or before the alarm (the default); `keep_best` picks among the evaluations
-    before the same one. `alarm_step` (-1: none), `gold_if_stopped` and `gold_if_kept_best` replaced. Each is a
-    guard a run could keep live: it needs a copy of the policy at the last evaluation without evidence."""
+    in a row (`confirmed_index`), and `stop` keeps the policy of the evaluation before the evidence began, the
+    reference's surprisal risen `evidence_rise` (`evidence_start`; SURPRISAL_RISE is `EvalGuard`'s, inf the alarm
+    alone, the rule before the guard kept from before the evidence); `keep_best` picks among the evaluations before
+    the same one that show no evidence. `alarm_step` (-1: none), `gold_if_stopped` and `gold_if_kept_best` replaced.
+    Each is a guard a run could keep live: it needs a copy of the policy at the last evaluation without evidence."""
     out = table.copy()
     alarms, stopped, best = [], [], []
     for _, row in out.iterrows():
@@ -222,11 +242,13 @@ def with_lever(table: pd.DataFrame, confirm: int = 1, from_evidence: bool = Fals
         fired = confirmed_index(holds, confirm)
         cut = None
         if fired is not None:
-            cut = evidence_start(holds, rises, fired, confirm) if from_evidence else fired
+            cut = (
+                fired if evidence_rise == float("inf") else evidence_start(holds, rises, fired, confirm, evidence_rise)
+            )
         alarms.append(-1 if fired is None else int(steps[fired]))
         stopped.append(gold[-1] if cut is None else gold[cut - 1])
         evals = stats.rename(columns={c: f"{PERIODIC_EVAL}{c}" for c in stats.columns if c != "step"})
-        picked = keep_best_index(evals, -1 if cut is None else int(steps[cut]))
+        picked = keep_best_index(evals, -1 if cut is None else int(steps[cut]), evidence_rise)
         best.append(gold[-1] if picked is None else gold[picked])
     out["alarm_step"], out["gold_if_stopped"], out["gold_if_kept_best"] = alarms, stopped, best
     return out
