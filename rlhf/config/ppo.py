@@ -227,11 +227,11 @@ class PPOConfig(Section):
         "stop",
         description="What the over-optimisation alarm (checked at every periodic evaluation; docs/overoptimisation.md) "
         "does when it fires, besides its WARNING line, run tag and evaluation row: 'stop' (the default: the stage "
-        "ends, its final policy that of the last evaluation before the alarm; on the 44 held-out runs of the "
-        "alarm's grid it kept a mean gold of 0.70 where 'warn' kept 0.41), 'warn' (training goes on to the last "
-        "update, whose policy is final) or 'keep_best' (training goes on and the final policy is that of the "
-        "evaluation with the best conservative score before the alarm). It acts at the periodic evaluations "
-        "(eval_every); 'keep_best' with eval_every 0 is refused.",
+        "ends, its final policy that of the last evaluation before the alarm and before its first sign, the SFT "
+        "model's surprisal at the responses risen 1.3 nats; docs/overoptimisation.md gives what it keeps per "
+        "estimator), 'warn' (training goes on to the last update, whose policy is final) or 'keep_best' (training "
+        "goes on and the final policy is that of the evaluation with the best conservative score among the same "
+        "ones). It acts at the periodic evaluations (eval_every); 'keep_best' with eval_every 0 is refused.",
     )
 
     @model_validator(mode="before")
