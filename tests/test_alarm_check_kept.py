@@ -237,3 +237,26 @@ def test_the_recorded_tables_of_the_docs_are_read_as_runs(tmp_path):
     assert kept.loc["default RLOO kl 0.05 seed 54", "stop share"] == 1.0
     shipped = alarm_kept.recorded_runs(REPO / "docs" / "alarm-grid.md")
     assert len(shipped) == 84 + 56  # the shipped page: the grid and the fresh runs
+
+
+def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path):
+    """The held-out check's table (`alarm_check --shipped`): runs made with the shipped stop, each beside what warn
+    reaches at its seed: its own final gold where the alarm never fired, else that of the warn run made again."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "rlhf-ppo")
+    _log_run(tracker, "check-falls/ppo", "grpo", FALLS[:5], mode="stop")  # the alarm at 40 stopped it there
+    _log_run(tracker, "check-healthy/ppo", "gae", HEALTHY, mode="stop")  # no alarm: trained to its end
+    _log_run(tracker, "again-falls/ppo", "grpo", FALLS)  # the first one's seed again, with warn
+    made, again = (alarm_check.alarm_table(tracker, "rlhf-ppo", name) for name in ("check-", "again-"))
+    shipped = alarm_kept.shipped_table(made, again).set_index("run")
+    falls, healthy = shipped.loc["check-falls/ppo"], shipped.loc["check-healthy/ppo"]
+    # stop kept update 30's policy (0.8) of a best of 0.9 passed through; warn ends at -0.5 after the same best
+    assert (falls["alarm"], falls["sft"], falls["best"], falls["stop"]) == (40, 0.1, 0.9, 0.8)
+    assert (falls["warn"], falls["warn best"]) == (-0.5, 0.9)
+    assert falls["stop share"] == pytest.approx(0.875) and not falls["stop collapsed"]
+    assert (healthy["alarm"], healthy["stop"], healthy["warn"], healthy["stop share"]) == (-1, 0.9, 0.9, 1.0)
+    printed = alarm_check.shipped_report(uri, ["rlhf-ppo"], "check-", "again-")
+    assert "what the shipped stop kept, 2 runs" in printed and "| all runs " in printed
+    summary = alarm_kept.shipped_summary(alarm_kept.shipped_table(made)).loc["all runs"]
+    assert (summary["runs"], summary["alarms"], summary["stop: collapsed"]) == (2, 1, 0)
+    assert math.isnan(alarm_kept.shipped_table(made).set_index("run").loc["check-falls/ppo", "warn"])  # no warn run

@@ -345,8 +345,17 @@ def main(argv: list[str] | None = None) -> None:
         default=SURPRISAL_RISE,
         help="--kept's stop: keep from before the surprisal rose this much (inf: from before the alarm alone)",
     )
+    parser.add_argument(
+        "--shipped",
+        metavar="WARN_FILTER",
+        help="print what the shipped stop kept of the runs made with it (--filter's), beside the warn runs of the "
+        "same seeds among those whose name contains WARN_FILTER (rlhf.sweeps.alarm_kept.shipped_table)",
+    )
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
+    if args.shipped is not None:
+        print(shipped_report(args.tracking_uri, experiments, args.filter, args.shipped))
+        return
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, args.filter) for name in experiments]
     every = (
         pd.concat([t for t in tables if not t.empty], ignore_index=True)
@@ -397,6 +406,30 @@ def main(argv: list[str] | None = None) -> None:
         table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:
         roc_picture(table, Path(args.roc), f"{len(table)} runs ({args.half}), {', '.join(experiments)}")
+
+
+def shipped_report(tracking_uri: str | None, experiments: list[str], name_filter: str, warn_filter: str) -> str:
+    """`--shipped`: the runs of `name_filter` made with the shipped stop, each beside the warn run of its seed, and
+    their summary (`alarm_kept.shipped_table`, `shipped_summary`), as markdown."""
+    made, warn = [], []
+    for name in experiments:
+        tracker = Tracker(tracking_uri, name)
+        made.append(alarm_table(tracker, name, name_filter))
+        warn.append(alarm_table(tracker, name, warn_filter))
+    stopped = pd.concat([t for t in made if not t.empty] or [pd.DataFrame({"mode": []})], ignore_index=True)
+    warned = pd.concat([t for t in warn if not t.empty] or [pd.DataFrame()], ignore_index=True)
+    shipped = alarm_kept.shipped_table(stopped, warned[warned["mode"] == "warn"] if "mode" in warned else None)
+    if shipped.empty:
+        return "no run made with ppo.on_overoptimisation: stop"
+    shown = [c for c in shipped.columns if c != "stop collapsed"]
+    return "\n".join(
+        [
+            f"what the shipped stop kept, {len(shipped)} runs (share: (kept - SFT) / (best passed through - SFT)):\n",
+            alarm_kept.markdown(shipped[shown].set_index("run")),
+            "\nper estimator, per task and over all runs:\n",
+            alarm_kept.markdown(alarm_kept.shipped_summary(shipped)),
+        ]
+    )
 
 
 if __name__ == "__main__":

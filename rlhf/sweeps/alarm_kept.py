@@ -116,6 +116,50 @@ def kept_summary(kept: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def shipped_table(table: pd.DataFrame, warn: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per run of `alarm_check.alarm_table` made with the shipped `stop` (the alarm's held-out check): SFT's
+    gold, the best periodic gold the run passed through (to where it stopped), the update the alarm fired after (-1:
+    never), the gold of the policy `stop` kept (`gold_if_stopped`, the replay of `EvalGuard`'s pick, which
+    tests/test_periodic_eval.py holds to the guard's), its share of that best gain (`gain_share`) and whether it ends
+    collapsed (GOLD_FALL or more below that best); beside it what `warn` reaches at the same seed: the run's own
+    final gold where the alarm never fired (it trained to its end), else the final gold and the best of the run of
+    the same task, objective, KL coefficient and seed in `warn` (NaN without one)."""
+    runs = table[table["mode"] == "stop"]
+    made = (
+        {} if warn is None or warn.empty else warn.set_index("identity")[["gold_final", "gold_peak"]].to_dict("index")
+    )
+    out = pd.DataFrame({c: runs[c] for c in KEPT_COLUMNS if c in runs and c not in ("sft", "best", "half")})
+    out["sft"], out["best"], out["alarm"] = runs["gold_start"], runs["gold_peak"], runs["alarm_step"]
+    out["stop"] = runs["gold_if_stopped"]
+    out["stop share"] = [gain_share(k, s, b) for k, s, b in zip(out["stop"], out["sft"], out["best"], strict=True)]
+    out["stop collapsed"] = out["best"] - out["stop"] >= GOLD_FALL - 1e-9
+    nan = {"gold_final": float("nan"), "gold_peak": float("nan")}
+    other = [made.get(i, nan) if a >= 0 else None for i, a in zip(runs["identity"], runs["alarm_step"], strict=True)]
+    out["warn"] = [r["gold_final"] if r else f for r, f in zip(other, runs["gold_final"], strict=True)]
+    out["warn best"] = [r["gold_peak"] if r else b for r, b in zip(other, runs["gold_peak"], strict=True)]
+    return out.reset_index(drop=True)
+
+
+def shipped_summary(shipped: pd.DataFrame) -> pd.DataFrame:
+    """`shipped_table` per estimator, per task and over all runs: the runs, the alarms, the mean share of the best
+    gain `stop` kept, the worst run's, the runs that end collapsed, and the mean gold of SFT, `stop` and `warn`."""
+    rows = {}
+    groups = [(str(name), runs) for by in ("objective", "task") for name, runs in shipped.groupby(by)]
+    for name, runs in [*groups, ("all runs", shipped)]:
+        shares = runs["stop share"]
+        rows[name] = {
+            "runs": len(runs),
+            "alarms": int((runs["alarm"] >= 0).sum()),
+            "stop: mean share": shares.mean(),
+            "stop: worst": f"{shares.min():.2f} ({runs.loc[shares.idxmin(), 'run']})" if shares.notna().any() else "-",
+            "stop: collapsed": int(runs["stop collapsed"].sum()),
+            "SFT gold": runs["sft"].mean(),
+            "stop gold": runs["stop"].mean(),
+            "warn gold": runs["warn"].mean(),
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
 def markdown(frame: pd.DataFrame, digits: int = 3) -> str:
     """`frame` as a markdown table, numbers to `digits` places."""
     return frame.round(digits).to_markdown(floatfmt=f".{digits}f")
