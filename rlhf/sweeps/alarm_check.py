@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
     parser.add_argument("--experiment", action="append", help="an experiment to read (repeat for several)")
-    parser.add_argument("--filter", default="", help="only runs whose name contains this")
+    parser.add_argument("--filter", action="append", help="only runs whose name contains this (again: or that)")
     parser.add_argument("--half", choices=[*HALVES, "all"], default="all", help="only the runs of this half")
     parser.add_argument("--out", help="also write the table to this CSV file")
     parser.add_argument("--roc", help="also draw the ROC curves of the signals into this PNG file")
@@ -353,10 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
+    filters = args.filter or [""]
     if args.shipped is not None:
-        print(shipped_report(args.tracking_uri, experiments, args.filter, args.shipped))
+        print(shipped_report(args.tracking_uri, experiments, filters[0], args.shipped))
         return
-    tables = [alarm_table(Tracker(args.tracking_uri, name), name, args.filter) for name in experiments]
+    tables = [alarm_table(Tracker(args.tracking_uri, name), name, part) for name in experiments for part in filters]
     every = (
         pd.concat([t for t in tables if not t.empty], ignore_index=True)
         if any(not t.empty for t in tables)
