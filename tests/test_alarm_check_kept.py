@@ -239,7 +239,7 @@ def test_the_recorded_tables_of_the_docs_are_read_as_runs(tmp_path):
     assert len(shipped) == 84 + 56  # the shipped page: the grid and the fresh runs
 
 
-def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path):
+def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path, capsys):
     """The held-out check's table (`alarm_check --shipped`): runs made with the shipped stop, each beside what warn
     reaches at its seed: its own final gold where the alarm never fired, else that of the warn run made again."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -255,7 +255,8 @@ def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path):
     assert (falls["warn"], falls["warn best"]) == (-0.5, 0.9)
     assert falls["stop share"] == pytest.approx(0.875) and not falls["stop collapsed"]
     assert (healthy["alarm"], healthy["stop"], healthy["warn"], healthy["stop share"]) == (-1, 0.9, 0.9, 1.0)
-    printed = alarm_check.shipped_report(uri, ["rlhf-ppo"], "check-", "again-")
+    alarm_check.main(["--tracking-uri", uri, "--experiment", "rlhf-ppo", "--filter", "check-", "--shipped", "again-"])
+    printed = capsys.readouterr().out
     assert "what the shipped stop kept, 2 runs" in printed and "| all runs " in printed
     summary = alarm_kept.shipped_summary(alarm_kept.shipped_table(made)).loc["all runs"]
     assert (summary["runs"], summary["alarms"], summary["stop: collapsed"]) == (2, 1, 0)

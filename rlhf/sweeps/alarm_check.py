@@ -354,8 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
     filters = args.filter or [""]
-    if args.shipped is not None:
-        print(shipped_report(args.tracking_uri, experiments, filters[0], args.shipped))
+    if args.shipped is not None:  # the runs of --filter made with stop, and the warn runs of their seeds
+        made, warn = (
+            [alarm_table(Tracker(args.tracking_uri, n), n, f) for n in experiments] for f in (filters[0], args.shipped)
+        )
+        print(alarm_kept.shipped_report(pd.concat(made, ignore_index=True), pd.concat(warn, ignore_index=True)))
         return
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, part) for name in experiments for part in filters]
     every = (
@@ -407,30 +410,6 @@ def main(argv: list[str] | None = None) -> None:
         table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:
         roc_picture(table, Path(args.roc), f"{len(table)} runs ({args.half}), {', '.join(experiments)}")
-
-
-def shipped_report(tracking_uri: str | None, experiments: list[str], name_filter: str, warn_filter: str) -> str:
-    """`--shipped`: the runs of `name_filter` made with the shipped stop, each beside the warn run of its seed, and
-    their summary (`alarm_kept.shipped_table`, `shipped_summary`), as markdown."""
-    made, warn = [], []
-    for name in experiments:
-        tracker = Tracker(tracking_uri, name)
-        made.append(alarm_table(tracker, name, name_filter))
-        warn.append(alarm_table(tracker, name, warn_filter))
-    stopped = pd.concat([t for t in made if not t.empty] or [pd.DataFrame({"mode": []})], ignore_index=True)
-    warned = pd.concat([t for t in warn if not t.empty] or [pd.DataFrame()], ignore_index=True)
-    shipped = alarm_kept.shipped_table(stopped, warned[warned["mode"] == "warn"] if "mode" in warned else None)
-    if shipped.empty:
-        return "no run made with ppo.on_overoptimisation: stop"
-    shown = [c for c in shipped.columns if c != "stop collapsed"]
-    return "\n".join(
-        [
-            f"what the shipped stop kept, {len(shipped)} runs (share: (kept - SFT) / (best passed through - SFT)):\n",
-            alarm_kept.markdown(shipped[shown].set_index("run")),
-            "\nper estimator, per task and over all runs:\n",
-            alarm_kept.markdown(alarm_kept.shipped_summary(shipped)),
-        ]
-    )
 
 
 if __name__ == "__main__":

@@ -160,6 +160,23 @@ def shipped_summary(shipped: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def shipped_report(made: pd.DataFrame, warn: pd.DataFrame) -> str:
+    """`alarm_check --shipped`: `shipped_table` of the runs `made` with the shipped stop, beside the `warn` runs of
+    their seeds, and its `shipped_summary`, as markdown."""
+    if made.empty or not (made["mode"] == "stop").any():
+        return "no run made with ppo.on_overoptimisation: stop"
+    shipped = shipped_table(made, warn[warn["mode"] == "warn"] if "mode" in warn else None)
+    shown = [c for c in shipped.columns if c != "stop collapsed"]
+    return "\n".join(
+        [
+            f"what the shipped stop kept, {len(shipped)} runs (share: (kept - SFT) / (best passed through - SFT)):\n",
+            markdown(shipped[shown].set_index("run")),
+            "\nper estimator, per task and over all runs:\n",
+            markdown(shipped_summary(shipped)),
+        ]
+    )
+
+
 def markdown(frame: pd.DataFrame, digits: int = 3) -> str:
     """`frame` as a markdown table, numbers to `digits` places."""
     return frame.round(digits).to_markdown(floatfmt=f".{digits}f")
