@@ -238,6 +238,13 @@ def alarm_inputs(history: pd.DataFrame) -> tuple[list[dict[str, float]], float]:
     return [{k: v for k, v in row.items() if v == v} for row in rows], in_distribution_std
 
 
+def surprisal_rises(evals: pd.DataFrame, column: str = PERIODIC_REF_SURPRISAL) -> pd.Series:
+    """Each evaluation's reference surprisal less update 0's (NaN where it was not logged): the rise that
+    `OveroptimisationAlarm.surprisal_rise_of` gives and `EvalGuard.evidence` compares with the threshold."""
+    surprisal = evals[column] if column in evals else pd.Series(float("nan"), index=evals.index)
+    return surprisal - surprisal.iloc[0]
+
+
 def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dict[str, float]:
     """The alarm's rule replayed over one run's periodic evaluations, against its gold reward: `history` has a
     `step` column and the periodic_eval/* metrics (`rlhf.ppo.periodic_eval`, with periodic_eval/gold). Returns the
@@ -254,10 +261,7 @@ def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dic
     peak = int(gold.idxmax())
     fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)
     fired = alarm.fired
-    surprisal = (
-        history[PERIODIC_REF_SURPRISAL] if PERIODIC_REF_SURPRISAL in history else pd.Series(float("nan"), gold.index)
-    )
-    quiet = ~(surprisal - surprisal.iloc[0] >= surprisal_rise)  # update 0's is always quiet
+    quiet = ~(surprisal_rises(history) >= surprisal_rise)  # update 0's is always quiet
     return {
         "gold_start": float(gold.iloc[0]),
         "gold_peak": float(gold.iloc[peak]),

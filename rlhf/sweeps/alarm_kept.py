@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import GOLD_FALL, SURPRISAL_RISE
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
+from rlhf.eval.overoptimisation import GOLD_FALL, SURPRISAL_RISE, surprisal_rises
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
 
 MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
 NO_GAIN = 1e-9  # a best gain over SFT this small or smaller is none: the share is NaN there
@@ -43,10 +43,7 @@ def keep_best_index(evals: pd.DataFrame, alarm_step: int, evidence_rise: float =
     keeps the last update's policy)."""
     best, best_score = None, float("-inf")
     minimum = f"{PERIODIC_EVAL}ensemble_min"
-    surprisal = (
-        evals[PERIODIC_REF_SURPRISAL] if PERIODIC_REF_SURPRISAL in evals else pd.Series(float("nan"), evals.index)
-    )
-    rises = (surprisal - surprisal.iloc[0]).tolist()
+    rises = surprisal_rises(evals).tolist()
     for i, row in enumerate(evals.to_dict("records")):
         if 0 <= alarm_step <= row["step"]:
             break
@@ -298,8 +295,7 @@ def with_lever(table: pd.DataFrame, confirm: int = 1, evidence_rise: float = SUR
     for _, row in out.iterrows():
         holds, steps, gold = list(row["rule_holds"]), list(row["eval_steps"]), list(row["gold_curve"])
         stats = pd.DataFrame(row["alarm_inputs"][0])
-        surprisal = stats["ref_surprisal"] if "ref_surprisal" in stats else pd.Series(float("nan"), index=stats.index)
-        rises = (surprisal - surprisal.iloc[0]).fillna(float("-inf")).tolist()
+        rises = surprisal_rises(stats, "ref_surprisal").fillna(float("-inf")).tolist()
         fired = confirmed_index(holds, confirm)
         cut = None
         if fired is not None:
