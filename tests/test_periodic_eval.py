@@ -217,7 +217,7 @@ def test_the_alarms_sentence_says_what_it_saw_where_the_reward_is_the_verifier()
     sft = {"distinct_2": 0.8, "score": 0.4, "kl": 0.0}
     collapsed = {"distinct_2": 0.1, "score": 0.4, "kl": 3.0}  # distinct bigrams far below the SFT policy's
     for verified, says in ((False, "games its reward"), (True, "drifts from the SFT policy without gaining")):
-        alarm = OveroptimisationAlarm(verified=verified)
+        alarm = OveroptimisationAlarm(verified=verified, confirm=1)
         alarm.check(0, sft)
         fired = alarm.check(5, collapsed)
         assert fired is not None and says in fired.sentence() and "from update 5" in fired.sentence()
@@ -228,39 +228,73 @@ def test_the_alarms_sentence_says_what_it_saw_where_the_reward_is_the_verifier()
     assert "its reward is the verifier" in verifier_warning[0]
 
 
-def test_stop_and_keep_best_keep_the_policy_from_before_the_evidence_as_the_replay_does():
-    """A fast fall: at update 20 the SFT model already finds the responses 2 nats more surprising while the score
-    still climbs (the rule waits for a stall), and the alarm fires at 30. `stop` and `keep_best` keep update 10's
-    policy, not 20's (the last the alarm passed), and the replay of the recorded evaluations keeps the same one."""
+def _guard_through(mode: str, points: list[tuple], num_updates: int):
+    """An `EvalGuard` fed evaluations (step, score, KL, the reference's surprisal, gold) of a policy told apart at
+    each by its weights (the step); the guard and whether the last evaluation stopped training."""
     import torch
 
-    from rlhf.eval.overoptimisation import OveroptimisationAlarm, replay
+    from rlhf.eval.overoptimisation import OveroptimisationAlarm
     from rlhf.ppo.periodic_eval import EvalGuard
 
-    # (step, score, KL, the reference's surprisal, gold): the score stalls at 30, the gold fell at 20
-    points = [(0, 0.0, 0.0, 1.0, 0.0), (10, 1.0, 1.0, 1.1, 0.8), (20, 1.5, 2.0, 3.0, -0.5), (30, 1.5, 2.2, 3.1, -0.9)]
     policy = torch.nn.Linear(2, 1, bias=False)
-    for mode, fires_at, kept in (("stop", 30, 10), ("keep_best", 30, 10), ("warn", 30, None)):
-        guard = EvalGuard(mode, OveroptimisationAlarm())
-        for step, score, kl, surprisal, _ in points:
-            with torch.no_grad():
-                policy.weight.fill_(step)  # the policy at each evaluation, told apart by its weights
-            stats = {"distinct_2": 0.3, "score": score, "kl": kl, "ref_surprisal": surprisal}
-            metrics = {f"periodic_eval/{key}": value for key, value in stats.items()}
-            stopped = guard.observe(step, metrics, policy)
-        assert guard.alarm.fired is not None and guard.alarm.fired.step == fires_at and stopped == (mode == "stop")
-        if kept is None:
-            assert guard.kept() is None
-        else:
-            step, parameters = guard.kept()
-            assert step == kept and parameters["weight"].eq(kept).all()
-            assert "before the alarm or its first sign" in guard.outcome(30)
-    history = pd.DataFrame(
+    guard, stopped = EvalGuard(mode, OveroptimisationAlarm()), False
+    for step, score, kl, surprisal, _ in points:
+        with torch.no_grad():
+            policy.weight.fill_(step)
+        stats = {"distinct_2": 0.3, "score": score, "kl": kl, "ref_surprisal": surprisal}
+        metrics = {f"periodic_eval/{key}": value for key, value in stats.items()}
+        stopped = guard.observe(step, metrics, policy, last=step == num_updates)
+        if stopped:
+            break
+    return guard, stopped
+
+
+def _history(points: list[tuple]) -> pd.DataFrame:
+    return pd.DataFrame(
         [
             {"step": s, "periodic_eval/score": sc, "periodic_eval/kl": kl, "periodic_eval/distinct_2": 0.3}
             | {"periodic_eval/ref_surprisal": su, "periodic_eval/gold": g}
             for s, sc, kl, su, g in points
         ]
     )
-    replayed = replay(history)
-    assert replayed["alarm_step"] == 30 and replayed["gold_if_stopped"] == 0.8  # update 10's gold
+
+
+def test_stop_and_keep_best_keep_the_policy_from_before_the_evidence_as_the_replay_does():
+    """A fast fall: at update 10 the SFT model's surprisal at the responses jumped 0.5 nats in 5 updates (0.1 an
+    update: evidence, though 0.6 over step 0's is under the rule's 1.3) while the score still climbs; the rule holds
+    from 15 (the score stalled, the surprisal 1.6 up) and, confirmed at 20, the alarm fires there. `stop` and
+    `keep_best` keep update 5's policy, not 10's or 15's, and the replay of the recorded evaluations keeps the same."""
+    from rlhf.eval.overoptimisation import replay
+
+    # (step, score, KL, the reference's surprisal, gold): the gold fell at 10
+    points = [(0, 0.0, 0.0, 1.0, 0.0), (5, 1.0, 1.0, 1.1, 0.8), (10, 1.5, 2.0, 1.6, -0.5)]
+    points += [(15, 1.5, 2.2, 2.6, -0.9), (20, 1.5, 2.3, 2.7, -0.9), (25, 1.5, 2.4, 2.7, -0.9)]
+    for mode, kept in (("stop", 5), ("keep_best", 5), ("warn", None)):
+        guard, stopped = _guard_through(mode, points, 25)
+        assert guard.alarm.fired is not None and guard.alarm.fired.step == 20 and stopped == (mode == "stop")
+        assert guard.alarm.quiet == [True, True, False, False, False, False][: len(guard.alarm.quiet)]
+        if kept is None:
+            assert guard.kept() is None
+        else:
+            step, parameters = guard.kept()
+            assert step == kept and parameters["weight"].eq(kept).all()
+            assert "before the alarm or its first sign" in guard.outcome(20)
+    replayed = replay(_history(points))
+    assert replayed["alarm_step"] == 20 and replayed["gold_if_stopped"] == 0.8  # update 5's gold
+
+
+def test_a_rule_that_holds_once_is_taken_back_but_its_policy_is_never_kept():
+    """The rule holds at 15 (the score stalled while the surprisal rose 1.4) and not at 20 (the score climbs again):
+    no alarm, training goes on, and `stop` would never keep 15's policy; at the run's last evaluation the rule
+    holding once is enough (nothing can take it back)."""
+    from rlhf.eval.overoptimisation import replay
+
+    points = [(0, 0.0, 0.0, 1.0, 0.0), (5, 1.0, 1.0, 1.2, 0.5), (10, 1.5, 2.0, 1.4, 0.8), (15, 1.5, 2.1, 2.4, 0.7)]
+    points += [(20, 2.5, 2.2, 1.5, 0.9)]
+    guard, stopped = _guard_through("stop", points, 25)
+    assert guard.alarm.fired is None and not stopped and guard.alarm.quiet == [True, True, True, False, True]
+    assert guard.last_quiet_step == 20
+    ending = points + [(25, 2.5, 2.3, 2.6, 0.2)]  # the last evaluation: the rule holds, once
+    guard, stopped = _guard_through("stop", ending, 25)
+    assert guard.alarm.fired.step == 25 and stopped and guard.kept()[0] == 20
+    assert replay(_history(ending))["gold_if_stopped"] == 0.9

@@ -330,7 +330,7 @@ def overoptimisation_signs(
     diversity and, with an ensemble, its members' view, as eval/<policy>_<stat>; and the alarm's rule applied to the
     trained policy against the SFT policy (eval/overoptimisation_flag, and its warning: where the reward is a
     verifier, `verified`, what was seen rather than a gamed reward model)."""
-    alarm = OveroptimisationAlarm(in_distribution_std, surprisal_waits_for_stall=False)
+    alarm = OveroptimisationAlarm(in_distribution_std, surprisal_waits_for_stall=False, confirm=1)
     summary: dict[str, float] = {}
     for name, frame in (("sft", sft), ("policy", policy)):
         stats = {**response_stats(frame["response"].tolist()), **surprisal_stats(frame)}

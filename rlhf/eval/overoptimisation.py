@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_REF_SURPRISAL
+from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD
 
 
 def _bigrams(text: str) -> list[tuple[str, str]]:
@@ -97,6 +97,11 @@ CONSERVATIVE_FALL = 0.5  # the ensemble's min below its best by this many in-dis
 KL_DRIFT_FACTOR, KL_DRIFT_NATS = 1.5, 1.0  # the KL grew past 1.5 times an earlier evaluation's plus 1 nat ...
 SCORE_GAIN_FRACTION = 0.05  # ... while the score gained under 5% of what it had gained over the SFT policy by then
 SURPRISAL_RISE = 1.3  # the reference's surprisal at the policy's tokens this many nats per token above the SFT's own
+# Evidence that keeps a policy from being kept: the surprisal risen SURPRISAL_RISE, or this many nats per token per
+# update since the previous evaluation (a fast fall: 0.64 nats in 5 updates where a GRPO run's gold fell from 0.98
+# to 0.22; healthy runs rise 0.01-0.04 an update)
+SURPRISAL_JUMP = 0.06
+CONFIRM = 2  # the periodic alarm fires once its rule holds at this many evaluations in a row (or at the last one)
 
 
 @dataclass
@@ -132,12 +137,21 @@ class OveroptimisationAlarm:
     # which compares the final policy with the SFT policy, has no history to stall in)
     surprisal_waits_for_stall: bool = True
     verified: bool = False  # the reward is a verifier (`Alarm.verified`)
+    # the evaluations in a row the rule must hold at before the alarm fires (the last evaluation fires alone): an
+    # evaluation where it holds once and not at the next is taken back, and its policy is never kept (`quiet`)
+    confirm: int = CONFIRM
+    surprisal_jump: float = SURPRISAL_JUMP  # nats per token per update since the previous evaluation: evidence
+    evidence_rise: float = SURPRISAL_RISE  # nats per token above the baseline's: evidence
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
     mean_at_best_min: float = float("nan")
     fired: Alarm | None = None
     history: list[tuple[int, list[str]]] = field(default_factory=list)
     points: list[tuple[int, float, float]] = field(default_factory=list)  # (step, score, kl) of each evaluation
+    # per evaluation: whether it shows neither the rule nor its evidence (`evidence`), so that its policy may be kept
+    quiet: list[bool] = field(default_factory=list)
+    streak: int = 0  # the evaluations in a row, up to the last, at which the rule held
+    surprisals: list[tuple[int, float]] = field(default_factory=list)  # (step, ref_surprisal) of each evaluation
 
     def reasons(self, stats: dict[str, float]) -> list[str]:
         """The conditions `stats` (an evaluation's `response_stats` and `ensemble_stats`) meet against the baseline."""
@@ -205,17 +219,34 @@ class OveroptimisationAlarm:
         stalled = self._stalled_points(stats)
         return max((stats["kl"] / (self.kl_drift_factor * kl + KL_DRIFT_NATS) for _, _, kl in stalled), default=0.0)
 
-    def check(self, step: int, stats: dict[str, float]) -> Alarm | None:
-        """Take the evaluation after `step` updates; the alarm when it fires at this one (None otherwise)."""
+    def evidence(self, step: int, stats: dict[str, float]) -> bool:
+        """Whether the evaluation after `step` updates shows the surprisal sign before the rule holds: the SFT model
+        finds the responses `evidence_rise` nats a token more surprising than its own samples at step 0, or the
+        surprisal rose `surprisal_jump` nats a token per update since the previous evaluation. A policy whose gold
+        falls fast often shows one of them an evaluation before the rule holds."""
+        if self.surprisal_rise_of(stats) >= self.evidence_rise:
+            return True
+        if not self.surprisals or "ref_surprisal" not in stats:
+            return False
+        before, surprisal = self.surprisals[-1]
+        return stats["ref_surprisal"] - surprisal >= self.surprisal_jump * max(step - before, 1)
+
+    def check(self, step: int, stats: dict[str, float], last: bool = False) -> Alarm | None:
+        """Take the evaluation after `step` updates (`last`: the run's last, which nothing can take back); the
+        alarm when it fires at this one (None otherwise)."""
         if self.baseline is None:
             self.baseline = dict(stats)
         found = self.reasons(stats)
+        self.quiet.append(not found and not self.evidence(step, stats))
         if "ensemble_min" in stats and stats["ensemble_min"] > self.best_min:
             self.best_min, self.mean_at_best_min = stats["ensemble_min"], stats["ensemble_mean"]
         self.history.append((step, found))
         if "kl" in stats:
             self.points.append((step, stats["score"], stats["kl"]))
-        if found and self.fired is None:
+        if "ref_surprisal" in stats:
+            self.surprisals.append((step, stats["ref_surprisal"]))
+        self.streak = self.streak + 1 if found else 0
+        if found and (self.streak >= self.confirm or last) and self.fired is None:
             self.fired = Alarm(step, found, self.verified)
             return self.fired
         return None
@@ -238,30 +269,38 @@ def alarm_inputs(history: pd.DataFrame) -> tuple[list[dict[str, float]], float]:
     return [{k: v for k, v in row.items() if v == v} for row in rows], in_distribution_std
 
 
-def surprisal_rises(evals: pd.DataFrame, column: str = PERIODIC_REF_SURPRISAL) -> pd.Series:
-    """Each evaluation's reference surprisal less update 0's (NaN where it was not logged): the rise that
-    `OveroptimisationAlarm.surprisal_rise_of` gives and `EvalGuard.evidence` compares with the threshold."""
-    surprisal = evals[column] if column in evals else pd.Series(float("nan"), index=evals.index)
-    return surprisal - surprisal.iloc[0]
+def replay_alarm(stats: list[dict[str, float]], in_distribution_std: float = 0.0, **levers: float) -> OveroptimisationAlarm:
+    """The periodic alarm fed one run's evaluations (`alarm_inputs`' stats, in step order), as `EvalGuard` feeds
+    it, the last marked last; `levers`: the alarm's settings to replay other than the shipped ones (`confirm`,
+    `surprisal_rise`, `surprisal_jump`, `evidence_rise`, `kl_drift_factor`)."""
+    alarm = OveroptimisationAlarm(in_distribution_std, **levers)
+    for i, row in enumerate(stats):
+        alarm.check(int(row["step"]), row, last=i == len(stats) - 1)
+    return alarm
 
 
-def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dict[str, float]:
+def kept_index(alarm: OveroptimisationAlarm) -> int:
+    """The evaluation (its index) whose policy `ppo.on_overoptimisation: stop` keeps after `replay_alarm`: the last
+    quiet one before the alarm (update 0's, the SFT policy's, at worst), the last one where it never fired."""
+    steps = [step for step, _ in alarm.history]
+    if alarm.fired is None:
+        return len(steps) - 1
+    fired = steps.index(alarm.fired.step)
+    return max((i for i in range(fired) if alarm.quiet[i]), default=0)
+
+
+def replay(history: pd.DataFrame, **levers: float) -> dict[str, float]:
     """The alarm's rule replayed over one run's periodic evaluations, against its gold reward: `history` has a
     `step` column and the periodic_eval/* metrics (`rlhf.ppo.periodic_eval`, with periodic_eval/gold). Returns the
     gold peak and its update, the final gold, the first update at which the gold is GOLD_FALL below its peak so far (-1:
-    never), the update the alarm fires at (-1: never), the gold there and the gold of the policy 'stop' keeps (the
-    last evaluation before the alarm without a surprisal rise of `surprisal_rise`, as `EvalGuard` keeps it; the
-    final one where it never fires)."""
+    never), the update the alarm fires at (-1: never), the gold there and the gold of the policy 'stop' keeps
+    (`kept_index`, as `EvalGuard` keeps it). `levers`: `replay_alarm`'s."""
     history = history.sort_values("step").reset_index(drop=True)
-    stats, in_distribution_std = alarm_inputs(history)
-    alarm = OveroptimisationAlarm(in_distribution_std, surprisal_rise)
-    for row in stats:
-        alarm.check(int(row["step"]), row)
+    alarm = replay_alarm(*alarm_inputs(history), **levers)
     gold = history[PERIODIC_GOLD]
     peak = int(gold.idxmax())
     fell_at = next((i for i in range(len(gold)) if gold[i] <= gold[: i + 1].max() - GOLD_FALL), None)
     fired = alarm.fired
-    quiet = ~(surprisal_rises(history) >= surprisal_rise)  # update 0's is always quiet
     return {
         "gold_start": float(gold.iloc[0]),
         "gold_peak": float(gold.iloc[peak]),
@@ -272,10 +311,7 @@ def replay(history: pd.DataFrame, surprisal_rise: float = SURPRISAL_RISE) -> dic
         "last_step": int(history["step"].iloc[-1]),
         "alarm_step": fired.step if fired else -1,
         "gold_at_alarm": float(gold[history["step"] == fired.step].iloc[0]) if fired else float("nan"),
-        # what ppo.on_overoptimisation 'stop' would have kept: the policy of the last evaluation before the alarm
-        # that shows no evidence (EvalGuard.evidence)
-        "gold_if_stopped": float(gold[(history["step"] < fired.step) & quiet].iloc[-1])
-        if fired
-        else float(gold.iloc[-1]),
+        "gold_if_stopped": float(gold[kept_index(alarm)]),  # what ppo.on_overoptimisation 'stop' would have kept
+        "quiet": list(alarm.quiet),  # which evaluations' policies the guard may keep
         "reasons": "; ".join(fired.reasons) if fired else "",
     }

@@ -100,11 +100,9 @@ class EvalGuard:
     """The over-optimisation alarm at the periodic evaluations, and what ppo.on_overoptimisation keeps: with 'stop'
     and 'keep_best' a copy (on the CPU) of the trained policy parameters at the last evaluation that shows no sign
     of the alarm, and with 'keep_best' the one with the best conservative score (the ensemble's minimum, the score
-    without one). An evaluation shows a sign where the alarm fires, or where the SFT model's surprisal at the
-    responses has already risen the surprisal condition's threshold while the score still climbs (`evidence`): a
-    policy whose gold falls fast is often there one evaluation before the rule holds, so keeping the policy from
-    before the evidence began, not only from before the alarm, keeps 0.90 of the best gain on the alarm grid's
-    tuning half against 0.65 (docs/overoptimisation.md)."""
+    without one). An evaluation shows a sign where the alarm's rule holds (fired or not yet confirmed), or where the
+    SFT model's surprisal at the responses shows its evidence (`OveroptimisationAlarm.evidence`): a policy whose gold
+    falls fast is often there one evaluation before the rule holds (docs/overoptimisation.md)."""
 
     mode: str  # ppo.on_overoptimisation
     alarm: OveroptimisationAlarm
@@ -114,26 +112,22 @@ class EvalGuard:
     best_step: int = -1
     last_quiet_step: int = -1
 
-    def observe(self, step: int, metrics: dict[str, float], policy: torch.nn.Module) -> bool:
-        """Check the evaluation after `step` updates; whether training stops here ('stop' and the alarm fired)."""
+    def observe(self, step: int, metrics: dict[str, float], policy: torch.nn.Module, last: bool = False) -> bool:
+        """Check the evaluation after `step` updates (`last`: the run's last); whether training stops here ('stop'
+        and the alarm fired)."""
         stats = alarm_stats(metrics)
-        fired = self.alarm.check(step, stats)
+        fired = self.alarm.check(step, stats, last)
         metrics[ALARM_KEY] = float(fired is not None)
         if fired is not None:
             print(f"WARNING: {fired.sentence()}", flush=True)
             return self.mode == "stop"
-        if self.mode == "warn" or self.alarm.fired is not None or self.evidence(stats):
+        if self.mode == "warn" or self.alarm.fired is not None or not self.alarm.quiet[-1]:
             return False
         self.last_quiet, self.last_quiet_step = trained_parameters(policy), step
         score = stats.get("ensemble_min", stats["score"])
         if self.mode == "keep_best" and score > self.best_score:
             self.best, self.best_score, self.best_step = self.last_quiet, score, step
         return False
-
-    def evidence(self, stats: dict[str, float]) -> bool:
-        """Whether an evaluation the alarm passed already shows its surprisal sign: the SFT model finds the responses
-        `surprisal_rise` nats a token or more more surprising than its own samples at step 0."""
-        return self.alarm.surprisal_rise_of(stats) >= self.alarm.surprisal_rise
 
     @property
     def in_distribution_std(self) -> float:
@@ -220,7 +214,7 @@ def periodic_eval(
     dist = plan.dist
     if dist.is_main:
         metrics = evaluate_now(models, run, plan, settings)
-        stop = guard.observe(step, metrics, models.policy)
+        stop = guard.observe(step, metrics, models.policy, last=step == run.cfg.num_updates)
         run.log(metrics, step)
         if run.on_eval is not None:
             try:

@@ -27,7 +27,9 @@ import pandas as pd
 from rlhf.config.estimators import ESTIMATORS, objective_label
 from rlhf.eval.overoptimisation import (
     DISTINCT_DROP,
+    CONFIRM,
     GOLD_FALL,
+    SURPRISAL_JUMP,
     SURPRISAL_RISE,
     OveroptimisationAlarm,
     alarm_inputs,
@@ -179,10 +181,10 @@ def signal_scores(evals: pd.DataFrame) -> dict[str, float]:
     return scores
 
 
-def kept_best_gold(evals: pd.DataFrame, alarm_step: int) -> float:
+def kept_best_gold(evals: pd.DataFrame, quiet: list[bool], alarm_step: int) -> float:
     """The gold of the policy `ppo.on_overoptimisation: keep_best` keeps (`alarm_kept.keep_best_index`: the
-    evaluation before the alarm, all of them where it never fires, with the best conservative score)."""
-    picked = keep_best_index(evals, alarm_step)
+    `quiet` evaluation before the alarm, all of them where it never fires, with the best conservative score)."""
+    picked = keep_best_index(evals, quiet, alarm_step)
     return float(evals[PERIODIC_GOLD].iloc[-1 if picked is None else picked])
 
 
@@ -210,7 +212,7 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
                 **identity,
                 "mode": run.params.get("ppo.on_overoptimisation", ""),  # '': logged before the setting
                 **replayed,
-                "gold_if_kept_best": kept_best_gold(evals, int(replayed["alarm_step"])),
+                "gold_if_kept_best": kept_best_gold(evals, replayed["quiet"], int(replayed["alarm_step"])),
                 **signal_scores(evals),
                 "eval_steps": evals["step"].tolist(),
                 "gold_curve": evals[PERIODIC_GOLD].tolist(),
@@ -338,13 +340,13 @@ def main(argv: list[str] | None = None) -> None:
         help="also print what each ppo.on_overoptimisation keeps of the runs trained to their end with warn, as "
         "markdown tables (rlhf.sweeps.alarm_kept), and draw their share of the best gain into this PNG file if named",
     )
-    parser.add_argument("--confirm", type=int, default=1, help="--kept's alarm: the rule holding this many in a row")
-    parser.add_argument(
-        "--evidence-rise",
-        type=float,
-        default=SURPRISAL_RISE,
-        help="--kept's stop: keep from before the surprisal rose this much (inf: from before the alarm alone)",
+    levers = parser.add_argument_group("--kept's levers: the alarm replayed with other settings than the shipped")
+    levers.add_argument("--confirm", type=int, help=f"the rule holding this many evaluations in a row ({CONFIRM})")
+    levers.add_argument("--evidence-rise", type=float, help=f"evidence: the surprisal risen this much ({SURPRISAL_RISE})")
+    levers.add_argument(
+        "--surprisal-jump", type=float, help=f"evidence: the surprisal rising this much per update ({SURPRISAL_JUMP})"
     )
+    levers.add_argument("--every", type=int, help="read every so many of the recorded evaluations (1)")
     parser.add_argument(
         "--shipped",
         metavar="WARN_FILTER",
@@ -372,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     if table.empty:
         print("no PPO run with periodic evaluations and a gold reward")
         return
-    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds", "alarm_inputs")
+    traces = ("reasons", "identity", "eval_steps", "gold_curve", "rule_holds", "alarm_inputs", "quiet")
     shown = [c for c in table.columns if c not in traces and not c.startswith(("signal: ", "per_eval: "))]
     with pd.option_context("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 40):
         print(table[shown].round(3).to_string(index=False))
@@ -405,7 +407,9 @@ def main(argv: list[str] | None = None) -> None:
             print(threshold_report(with_threshold(table, tuned["default"])).round(3).to_string())
     if args.kept is not None:
         title = f"{len(table)} runs ({args.half}), {', '.join(experiments)}"
-        print("\n".join(alarm_kept.report(table, args.kept, title, args.confirm, args.evidence_rise)))
+        chosen = {name: getattr(args, name) for name in ("confirm", "evidence_rise", "surprisal_jump", "every")}
+        lever = {name: value for name, value in chosen.items() if value is not None}
+        print("\n".join(alarm_kept.report(table, args.kept, title, lever)))
     if args.out:
         table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:

@@ -5,9 +5,8 @@ from the periodic evaluations of runs trained to their end with `warn` (`rlhf.sw
 For each such run (`alarm_check.alarm_table`'s rows) the gold of the policy each mode keeps:
 
 - `warn`: the last update's policy (the final periodic evaluation, which runs after the last update);
-- `stop`: the policy of the last periodic evaluation before the alarm and before the evidence behind it began (the
-  SFT model's surprisal at the responses risen SURPRISAL_RISE: `evidence_start`); the last update's where it never
-  fires;
+- `stop`: the policy of the last quiet periodic evaluation before the alarm (no rule, no evidence:
+  `rlhf.eval.overoptimisation.kept_index`); the last update's where it never fires;
 - `keep_best`: that mode's own pick, replayed as `rlhf.ppo.periodic_eval.EvalGuard` makes it (`keep_best_index`),
 
 set beside the run's best periodic gold and SFT's (the gold at update 0). A mode's **share of the best gain** on a
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import GOLD_FALL, SURPRISAL_RISE, surprisal_rises
+from rlhf.eval.overoptimisation import GOLD_FALL, kept_index, replay_alarm
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
 
 MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
@@ -33,21 +32,19 @@ NO_GAIN = 1e-9  # a best gain over SFT this small or smaller is none: the share 
 KEPT_COLUMNS = ["run", "task", "objective", "kl_coef", "seed", "half", "sft", "best"]
 
 
-def keep_best_index(evals: pd.DataFrame, alarm_step: int, evidence_rise: float = SURPRISAL_RISE) -> int | None:
+def keep_best_index(evals: pd.DataFrame, quiet: list[bool], alarm_step: int) -> int | None:
     """The row of `evals` (a run's periodic evaluations in step order) whose policy `ppo.on_overoptimisation:
     keep_best` makes final, replayed as `EvalGuard.observe` picks it: at every evaluation before the alarm (all of
-    them where it never fires, update 0's, the SFT policy's, among them) that shows no evidence (the reference's
-    surprisal risen `evidence_rise` above update 0's; inf: none does), its conservative score (the ensemble's
-    minimum where that evaluation logged one, the score otherwise) replaces the best so far only where it is strictly
-    higher (the first of equal scores stays; a NaN never wins). None where no evaluation was picked (then the guard
-    keeps the last update's policy)."""
+    them where it never fires, update 0's, the SFT policy's, among them) that is `quiet` (the replayed alarm's: no
+    rule, no evidence), its conservative score (the ensemble's minimum where that evaluation logged one, the score
+    otherwise) replaces the best so far only where it is strictly higher (the first of equal scores stays; a NaN never
+    wins). None where no evaluation was picked (then the guard keeps the last update's policy)."""
     best, best_score = None, float("-inf")
     minimum = f"{PERIODIC_EVAL}ensemble_min"
-    rises = surprisal_rises(evals).tolist()
     for i, row in enumerate(evals.to_dict("records")):
         if 0 <= alarm_step <= row["step"]:
             break
-        if rises[i] >= evidence_rise:  # NaN: no evidence
+        if not quiet[i]:
             continue
         value = row.get(minimum, float("nan"))
         score = value if value == value else row[PERIODIC_SCORE]
@@ -220,24 +217,13 @@ def kept_picture(kept: pd.DataFrame, path: Path, title: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def report(
-    table: pd.DataFrame,
-    picture: str | None,
-    title: str,
-    confirm: int = 1,
-    evidence_rise: float = SURPRISAL_RISE,
-) -> list[str]:
+def report(table: pd.DataFrame, picture: str | None, title: str, levers: dict[str, float] | None = None) -> list[str]:
     """The kept-policy tables of `alarm_check.alarm_table`'s runs as markdown lines (per run, then the summary), and
-    the picture where `picture` names a PNG file; with the levers of `with_lever` where they are not today's."""
+    the picture where `picture` names a PNG file; replayed under `with_lever`'s `levers` where any is given."""
     lever = ""
-    if confirm != 1 or evidence_rise != SURPRISAL_RISE:
-        table = with_lever(table, confirm, evidence_rise)
-        lever = f" (levers: the rule holding at {confirm} evaluations in a row, stop keeping the policy from before "
-        lever += (
-            f"the evidence began, a surprisal rise of {evidence_rise:g} nats)"
-            if evidence_rise < float("inf")
-            else "the alarm)"
-        )
+    if levers:
+        table = with_lever(table, **levers)
+        lever = " (replayed with " + ", ".join(f"{name} {value:g}" for name, value in levers.items()) + ")"
         title += "\n" + lever.strip()
     kept = kept_table(table)
     if kept.empty:
@@ -255,57 +241,26 @@ def report(
     return lines
 
 
-def confirmed_index(holds: list[bool], confirm: int = 1) -> int | None:
-    """The evaluation (its index; 0 is the SFT policy's) at which an alarm that needs the rule to hold at `confirm`
-    evaluations in a row fires, from `alarm_check.rule_trace`'s per-evaluation trace (None: it never does). With
-    `confirm` 1 it is today's alarm (without an ensemble's conditions, which the trace leaves out). An evaluation
-    right after the alarm that can take it back (the alarm stands only if the rule still holds there) fires where
-    `confirm` 2 does."""
-    streak = 0
-    for i, held in enumerate(holds):
-        streak = streak + 1 if held and i > 0 else 0
-        if streak >= confirm:
-            return i
-    return None
-
-
-def evidence_start(
-    holds: list[bool], rises: list[float], fired: int, confirm: int = 1, evidence_rise: float = SURPRISAL_RISE
-) -> int:
-    """Where the evidence behind an alarm fired at evaluation `fired` began: the first of the `confirm` evaluations
-    the rule held at, moved back over the evaluations just before it at which the reference's surprisal had already
-    risen `evidence_rise` or more above the SFT policy's (`rises`; at SURPRISAL_RISE, the surprisal condition without
-    its wait for the score to stall): a fast fall shows there before the score stalls and the rule may hold."""
-    start = fired - confirm + 1
-    while start - 1 >= 1 and (holds[start - 1] or rises[start - 1] >= evidence_rise):
-        start -= 1
-    return start
-
-
-def with_lever(table: pd.DataFrame, confirm: int = 1, evidence_rise: float = SURPRISAL_RISE) -> pd.DataFrame:
-    """`alarm_check.alarm_table`'s runs with the alarm and what `stop` and `keep_best` keep replayed under two levers
-    (docs/overoptimisation.md; the issue's item 2): the alarm fires once the rule has held at `confirm` evaluations
-    in a row (`confirmed_index`), and `stop` keeps the policy of the evaluation before the evidence began, the
-    reference's surprisal risen `evidence_rise` (`evidence_start`; SURPRISAL_RISE is `EvalGuard`'s, inf the alarm
-    alone, the rule before the guard kept from before the evidence); `keep_best` picks among the evaluations before
-    the same one that show no evidence. `alarm_step` (-1: none), `gold_if_stopped` and `gold_if_kept_best` replaced.
-    Each is a guard a run could keep live: it needs a copy of the policy at the last evaluation without evidence."""
+def with_lever(table: pd.DataFrame, every: int = 1, **levers: float) -> pd.DataFrame:
+    """`alarm_check.alarm_table`'s runs with the alarm and what `stop` and `keep_best` keep replayed under other
+    settings (docs/overoptimisation.md; the issue's item 2): `levers` are the alarm's (`replay_alarm`: `confirm`,
+    `evidence_rise`, `surprisal_jump`, ...), and `every` reads every so many of the recorded evaluations (and the
+    last), as a run evaluated that many times less often would have made them. `alarm_step` (-1: none),
+    `gold_if_stopped` and `gold_if_kept_best` replaced; the best gold stays the best over every recorded evaluation.
+    Each is a guard a run could keep live."""
     out = table.copy()
     alarms, stopped, best = [], [], []
     for _, row in out.iterrows():
-        holds, steps, gold = list(row["rule_holds"]), list(row["eval_steps"]), list(row["gold_curve"])
-        stats = pd.DataFrame(row["alarm_inputs"][0])
-        rises = surprisal_rises(stats, "ref_surprisal").fillna(float("-inf")).tolist()
-        fired = confirmed_index(holds, confirm)
-        cut = None
-        if fired is not None:
-            cut = (
-                fired if evidence_rise == float("inf") else evidence_start(holds, rises, fired, confirm, evidence_rise)
-            )
-        alarms.append(-1 if fired is None else int(steps[fired]))
-        stopped.append(gold[-1] if cut is None else gold[cut - 1])
+        rows, in_distribution_std = row["alarm_inputs"]
+        read = [i for i in range(len(rows)) if i % every == 0 or i == len(rows) - 1]
+        rows, gold = [rows[i] for i in read], [row["gold_curve"][i] for i in read]
+        alarm = replay_alarm(rows, in_distribution_std, **levers)
+        alarm_step = alarm.fired.step if alarm.fired else -1
+        alarms.append(alarm_step)
+        stopped.append(gold[kept_index(alarm)])
+        stats = pd.DataFrame(rows)
         evals = stats.rename(columns={c: f"{PERIODIC_EVAL}{c}" for c in stats.columns if c != "step"})
-        picked = keep_best_index(evals, -1 if cut is None else int(steps[cut]), evidence_rise)
+        picked = keep_best_index(evals, alarm.quiet, alarm_step)
         best.append(gold[-1] if picked is None else gold[picked])
     out["alarm_step"], out["gold_if_stopped"], out["gold_if_kept_best"] = alarms, stopped, best
     return out

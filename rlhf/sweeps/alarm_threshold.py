@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import SURPRISAL_RISE, OveroptimisationAlarm
+from rlhf.eval.overoptimisation import SURPRISAL_RISE, replay_alarm
 
 
 def alarm_step_at(inputs: tuple[list[dict[str, float]], float], threshold: float) -> int:
     """The update the alarm fires after on one run's evaluations (`alarm_inputs`' output) with the surprisal
     condition at `threshold` (-1: never)."""
-    stats, in_distribution_std = inputs
-    alarm = OveroptimisationAlarm(in_distribution_std, threshold)
-    for row in stats:
-        alarm.check(int(row["step"]), row)
+    alarm = replay_alarm(*inputs, surprisal_rise=threshold)
     return alarm.fired.step if alarm.fired else -1
 
 
