@@ -165,6 +165,8 @@ PERIODIC_EVALUATION = _group(
     ("periodic_eval/disagreement_ratio", "`periodic_eval/ensemble_std` over the members' std on held-out chosen "
      "responses (`reward_ensemble/disagreement_chosen`)"),
     ("periodic_eval/overoptimisation_alarm", "1 at the evaluation where the over-optimisation alarm fired, else 0"),
+    ("periodic_eval/overoptimisation_sign", "1 where the evaluation shows the alarm's rule (confirmed or not) or the "
+     "surprisal's evidence, so that `stop` and `keep_best` never keep its policy; 0 where it is quiet"),
 )
 
 DPO = _group(

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from rlhf.eval.overoptimisation import KL_DRIFT_FACTOR, SURPRISAL_RISE, OveroptimisationAlarm, alarm_inputs, replay
+from rlhf.eval.overoptimisation import (
+    CONFIRM,
+    KL_DRIFT_FACTOR,
+    SURPRISAL_JUMP,
+    SURPRISAL_RISE,
+    OveroptimisationAlarm,
+    alarm_inputs,
+    replay,
+)
 from rlhf.sweeps import alarm_check, alarm_threshold
 from rlhf.tracking.client import Tracker
 
@@ -71,8 +79,10 @@ def test_the_table_replays_the_alarm_and_what_each_setting_keeps(store):
     table = alarm_check.alarm_table(tracker, "rlhf-ppo", "grid").set_index("objective")
     assert sorted(table.index) == ["GRPO", "PPO"]  # the unfinished run and the filtered one are left out
     collapse, healthy = table.loc["GRPO"], table.loc["PPO"]
-    assert collapse["falls"] and collapse["fall_step"] == 40 and collapse["alarm_step"] == 30
-    assert collapse["gold_final"] == -0.5 and collapse["gold_if_stopped"] == 0.95  # update 20's policy
+    # the rule holds at 30 (the surprisal 1.5 nats up, the score stalled) and again at 40: confirmed there
+    assert collapse["falls"] and collapse["fall_step"] == 40 and collapse["alarm_step"] == 40
+    assert collapse["gold_final"] == -0.5 and collapse["gold_if_stopped"] == 0.95  # update 20's policy, not 30's
+    assert collapse["quiet"] == [True, True, True, False, False, False]
     assert collapse["gold_if_kept_best"] == 0.95  # the best score before the alarm: update 20's too
     assert not healthy["falls"] and healthy["alarm_step"] == -1
     assert healthy["gold_if_stopped"] == healthy["gold_final"] == 0.9
@@ -114,7 +124,7 @@ def test_the_command_prints_the_study_and_draws_the_roc(store, tmp_path, capsys)
     assert "runs whose gold falls 0.2 or more below its peak: 1, alarmed: 1" in printed
     assert (
         "healthy runs: 1, alarmed: 0" in printed
-        and "lead time (updates from the alarm to the gold's fall): [10]" in printed
+        and "lead time (updates from the alarm to the gold's fall): [0]" in printed
     )
     assert "keep_best" in printed and "near_identical_share (max)" in printed
     assert roc.stat().st_size > 10_000 and len(pd.read_csv(out)) == 2
@@ -168,12 +178,12 @@ def test_the_surprisal_threshold_keeps_every_fall_and_removes_the_false_alarms_i
     assert tuned["threshold"] == pytest.approx(1.55) and tuned["default"] == SURPRISAL_RISE
     assert (tuned["falls"], tuned["caught"], tuned["healthy"], tuned["false_alarms"]) == (2, 2, 3, 0)
     at_default = alarm_threshold.with_threshold(table, SURPRISAL_RISE)
-    assert at_default["alarm_step"].tolist() == [30, 30, 30, -1, -1]
+    assert at_default["alarm_step"].tolist() == [40, 40, 40, -1, -1]  # the rule from 30, confirmed at 40
     report = alarm_threshold.threshold_report(at_default)
     assert (report.loc["all", "alarmed"], report.loc["all", "false alarms"], report.loc["all", "late"]) == (2, 1, 0)
-    assert report.loc["GRPO", "leads"] == [10, 10]
+    assert report.loc["GRPO", "leads"] == [0, 0]
     assert report.loc["all", "gold with stop"] == pytest.approx((0.2 * 3 + 1.0 * 2) / 5)  # update 20's, or the last
-    assert alarm_threshold.with_threshold(table, 1.61)["alarm_step"].tolist() == [30, -1, -1, -1, -1]
+    assert alarm_threshold.with_threshold(table, 1.61)["alarm_step"].tolist() == [40, -1, -1, -1, -1]
 
 
 def _plateau_history(surprisal: list[float], kl: tuple[float, ...] = (0.0, 2.0, 5.0, 5.5, 6.0)) -> pd.DataFrame:
@@ -198,43 +208,52 @@ KL_RUNS_ON = (0.0, 2.0, 5.0, 9.0, 20.0)  # the score stalled from update 20 whil
 
 
 def test_replay_judges_a_logged_history_against_gold():
-    row = replay(_plateau_history([1.1, 1.3, 1.6, 2.5, 4.0]))
+    row = replay(_plateau_history([1.1, 1.3, 1.6, 2.5, 4.0]), confirm=1)
     assert (row["gold_peak"], row["peak_step"], row["gold_final"]) == (0.9, 20, 0.6)
     assert row["falls"] and row["fall_step"] == 40  # 0.6 <= 0.9 - 0.2
     # at 30 the SFT model finds the tokens 1.4 nats more surprising each than its own samples (1.1)
     assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
     assert "1.40 nats more surprising each than its own samples, 2.50 against 1.10 nats at step 0" in row["reasons"]
+    shipped = replay(_plateau_history([1.1, 1.3, 1.6, 2.5, 4.0]))  # the rule confirmed at 40, the same policy kept
+    assert shipped["alarm_step"] == 40 and shipped["gold_if_stopped"] == 0.9
+    assert "4.00 against 1.10" in shipped["reasons"]
 
 
 def test_each_condition_catches_its_own_kind_of_drift():
+    # each condition where it first holds (one evaluation, no confirmation)
     # the tokens stay as likely under the SFT model (a rise of 1.25 < 1.3) and the KL stops with the score: quiet
-    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.35]))["alarm_step"] == -1
-    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.45]))["alarm_step"] == 40  # a rise of 1.35: it fires
+    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.35]), confirm=1)["alarm_step"] == -1
+    # a rise of 1.35: it fires
+    assert replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 2.45]), confirm=1)["alarm_step"] == 40
     # the same tokens' surprisal while the KL runs on with the score stalled: the KL-drift condition fires at 30,
     # where KL 9 >= 1.5 * 5 + 1 = 8.5 and the score moved +0.01 < 5% of the 2.0 gained by update 20
-    row = replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 1.3], KL_RUNS_ON))
+    row = replay(_plateau_history([1.1, 1.0, 0.9, 1.2, 1.3], KL_RUNS_ON), confirm=1)
     assert row["alarm_step"] == 30 and "grew from 5.0 (update 20) to 9.0" in row["reasons"]
     # the surprisal waits for the score to stall: `make run`'s PPO passes through short answers the SFT model finds
     # 2 nats more surprising at update 10 while its score climbs, and recovers (gold -0.9 there, 0.91 at the end)
     transient = _plateau_history([1.04, 3.06, 3.15, 1.17, 1.05])
     transient["periodic_eval/score"] = [0.0, 1.71, 1.87, 1.9, 1.91]
-    assert replay(transient)["alarm_step"] == -1
+    assert replay(transient, confirm=1)["alarm_step"] == -1
     transient["periodic_eval/ref_surprisal"] = [1.04, 3.06, 3.15, 3.2, 3.3]  # still there once the score stalls
-    assert replay(transient)["alarm_step"] == 30
+    assert replay(transient, confirm=1)["alarm_step"] == 30
     # a run logged without the surprisal: that condition cannot hold, the others still can
     history = _plateau_history([float("nan")] * 5)
-    assert replay(history)["alarm_step"] == -1
+    assert replay(history, confirm=1)["alarm_step"] == -1
     history["periodic_eval/distinct_2"] = [0.5, 0.5, 0.5, 0.5, 0.1]
-    assert replay(history)["alarm_step"] == 40 and "distinct bigrams 0.10" in replay(history)["reasons"]
+    distinct = replay(history, confirm=1)
+    assert distinct["alarm_step"] == 40 and "distinct bigrams 0.10" in distinct["reasons"]
 
 
 def test_the_alarm_and_replay_apply_the_threshold_they_are_given():
     history = _plateau_history([1.1, 1.3, 1.6, 2.5, 4.0])
     assert OveroptimisationAlarm().surprisal_rise == SURPRISAL_RISE == 1.3
     assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
-    assert replay(history, 2.0)["alarm_step"] == 40 and "4.00 against 1.10" in replay(history, 2.0)["reasons"]
-    assert replay(history, 3.0)["alarm_step"] == -1  # 4.0 - 1.1 < 3
-    alarm = OveroptimisationAlarm(surprisal_rise=2.0)
+    shipped = OveroptimisationAlarm()
+    assert (shipped.confirm, shipped.surprisal_jump) == (CONFIRM, SURPRISAL_JUMP) == (2, 0.06)
+    at_two = replay(history, surprisal_rise=2.0, confirm=1)
+    assert at_two["alarm_step"] == 40 and "4.00 against 1.10" in at_two["reasons"]
+    assert replay(history, surprisal_rise=3.0)["alarm_step"] == -1  # 4.0 - 1.1 < 3
+    alarm = OveroptimisationAlarm(surprisal_rise=2.0, confirm=1)
     rows, _ = alarm_inputs(history)
     assert [alarm.check(int(row["step"]), row) is not None for row in rows] == [False, False, False, False, True]
 

@@ -15,11 +15,11 @@ from tests.conftest import REPO
 
 # evaluations at updates 0, 10, ..., 50: (score, gold, KL, the reference's surprisal in nats per token); distinct-2
 # stays at 0.3, so only the surprisal condition can fire (the KL never drifts 1.5 times past an earlier one)
-FALLS = [  # the score stalls from update 20; at 40 the surprisal is 1.5 nats above SFT's: the alarm fires at 40
+FALLS = [  # the score stalls from update 20; from 40 the surprisal is 1.5 nats above SFT's: the alarm fires at 50
     (-0.2, 0.1, 0.0, 1.0),
     (1.5, 0.6, 2.0, 1.1),
     (1.9, 0.9, 3.0, 1.2),  # the best score before the alarm: keep_best keeps this (gold 0.9, the run's best)
-    (1.88, 0.8, 3.2, 1.3),  # the last evaluation before the alarm: stop keeps this (gold 0.8)
+    (1.88, 0.8, 3.2, 1.3),  # the last quiet evaluation before the alarm: stop keeps this (gold 0.8)
     (1.92, 0.3, 3.4, 2.5),
     (1.93, -0.5, 3.5, 3.0),  # warn keeps the last update's (gold -0.5)
 ]
@@ -87,7 +87,7 @@ def test_each_mode_keeps_what_the_guard_would_have(store):
     kept = alarm_kept.kept_table(table).set_index("run")
     assert sorted(kept.index) == ["grid-falls/ppo", "grid-healthy/ppo", "grid-no-gain/ppo"]  # the stopped run left out
     falls, healthy, no_gain = kept.loc["grid-falls/ppo"], kept.loc["grid-healthy/ppo"], kept.loc["grid-no-gain/ppo"]
-    assert table.set_index("run").loc["grid-falls/ppo", "alarm_step"] == 40
+    assert table.set_index("run").loc["grid-falls/ppo", "alarm_step"] == 50  # the rule held at 40 and 50
     assert (falls["sft"], falls["best"]) == (0.1, 0.9)
     assert (falls["warn"], falls["stop"], falls["keep_best"]) == (-0.5, 0.8, 0.9)
     assert falls["warn share"] == pytest.approx((-0.5 - 0.1) / 0.8)  # -0.75
@@ -149,12 +149,14 @@ def test_keep_best_replays_the_guard():
         }
     )
     # the ensemble's minimum where logged (0.9 at 20 beats 0.5 at 10), the score where not (3.0 at 30)
-    assert alarm_kept.keep_best_index(evals, -1) == 3
-    assert alarm_kept.keep_best_index(evals, 30) == 2  # only the evaluations before the alarm
-    assert alarm_check.kept_best_gold(evals, 30) == 0.2
+    quiet = [True] * 5
+    assert alarm_kept.keep_best_index(evals, quiet, -1) == 3
+    assert alarm_kept.keep_best_index(evals, quiet, 30) == 2  # only the evaluations before the alarm
+    assert alarm_kept.keep_best_index(evals, [True, True, False, True, True], 30) == 1  # only the quiet ones
+    assert alarm_check.kept_best_gold(evals, quiet, 30) == 0.2
     single = evals.drop(columns="periodic_eval/ensemble_min")
     single["periodic_eval/score"] = [0.0, 2.0, 2.0, 1.0, 1.0]
-    assert alarm_kept.keep_best_index(single, -1) == 1  # equal scores: the first stays
+    assert alarm_kept.keep_best_index(single, quiet, -1) == 1  # equal scores: the first stays
 
 
 def test_the_command_prints_the_kept_tables_and_draws_them(store, tmp_path, capsys):
@@ -170,50 +172,39 @@ def test_the_command_prints_the_kept_tables_and_draws_them(store, tmp_path, caps
 
 
 def test_the_levers_replayed_on_the_recorded_evaluations(store):
-    assert alarm_kept.confirmed_index([False, True, False, True, True], 1) == 1
-    assert alarm_kept.confirmed_index([False, True, False, True, True], 2) == 4
-    assert alarm_kept.confirmed_index([False, True, False, True, True], 3) is None
-    assert alarm_kept.confirmed_index([True, True], 2) is None  # the SFT policy's evaluation is never evidence
     table = _tables(store).sort_values("run").reset_index(drop=True)
     falls = table["run"] == "grid-falls/ppo"
     assert table.loc[falls, "rule_holds"].iloc[0] == [False, False, False, False, True, True]
-    today = alarm_kept.with_lever(table)  # one evaluation, the policy before the evidence: the guard's, unchanged
+    shipped = alarm_kept.with_lever(table)  # the shipped settings: the replay alarm_table made, unchanged
     for column in ("alarm_step", "gold_if_stopped", "gold_if_kept_best"):
-        assert today[column].tolist() == table[column].tolist()
-    # two in a row, from before the alarm alone: it fires at 50; stop keeps update 40's (0.3), and so does keep_best
-    # (40's score, 1.92, is the best before 50: the gamed policy scores highest), or from before the evidence began
-    # 30's and 20's (0.8, 0.9)
-    later = alarm_kept.with_lever(table, confirm=2, evidence_rise=float("inf")).set_index("run").loc["grid-falls/ppo"]
-    assert (later["alarm_step"], later["gold_if_stopped"], later["gold_if_kept_best"]) == (50, 0.3, 0.3)
-    early = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-falls/ppo"]
-    assert (early["alarm_step"], early["gold_if_stopped"], early["gold_if_kept_best"]) == (50, 0.8, 0.9)
-    healthy = alarm_kept.with_lever(table, confirm=2).set_index("run").loc["grid-healthy/ppo"]
+        assert shipped[column].tolist() == table[column].tolist()
+    # the rule alone, unconfirmed: it fires at 40; stop keeps 30's policy (0.8), keep_best 20's (the best score)
+    once = alarm_kept.with_lever(table, confirm=1).set_index("run").loc["grid-falls/ppo"]
+    assert (once["alarm_step"], once["gold_if_stopped"], once["gold_if_kept_best"]) == (40, 0.8, 0.9)
+    # every other evaluation read (0, 20, 40 and the last, 50): the rule at 40 and 50, stop keeps 20's (0.9)
+    sparse = alarm_kept.with_lever(table, every=2).set_index("run").loc["grid-falls/ppo"]
+    assert (sparse["alarm_step"], sparse["gold_if_stopped"], sparse["gold_if_kept_best"]) == (50, 0.9, 0.9)
+    healthy = alarm_kept.with_lever(table, confirm=1).set_index("run").loc["grid-healthy/ppo"]
     assert (healthy["alarm_step"], healthy["gold_if_stopped"], healthy["gold_if_kept_best"]) == (-1, 0.9, 0.85)
-    lines = alarm_kept.report(table, None, "t", confirm=2)
-    assert (
-        "the rule holding at 2 evaluations in a row, stop keeping the policy from before the evidence" in lines[0]
-        and "| grid-falls/ppo " in lines[1]
-    )
+    lines = alarm_kept.report(table, None, "t", {"confirm": 1})
+    assert "(replayed with confirm 1)" in lines[0] and "| grid-falls/ppo " in lines[1]
 
 
-def test_the_evidence_begins_where_the_surprisal_rose_before_the_score_stalled():
-    # a fast fall: the surprisal 2 nats up at update 20 while the score still climbs (the rule waits), the rule holds
-    # from 30; gold 0.9 at 10, -0.2 from 20 on
-    holds = [False, False, False, True, True]
-    rises = [0.0, 0.1, 2.0, 2.1, 2.2]
-    assert alarm_kept.evidence_start(holds, rises, 3) == 2 and alarm_kept.evidence_start(holds, rises, 4, 2) == 2
-    assert alarm_kept.evidence_start(holds, [0.0] * 5, 4, 2) == 3  # without the early rise: the streak's first
-    stats = [{"step": 10 * i, "score": float(i), "ref_surprisal": 1.0 + r} for i, r in enumerate(rises)]
-    row = {"rule_holds": holds, "eval_steps": [0, 10, 20, 30, 40], "gold_curve": [0.0, 0.9, -0.2, -0.2, -0.2]}
+def test_a_fast_fall_shows_as_a_surprisal_jump_before_the_rule_holds():
+    """Evaluations every 5 updates: at 10 the reference's surprisal jumped 0.5 nats (0.1 an update, over
+    SURPRISAL_JUMP; 0.6 over step 0's, under the rule's 1.3) while the score still climbed and the gold had fallen;
+    the rule holds from 15 and fires at 20. With the jump as evidence stop keeps 5's policy (0.8); without it, 10's."""
+    score, kl, surprisal = [0.0, 1.0, 1.5, 1.5, 1.5], [0.0, 1.0, 2.0, 2.2, 2.3], [1.0, 1.1, 1.6, 2.6, 2.7]
+    stats = [
+        {"step": 5 * i, "score": s, "kl": k, "ref_surprisal": r, "distinct_2": 0.3}
+        for i, (s, k, r) in enumerate(zip(score, kl, surprisal, strict=True))
+    ]
+    row = {"eval_steps": [0, 5, 10, 15, 20], "gold_curve": [0.0, 0.8, -0.5, -0.9, -0.9]}
     table = pd.DataFrame([{**row, "alarm_inputs": (stats, 0.0)}])
-    alarm_alone = alarm_kept.with_lever(table, evidence_rise=float("inf")).iloc[0]
-    assert (alarm_alone["alarm_step"], alarm_alone["gold_if_stopped"], alarm_alone["gold_if_kept_best"]) == (
-        30,
-        -0.2,
-        -0.2,
-    )
-    back = alarm_kept.with_lever(table).iloc[0]  # the guard's: from before the evidence
-    assert (back["alarm_step"], back["gold_if_stopped"], back["gold_if_kept_best"]) == (30, 0.9, 0.9)
+    jump = alarm_kept.with_lever(table).iloc[0]
+    assert (jump["alarm_step"], jump["gold_if_stopped"], jump["gold_if_kept_best"]) == (20, 0.8, 0.8)
+    no_jump = alarm_kept.with_lever(table, surprisal_jump=float("inf")).iloc[0]
+    assert (no_jump["alarm_step"], no_jump["gold_if_stopped"], no_jump["gold_if_kept_best"]) == (20, -0.5, -0.5)
 
 
 def test_the_recorded_tables_of_the_docs_are_read_as_runs(tmp_path):

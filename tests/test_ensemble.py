@@ -117,12 +117,17 @@ def test_the_alarm_fires_on_a_planted_collapse_and_stays_quiet_on_a_healthy_run(
     healthy = [_signs(0.6), _signs(0.5), _signs(0.45), _signs(0.4)]
     alarm = OveroptimisationAlarm()
     assert [alarm.check(step, s) for step, s in enumerate(healthy)] == [None] * 4
-    collapsing = [_signs(0.6), _signs(0.5), _signs(0.2), _signs(0.1)]
+    collapsing = [_signs(0.6), _signs(0.5), _signs(0.2), _signs(0.1), _signs(0.1)]
     alarm = OveroptimisationAlarm()
     fired = [alarm.check(10 * step, s) for step, s in enumerate(collapsing)]
-    assert fired[:2] == [None, None] and fired[2].step == 20 and fired[3] is None  # it fires once
-    assert "distinct bigrams 0.20, SFT 0.60" in fired[2].reasons[0]
-    assert alarm.fired.step == 20
+    # the rule holds from 20 and fires where it held twice in a row, once
+    assert fired[:3] == [None, None, None] and fired[3].step == 30 and fired[4] is None
+    assert "distinct bigrams 0.10, SFT 0.60" in fired[3].reasons[0] and alarm.fired.step == 30
+    assert alarm.quiet == [True, True, False, False, False]  # 20's policy is never kept
+    taken_back = OveroptimisationAlarm()
+    checks = [_signs(0.6), _signs(0.2), _signs(0.5), _signs(0.2)]
+    assert [taken_back.check(10 * step, s) for step, s in enumerate(checks)] == [None] * 4
+    assert taken_back.check(40, _signs(0.1), last=True).step == 40  # the last evaluation: nothing takes it back
     repeating = OveroptimisationAlarm()
     repeating.check(0, _signs(repetition=0.05))
     # repeated bigrams are logged, not a condition: longer healthy reviews repeat `the ... was` (docs)
@@ -130,13 +135,13 @@ def test_the_alarm_fires_on_a_planted_collapse_and_stays_quiet_on_a_healthy_run(
 
 
 def test_the_ensemble_conditions():
-    alarm = OveroptimisationAlarm(in_distribution_std=0.2)
+    alarm = OveroptimisationAlarm(in_distribution_std=0.2, confirm=1)  # each condition where it first holds
     assert alarm.check(0, _signs(ratio=1.2, mean=0.0, minimum=-0.2)) is None
     assert alarm.check(10, _signs(ratio=1.5, mean=0.5, minimum=0.3)) is None
     # the mean rose (0.5 -> 0.9) while the min fell 0.3 -> 0.1: 1 in-distribution std, over CONSERVATIVE_FALL
     fired = alarm.check(20, _signs(ratio=1.5, mean=0.9, minimum=0.1))
     assert fired.reasons == ["the ensemble's worst score fell 1.0 held-out stds while its mean rose"]
-    disagreeing = OveroptimisationAlarm(in_distribution_std=0.2)
+    disagreeing = OveroptimisationAlarm(in_distribution_std=0.2, confirm=1)
     disagreeing.check(0, _signs(ratio=1.0, mean=0.0, minimum=-0.2))
     limit = overoptimisation.DISAGREEMENT_RATIO
     assert disagreeing.check(10, _signs(ratio=limit - 0.1, mean=0.2, minimum=0.0)) is None
@@ -158,7 +163,7 @@ def test_stop_and_keep_best_keep_the_right_parameters():
             policy.w.data.fill_(step)  # the policy "at" step
             metrics = {f"periodic_eval/{k}": v for k, v in _signs(0.1 if step == 30 else 0.6).items()}
             metrics["periodic_eval/score"] = score
-            stopped.append(guard.observe(step, metrics, policy))
+            stopped.append(guard.observe(step, metrics, policy, last=step == 30))  # the run's last: fires alone
             assert metrics["periodic_eval/overoptimisation_alarm"] == float(step == 30)
         assert stopped == [False, False, False, mode == "stop"]
         kept = guard.kept()

@@ -372,12 +372,18 @@ def test_the_alarm_fires_on_a_planted_reward_and_picks_the_policy(mode, uninterr
     if mode == "warn":
         assert kept == -1 and max(updates) == 12
         assert summary["eval/overoptimisation_flag"] == 1.0, "the evaluation stage's check of the final policy agrees"
-    elif mode == "stop":
-        assert kept == alarm - 2 and max(updates) == alarm, "stopped at the alarm, the evaluation before it kept"
+        return
+    signs = {
+        m.step: m.value for m in client.get_metric_history(ppo_run.info.run_id, "periodic_eval/overoptimisation_sign")
+    }
+    quiet = [step for step, sign in signs.items() if step < alarm and sign == 0]
+    assert signs[alarm] == 1 and 0 in quiet, "the alarm's evaluation shows its sign; the SFT policy's is quiet"
+    if mode == "stop":
+        assert kept == max(quiet) and max(updates) == alarm, "stopped at the alarm, the last quiet evaluation kept"
     else:
-        assert 0 <= kept < alarm and max(updates) == 12, "trained on, an evaluation before the alarm kept"
+        assert kept in quiet and max(updates) == 12, "trained on, a quiet evaluation before the alarm kept"
         scores = {m.step: m.value for m in client.get_metric_history(ppo_run.info.run_id, "periodic_eval/score")}
-        assert scores[kept] == max(v for s, v in scores.items() if s < alarm)
+        assert scores[kept] == max(scores[step] for step in quiet)
 
 
 @pytest.mark.parametrize(

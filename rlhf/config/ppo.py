@@ -227,11 +227,12 @@ class PPOConfig(Section):
         "stop",
         description="What the over-optimisation alarm (checked at every periodic evaluation; docs/overoptimisation.md) "
         "does when it fires, besides its WARNING line, run tag and evaluation row: 'stop' (the default: the stage "
-        "ends, its final policy that of the last evaluation before the alarm and before its first sign, the SFT "
-        "model's surprisal at the responses risen 1.3 nats; docs/overoptimisation.md gives what it keeps per "
-        "estimator), 'warn' (training goes on to the last update, whose policy is final) or 'keep_best' (training "
-        "goes on and the final policy is that of the evaluation with the best conservative score among the same "
-        "ones). It acts at the periodic evaluations (eval_every); 'keep_best' with eval_every 0 is refused.",
+        "ends, its final policy that of the last quiet evaluation before the alarm: the rule not holding and the SFT "
+        "model's surprisal at the responses neither risen 1.3 nats nor jumping; docs/overoptimisation.md gives what "
+        "it keeps per estimator), 'warn' (training goes on to the last update, whose policy is final) or "
+        "'keep_best' (training goes on and the final policy is that of the evaluation with the best conservative "
+        "score among the same ones). It acts at the periodic evaluations (eval_every); 'keep_best' with eval_every 0 "
+        "is refused.",
     )
 
     @model_validator(mode="before")
@@ -320,7 +321,7 @@ class PPOConfig(Section):
         if self.on_overoptimisation == "keep_best" and self.eval_every == 0:
             raise ValueError(
                 "ppo.on_overoptimisation 'keep_best' picks among the periodic evaluations, and ppo.eval_every is 0: "
-                "set ppo.eval_every (e.g. 10), or ppo.on_overoptimisation: stop (the default) or warn"
+                "set ppo.eval_every (e.g. 5), or ppo.on_overoptimisation: stop (the default) or warn"
             )
         return self
 

@@ -269,7 +269,9 @@ def alarm_inputs(history: pd.DataFrame) -> tuple[list[dict[str, float]], float]:
     return [{k: v for k, v in row.items() if v == v} for row in rows], in_distribution_std
 
 
-def replay_alarm(stats: list[dict[str, float]], in_distribution_std: float = 0.0, **levers: float) -> OveroptimisationAlarm:
+def replay_alarm(
+    stats: list[dict[str, float]], in_distribution_std: float = 0.0, **levers: float
+) -> OveroptimisationAlarm:
     """The periodic alarm fed one run's evaluations (`alarm_inputs`' stats, in step order), as `EvalGuard` feeds
     it, the last marked last; `levers`: the alarm's settings to replay other than the shipped ones (`confirm`,
     `surprisal_rise`, `surprisal_jump`, `evidence_rise`, `kl_drift_factor`)."""

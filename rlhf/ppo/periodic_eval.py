@@ -88,6 +88,7 @@ def evaluate_now(
 
 
 ALARM_KEY = "periodic_eval/overoptimisation_alarm"  # 1 at the evaluation where the alarm fired, else 0
+SIGN_KEY = "periodic_eval/overoptimisation_sign"  # 1 where the evaluation is not quiet (its policy is never kept)
 
 
 def alarm_stats(metrics: dict[str, float]) -> dict[str, float]:
@@ -118,6 +119,7 @@ class EvalGuard:
         stats = alarm_stats(metrics)
         fired = self.alarm.check(step, stats, last)
         metrics[ALARM_KEY] = float(fired is not None)
+        metrics[SIGN_KEY] = float(not self.alarm.quiet[-1])
         if fired is not None:
             print(f"WARNING: {fired.sentence()}", flush=True)
             return self.mode == "stop"

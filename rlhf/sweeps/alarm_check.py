@@ -26,8 +26,8 @@ import pandas as pd
 
 from rlhf.config.estimators import ESTIMATORS, objective_label
 from rlhf.eval.overoptimisation import (
-    DISTINCT_DROP,
     CONFIRM,
+    DISTINCT_DROP,
     GOLD_FALL,
     SURPRISAL_JUMP,
     SURPRISAL_RISE,
@@ -342,7 +342,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     levers = parser.add_argument_group("--kept's levers: the alarm replayed with other settings than the shipped")
     levers.add_argument("--confirm", type=int, help=f"the rule holding this many evaluations in a row ({CONFIRM})")
-    levers.add_argument("--evidence-rise", type=float, help=f"evidence: the surprisal risen this much ({SURPRISAL_RISE})")
+    levers.add_argument(
+        "--evidence-rise", type=float, help=f"evidence: the surprisal risen this much ({SURPRISAL_RISE})"
+    )
     levers.add_argument(
         "--surprisal-jump", type=float, help=f"evidence: the surprisal rising this much per update ({SURPRISAL_JUMP})"
     )

@@ -15,34 +15,25 @@ from __future__ import annotations
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import SURPRISAL_RISE, replay_alarm
-
-
-def alarm_step_at(inputs: tuple[list[dict[str, float]], float], threshold: float) -> int:
-    """The update the alarm fires after on one run's evaluations (`alarm_inputs`' output) with the surprisal
-    condition at `threshold` (-1: never)."""
-    alarm = replay_alarm(*inputs, surprisal_rise=threshold)
-    return alarm.fired.step if alarm.fired else -1
+from rlhf.eval.overoptimisation import SURPRISAL_RISE, kept_index, replay_alarm
 
 
 def with_threshold(table: pd.DataFrame, threshold: float) -> pd.DataFrame:
     """`table` (`alarm_check.alarm_table`'s, with `alarm_inputs`) with each run's alarm at `threshold`:
-    `surprisal_rise`, `alarm_step`, `gold_at_alarm`, `gold_if_stopped` (the gold of the evaluation before the alarm,
-    the last where there is none), `lead` (updates from the alarm to the first evaluation GOLD_FALL below the peak so
-    far) and `late` (the alarm came after that evaluation), the last two for runs whose gold falls."""
+    `surprisal_rise`, `alarm_step` (-1: none), `gold_at_alarm`, `gold_if_stopped` (the gold of the policy `stop`
+    keeps, `kept_index`), `lead` (updates from the alarm to the first evaluation GOLD_FALL below the peak so far) and
+    `late` (the alarm came after that evaluation), the last two for runs whose gold falls."""
     out = table.copy()
     out["surprisal_rise"] = threshold
-    out["alarm_step"] = [alarm_step_at(inputs, threshold) for inputs in out["alarm_inputs"]]
-
-    def gold(row: pd.Series, before: bool) -> float:
-        steps, curve = row["eval_steps"], row["gold_curve"]
-        if row["alarm_step"] < 0:
-            return float(curve[-1]) if before else float("nan")
-        i = steps.index(row["alarm_step"])
-        return float(curve[i - 1] if before else curve[i])
-
-    out["gold_at_alarm"] = out.apply(gold, axis=1, before=False)
-    out["gold_if_stopped"] = out.apply(gold, axis=1, before=True)
+    alarms = [replay_alarm(*inputs, surprisal_rise=threshold) for inputs in out["alarm_inputs"]]
+    out["alarm_step"] = [alarm.fired.step if alarm.fired else -1 for alarm in alarms]
+    out["gold_at_alarm"] = [
+        float(curve[steps.index(alarm.fired.step)]) if alarm.fired else float("nan")
+        for alarm, steps, curve in zip(alarms, out["eval_steps"], out["gold_curve"], strict=True)
+    ]
+    out["gold_if_stopped"] = [
+        float(curve[kept_index(alarm)]) for alarm, curve in zip(alarms, out["gold_curve"], strict=True)
+    ]
     caught = out["falls"].astype(bool) & (out["alarm_step"] >= 0) & (out["alarm_step"] < out["last_step"])
     out["lead"] = (out["fall_step"] - out["alarm_step"]).where(caught)
     out["late"] = caught & (out["alarm_step"] > out["fall_step"])
