@@ -205,6 +205,9 @@ def test_a_fast_fall_shows_as_a_surprisal_jump_before_the_rule_holds():
     assert (jump["alarm_step"], jump["gold_if_stopped"], jump["gold_if_kept_best"]) == (20, 0.8, 0.8)
     no_jump = alarm_kept.with_lever(table, surprisal_jump=float("inf")).iloc[0]
     assert (no_jump["alarm_step"], no_jump["gold_if_stopped"], no_jump["gold_if_kept_best"]) == (20, -0.5, -0.5)
+    # the jump measured against the KL gained with it (0.5 nats of surprisal for 1 nat of KL at 10)
+    assert alarm_kept.with_lever(table, jump_per_kl=0.5).iloc[0]["gold_if_stopped"] == 0.8
+    assert alarm_kept.with_lever(table, jump_per_kl=0.6).iloc[0]["gold_if_stopped"] == -0.5
 
 
 def test_the_recorded_tables_of_the_docs_are_read_as_runs(tmp_path):

@@ -141,6 +141,9 @@ class OveroptimisationAlarm:
     # evaluation where it holds once and not at the next is taken back, and its policy is never kept (`quiet`)
     confirm: int = CONFIRM
     surprisal_jump: float = SURPRISAL_JUMP  # nats per token per update since the previous evaluation: evidence
+    # a jump counts only where the surprisal also rose this many nats a token per nat of KL gained since the previous
+    # evaluation (0: off; a lever `alarm_check --jump-per-kl` replays, not shipped)
+    jump_per_kl: float = 0.0
     evidence_rise: float = SURPRISAL_RISE  # nats per token above the baseline's: evidence
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
@@ -229,7 +232,11 @@ class OveroptimisationAlarm:
         if not self.surprisals or "ref_surprisal" not in stats:
             return False
         before, surprisal = self.surprisals[-1]
-        return stats["ref_surprisal"] - surprisal >= self.surprisal_jump * max(step - before, 1)
+        jump = stats["ref_surprisal"] - surprisal
+        if jump < self.surprisal_jump * max(step - before, 1):
+            return False
+        kl_gained = stats["kl"] - self.points[-1][2] if "kl" in stats and self.points else 0.0
+        return jump >= self.jump_per_kl * max(kl_gained, 0.0)
 
     def check(self, step: int, stats: dict[str, float], last: bool = False) -> Alarm | None:
         """Take the evaluation after `step` updates (`last`: the run's last, which nothing can take back); the

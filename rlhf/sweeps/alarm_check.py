@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
     levers.add_argument(
         "--surprisal-jump", type=float, help=f"evidence: the surprisal rising this much per update ({SURPRISAL_JUMP})"
     )
+    levers.add_argument(
+        "--jump-per-kl", type=float, help="a jump counts only where the surprisal rose this much per nat of KL (0)"
+    )
     levers.add_argument("--every", type=int, help="read every so many of the recorded evaluations (1)")
     parser.add_argument(
         "--shipped",
@@ -409,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
             print(threshold_report(with_threshold(table, tuned["default"])).round(3).to_string())
     if args.kept is not None:
         title = f"{len(table)} runs ({args.half}), {', '.join(experiments)}"
-        chosen = {name: getattr(args, name) for name in ("confirm", "evidence_rise", "surprisal_jump", "every")}
+        names = ("confirm", "evidence_rise", "surprisal_jump", "jump_per_kl", "every")
+        chosen = {name: getattr(args, name) for name in names}
         lever = {name: value for name, value in chosen.items() if value is not None}
         print("\n".join(alarm_kept.report(table, args.kept, title, lever)))
     if args.out:
