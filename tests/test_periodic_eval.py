@@ -28,7 +28,7 @@ EVAL_KEYS = {
 EVAL_KEYS |= {"periodic_eval/distinct_2", "periodic_eval/identical_share", "periodic_eval/repetition"}
 EVAL_KEYS |= {"periodic_eval/score_std", "periodic_eval/near_identical_share"}  # logged for the alarm's study
 EVAL_KEYS |= {"periodic_eval/ref_surprisal"}
-EVAL_KEYS |= {"periodic_eval/overoptimisation_alarm"}
+EVAL_KEYS |= {"periodic_eval/overoptimisation_alarm", "periodic_eval/overoptimisation_sign"}
 PROMPTS = sorted({d.prompt for d in synthetic.demonstrations(200, seed=0)})
 HELD_OUT = sorted({d.prompt for d in synthetic.demonstrations(50, seed=1)})[:12]
 

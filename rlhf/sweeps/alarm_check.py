@@ -26,10 +26,8 @@ import pandas as pd
 
 from rlhf.config.estimators import ESTIMATORS, objective_label
 from rlhf.eval.overoptimisation import (
-    CONFIRM,
     DISTINCT_DROP,
     GOLD_FALL,
-    SURPRISAL_JUMP,
     SURPRISAL_RISE,
     OveroptimisationAlarm,
     alarm_inputs,
@@ -340,18 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         help="also print what each ppo.on_overoptimisation keeps of the runs trained to their end with warn, as "
         "markdown tables (rlhf.sweeps.alarm_kept), and draw their share of the best gain into this PNG file if named",
     )
-    levers = parser.add_argument_group("--kept's levers: the alarm replayed with other settings than the shipped")
-    levers.add_argument("--confirm", type=int, help=f"the rule holding this many evaluations in a row ({CONFIRM})")
-    levers.add_argument(
-        "--evidence-rise", type=float, help=f"evidence: the surprisal risen this much ({SURPRISAL_RISE})"
-    )
-    levers.add_argument(
-        "--surprisal-jump", type=float, help=f"evidence: the surprisal rising this much per update ({SURPRISAL_JUMP})"
-    )
-    levers.add_argument(
-        "--jump-per-kl", type=float, help="a jump counts only where the surprisal rose this much per nat of KL (0)"
-    )
-    levers.add_argument("--every", type=int, help="read every so many of the recorded evaluations (1)")
+    alarm_kept.add_lever_arguments(parser)
     parser.add_argument(
         "--shipped",
         metavar="WARN_FILTER",
@@ -412,10 +399,7 @@ def main(argv: list[str] | None = None) -> None:
             print(threshold_report(with_threshold(table, tuned["default"])).round(3).to_string())
     if args.kept is not None:
         title = f"{len(table)} runs ({args.half}), {', '.join(experiments)}"
-        names = ("confirm", "evidence_rise", "surprisal_jump", "jump_per_kl", "every")
-        chosen = {name: getattr(args, name) for name in names}
-        lever = {name: value for name, value in chosen.items() if value is not None}
-        print("\n".join(alarm_kept.report(table, args.kept, title, lever)))
+        print("\n".join(alarm_kept.report(table, args.kept, title, alarm_kept.given_levers(args))))
     if args.out:
         table.drop(columns=["alarm_inputs"]).to_csv(args.out, index=False)
     if args.roc:

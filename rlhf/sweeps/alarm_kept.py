@@ -20,11 +20,12 @@ GOLD_FALL (0.2) or more below the run's best.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import GOLD_FALL, kept_index, replay_alarm
+from rlhf.eval.overoptimisation import CONFIRM, GOLD_FALL, SURPRISAL_JUMP, SURPRISAL_RISE, kept_index, replay_alarm
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
 
 MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
@@ -241,6 +242,30 @@ def report(table: pd.DataFrame, picture: str | None, title: str, levers: dict[st
     return lines
 
 
+LEVERS = ("confirm", "evidence_rise", "surprisal_jump", "jump_per_kl", "every")  # `with_lever`'s, as CLI options
+
+
+def add_lever_arguments(parser: argparse.ArgumentParser) -> None:
+    """`alarm_check --kept`'s levers (`with_lever`), each left out where not given (the shipped setting)."""
+    levers = parser.add_argument_group("--kept's levers: the alarm replayed with other settings than the shipped")
+    levers.add_argument("--confirm", type=int, help=f"the rule holding this many evaluations in a row ({CONFIRM})")
+    levers.add_argument(
+        "--evidence-rise", type=float, help=f"evidence: the surprisal risen this much ({SURPRISAL_RISE})"
+    )
+    levers.add_argument(
+        "--surprisal-jump", type=float, help=f"evidence: the surprisal's rise per update ({SURPRISAL_JUMP})"
+    )
+    levers.add_argument(
+        "--jump-per-kl", type=float, help="a jump counts only where the surprisal rose this much per KL nat"
+    )
+    levers.add_argument("--every", type=int, help="read every so many of the recorded evaluations (1)")
+
+
+def given_levers(args: argparse.Namespace) -> dict[str, float]:
+    """The levers `add_lever_arguments` parsed that were given."""
+    return {name: getattr(args, name) for name in LEVERS if getattr(args, name) is not None}
+
+
 def with_lever(table: pd.DataFrame, every: int = 1, **levers: float) -> pd.DataFrame:
     """`alarm_check.alarm_table`'s runs with the alarm and what `stop` and `keep_best` keep replayed under other
     settings (docs/overoptimisation.md; the issue's item 2): `levers` are the alarm's (`replay_alarm`: `confirm`,
@@ -304,7 +329,6 @@ def recorded_runs(path: Path) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> None:
     """`python -m rlhf.sweeps.alarm_kept docs/alarm-grid.md [--half held-out] [--picture PNG]`: the kept shares of
     the runs a recorded table lists (`recorded_runs`), as markdown."""
-    import argparse
 
     parser = argparse.ArgumentParser(description="what each alarm setting keeps, from a recorded per-run table")
     parser.add_argument("table", type=Path)
