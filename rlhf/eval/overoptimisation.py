@@ -154,7 +154,7 @@ class OveroptimisationAlarm:
     # per evaluation: whether it shows neither the rule nor its evidence (`evidence`), so that its policy may be kept
     quiet: list[bool] = field(default_factory=list)
     streak: int = 0  # the evaluations in a row, up to the last, at which the rule held
-    surprisals: list[tuple[int, float]] = field(default_factory=list)  # (step, ref_surprisal) of each evaluation
+    previous: tuple[int, dict[str, float]] | None = None  # the step and stats of the last evaluation checked
 
     def reasons(self, stats: dict[str, float]) -> list[str]:
         """The conditions `stats` (an evaluation's `response_stats` and `ensemble_stats`) meet against the baseline."""
@@ -229,13 +229,13 @@ class OveroptimisationAlarm:
         falls fast often shows one of them an evaluation before the rule holds."""
         if self.surprisal_rise_of(stats) >= self.evidence_rise:
             return True
-        if not self.surprisals or "ref_surprisal" not in stats:
+        if self.previous is None or "ref_surprisal" not in stats or "ref_surprisal" not in self.previous[1]:
             return False
-        before, surprisal = self.surprisals[-1]
-        jump = stats["ref_surprisal"] - surprisal
+        before, earlier = self.previous
+        jump = stats["ref_surprisal"] - earlier["ref_surprisal"]
         if jump < self.surprisal_jump * max(step - before, 1):
             return False
-        kl_gained = stats["kl"] - self.points[-1][2] if "kl" in stats and self.points else 0.0
+        kl_gained = stats["kl"] - earlier["kl"] if "kl" in stats and "kl" in earlier else 0.0
         return jump >= self.jump_per_kl * max(kl_gained, 0.0)
 
     def check(self, step: int, stats: dict[str, float], last: bool = False) -> Alarm | None:
@@ -250,8 +250,7 @@ class OveroptimisationAlarm:
         self.history.append((step, found))
         if "kl" in stats:
             self.points.append((step, stats["score"], stats["kl"]))
-        if "ref_surprisal" in stats:
-            self.surprisals.append((step, stats["ref_surprisal"]))
+        self.previous = (step, stats)
         self.streak = self.streak + 1 if found else 0
         if found and (self.streak >= self.confirm or last) and self.fired is None:
             self.fired = Alarm(step, found, self.verified)
