@@ -8,6 +8,7 @@ import pytest
 
 from rlhf.eval.overoptimisation import (
     CONFIRM,
+    JUMP_PER_KL,
     KL_DRIFT_FACTOR,
     SURPRISAL_JUMP,
     SURPRISAL_RISE,
@@ -23,7 +24,7 @@ from rlhf.tracking.client import Tracker
 COLLAPSE = [
     (-0.2, 0.0, 0.0, 0.30, 0.00, 1.0, None, 1.0),
     (1.5, 0.8, 3.0, 0.28, 0.05, 0.6, 0.95, 1.2),
-    (1.9, 0.95, 5.0, 0.25, 0.10, 0.4, 0.9, 1.5),
+    (1.9, 0.95, 5.0, 0.25, 0.10, 0.4, 0.9, 1.3),
     (1.91, 0.9, 9.0, 0.20, 0.60, 0.2, 0.6, 2.5),  # the tokens 1.5 nats more surprising than SFT's: it fires (30)
     (1.92, 0.5, 14.0, 0.15, 0.90, 0.1, 0.4, 4.0),  # gold 0.45 below its peak: the fall (40)
     (1.93, -0.5, 20.0, 0.08, 1.00, 0.05, 0.26, 6.0),
@@ -208,13 +209,13 @@ KL_RUNS_ON = (0.0, 2.0, 5.0, 9.0, 20.0)  # the score stalled from update 20 whil
 
 
 def test_replay_judges_a_logged_history_against_gold():
-    row = replay(_plateau_history([1.1, 1.3, 1.6, 2.5, 4.0]), confirm=1)
+    row = replay(_plateau_history([1.1, 1.2, 1.3, 2.5, 4.0]), confirm=1)
     assert (row["gold_peak"], row["peak_step"], row["gold_final"]) == (0.9, 20, 0.6)
     assert row["falls"] and row["fall_step"] == 40  # 0.6 <= 0.9 - 0.2
     # at 30 the SFT model finds the tokens 1.4 nats more surprising each than its own samples (1.1)
     assert row["alarm_step"] == 30 and row["gold_at_alarm"] == 0.8 and row["gold_if_stopped"] == 0.9
     assert "1.40 nats more surprising each than its own samples, 2.50 against 1.10 nats at step 0" in row["reasons"]
-    shipped = replay(_plateau_history([1.1, 1.3, 1.6, 2.5, 4.0]))  # the rule confirmed at 40, the same policy kept
+    shipped = replay(_plateau_history([1.1, 1.2, 1.3, 2.5, 4.0]))  # the rule confirmed at 40, the same policy kept
     assert shipped["alarm_step"] == 40 and shipped["gold_if_stopped"] == 0.9
     assert "4.00 against 1.10" in shipped["reasons"]
 
@@ -245,11 +246,12 @@ def test_each_condition_catches_its_own_kind_of_drift():
 
 
 def test_the_alarm_and_replay_apply_the_threshold_they_are_given():
-    history = _plateau_history([1.1, 1.3, 1.6, 2.5, 4.0])
+    history = _plateau_history([1.1, 1.2, 1.3, 2.5, 4.0])
     assert OveroptimisationAlarm().surprisal_rise == SURPRISAL_RISE == 1.3
     assert OveroptimisationAlarm().kl_drift_factor == KL_DRIFT_FACTOR == 1.5
     shipped = OveroptimisationAlarm()
-    assert (shipped.confirm, shipped.surprisal_jump) == (CONFIRM, SURPRISAL_JUMP) == (2, 0.06)
+    shipped_levers = (shipped.confirm, shipped.surprisal_jump, shipped.jump_per_kl)
+    assert shipped_levers == (CONFIRM, SURPRISAL_JUMP, JUMP_PER_KL) == (2, 0.02, 0.06)
     at_two = replay(history, surprisal_rise=2.0, confirm=1)
     assert at_two["alarm_step"] == 40 and "4.00 against 1.10" in at_two["reasons"]
     assert replay(history, surprisal_rise=3.0)["alarm_step"] == -1  # 4.0 - 1.1 < 3

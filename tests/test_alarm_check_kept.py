@@ -192,9 +192,10 @@ def test_the_levers_replayed_on_the_recorded_evaluations(store):
 
 def test_a_fast_fall_shows_as_a_surprisal_jump_before_the_rule_holds():
     """Evaluations every 5 updates: at 10 the reference's surprisal jumped 0.5 nats (0.1 an update, over
-    SURPRISAL_JUMP; 0.6 over step 0's, under the rule's 1.3) while the score still climbed and the gold had fallen;
-    the rule holds from 15 and fires at 20. With the jump as evidence stop keeps 5's policy (0.8); without it, 10's."""
-    score, kl, surprisal = [0.0, 1.0, 1.5, 1.5, 1.5], [0.0, 1.0, 2.0, 2.2, 2.3], [1.0, 1.1, 1.6, 2.6, 2.7]
+    SURPRISAL_JUMP; 0.5 a nat of the KL gained, over JUMP_PER_KL; 0.55 over step 0's, under the rule's 1.3) while the
+    score still climbed and the gold had fallen; the rule holds from 15 and fires at 20. With the jump as evidence stop
+    keeps 5's policy (0.8); without it, 10's."""
+    score, kl, surprisal = [0.0, 1.0, 1.5, 1.5, 1.5], [0.0, 1.0, 2.0, 2.2, 2.3], [1.0, 1.05, 1.55, 2.55, 2.65]
     stats = [
         {"step": 5 * i, "score": s, "kl": k, "ref_surprisal": r, "distinct_2": 0.3}
         for i, (s, k, r) in enumerate(zip(score, kl, surprisal, strict=True))
@@ -208,6 +209,23 @@ def test_a_fast_fall_shows_as_a_surprisal_jump_before_the_rule_holds():
     # the jump measured against the KL gained with it (0.5 nats of surprisal for 1 nat of KL at 10)
     assert alarm_kept.with_lever(table, jump_per_kl=0.5).iloc[0]["gold_if_stopped"] == 0.8
     assert alarm_kept.with_lever(table, jump_per_kl=0.6).iloc[0]["gold_if_stopped"] == -0.5
+
+
+def test_a_surprisal_climb_paid_for_in_kl_is_not_evidence():
+    """A healthy policy that lengthens its responses: the reference's surprisal climbs 0.4 nats every 5 updates
+    (0.08 an update, over SURPRISAL_JUMP) while the KL grows 8 nats (0.05 nats of surprisal a nat, under JUMP_PER_KL)
+    and the gold rises; the rule holds at the last evaluation (a KL drift), which fires alone, and stop keeps 15's
+    policy, the last before it, where a jump counted without the KL would keep the SFT policy (step 0's)."""
+    score, kl, surprisal = [0.0, 1.0, 1.5, 1.52, 1.53], [0.0, 8.0, 16.0, 24.0, 40.0], [1.0, 1.4, 1.8, 2.2, 2.25]
+    stats = [
+        {"step": 5 * i, "score": s, "kl": k, "ref_surprisal": r, "distinct_2": 0.3}
+        for i, (s, k, r) in enumerate(zip(score, kl, surprisal, strict=True))
+    ]
+    row = {"eval_steps": [0, 5, 10, 15, 20], "gold_curve": [0.0, 0.3, 0.6, 0.7, 0.4]}
+    table = pd.DataFrame([{**row, "alarm_inputs": (stats, 0.0)}])
+    shipped = alarm_kept.with_lever(table).iloc[0]
+    assert (shipped["alarm_step"], shipped["gold_if_stopped"]) == (20, 0.7)
+    assert alarm_kept.with_lever(table, jump_per_kl=0.0).iloc[0]["gold_if_stopped"] == 0.0
 
 
 def test_the_recorded_tables_of_the_docs_are_read_as_runs(tmp_path):

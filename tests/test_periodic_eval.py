@@ -261,13 +261,13 @@ def _history(points: list[tuple]) -> pd.DataFrame:
 
 def test_stop_and_keep_best_keep_the_policy_from_before_the_evidence_as_the_replay_does():
     """A fast fall: at update 10 the SFT model's surprisal at the responses jumped 0.5 nats in 5 updates (0.1 an
-    update: evidence, though 0.6 over step 0's is under the rule's 1.3) while the score still climbs; the rule holds
+    update and 0.55 a nat of KL gained: evidence, though 0.6 over step 0's is under the rule's 1.3) while the score still climbs; the rule holds
     from 15 (the score stalled, the surprisal 1.6 up) and, confirmed at 20, the alarm fires there. `stop` and
     `keep_best` keep update 5's policy, not 10's or 15's, and the replay of the recorded evaluations keeps the same."""
     from rlhf.eval.overoptimisation import replay
 
     # (step, score, KL, the reference's surprisal, gold): the gold fell at 10
-    points = [(0, 0.0, 0.0, 1.0, 0.0), (5, 1.0, 1.0, 1.1, 0.8), (10, 1.5, 2.0, 1.6, -0.5)]
+    points = [(0, 0.0, 0.0, 1.0, 0.0), (5, 1.0, 1.0, 1.05, 0.8), (10, 1.5, 2.0, 1.6, -0.5)]
     points += [(15, 1.5, 2.2, 2.6, -0.9), (20, 1.5, 2.3, 2.7, -0.9), (25, 1.5, 2.4, 2.7, -0.9)]
     for mode, kept in (("stop", 5), ("keep_best", 5), ("warn", None)):
         guard, stopped = _guard_through(mode, points, 25)
@@ -289,7 +289,7 @@ def test_a_rule_that_holds_once_is_taken_back_but_its_policy_is_never_kept():
     holding once is enough (nothing can take it back)."""
     from rlhf.eval.overoptimisation import replay
 
-    points = [(0, 0.0, 0.0, 1.0, 0.0), (5, 1.0, 1.0, 1.2, 0.5), (10, 1.5, 2.0, 1.4, 0.8), (15, 1.5, 2.1, 2.4, 0.7)]
+    points = [(0, 0.0, 0.0, 1.0, 0.0), (5, 1.0, 1.0, 1.05, 0.5), (10, 1.5, 2.0, 1.1, 0.8), (15, 1.5, 2.1, 2.4, 0.7)]
     points += [(20, 2.5, 2.2, 1.5, 0.9)]
     guard, stopped = _guard_through("stop", points, 25)
     assert guard.alarm.fired is None and not stopped and guard.alarm.quiet == [True, True, True, False, True]

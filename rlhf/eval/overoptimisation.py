@@ -97,10 +97,12 @@ CONSERVATIVE_FALL = 0.5  # the ensemble's min below its best by this many in-dis
 KL_DRIFT_FACTOR, KL_DRIFT_NATS = 1.5, 1.0  # the KL grew past 1.5 times an earlier evaluation's plus 1 nat ...
 SCORE_GAIN_FRACTION = 0.05  # ... while the score gained under 5% of what it had gained over the SFT policy by then
 SURPRISAL_RISE = 1.3  # the reference's surprisal at the policy's tokens this many nats per token above the SFT's own
-# Evidence that keeps a policy from being kept: the surprisal risen SURPRISAL_RISE, or this many nats per token per
-# update since the previous evaluation (a fast fall: 0.64 nats in 5 updates where a GRPO run's gold fell from 0.98
-# to 0.22; healthy runs rise 0.01-0.04 an update)
-SURPRISAL_JUMP = 0.06
+# Evidence that keeps a policy from being kept: the surprisal risen SURPRISAL_RISE, or a jump since the previous
+# evaluation of SURPRISAL_JUMP nats per token per update that is also JUMP_PER_KL nats per token per nat of KL gained
+# there. A fast fall jumps with little KL (0.64 nats in 5 updates where a GRPO run's gold fell from 0.98 to 0.22); a
+# healthy policy that lengthens its responses climbs 0.06-0.10 an update, but with the KL it pays for them
+SURPRISAL_JUMP = 0.02
+JUMP_PER_KL = 0.06
 CONFIRM = 2  # the periodic alarm fires once its rule holds at this many evaluations in a row (or at the last one)
 
 
@@ -140,10 +142,8 @@ class OveroptimisationAlarm:
     # the evaluations in a row the rule must hold at before the alarm fires (the last evaluation fires alone): an
     # evaluation where it holds once and not at the next is taken back, and its policy is never kept (`quiet`)
     confirm: int = CONFIRM
-    surprisal_jump: float = SURPRISAL_JUMP  # nats per token per update since the previous evaluation: evidence
-    # a jump counts only where the surprisal also rose this many nats a token per nat of KL gained since the previous
-    # evaluation (0: off; a lever `alarm_check --jump-per-kl` replays, not shipped)
-    jump_per_kl: float = 0.0
+    surprisal_jump: float = SURPRISAL_JUMP  # nats per token per update since the previous evaluation: evidence ...
+    jump_per_kl: float = JUMP_PER_KL  # ... where it is also this many nats a token per nat of KL gained (0: any KL)
     evidence_rise: float = SURPRISAL_RISE  # nats per token above the baseline's: evidence
     baseline: dict[str, float] | None = None
     best_min: float = float("-inf")  # the ensemble's best min so far, and its mean then
@@ -225,8 +225,9 @@ class OveroptimisationAlarm:
     def evidence(self, step: int, stats: dict[str, float]) -> bool:
         """Whether the evaluation after `step` updates shows the surprisal sign before the rule holds: the SFT model
         finds the responses `evidence_rise` nats a token more surprising than its own samples at step 0, or the
-        surprisal rose `surprisal_jump` nats a token per update since the previous evaluation. A policy whose gold
-        falls fast often shows one of them an evaluation before the rule holds."""
+        surprisal rose `surprisal_jump` nats a token per update since the previous evaluation and `jump_per_kl` nats a
+        token per nat of KL gained there. A policy whose gold falls fast often shows one of them an evaluation before
+        the rule holds."""
         if self.surprisal_rise_of(stats) >= self.evidence_rise:
             return True
         if self.previous is None or "ref_surprisal" not in stats or "ref_surprisal" not in self.previous[1]:

@@ -25,7 +25,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf.eval.overoptimisation import CONFIRM, GOLD_FALL, SURPRISAL_JUMP, SURPRISAL_RISE, kept_index, replay_alarm
+from rlhf.eval.overoptimisation import (
+    CONFIRM,
+    GOLD_FALL,
+    JUMP_PER_KL,
+    SURPRISAL_JUMP,
+    SURPRISAL_RISE,
+    kept_index,
+    replay_alarm,
+)
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
 
 MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
@@ -256,7 +264,7 @@ def add_lever_arguments(parser: argparse.ArgumentParser) -> None:
         "--surprisal-jump", type=float, help=f"evidence: the surprisal's rise per update ({SURPRISAL_JUMP})"
     )
     levers.add_argument(
-        "--jump-per-kl", type=float, help="a jump counts only where the surprisal rose this much per KL nat"
+        "--jump-per-kl", type=float, help=f"a jump counts where it is this much per KL nat ({JUMP_PER_KL})"
     )
     levers.add_argument("--every", type=int, help="read every so many of the recorded evaluations (1)")
 
