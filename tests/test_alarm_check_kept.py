@@ -8,8 +8,10 @@ import math
 
 import pandas as pd
 import pytest
+import yaml
 
 from rlhf.sweeps import alarm_check, alarm_kept
+from rlhf.sweeps.space import parse_space
 from rlhf.tracking.client import Tracker
 from tests.conftest import REPO
 
@@ -273,3 +275,30 @@ def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path, capsys):
     summary = alarm_kept.shipped_summary(alarm_kept.shipped_table(made)).loc["all runs"]
     assert (summary["runs"], summary["alarms"], summary["stop: collapsed"]) == (2, 1, 0)
     assert math.isnan(alarm_kept.shipped_table(made).set_index("run").loc["check-falls/ppo", "warn"])  # no warn run
+
+
+def test_the_alarmed_stop_runs_are_made_again_with_warn(tmp_path, capsys):
+    """`alarm_check --warn-reruns SPACE`: the sweep that makes again with warn, to their ends, the runs the sweep
+    SPACE made with stop whose alarm fired, each from its arm (found by its objective) at its KL and seed."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "rlhf-ppo")
+    _log_run(tracker, "check-00/ppo", "grpo", FALLS[:5], mode="stop")  # alarmed at 40
+    _log_run(tracker, "check-01/ppo", "gae", HEALTHY, mode="stop")  # never alarmed
+    space = tmp_path / "check.yaml"
+    space.write_text(
+        "name: check\narms:\n"
+        "  - {name: PPO, overrides: {ppo.advantage_estimator: gae}}\n"
+        "  - {name: GRPO, overrides: {ppo.advantage_estimator: grpo, ppo.samples_per_prompt: 4}}\n"
+        "  - {name: GSPO, overrides: {ppo.advantage_estimator: grpo, ppo.importance_sampling_level: sequence}}\n"
+        "parameters: {ppo.kl_coef: [0.05, 0.0], policy_seed: [61]}\n"
+    )
+    alarm_check.main(["--tracking-uri", uri, "--filter", "check-", "--warn-reruns", str(space)])
+    reruns = parse_space(yaml.safe_load(capsys.readouterr().out))  # a sweep space flows.sweep takes
+    assert reruns.name == "check_warn" and [arm.name for arm in reruns.arms] == ["GRPO kl 0.05 seed 61"]
+    overrides = {"ppo.advantage_estimator": "grpo", "ppo.samples_per_prompt": 4, "ppo.kl_coef": 0.05}
+    assert reruns.arms[0].overrides == {**overrides, "policy_seed": 61, "ppo.on_overoptimisation": "warn"}
+    space.write_text(space.read_text().replace("policy_seed: [61]", "policy_seed: [61], ppo.lr: [0.1]"))
+    with pytest.raises(SystemExit) as stopped:
+        alarm_check.main(["--tracking-uri", uri, "--filter", "check-", "--warn-reruns", str(space)])
+    assert stopped.value.code == 2
+    assert "reads a grid over ppo.kl_coef and policy_seed only" in capsys.readouterr().err

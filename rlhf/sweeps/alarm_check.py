@@ -23,8 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 from rlhf.config.estimators import ESTIMATORS, objective_label
+from rlhf.errors import ConfigError
 from rlhf.eval.overoptimisation import (
     DISTINCT_DROP,
     GOLD_FALL,
@@ -44,6 +46,7 @@ from rlhf.sweeps.alarm_threshold import (
     tune_surprisal_rise,
     with_threshold,
 )
+from rlhf.sweeps.space import load_space
 from rlhf.tracking.client import Tracker
 
 GROUP_DISTINCT = "group/distinct_responses"  # a training statistic (critic-free estimators with groups)
@@ -339,28 +342,24 @@ def main(argv: list[str] | None = None) -> None:
         "markdown tables (rlhf.sweeps.alarm_kept), and draw their share of the best gain into this PNG file if named",
     )
     alarm_kept.add_lever_arguments(parser)
-    parser.add_argument(
-        "--shipped",
-        metavar="WARN_FILTER",
-        help="print what the shipped stop kept of the runs made with it (--filter's), beside the warn runs of the "
-        "same seeds among those whose name contains WARN_FILTER (rlhf.sweeps.alarm_kept.shipped_table)",
-    )
+    alarm_kept.add_shipped_arguments(parser)
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
     filters = args.filter or [""]
-    if args.shipped is not None:  # the runs of --filter made with stop, and the warn runs of their seeds
-        made, warn = (
-            [alarm_table(Tracker(args.tracking_uri, n), n, f) for n in experiments] for f in (filters[0], args.shipped)
-        )
-        print(alarm_kept.shipped_report(pd.concat(made, ignore_index=True), pd.concat(warn, ignore_index=True)))
+    if args.shipped is not None or args.warn_reruns:  # the runs of --filter made with stop
+        made = [alarm_table(Tracker(args.tracking_uri, n), n, f) for n in experiments for f in filters]
+        made = pd.concat(made, ignore_index=True)
+        if args.warn_reruns:
+            try:
+                print(yaml.safe_dump(alarm_kept.warn_reruns(made, load_space(args.warn_reruns)), sort_keys=False))
+            except ConfigError as err:  # one sentence, exit code 2
+                parser.exit(2, f"error: {err}\n")
+            return
+        warn = [alarm_table(Tracker(args.tracking_uri, n), n, args.shipped) for n in experiments]
+        print(alarm_kept.shipped_report(made, pd.concat(warn, ignore_index=True)))
         return
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, part) for name in experiments for part in filters]
-    every = (
-        pd.concat([t for t in tables if not t.empty], ignore_index=True)
-        if any(not t.empty for t in tables)
-        else pd.DataFrame()
-    )
-    table = every
+    table = every = pd.concat([t for t in tables if not t.empty] or [pd.DataFrame()], ignore_index=True)
     if not table.empty and args.half != "all":
         table = table[table["half"] == args.half].reset_index(drop=True)
     if table.empty:

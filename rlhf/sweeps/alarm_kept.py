@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhf.config.estimators import objective_label
+from rlhf.errors import ConfigError
 from rlhf.eval.overoptimisation import (
     CONFIRM,
     GOLD_FALL,
@@ -35,6 +37,7 @@ from rlhf.eval.overoptimisation import (
     replay_alarm,
 )
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_SCORE
+from rlhf.sweeps.space import SweepSpace
 
 MODES = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best"}
 NO_GAIN = 1e-9  # a best gain over SFT this small or smaller is none: the share is NaN there
@@ -180,6 +183,31 @@ def shipped_report(made: pd.DataFrame, warn: pd.DataFrame) -> str:
     )
 
 
+def warn_reruns(made: pd.DataFrame, space: SweepSpace) -> dict:
+    """The sweep space (`flows.sweep`'s, as YAML would hold it) that makes again with `warn`, to its end, each run of
+    `made` (`alarm_check.alarm_table`'s rows of the sweep `space` ran with `stop`) whose alarm fired: its arm, found
+    by the objective its overrides give, at its KL coefficient and policy seed. Named after `space` with `_warn`
+    added, so that a name filter of `space`'s runs (`<name>-`) leaves the reruns out."""
+    if made["task"].nunique() > 1:
+        raise ConfigError(
+            f"sweep {space.name}: --warn-reruns reads one task's runs, not {sorted(made['task'].unique())}"
+        )
+    if {p.key for p in space.parameters} != {"ppo.kl_coef", "policy_seed"}:
+        raise ConfigError(f"sweep {space.name}: --warn-reruns reads a grid over ppo.kl_coef and policy_seed only")
+    arms = {}
+    for arm in space.arms:
+        level = arm.overrides.get("ppo.importance_sampling_level", "token")
+        arms[objective_label(arm.overrides.get("ppo.advantage_estimator", "gae"), level)] = arm.overrides
+    reruns = []
+    for _, run in made[(made["mode"] == "stop") & (made["alarm_step"] >= 0)].iterrows():
+        if run["objective"] not in arms:
+            raise ConfigError(f"run {run['run']}: no arm of sweep {space.name} trains {run['objective']}")
+        overrides = {**arms[run["objective"]], "ppo.kl_coef": float(run["kl_coef"]), "policy_seed": int(run["seed"])}
+        name = f"{run['objective']} kl {run['kl_coef']} seed {run['seed']}"
+        reruns.append({"name": name, "overrides": {**overrides, "ppo.on_overoptimisation": "warn"}})
+    return {"name": f"{space.name}_warn", "method": "grid", "arms": reruns}
+
+
 def markdown(frame: pd.DataFrame, digits: int = 3) -> str:
     """`frame` as a markdown table, numbers to `digits` places."""
     return frame.round(digits).to_markdown(floatfmt=f".{digits}f")
@@ -267,6 +295,22 @@ def add_lever_arguments(parser: argparse.ArgumentParser) -> None:
         "--jump-per-kl", type=float, help=f"a jump counts where it is this much per KL nat ({JUMP_PER_KL})"
     )
     levers.add_argument("--every", type=int, help="read every so many of the recorded evaluations (1)")
+
+
+def add_shipped_arguments(parser: argparse.ArgumentParser) -> None:
+    """`alarm_check`'s options for a check of the shipped `stop` (`shipped_report`, `warn_reruns`)."""
+    parser.add_argument(
+        "--shipped",
+        metavar="WARN_FILTER",
+        help="print what the shipped stop kept of the runs made with it (--filter's), beside the warn runs of the "
+        "same seeds among those whose name contains WARN_FILTER (rlhf.sweeps.alarm_kept.shipped_table)",
+    )
+    parser.add_argument(
+        "--warn-reruns",
+        metavar="SPACE",
+        help="print the sweep space (YAML) that makes again with warn the runs of --filter the sweep SPACE made with "
+        "stop whose alarm fired, one task at a time (rlhf.sweeps.alarm_kept.warn_reruns)",
+    )
 
 
 def given_levers(args: argparse.Namespace) -> dict[str, float]:
