@@ -71,7 +71,7 @@ def store(tmp_path_factory) -> str:
     default = Tracker(uri, "rlhf-ppo")
     _log_run(default, "grid-falls/ppo", "grpo", FALLS)
     _log_run(default, "grid-healthy/ppo", "gae", HEALTHY, mode=None)  # logged before the setting: trained to its end
-    _log_run(default, "grid-stopped/ppo", "rloo", FALLS[:4], mode="stop")  # stopped early: not in the kept table
+    _log_run(default, "grid-stopped/ppo", "rloo", FALLS[:5], mode="stop")  # stopped at 40: not in the kept table
     _log_run(Tracker(uri, "rlhf-overoptimisation"), "grid-no-gain/ppo", "rloo", NO_GAIN)
     return uri
 
@@ -103,6 +103,26 @@ def test_each_mode_keeps_what_the_guard_would_have(store):
     assert (no_gain["sft"], no_gain["best"], no_gain["warn"], no_gain["keep_best"]) == (0.2, 0.2, -0.5, -0.5)
     assert all(math.isnan(no_gain[f"{mode} share"]) for mode in alarm_kept.MODES)
     assert no_gain[["warn collapsed", "stop collapsed", "keep_best collapsed"]].all()
+
+
+def test_stop_runs_whose_alarm_never_fired_trained_to_their_end(tmp_path):
+    """A `stop` run whose alarm never fired trained to its end as a `warn` run would have, and a `keep_best` run
+    trains on past its alarm: both are in the kept table. A `stop` run whose alarm fired ended there: it is not."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(uri, "rlhf-ppo")
+    _log_run(tracker, "end-quiet-stop/ppo", "gae", HEALTHY, mode="stop")
+    _log_run(tracker, "end-alarmed-stop/ppo", "grpo", FALLS[:5], mode="stop")  # the alarm at 40 stopped it
+    _log_run(tracker, "end-keep-best/ppo", "rloo", FALLS, mode="keep_best")
+    table = alarm_check.alarm_table(tracker, "rlhf-ppo", "end-").set_index("run")
+    assert table.loc["end-alarmed-stop/ppo", "alarm_step"] == 40 and table.loc["end-quiet-stop/ppo", "alarm_step"] == -1
+    assert alarm_kept.trained_to_end(table).to_dict() == {
+        "end-quiet-stop/ppo": True,
+        "end-alarmed-stop/ppo": False,
+        "end-keep-best/ppo": True,
+    }
+    kept = alarm_kept.kept_table(table.reset_index()).set_index("run")
+    assert (kept.loc["end-quiet-stop/ppo", "warn"], kept.loc["end-quiet-stop/ppo", "stop"]) == (0.9, 0.9)
+    assert (kept.loc["end-keep-best/ppo", "warn"], kept.loc["end-keep-best/ppo", "stop"]) == (-0.5, 0.8)
 
 
 def test_the_summary_per_estimator_task_and_overall(store):
@@ -166,7 +186,7 @@ def test_the_command_prints_the_kept_tables_and_draws_them(store, tmp_path, caps
     argv = ["--tracking-uri", store, "--experiment", "rlhf-ppo", "--experiment", "rlhf-overoptimisation"]
     alarm_check.main([*argv, "--filter", "grid", "--kept", str(picture)])
     printed = capsys.readouterr().out
-    assert "what each ppo.on_overoptimisation keeps, 3 runs trained to their end with warn" in printed
+    assert "what each ppo.on_overoptimisation keeps, 3 runs trained to their end" in printed
     assert "| all runs " in printed and "| grid-falls/ppo " in printed and "stop: mean share" in printed
     assert picture.stat().st_size > 10_000
     alarm_check.main([*argv, "--filter", "grid", "--kept"])  # the tables without a picture

@@ -73,16 +73,18 @@ def gain_share(kept: float, sft: float, best: float) -> float:
 
 
 def trained_to_end(table: pd.DataFrame) -> pd.Series:
-    """Which runs of `alarm_check.alarm_table` trained to their end with `warn` (`ppo.on_overoptimisation` logged as
-    'warn', or not logged: runs made before the setting), so that every mode's pick is among their evaluations."""
-    mode = table["mode"] if "mode" in table else pd.Series("", index=table.index)
-    return mode.fillna("").isin(["", "warn"])
+    """Which runs of `alarm_check.alarm_table` trained to their end, so that every mode's pick is among their
+    evaluations: those made with `warn` or `keep_best` (`ppo.on_overoptimisation`; not logged: runs made before the
+    setting, which trained on), and those made with `stop` whose alarm never fired."""
+    mode = table["mode"].fillna("") if "mode" in table else pd.Series("", index=table.index)
+    quiet = table["alarm_step"] < 0 if "alarm_step" in table else False
+    return mode.isin(["", "warn", "keep_best"]) | ((mode == "stop") & quiet)
 
 
 def kept_table(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per run of `alarm_check.alarm_table` trained to its end with `warn`: what it is, SFT's gold (update
-    0), its best periodic gold, and for each mode the gold it keeps, its share of the best gain (`gain_share`) and
-    whether it ends collapsed (GOLD_FALL or more below the best)."""
+    """One row per run of `alarm_check.alarm_table` trained to its end (`trained_to_end`): what it is, SFT's gold
+    (update 0), its best periodic gold, and for each mode the gold it keeps, its share of the best gain (`gain_share`)
+    and whether it ends collapsed (GOLD_FALL or more below the best)."""
     runs = table[trained_to_end(table)]
     out = pd.DataFrame({c: runs[c] for c in KEPT_COLUMNS if c in runs and c not in ("sft", "best")})
     out["sft"], out["best"] = runs["gold_start"], runs["gold_peak"]
@@ -264,10 +266,10 @@ def report(table: pd.DataFrame, picture: str | None, title: str, levers: dict[st
         title += "\n" + lever.strip()
     kept = kept_table(table)
     if kept.empty:
-        return ["no run trained to its end with ppo.on_overoptimisation: warn"]
+        return ["no run trained to its end (made with warn or keep_best, or with a stop whose alarm never fired)"]
     shown = [c for c in kept.columns if not c.endswith("collapsed")]
     lines = [
-        f"\nwhat each ppo.on_overoptimisation keeps, {len(kept)} runs trained to their end with warn"
+        f"\nwhat each ppo.on_overoptimisation keeps, {len(kept)} runs trained to their end"
         f"{lever} (share: (kept - SFT) / (best - SFT); collapsed: kept {GOLD_FALL} or more below the best):\n",
         markdown(kept[shown].set_index("run") if "run" in kept else kept[shown]),
         "\nper estimator, per task and over all runs:\n",
