@@ -338,9 +338,8 @@ def main(argv: list[str] | None = None) -> None:
         "--kept",
         nargs="?",
         const="",
-        help="also print what each ppo.on_overoptimisation keeps of the runs trained to their end (warn, keep_best, "
-        "or a stop whose alarm never fired), as markdown tables (rlhf.sweeps.alarm_kept), and draw their share of the "
-        "best gain into this PNG file if named",
+        help="also print what each ppo.on_overoptimisation keeps of the runs trained to their end (alarm_kept."
+        "trained_to_end), as markdown tables, and draw their share of the best gain into this PNG file if named",
     )
     alarm_kept.add_lever_arguments(parser)
     alarm_kept.add_shipped_arguments(parser)

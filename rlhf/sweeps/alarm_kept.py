@@ -1,6 +1,6 @@
 """What each `ppo.on_overoptimisation` would have kept, from recorded runs: the user's question "with the defaults, how
 good is the policy I get, next to the best policy the run passed through?" (docs/overoptimisation.md), answered
-from the periodic evaluations of runs trained to their end with `warn` (`rlhf.sweeps.alarm_check --kept`).
+from the periodic evaluations of runs trained to their end (`trained_to_end`; `rlhf.sweeps.alarm_check --kept`).
 
 For each such run (`alarm_check.alarm_table`'s rows) the gold of the policy each mode keeps:
 
@@ -142,7 +142,7 @@ def shipped_table(table: pd.DataFrame, warn: pd.DataFrame | None = None) -> pd.D
     out["stop share"] = [gain_share(k, s, b) for k, s, b in zip(out["stop"], out["sft"], out["best"], strict=True)]
     out["stop collapsed"] = out["best"] - out["stop"] >= GOLD_FALL - 1e-9
     nan = {"gold_final": float("nan"), "gold_peak": float("nan")}
-    other = [made.get(i, nan) if a >= 0 else None for i, a in zip(runs["identity"], runs["alarm_step"], strict=True)]
+    other = [None if end else made.get(i, nan) for i, end in zip(runs["identity"], trained_to_end(runs), strict=True)]
     out["warn"] = [r["gold_final"] if r else f for r, f in zip(other, runs["gold_final"], strict=True)]
     out["warn best"] = [r["gold_peak"] if r else b for r, b in zip(other, runs["gold_peak"], strict=True)]
     return out.reset_index(drop=True)
@@ -201,7 +201,7 @@ def warn_reruns(made: pd.DataFrame, space: SweepSpace) -> dict:
         level = arm.overrides.get("ppo.importance_sampling_level", "token")
         arms[objective_label(arm.overrides.get("ppo.advantage_estimator", "gae"), level)] = arm.overrides
     reruns = []
-    for _, run in made[(made["mode"] == "stop") & (made["alarm_step"] >= 0)].iterrows():
+    for _, run in made[(made["mode"] == "stop") & ~trained_to_end(made)].iterrows():
         if run["objective"] not in arms:
             raise ConfigError(f"run {run['run']}: no arm of sweep {space.name} trains {run['objective']}")
         overrides = {**arms[run["objective"]], "ppo.kl_coef": float(run["kl_coef"]), "policy_seed": int(run["seed"])}
