@@ -94,6 +94,7 @@ PPO_UPDATE = _group(
      "`sequence_sum`): share of the responses whose clipped objective is active"),
     (("policy/ratio_mean", "policy/ratio_var"), "mean and variance of the token ratios `exp(d)`"),
     ("policy/early_stopped", "1 when the epochs stopped early at `ppo.target_kl`"),
+    ("policy/held", "1 in the critic's warmup (`ppo.critic_warmup`): the update trained the value model alone"),
     ("value/clipfrac", "fraction of tokens where the clipped value loss is active"),
     ("value/error", "`mean((V - R)^2)`"),
     ("advantages/mean", "mean raw advantage (before whitening): GAE's, or the critic-free estimator's"),

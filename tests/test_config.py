@@ -40,6 +40,17 @@ def test_gradient_accumulation_must_divide_minibatch():
         load_config(None, ["ppo.gradient_accumulation_steps=3"])
 
 
+def test_critic_warmup_needs_a_value_model_and_updates_after_it():
+    with pytest.raises(
+        ConfigError, match=r"ppo.critic_warmup \(3\) trains a value model alone, and advantage_estimator grpo has"
+    ):
+        load_config(None, ["ppo.critic_warmup=3", "ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"])
+    ten_updates = ["ppo.total_episodes=640", "ppo.batch_size=64"]
+    with pytest.raises(ConfigError, match=r"ppo.critic_warmup \(10\) holds the policy for at least every update"):
+        load_config(None, [*ten_updates, "ppo.critic_warmup=10"])
+    assert load_config(None, [*ten_updates, "ppo.critic_warmup=9"]).ppo.critic_warmup == 9
+
+
 def test_local_source_needs_a_path():
     with pytest.raises(ConfigError, match=r"data.path must name"):
         load_config(None, ["data.source=local"])

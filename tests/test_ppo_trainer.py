@@ -391,6 +391,21 @@ def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
         assert torch.equal(policy.transformer.h[0].mlp.c_fc.weight, sft.transformer.h[0].mlp.c_fc.weight)
 
 
+@pytest.mark.parametrize("value_model", ["separate", "policy_head"])
+def test_critic_warmup_trains_the_value_model_alone_first(stack, tmp_path, value_model):
+    logged = {}
+    cfg = _cfg(total_episodes=48, critic_warmup=2, value_model=value_model, lr_schedule="constant")
+    result = _train(stack, cfg, tmp_path, lambda m, s: logged.__setitem__(s, m))
+    assert result.updates == 3 and [logged[s]["policy/held"] for s in (1, 2, 3)] == [1.0, 1.0, 0.0]
+    # updates 1 and 2 left the policy as it was: update 3's rollouts still come from the SFT policy ...
+    assert all(logged[s]["objective/kl"] == pytest.approx(0.0, abs=1e-6) for s in (1, 2, 3))
+    # ... while the value model learned from them (its loss fell), and update 3 trained the policy
+    assert logged[3]["value/loss"] < logged[1]["value/loss"]
+    sft = load_causal_lm(stack["sft"], torch.device("cpu"))
+    policy = load_causal_lm(result.policy_path, torch.device("cpu"))
+    assert not torch.equal(policy.transformer.h[0].attn.c_attn.weight, sft.transformer.h[0].attn.c_attn.weight)
+
+
 def test_reward_model_with_a_different_tokenizer_retokenizes(stack, tmp_path):
     # a reward model whose tokenizer has a different vocabulary: scores go through decoded text
     texts = [d.prompt + d.response for d in synthetic.demonstrations(300, seed=5)]

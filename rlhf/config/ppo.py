@@ -198,6 +198,14 @@ class PPOConfig(Section):
         description="Stop the PPO epochs of an update early once approximate KL passes this (an early stop, not "
         "the adaptive controller's adaptive_kl_target).",
     )
+    critic_warmup: int = Field(
+        0,
+        ge=0,
+        description="With a value model (advantage_estimator gae): the first this many updates train the value model "
+        "alone, on the SFT policy's rollouts, and leave the policy as it is, so that the policy's first steps follow "
+        "a critic that has learned the returns rather than the reward model it started from (veRL's critic_warmup, "
+        "OpenRLHF's freezing_actor_steps). 0: off.",
+    )
     lr_schedule: Literal["constant", "linear"] = Field("linear", description="Learning-rate schedule of both models.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per minibatch optimizer step.")
     forward_batch_size: int | None = Field(
@@ -306,6 +314,16 @@ class PPOConfig(Section):
             raise ValueError(
                 f"ppo.scale_rewards divides the group-centred scores of {', '.join(SCALED_ESTIMATORS)}, not "
                 f"{estimator}'s: leave it unset or pick one of those estimators"
+            )
+        if self.critic_warmup and not self.estimator.critic:
+            raise ValueError(
+                f"ppo.critic_warmup ({self.critic_warmup}) trains a value model alone, and advantage_estimator "
+                f"{estimator} has none: set ppo.critic_warmup: 0 or ppo.advantage_estimator: gae"
+            )
+        if self.critic_warmup >= max(self.num_updates, 1):
+            raise ValueError(
+                f"ppo.critic_warmup ({self.critic_warmup}) holds the policy for at least every update of the run "
+                f"({self.num_updates}: total_episodes / batch_size): lower it or raise ppo.total_episodes"
             )
         if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
             raise ValueError(

@@ -290,7 +290,9 @@ def minibatch_step(
     if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
         skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
     if not skip:
-        if critic:
+        if critic and state.step < cfg.critic_warmup:  # the critic's warmup: the value model alone learns
+            state.value_opt.step()
+        elif critic:
             run_sides(state.policy_opt.step, state.value_opt.step, second_thread)
         else:
             state.policy_opt.step()
@@ -370,6 +372,7 @@ def optimize(
     stats.update(
         {
             "policy/early_stopped": stopped_early,
+            "policy/held": float(models.value is not None and state.step < cfg.critic_warmup),
             "policy/lr": state.policy_sched.get_last_lr()[0],
             "time/optimize": time.perf_counter() - t0,
         }
