@@ -392,11 +392,15 @@ def test_options_train_and_save_loadable_checkpoints(stack, tmp_path, options):
 
 
 @pytest.mark.parametrize("value_model", ["separate", "policy_head"])
-def test_critic_warmup_trains_the_value_model_alone_first(stack, tmp_path, value_model):
+def test_critic_warmup_trains_the_value_model_alone_first(stack, tmp_path, value_model, recwarn):
     logged = {}
-    cfg = _cfg(total_episodes=48, critic_warmup=2, value_model=value_model, lr_schedule="constant")
+    cfg = _cfg(total_episodes=64, critic_warmup=2, value_model=value_model)
     result = _train(stack, cfg, tmp_path, lambda m, s: logged.__setitem__(s, m))
-    assert result.updates == 3 and [logged[s]["policy/held"] for s in (1, 2, 3)] == [1.0, 1.0, 0.0]
+    assert result.updates == 4 and [logged[s]["policy/held"] for s in (1, 2, 3, 4)] == [1.0, 1.0, 0.0, 0.0]
+    # the policy's linear schedule runs over the 2 updates that train it, the value model's over all 4
+    assert [logged[s]["policy/lr"] for s in (1, 2, 3, 4)] == pytest.approx([cfg.lr, cfg.lr, cfg.lr / 2, 0.0])
+    assert logged[1]["value/lr"] == pytest.approx(cfg.value_lr * 3 / 4)
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
     # updates 1 and 2 left the policy as it was: update 3's rollouts still come from the SFT policy ...
     assert all(logged[s]["objective/kl"] == pytest.approx(0.0, abs=1e-6) for s in (1, 2, 3))
     # ... while the value model learned from them (its loss fell), and update 3 trained the policy

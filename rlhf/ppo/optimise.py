@@ -363,7 +363,9 @@ def optimize(
                 break
     # step 4. eval mode; one learning-rate scheduler step per update
     models.policy.eval()
-    state.policy_sched.step()
+    held = models.value is not None and state.step < cfg.critic_warmup  # the critic's warmup: the policy stayed
+    if not held:
+        state.policy_sched.step()
     if models.value is not None:
         models.value.eval()
         state.value_sched.step()
@@ -372,7 +374,7 @@ def optimize(
     stats.update(
         {
             "policy/early_stopped": stopped_early,
-            "policy/held": float(models.value is not None and state.step < cfg.critic_warmup),
+            "policy/held": float(held),
             "policy/lr": state.policy_sched.get_last_lr()[0],
             "time/optimize": time.perf_counter() - t0,
         }

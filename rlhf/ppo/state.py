@@ -44,9 +44,9 @@ class TrainerState:
     shuffle_generator: torch.Generator
 
 
-def _scheduler(optimizer: torch.optim.Optimizer, cfg: PPOConfig) -> torch.optim.lr_scheduler.LRScheduler:
-    """`ppo.lr_schedule`: 'linear' decays to 0 over the run's updates, 'constant' keeps the learning rate."""
-    return get_scheduler(cfg.lr_schedule, optimizer, num_warmup_steps=0, num_training_steps=cfg.num_updates)
+def _scheduler(optimizer: torch.optim.Optimizer, cfg: PPOConfig, updates: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """`ppo.lr_schedule`: 'linear' decays to 0 over the model's `updates`, 'constant' keeps the learning rate."""
+    return get_scheduler(cfg.lr_schedule, optimizer, num_warmup_steps=0, num_training_steps=updates)
 
 
 def sample_seed(seed: int, rank: int) -> int:
@@ -71,8 +71,9 @@ def fresh_state(models: PPOModels, cfg: PPOConfig, seed: int, device: torch.devi
         value_params=value_params,
         policy_opt=policy_opt,
         value_opt=value_opt,
-        policy_sched=_scheduler(policy_opt, cfg),
-        value_sched=_scheduler(value_opt, cfg) if value_opt is not None else None,
+        # the policy's schedule starts after the critic's warmup (ppo.critic_warmup), which leaves the policy as it is
+        policy_sched=_scheduler(policy_opt, cfg, cfg.num_updates - (cfg.critic_warmup if value_opt else 0)),
+        value_sched=_scheduler(value_opt, cfg, cfg.num_updates) if value_opt is not None else None,
         kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.adaptive_kl_target, cfg.kl_horizon),
         sample_generator=torch.Generator(device=device).manual_seed(sample_seed(seed, rank)),
         shuffle_generator=torch.Generator().manual_seed(seed + 1),
