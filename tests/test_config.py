@@ -51,6 +51,18 @@ def test_critic_warmup_needs_a_value_model_and_updates_after_it():
     assert load_config(None, [*ten_updates, "ppo.critic_warmup=9"]).ppo.critic_warmup == 9
 
 
+def test_ppo_defaults_to_a_critic_warmup_and_an_early_stop_and_the_critic_free_estimators_to_neither():
+    ppo = load_config(None, ["ppo.total_episodes=6400", "ppo.batch_size=64"]).ppo  # 100 updates
+    assert (ppo.warmup_updates, ppo.early_stop_kl) == (5, 0.02)
+    assert ppo.resolved()["critic_warmup_resolved"] == 5 and ppo.resolved()["target_kl_resolved"] == 0.02
+    short = load_config(None, ["ppo.total_episodes=2560", "ppo.batch_size=64"]).ppo  # 40 updates: a tenth is 4
+    assert short.warmup_updates == 4
+    off = load_config(None, ["ppo.critic_warmup=0", "ppo.target_kl=0"]).ppo
+    assert (off.warmup_updates, off.early_stop_kl, off.resolved()["target_kl_resolved"]) == (0, None, "off")
+    grpo = load_config(None, ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=4"]).ppo
+    assert (grpo.warmup_updates, grpo.early_stop_kl) == (0, None)
+
+
 def test_local_source_needs_a_path():
     with pytest.raises(ConfigError, match=r"data.path must name"):
         load_config(None, ["data.source=local"])

@@ -26,6 +26,11 @@ class Estimator:
     cliprange_high: float | None = None  # None: ppo.cliprange (symmetric clipping)
     dynamic_sampling_rounds: int = 0
     overlong_buffer_share: float | None = None  # of max_new_tokens; None: no overlong penalty
+    # this project's defaults for a value model, measured where the paper gives none (docs/overoptimisation.md, "PPO
+    # without a KL penalty"): the updates that train the value model alone first (at most a tenth of the run's), and
+    # the approximate KL that ends an update's epochs early (None: none)
+    critic_warmup: int = 0
+    target_kl: float | None = None
 
 
 ESTIMATORS: dict[str, Estimator] = {
@@ -37,6 +42,8 @@ ESTIMATORS: dict[str, Estimator] = {
             "PPO with a learned value model (GAE; Schulman et al. 2017)",
             critic=True,
             groups=False,
+            critic_warmup=5,
+            target_kl=0.02,
         ),
         Estimator(
             "grpo",

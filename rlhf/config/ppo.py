@@ -194,17 +194,18 @@ class PPOConfig(Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0 disables).")
     target_kl: float | None = Field(
         None,
-        gt=0,
+        ge=0,
         description="Stop the PPO epochs of an update early once approximate KL passes this (an early stop, not "
-        "the adaptive controller's adaptive_kl_target).",
+        "the adaptive controller's adaptive_kl_target). 0: never. None: the estimator's (gae 0.02, the others never).",
     )
-    critic_warmup: int = Field(
-        0,
+    critic_warmup: int | None = Field(
+        None,
         ge=0,
         description="With a value model (advantage_estimator gae): the first this many updates train the value model "
         "alone, on the SFT policy's rollouts, and leave the policy as it is, so that the policy's first steps follow "
         "a critic that has learned the returns rather than the reward model it started from (veRL's critic_warmup, "
-        "OpenRLHF's freezing_actor_steps). 0: off.",
+        "OpenRLHF's freezing_actor_steps). 0: off. None: the estimator's (gae: 5 updates, at most a tenth of the "
+        "run's; the others have no value model).",
     )
     lr_schedule: Literal["constant", "linear"] = Field("linear", description="Learning-rate schedule of both models.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per minibatch optimizer step.")
@@ -315,12 +316,12 @@ class PPOConfig(Section):
                 f"ppo.scale_rewards divides the group-centred scores of {', '.join(SCALED_ESTIMATORS)}, not "
                 f"{estimator}'s: leave it unset or pick one of those estimators"
             )
-        if self.critic_warmup and not self.estimator.critic:
+        if self.critic_warmup and not self.estimator.critic:  # set: an unset one resolves to 0 (`warmup_updates`)
             raise ValueError(
                 f"ppo.critic_warmup ({self.critic_warmup}) trains a value model alone, and advantage_estimator "
                 f"{estimator} has none: set ppo.critic_warmup: 0 or ppo.advantage_estimator: gae"
             )
-        if self.critic_warmup >= max(self.num_updates, 1):
+        if self.critic_warmup and self.critic_warmup >= max(self.num_updates, 1):
             raise ValueError(
                 f"ppo.critic_warmup ({self.critic_warmup}) holds the policy for at least every update of the run "
                 f"({self.num_updates}: total_episodes / batch_size): lower it or raise ppo.total_episodes"
@@ -421,7 +422,22 @@ class PPOConfig(Section):
             "scale_rewards_resolved": self.reward_scale or "n/a",
             "dynamic_sampling_rounds_resolved": self.dynamic_rounds,
             "overlong_buffer_resolved": self.overlong_tokens,
+            "critic_warmup_resolved": self.warmup_updates,
+            "target_kl_resolved": self.early_stop_kl or "off",
         }
+
+    @property
+    def warmup_updates(self) -> int:
+        """`critic_warmup`, or the estimator's when unset: the first updates that train the value model alone."""
+        if self.critic_warmup is not None:
+            return self.critic_warmup
+        return min(self.estimator.critic_warmup, self.num_updates // 10)
+
+    @property
+    def early_stop_kl(self) -> float | None:
+        """`target_kl`, or the estimator's when unset; None: the epochs never stop early (0 turns it off)."""
+        value = self.target_kl if self.target_kl is not None else self.estimator.target_kl
+        return value or None
 
     @property
     def prompts_per_batch(self) -> int:

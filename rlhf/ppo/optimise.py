@@ -290,7 +290,7 @@ def minibatch_step(
     if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
         skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
     if not skip:
-        if critic and state.step < cfg.critic_warmup:  # the critic's warmup: the value model alone learns
+        if critic and state.step < cfg.warmup_updates:  # the critic's warmup: the value model alone learns
             state.value_opt.step()
         elif critic:
             run_sides(state.policy_opt.step, state.value_opt.step, second_thread)
@@ -358,12 +358,12 @@ def optimize(
                 ratios.append(step.ratios)
                 skipped += step.skipped
             # step 3. early stop once the epoch's approximate KL (the mean over every rank) passes ppo.target_kl
-            if cfg.target_kl is not None and _global_approxkl(running, world_size, device) > cfg.target_kl:
+            if cfg.early_stop_kl is not None and _global_approxkl(running, world_size, device) > cfg.early_stop_kl:
                 stopped_early = 1.0
                 break
     # step 4. eval mode; one learning-rate scheduler step per update
     models.policy.eval()
-    held = models.value is not None and state.step < cfg.critic_warmup  # the critic's warmup: the policy stayed
+    held = models.value is not None and state.step < cfg.warmup_updates  # the critic's warmup: the policy stayed
     if not held:
         state.policy_sched.step()
     if models.value is not None:

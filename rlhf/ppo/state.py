@@ -72,7 +72,7 @@ def fresh_state(models: PPOModels, cfg: PPOConfig, seed: int, device: torch.devi
         policy_opt=policy_opt,
         value_opt=value_opt,
         # the policy's schedule starts after the critic's warmup (ppo.critic_warmup), which leaves the policy as it is
-        policy_sched=_scheduler(policy_opt, cfg, cfg.num_updates - (cfg.critic_warmup if value_opt else 0)),
+        policy_sched=_scheduler(policy_opt, cfg, cfg.num_updates - (cfg.warmup_updates if value_opt else 0)),
         value_sched=_scheduler(value_opt, cfg, cfg.num_updates) if value_opt is not None else None,
         kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.adaptive_kl_target, cfg.kl_horizon),
         sample_generator=torch.Generator(device=device).manual_seed(sample_seed(seed, rank)),
