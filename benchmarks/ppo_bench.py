@@ -82,6 +82,9 @@ def ppo_config(shape: BenchShape, updates: int, estimator: str = "gae") -> PPOCo
         lr_schedule="constant",
         record_rollouts=False,
         gradient_checkpointing=shape.gradient_checkpointing,
+        # every epoch of every update trains the policy, as the peer's do: no critic warmup, no early stop
+        critic_warmup=0,
+        target_kl=0,
     )
 
 
