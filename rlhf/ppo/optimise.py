@@ -290,7 +290,7 @@ def minibatch_step(
     if on_nonfinite == "skip_update" and world_size > 1:  # one rank's NaN skips the step on every rank
         skip = float(all_reduce_mean(torch.tensor([float(skip)], device=device))) > 0
     if not skip:
-        if critic and state.step < cfg.warmup_updates:  # the critic's warmup: the value model alone learns
+        if state.policy_held(cfg):  # the critic's warmup: the value model alone learns
             state.value_opt.step()
         elif critic:
             run_sides(state.policy_opt.step, state.value_opt.step, second_thread)
@@ -363,7 +363,7 @@ def optimize(
                 break
     # step 4. eval mode; one learning-rate scheduler step per update
     models.policy.eval()
-    held = models.value is not None and state.step < cfg.warmup_updates  # the critic's warmup: the policy stayed
+    held = state.policy_held(cfg)
     if not held:
         state.policy_sched.step()
     if models.value is not None:

@@ -43,6 +43,11 @@ class TrainerState:
     sample_generator: torch.Generator
     shuffle_generator: torch.Generator
 
+    def policy_held(self, cfg: PPOConfig) -> bool:
+        """Whether the update after `step` is one of the critic's warmup (`ppo.critic_warmup`): the value model alone
+        learns and the policy stays as it is (never without a value model: `warmup_updates` is 0 there)."""
+        return self.step < cfg.warmup_updates
+
 
 def _scheduler(optimizer: torch.optim.Optimizer, cfg: PPOConfig, updates: int) -> torch.optim.lr_scheduler.LRScheduler:
     """`ppo.lr_schedule`: 'linear' decays to 0 over the model's `updates`, 'constant' keeps the learning rate."""
@@ -72,7 +77,7 @@ def fresh_state(models: PPOModels, cfg: PPOConfig, seed: int, device: torch.devi
         policy_opt=policy_opt,
         value_opt=value_opt,
         # the policy's schedule starts after the critic's warmup (ppo.critic_warmup), which leaves the policy as it is
-        policy_sched=_scheduler(policy_opt, cfg, cfg.num_updates - (cfg.warmup_updates if value_opt else 0)),
+        policy_sched=_scheduler(policy_opt, cfg, cfg.num_updates - cfg.warmup_updates),
         value_sched=_scheduler(value_opt, cfg, cfg.num_updates) if value_opt is not None else None,
         kl_ctl=make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.adaptive_kl_target, cfg.kl_horizon),
         sample_generator=torch.Generator(device=device).manual_seed(sample_seed(seed, rank)),
