@@ -217,7 +217,8 @@ def run_prefect(config_path: str, folder: Path) -> dict:
 
 
 def run_library(config_path: str, folder: Path) -> dict:
-    """The library calls of tasks/stages.py, in the flow's order, with no-op log callbacks; no Prefect, no MLflow."""
+    """The library calls of tasks/stages.py and tasks/policy_stages.py, in the flow's order, with no-op log callbacks;
+    no Prefect, no MLflow."""
     start = time.perf_counter()  # heavy imports, inside: their time is this side's times["imports"]
     from rlhf.checkpoints import write_manifest
     from rlhf.config import load_config

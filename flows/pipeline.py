@@ -57,16 +57,13 @@ from rlhf.sweeps.optuna_search import TrialRef
 from rlhf.train.warm_start import WarmStartSampling
 from tasks.caching import run_stage, runtime_key
 from tasks.outputs import DPOPolicy, PPOPolicy, PreparedData, RewardModel, SFTModel
+from tasks.policy_stages import OVEROPTIMISATION_TAG, evaluate_policies, train_policy_dpo, train_policy_ppo
 from tasks.stage_runs import stopped_by_signal
 from tasks.stages import (
-    OVEROPTIMISATION_TAG,
     combine_reward_ensemble,
-    evaluate_policies,
     init_policy_models,
     prepare_preferences,
     supervised_finetune,
-    train_policy_dpo,
-    train_policy_ppo,
     train_reward_model,
     warm_start_policy,
 )

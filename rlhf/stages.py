@@ -1,5 +1,6 @@
-"""The pipeline's stages, in the order the flow runs them, each named here once: the Prefect task (tasks/stages.py),
-its output folder, the MLflow tag `stage` of its run (which comparisons and studies look runs up by) and its labels.
+"""The pipeline's stages, in the order the flow runs them, each named here once: the Prefect task (tasks/stages.py
+and tasks/policy_stages.py), its output folder, the MLflow tag `stage` of its run (which comparisons and studies
+look runs up by) and its labels.
 
 No Prefect here (nor anything heavy): benchmarks/overhead_report.py imports this module in its library-alone variant,
 whose times must not include Prefect's import.
@@ -18,7 +19,7 @@ class Stage(NamedTuple):
     label: str  # what the progress artifact and the printed summary call it
 
 
-# Each stage's names, written here once: the task decorators of tasks/stages.py read them.
+# Each stage's names, written here once: the task decorators of tasks/stages.py and tasks/policy_stages.py read them.
 PREPARE = Stage("prepare_preferences", "data", "data")
 SFT = Stage("supervised_finetune", "sft", "SFT")
 WARM_START = Stage("warm_start_policy", "warm", "warm start")

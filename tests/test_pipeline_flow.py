@@ -26,7 +26,7 @@ from rlhf.models.device import compute_dtype, dtype_reason
 from rlhf.stages import STAGE_TASKS, STAGES, stages_of
 from rlhf.tracking.client import SOURCE_NAME_TAG, SOURCE_TYPE_TAG
 from tasks.outputs import Evaluation, PolicyInit, PPOPolicy, PreparedData, RewardModel, SFTModel
-from tasks.stages import SFT_SIDE_REUSED_TAG
+from tasks.policy_stages import SFT_SIDE_REUSED_TAG
 from tests.conftest import REPO, flow_run_artifacts, flow_run_logs, task_states
 
 
@@ -290,9 +290,11 @@ def test_the_stage_table_names_the_flows_tasks_in_order():
     from prefect import Task
 
     import flows.pipeline
+    import tasks.policy_stages
     import tasks.stages
 
-    names = {t.name for t in vars(tasks.stages).values() if isinstance(t, Task)}
+    modules = (tasks.stages, tasks.policy_stages)
+    names = {t.name for module in modules for t in vars(module).values() if isinstance(t, Task)}
     assert set(STAGE_TASKS) == names
     # in the flow's order, each stage where it is first called (reward.ensemble_trunks 'own_sft' calls the SFT stage
     # again for the members), by `run_stage` or the flow's `run`, which adds what `hand_out` gave the stage

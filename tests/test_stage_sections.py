@@ -8,6 +8,7 @@ import inspect
 import pytest
 from prefect import flow
 
+import tasks.policy_stages
 import tasks.stages
 from flows.pipeline import hand_out
 from rlhf.config import DataConfig, PipelineConfig, RuntimeConfig, SFTConfig, load_config
@@ -17,7 +18,12 @@ from tasks.caching import stage_key
 from tasks.outputs import SFTModel
 from tasks.tracking import TrackingContext
 
-TASKS = {task.name: task for task in vars(tasks.stages).values() if hasattr(task, "fn")}
+TASKS = {
+    task.name: task
+    for module in (tasks.stages, tasks.policy_stages)
+    for task in vars(module).values()
+    if hasattr(task, "fn")
+}
 GOLD = "reward.function=rlhf.data.synthetic:gold_reward"
 
 

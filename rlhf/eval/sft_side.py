@@ -4,7 +4,7 @@ The evaluation stage samples the SFT policy and the trained one on the same prom
 (its scored responses to the held-out prompts and its answers to each of eval.benchmarks) is the same for every run
 that shares the SFT checkpoint, the scorer, the prompts and the sampling settings: another seed of the policy stage,
 another objective, a sweep's trials. The task layer names a folder by the content digest of exactly those inputs
-(`tasks.stages.sft_side_dir`); the first evaluation writes the side there, whole or not at all, and later ones read it
+(`tasks.caching.sft_side_dir`); the first evaluation writes the side there, whole or not at all, and later ones read it
 instead of sampling the SFT policy again (about half of the stage's time).
 """
 
