@@ -21,7 +21,7 @@ from rlhf.models.training import disable_dropout
 from rlhf.ppo.distributed import check_sharding
 from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.trainer import train_ppo
-from rlhf.rollout.scoring import policy_forward
+from rlhf.rollout.forwards import policy_forward
 
 RUNTIME = RuntimeConfig(device="cpu", progress=False, dtype="float32")  # float32 numerics: the tolerances below
 

@@ -17,8 +17,8 @@ from rlhf.ppo import distributed
 from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.trainer import train_ppo
 from rlhf.preflight import check_ppo_processes
+from rlhf.rollout.forwards import policy_forward
 from rlhf.rollout.generation import GenerationSettings, sample_responses
-from rlhf.rollout.scoring import policy_forward
 from tests.test_distributed import _digests, _free_port, _torchrun, gloo_group
 
 FSDP = "runtime.sharding=fsdp"

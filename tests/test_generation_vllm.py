@@ -30,8 +30,9 @@ from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenize
 from rlhf.models.training import apply_lora, unwrap
 from rlhf.preflight import preflight
 from rlhf.rollout.batching import pad_left
+from rlhf.rollout.forwards import policy_forward
 from rlhf.rollout.generation import GenerationSettings, Responses, sample_responses
-from rlhf.rollout.scoring import ScoringModels, generate_and_score, policy_forward
+from rlhf.rollout.scoring import ScoringModels, generate_and_score
 from rlhf.rollout.vllm_backend import (
     VLLMSampler,
     check_vllm_backend,

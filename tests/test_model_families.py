@@ -32,8 +32,8 @@ from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import PPOResult, generation_settings, train_ppo
 from rlhf.rollout import scoring
 from rlhf.rollout.batching import encode_prompt_response, encode_prompts, pad_left
+from rlhf.rollout.forwards import policy_forward
 from rlhf.rollout.generation import GenerationSettings, sample_responses
-from rlhf.rollout.scoring import policy_forward
 from rlhf.train.reward import train_reward_model
 from rlhf.train.sft import finetune_sft
 from tests.model_zoo import CHAT_FAMILIES, FAMILIES, SPECS, build_family

@@ -25,7 +25,7 @@ from rlhf.ppo.state import load_state
 from rlhf.ppo.trainer import generation_settings
 from rlhf.ppo.update import compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.batching import encode_prompts
-from rlhf.rollout.scoring import policy_forward
+from rlhf.rollout.forwards import policy_forward
 from tests.model_zoo import FAMILIES, build_family, build_smollm_like
 
 CPU = torch.device("cpu")

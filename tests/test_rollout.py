@@ -9,8 +9,8 @@ import torch
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.ops import logprobs_from_logits
 from rlhf.rollout.batching import pad_left
+from rlhf.rollout.forwards import policy_forward
 from rlhf.rollout.generation import GenerationSettings, filter_logits, sample_responses, truncate_at_stop
-from rlhf.rollout.scoring import policy_forward
 
 
 def test_truncate_at_stop_keeps_the_stop_token_and_pads_after():

@@ -100,7 +100,7 @@ def test_static_cache_is_reused_and_zeroed_between_calls(family_checkpoint):
 
 def test_the_evaluation_path_scores_the_same_responses(tiny_checkpoints):
     """The evaluation stage and PPO's periodic evaluation (`generate_and_score_prompts`): the same table."""
-    from rlhf.eval.evaluate import generate_and_score_prompts
+    from rlhf.eval.responses import generate_and_score_prompts
     from rlhf.rollout.scoring import ScoringModels
 
     tok = load_tokenizer(tiny_checkpoints["policy"])
@@ -182,7 +182,7 @@ def test_the_evaluation_table_carries_the_reference_s_surprisal_at_the_response_
     """`ref_nll` is -log p_ref summed over the response's tokens (stop token included, padding not) at the sampling
     temperature (as the KL's log-probs), as a forward of the reference over the prompt and the sampled tokens gives
     it (the tokens drawn again with the same seed: a random model's byte tokens do not survive a trip through text)."""
-    from rlhf.eval.evaluate import generate_and_score_prompts
+    from rlhf.eval.responses import generate_and_score_prompts
     from rlhf.rollout.batching import pad_left
     from rlhf.rollout.prompt_fit import fit_prompts
     from rlhf.rollout.scoring import ScoringModels, generate_and_score

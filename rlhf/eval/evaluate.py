@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from rlhf.checkpoints import atomic_dir, write_manifest
@@ -20,6 +19,7 @@ from rlhf.config import EvalConfig, PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.formats import ChatRenderer
 from rlhf.eval import benchmark, length_control
 from rlhf.eval.overoptimisation import OveroptimisationAlarm, ensemble_stats, response_stats, surprisal_stats
+from rlhf.eval.responses import eval_prompts, generate_and_score_prompts
 from rlhf.eval.sft_side import SFTSide, read_sft_side, write_sft_side
 from rlhf.metrics import (
     EVAL_GOLD_PREFIX,
@@ -42,13 +42,12 @@ from rlhf.models.device import autocast, resolve_device, run_dtype
 from rlhf.models.loading import load_causal_lm, load_options, load_tokenizer
 from rlhf.models.reward_ensemble import ensemble_objective, in_distribution_std, load_reward, member_tokenizers
 from rlhf.models.stop_tokens import stop_token_ids
-from rlhf.ops import kl_per_token
 from rlhf.rollout.batching import pad_left
-from rlhf.rollout.generation import GenerationSettings, response_texts, sample_responses
+from rlhf.rollout.generation import GenerationSettings, sample_responses
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.reward_function import reward_function
-from rlhf.rollout.rows import PromptRows, RowColumns
-from rlhf.rollout.scoring import ScoringModels, generate_and_score
+from rlhf.rollout.rows import RowColumns
+from rlhf.rollout.scoring import ScoringModels
 from rlhf.rollout.static_decode import resolve_decode
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
 
@@ -69,60 +68,6 @@ class EvalResult:
     def benchmark_files(self) -> list[Path]:
         """Each benchmark's report (benchmark-<name>.md) and per-instruction verdicts (benchmark-<name>.parquet)."""
         return sorted(Path(self.folder).glob("benchmark-*"))
-
-
-def eval_prompts(eval_file: str | Path, n: int) -> PromptRows:
-    """The first `n` distinct rows of the held-out split (a prompt with two truths is two), in file order."""
-    return PromptRows.read(eval_file).distinct(n)
-
-
-def generate_and_score_prompts(
-    models: ScoringModels,
-    prompts: list[str],
-    settings: GenerationSettings,
-    max_prompt_tokens: int,
-    batch_size: int,
-    generator: torch.Generator,
-    dtype: torch.dtype,
-    progress: bool = False,
-    rows: list[str] | None = None,
-) -> pd.DataFrame:
-    """One policy's responses to `prompts` in batches (`rlhf.rollout.scoring.generate_and_score`, as PPO rollouts are
-    made), with their reward-model score and their KL from the reference (the k1 estimator summed over the
-    response), one row per prompt: prompt, row (its key, of `rows`: ``rlhf.rollout.rows``), response, score, kl,
-    ref_nll (the reference's surprisal summed over the same tokens: -log p_ref), tokens (how many), length (tokens
-    before the stop token), stopped.
-    Used by the evaluation stage and by PPO's periodic evaluation (``rlhf.ppo.periodic_eval``)."""
-    tokenizer = models.tokenizer
-    device = generator.device
-    out = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="eval", disable=not progress):
-        batch_prompts = prompts[start : start + batch_size]
-        ids = fit_prompts(tokenizer, batch_prompts, max_prompt_tokens).ids  # as PPO fits its prompts
-        query, query_mask = (t.to(device) for t in pad_left(ids, tokenizer.pad_token_id))
-        keys = None if rows is None else rows[start : start + batch_size]
-        scored = generate_and_score(models, query, query_mask, batch_prompts, settings, generator, dtype, rows=keys)
-        resp = scored.resp
-        mask = resp.mask.float()
-        kl = kl_per_token(scored.logprobs, scored.ref_logprobs, "k1") * mask  # (b, r)
-        texts = response_texts(tokenizer, resp)  # special tokens inside a response visible
-        members = member_columns(scored.member_scores) | function_columns(models, scored.function_scores)
-        for i, prompt in enumerate(batch_prompts):
-            out.append(
-                {
-                    **{name: float(column[i]) for name, column in members.items()},
-                    "prompt": prompt,
-                    "row": None if keys is None else keys[i],
-                    "response": texts[i],
-                    "score": float(scored.scores[i]),
-                    "kl": float(kl[i].sum()),
-                    "ref_nll": -float((scored.ref_logprobs[i] * mask[i]).sum()),
-                    "tokens": int(mask[i].sum()),
-                    "length": int(mask[i].sum()) - int(resp.contains_stop[i]),  # tokens before the stop token
-                    "stopped": bool(resp.contains_stop[i]),
-                }
-            )
-    return pd.DataFrame(out)
 
 
 def read_benchmarks(cfg: EvalConfig) -> list[benchmark.BenchmarkRows]:
@@ -200,26 +145,6 @@ def benchmark_markdown(summary: dict[str, float], name: str) -> str:
             "",
         ]
     )
-
-
-def function_columns(models: ScoringModels, function_scores: Tensor | None) -> dict[str, Tensor]:
-    """Each reward function's own scores as a column, rewards/<name> (reward.functions); none without functions."""
-    if function_scores is None or models.reward_fn is None:
-        return {}
-    names = models.reward_fn.names
-    return {REWARD_FUNCTION_PREFIX + name: row for name, row in zip(names, function_scores, strict=True)}
-
-
-def member_columns(member_scores: Tensor | None) -> dict[str, Tensor]:
-    """An ensemble's per-response columns: its members' mean, std (population) and minimum. Shape: (K, b) -> (b,)
-    each; none without an ensemble."""
-    if member_scores is None:
-        return {}
-    return {
-        "members_mean": member_scores.mean(0),
-        "members_std": member_scores.std(0, unbiased=False),
-        "members_min": member_scores.min(0).values,
-    }
 
 
 def evaluate_policies(

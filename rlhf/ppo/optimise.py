@@ -31,8 +31,8 @@ from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.state import TrainerState
 from rlhf.ppo.stats import MICRO_KEYS, MicroStats, OptimStats
 from rlhf.ppo.update import Rollout
+from rlhf.rollout.forwards import policy_forward, value_forward
 from rlhf.rollout.row_groups import used_columns
-from rlhf.rollout.scoring import policy_forward, value_forward
 from rlhf.rollout.sides import run_sides
 
 

@@ -4,7 +4,7 @@
 Every evaluation generates for the same prompts with the training sampling settings and a generator seeded the
 same way each time, so the points of one run (and of runs with the same seed) are comparable. The KL is the
 evaluation stage's ``eval/kl``: the sum over response tokens of ``logp_policy - logp_ref`` (k1), mean over prompts
-(`rlhf.eval.evaluate.generate_and_score_prompts`).
+(`rlhf.eval.responses.generate_and_score_prompts`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from rlhf.checkpoints import atomic_file
 from rlhf.config import PPOConfig
 from rlhf.errors import TrialPruned
-from rlhf.eval.evaluate import generate_and_score_prompts
 from rlhf.eval.overoptimisation import (
     ALARM_STEP_KEY,
     KEPT_STEP_KEY,
@@ -28,6 +27,7 @@ from rlhf.eval.overoptimisation import (
     response_stats,
     surprisal_stats,
 )
+from rlhf.eval.responses import generate_and_score_prompts
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_KL, PERIODIC_SCORE, REWARD_FUNCTION_PREFIX
 from rlhf.models.reward_ensemble import in_distribution_std
 from rlhf.ppo import distributed

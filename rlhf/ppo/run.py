@@ -23,7 +23,7 @@ from rlhf.checkpoints import MANIFEST, atomic_write_text
 from rlhf.config import PPOConfig, RewardConfig, RuntimeConfig
 from rlhf.data.prepare import gold_scorer
 from rlhf.errors import ConfigError
-from rlhf.eval.evaluate import eval_prompts
+from rlhf.eval.responses import eval_prompts
 from rlhf.rollout.rows import PromptRows, RowColumns
 from rlhf.tracking.metrics_writer import GoldFn, LogFn
 

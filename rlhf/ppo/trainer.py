@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from rlhf.checkpoints import atomic_dir, write_manifest
 from rlhf.config import PPOConfig
 from rlhf.errors import TrainingInterrupted
-from rlhf.memory import peak_memory_mb, reset_peak_memory
-from rlhf.metrics import EPISODES_PER_S, OBJECTIVE_KL, OBJECTIVE_SCORES, PEAK_MEMORY
+from rlhf.memory import reset_peak_memory
+from rlhf.metrics import OBJECTIVE_KL, OBJECTIVE_SCORES
 from rlhf.models import sharding
 from rlhf.models.device import resolve_device, run_dtype
 from rlhf.models.reward_ensemble import in_distribution_std
@@ -38,13 +38,7 @@ from rlhf.ppo.records import record_rollouts
 from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
-from rlhf.ppo.stats import (
-    ensemble_rollout_stats,
-    function_rollout_stats,
-    rollout_stats,
-    zero_std_by_category,
-    zero_std_counts,
-)
+from rlhf.ppo.stats import function_rollout_stats, speed_stats, update_stats, zero_std_by_category, zero_std_counts
 from rlhf.ppo.update import Rollout, compute_advantages, first_epoch_order, generate_and_score, refresh_kl
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
@@ -350,56 +344,3 @@ def write_resume_state(folder: Path, models: PPOModels, state: TrainerState, dis
     if dist.is_main:
         save_state(folder, models, state, sample_rngs)
     distributed.barrier()  # a rank that raises TrainingInterrupted next finds the state written
-
-
-def update_stats(
-    rollout: Rollout,
-    optim_stats: dict[str, float],
-    ratio_quantiles: list[float],
-    kl_coef: float,
-    in_distribution_std: float = 0.0,
-) -> dict[str, float]:
-    scored = rollout.scored
-    stats = rollout_stats(
-        scores=scored.scores,
-        shaped_scores=rollout.shaped_scores,
-        contains_stop=scored.resp.contains_stop,
-        logprobs=scored.logprobs,
-        ref_logprobs=scored.ref_logprobs,
-        kl=rollout.kl,
-        non_score_rewards=rollout.non_score_rewards,
-        response_mask=rollout.mask,
-        query_lengths=scored.qr_mask[:, : scored.prompt_len].sum(1),
-        advantages=rollout.advantages,
-        returns=rollout.returns,
-        values=scored.values,
-        kl_coef=kl_coef,
-    )
-    stats.update(rollout.group_stats)
-    stats.update(ensemble_rollout_stats(scored.member_scores, in_distribution_std))
-    stats.update(optim_stats)
-    stats.update(dict(zip(("dist/ratio_p05", "dist/ratio_p50", "dist/ratio_p95"), ratio_quantiles, strict=True)))
-    return stats
-
-
-def speed_stats(
-    rollout: Rollout,
-    stats: dict[str, float],
-    t0: float,
-    t_stats: float,
-    batch_size: int,
-    device: torch.device,
-    world_size: int = 1,
-) -> dict[str, float]:
-    """Times of this rank; `batch_size` is the global batch, and with W ranks this rank's tokens count W times,
-    so that the mean over ranks is the run's throughput."""
-    now = time.perf_counter()
-    total = now - t0
-    return {
-        **rollout.scored.timings,
-        "time/stats": now - t_stats,
-        "time/total": total,
-        EPISODES_PER_S: batch_size / total,
-        "speed/tokens_per_s": float(rollout.mask.sum()) * world_size / total,
-        PEAK_MEMORY: peak_memory_mb(device),
-    }

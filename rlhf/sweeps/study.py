@@ -5,8 +5,8 @@ it; for the other measures Student's t), and `frontier_plot` draws gold reward a
 colour per arm: the periodic evaluations of every online run (``ppo.eval_every``) as lines, every run's final
 evaluation as a large marker.
 
-No Prefect here, and MLflow only through `rlhf.tracking.client`: flows/sweep.py calls `report` and logs its files on
-the sweep's run (docs/choosing-an-algorithm.md).
+No Prefect here, and MLflow only through `rlhf.tracking.client`: flows/sweep_run.py calls `report` and logs its files
+on the sweep's run (docs/choosing-an-algorithm.md).
 """
 
 from __future__ import annotations
