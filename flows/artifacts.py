@@ -109,7 +109,7 @@ def stage_rows(summary: dict[str, Any], experiment_id: str) -> list[tuple[str, s
         if run_id is None:
             continue
         cached = summary.get(f"stage.{stage.task}.cached") == "true"
-        resumed = summary.get(f"stage.{stage.task}.resumed_from")  # flows/crashed_runs.py
+        resumed = summary.get(f"stage.{stage.task}.resumed_from")  # flows/resumed_runs.py
         how = "cached (an earlier run computed it)" if cached else "ran"
         how += f", resuming crashed flow run {resumed}" if resumed and not cached else ""
         rows.append((stage_label(stage.task, label), how, mlflow_run_url(experiment_id, run_id)))

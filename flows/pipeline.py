@@ -19,8 +19,9 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed
 
 from flows.artifacts import StageProgress, publish_pipeline_results
-from flows.crashed_runs import check_in, resume_links
+from flows.crashed_runs import check_in
 from flows.pipeline_run import cache_tags, close_pipeline_run, open_pipeline_run, register_policy
+from flows.resumed_runs import resume_links
 from flows.summary import (
     COMPUTE_REASON_TAG,
     COMPUTE_TAG,

@@ -160,7 +160,7 @@ def _origin_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         said = f"{len(cached)} of {len(ran)}"
         said += f" (all: results of MLflow run {origin})" if origin else f" ({', '.join(cached)})"
         rows.append(("stages from the cache", said))
-    if resumed := summary.get(f"{RESUMED_FROM_TAG}_name"):  # flows/crashed_runs.py
+    if resumed := summary.get(f"{RESUMED_FROM_TAG}_name"):  # flows/resumed_runs.py
         rows.append(("resumed from", f"crashed flow run {resumed} (its saved state)"))
     return rows
 

@@ -25,7 +25,7 @@ from tasks.tracking import TrackingContext, tracker_for, training_logger
 
 RUN_ID_FILE = ".mlflow_run_id"
 # The flow run a stage run belongs to, and the earlier flow run (killed: a rerun, not a retry) whose stage run it
-# continued; also a tag of the pipeline run (with `stage.<stage>.resumed_from_flow_run`), flows/crashed_runs.py
+# continued; also a tag of the pipeline run (with `stage.<stage>.resumed_from_flow_run`), flows/resumed_runs.py
 FLOW_RUN_TAG, RESUMED_FROM_TAG = "prefect.flow_run_id", "rlhf.resumed_from_flow_run"
 # MLflow's tag of a child run's parent, and the pipeline run a resumed stage run was a child of before
 PARENT_RUN_TAG, RESUMED_FROM_PARENT_TAG = "mlflow.parentRunId", "rlhf.resumed_from_parent_run"

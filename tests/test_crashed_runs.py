@@ -160,7 +160,7 @@ def test_a_resumed_flow_run_of_another_server_is_named_by_its_id(tmp_path, caplo
     server, resumed under make ui): the links name it by its id, and the log says why, without a warning."""
     from uuid import uuid4
 
-    from flows.crashed_runs import resume_links
+    from flows.resumed_runs import resume_links
     from rlhf.tracking.client import Tracker
     from tasks.stage_runs import RESUMED_FROM_TAG
     from tasks.tracking import TrackingContext

@@ -40,17 +40,8 @@ from flows.crashed_runs import ZOMBIE_AFTER_S
 from flows.summary import TRACKING_URI_FROM
 from flows.sweep import rlhf_sweep
 from flows.team_database import migration_revisions, parse_database
-from flows.team_servers import (
-    REPOSSESS_S,
-    RESULTS_ENV,
-    Login,
-    Plan,
-    build_parser,
-    exports,
-    free_orphaned_slots,
-    read_login,
-    server_commands,
-)
+from flows.team_plan import Login, Plan, read_login, server_commands
+from flows.team_servers import REPOSSESS_S, RESULTS_ENV, build_parser, exports, free_orphaned_slots
 from flows.team_servers import main as serve_main
 from rlhf.config import load_config
 from rlhf.config.sections import TRACKING_URI_ENV

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
-from rlhf.memory import peak_memory_mb
 from rlhf.metrics import (
-    EPISODES_PER_S,
     OBJECTIVE_KL,
     OBJECTIVE_KL_COEF,
     OBJECTIVE_RLHF_REWARD,
     OBJECTIVE_SCORES,
-    PEAK_MEMORY,
     POLICY_APPROXKL,
     POLICY_CLIPFRAC,
 )
 from rlhf.ops import PolicyLossOutput, ValueLossOutput, explained_variance, masked_mean, masked_quantiles, masked_var
-
-if TYPE_CHECKING:  # rlhf.ppo.update imports this module
-    from rlhf.ppo.update import Rollout
 
 
 def _to_floats(values: dict[str, Tensor | float]) -> dict[str, float]:
@@ -258,59 +251,4 @@ def zero_std_by_category(counts: list[dict[str, tuple[int, int]]]) -> dict[str, 
     return {
         ZERO_STD_BY_CATEGORY + category.replace(":", "."): zero / total
         for category, (zero, total) in sorted(merged.items())
-    }
-
-
-def update_stats(
-    rollout: Rollout,
-    optim_stats: dict[str, float],
-    ratio_quantiles: list[float],
-    kl_coef: float,
-    in_distribution_std: float = 0.0,
-) -> dict[str, float]:
-    """One update's statistics: the rollout's (`rollout_stats`), its groups' and an ensemble's, the optimisation
-    pass's (`optim_stats`) and the quantiles of its probability ratios."""
-    scored = rollout.scored
-    stats = rollout_stats(
-        scores=scored.scores,
-        shaped_scores=rollout.shaped_scores,
-        contains_stop=scored.resp.contains_stop,
-        logprobs=scored.logprobs,
-        ref_logprobs=scored.ref_logprobs,
-        kl=rollout.kl,
-        non_score_rewards=rollout.non_score_rewards,
-        response_mask=rollout.mask,
-        query_lengths=scored.qr_mask[:, : scored.prompt_len].sum(1),
-        advantages=rollout.advantages,
-        returns=rollout.returns,
-        values=scored.values,
-        kl_coef=kl_coef,
-    )
-    stats.update(rollout.group_stats)
-    stats.update(ensemble_rollout_stats(scored.member_scores, in_distribution_std))
-    stats.update(optim_stats)
-    stats.update(dict(zip(("dist/ratio_p05", "dist/ratio_p50", "dist/ratio_p95"), ratio_quantiles, strict=True)))
-    return stats
-
-
-def speed_stats(
-    rollout: Rollout,
-    stats: dict[str, float],
-    t0: float,
-    t_stats: float,
-    batch_size: int,
-    device: torch.device,
-    world_size: int = 1,
-) -> dict[str, float]:
-    """Times of this rank; `batch_size` is the global batch, and with W ranks this rank's tokens count W times,
-    so that the mean over ranks is the run's throughput."""
-    now = time.perf_counter()
-    total = now - t0
-    return {
-        **rollout.scored.timings,
-        "time/stats": now - t_stats,
-        "time/total": total,
-        EPISODES_PER_S: batch_size / total,
-        "speed/tokens_per_s": float(rollout.mask.sum()) * world_size / total,
-        PEAK_MEMORY: peak_memory_mb(device),
     }

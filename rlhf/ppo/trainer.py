@@ -38,8 +38,16 @@ from rlhf.ppo.records import record_rollouts
 from rlhf.ppo.run import PolicyRun
 from rlhf.ppo.sharded_state import full_weights, save_sharded_state, shard_models
 from rlhf.ppo.state import TrainerState, load_state, save_final, save_state, trainer_fields
-from rlhf.ppo.stats import function_rollout_stats, speed_stats, update_stats, zero_std_by_category, zero_std_counts
-from rlhf.ppo.update import Rollout, compute_advantages, first_epoch_order, generate_and_score, refresh_kl
+from rlhf.ppo.stats import function_rollout_stats, zero_std_by_category, zero_std_counts
+from rlhf.ppo.update import (
+    Rollout,
+    compute_advantages,
+    first_epoch_order,
+    generate_and_score,
+    refresh_kl,
+    speed_stats,
+    update_stats,
+)
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.prompt_fit import fit_prompts
 from rlhf.rollout.static_decode import resolve_decode

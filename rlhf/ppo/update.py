@@ -1,6 +1,6 @@
 """One PPO update, steps 1 to 6 (docs/objectives.md "One PPO update"): sample and score a rollout batch, shape the
 scores, compute the advantages; each step is one call into ``rlhf.ops``. Step 7, the optimisation, is
-``rlhf.ppo.optimise``."""
+``rlhf.ppo.optimise``; the update's statistics and speed: `update_stats`, `speed_stats`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 from rlhf.config import PPOConfig
+from rlhf.memory import peak_memory_mb
+from rlhf.metrics import EPISODES_PER_S, PEAK_MEMORY
 from rlhf.ops import (
     ShapedScores,
     broadcast_to_tokens,
@@ -26,7 +28,7 @@ from rlhf.ppo.distributed import DistContext, masked_mean_var
 from rlhf.ppo.models import PPOModels
 from rlhf.ppo.plan import ExecutionPlan
 from rlhf.ppo.prompts import PromptBatch
-from rlhf.ppo.stats import group_distinct_share
+from rlhf.ppo.stats import ensemble_rollout_stats, group_distinct_share, rollout_stats
 from rlhf.rollout import scoring
 from rlhf.rollout.generation import GenerationSettings
 from rlhf.rollout.scoring import ScoredResponses
@@ -236,3 +238,58 @@ def critic_free_advantages(
         "group/distinct_responses": group_distinct_share(scored.resp.tokens, mask, group),
     }
     return advantages, stats
+
+
+def update_stats(
+    rollout: Rollout,
+    optim_stats: dict[str, float],
+    ratio_quantiles: list[float],
+    kl_coef: float,
+    in_distribution_std: float = 0.0,
+) -> dict[str, float]:
+    """One update's statistics: the rollout's (`rollout_stats`), its groups' and an ensemble's, the optimisation
+    pass's (`optim_stats`) and the quantiles of its probability ratios."""
+    scored = rollout.scored
+    stats = rollout_stats(
+        scores=scored.scores,
+        shaped_scores=rollout.shaped_scores,
+        contains_stop=scored.resp.contains_stop,
+        logprobs=scored.logprobs,
+        ref_logprobs=scored.ref_logprobs,
+        kl=rollout.kl,
+        non_score_rewards=rollout.non_score_rewards,
+        response_mask=rollout.mask,
+        query_lengths=scored.qr_mask[:, : scored.prompt_len].sum(1),
+        advantages=rollout.advantages,
+        returns=rollout.returns,
+        values=scored.values,
+        kl_coef=kl_coef,
+    )
+    stats.update(rollout.group_stats)
+    stats.update(ensemble_rollout_stats(scored.member_scores, in_distribution_std))
+    stats.update(optim_stats)
+    stats.update(dict(zip(("dist/ratio_p05", "dist/ratio_p50", "dist/ratio_p95"), ratio_quantiles, strict=True)))
+    return stats
+
+
+def speed_stats(
+    rollout: Rollout,
+    stats: dict[str, float],
+    t0: float,
+    t_stats: float,
+    batch_size: int,
+    device: torch.device,
+    world_size: int = 1,
+) -> dict[str, float]:
+    """Times of this rank; `batch_size` is the global batch, and with W ranks this rank's tokens count W times,
+    so that the mean over ranks is the run's throughput."""
+    now = time.perf_counter()
+    total = now - t0
+    return {
+        **rollout.scored.timings,
+        "time/stats": now - t_stats,
+        "time/total": total,
+        EPISODES_PER_S: batch_size / total,
+        "speed/tokens_per_s": float(rollout.mask.sum()) * world_size / total,
+        PEAK_MEMORY: peak_memory_mb(device),
+    }
