@@ -5,8 +5,8 @@
 - `limit`: FLOP counting, matmul peaks, memory traffic of generation, the report's table;
 - `cli`: ``make bench`` / ``rlhf bench`` (``python -m benchmarks``);
 - `trl_peer`: TRL's trainers on the same shapes (``make bench PEER=1``), run in the peers' own venvs;
-- `overhead_bench`, `overhead_report`: the pipeline through Prefect and MLflow against the library alone
-  (``make bench-overhead``);
+- `overhead_bench`, `overhead_clock`, `overhead_report`: the pipeline through Prefect and MLflow against the library
+  alone (``make bench-overhead``);
 - `sweep_bench`: a sweep sequential against concurrent (``make bench-sweep``);
 - `prepare_bench`: the data preparation stage on N synthetic pairs (``python -m benchmarks.prepare_bench``).
 

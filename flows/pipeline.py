@@ -39,7 +39,7 @@ from rlhf.config import PipelineConfig, RewardConfig
 from rlhf.config.estimators import OBJECTIVE_LABEL_TAG
 from rlhf.config.sections import tracking_uri_origin
 from rlhf.data.lengths import LengthLimits
-from rlhf.data.prepare import source_fingerprint
+from rlhf.data.source_checks import source_fingerprint
 from rlhf.errors import TrialPruned
 from rlhf.eval import benchmark
 from rlhf.eval.length_control import EVAL_WARNING_TAG

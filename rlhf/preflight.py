@@ -9,8 +9,8 @@ from typing import Any
 
 from rlhf.config import PipelineConfig
 from rlhf.config.sections import TRACKING_URI_ENV, tracking_uri_origin
-from rlhf.data.prepare import check_source
 from rlhf.data.row_columns import check_wanted
+from rlhf.data.source_checks import check_source
 from rlhf.errors import ConfigError
 from rlhf.eval.benchmark import read_benchmark
 from rlhf.memory import StageEstimate, plan_memory

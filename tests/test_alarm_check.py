@@ -16,7 +16,7 @@ from rlhf.eval.overoptimisation import (
     alarm_inputs,
     replay,
 )
-from rlhf.sweeps import alarm_check, alarm_threshold
+from rlhf.sweeps import alarm_check, alarm_signals, alarm_threshold
 from rlhf.tracking.client import Tracker
 
 # updates 0, 10, ..., 50: (score, gold, KL, distinct-2, near-identical share, score std, group distinct share, the
@@ -113,8 +113,8 @@ def test_the_split_is_fixed_by_what_a_run_is():
 def test_auc_and_the_summaries():
     scores, falls = pd.Series([0.9, 0.8, 0.3, 0.3, float("nan")]), pd.Series([True, False, True, False, True])
     # positives 0.9 and 0.3 (the NaN left out) against negatives 0.8 and 0.3: 1 + 1 + 0 + 0.5 of 4
-    assert alarm_check.auc(scores, falls) == pytest.approx(2.5 / 4)
-    assert pd.isna(alarm_check.auc(scores, pd.Series([False] * 5)))
+    assert alarm_signals.auc(scores, falls) == pytest.approx(2.5 / 4)
+    assert pd.isna(alarm_signals.auc(scores, pd.Series([False] * 5)))
 
 
 def test_the_command_prints_the_study_and_draws_the_roc(store, tmp_path, capsys):

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from rlhf.sweeps import alarm_check, alarm_kept
+from rlhf.sweeps import alarm_check, alarm_kept, alarm_shipped
 from rlhf.sweeps.space import parse_space
 from rlhf.tracking.client import Tracker
 from tests.conftest import REPO
@@ -282,7 +282,7 @@ def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path, capsys):
     _log_run(tracker, "check-healthy/ppo", "gae", HEALTHY, mode="stop")  # no alarm: trained to its end
     _log_run(tracker, "again-falls/ppo", "grpo", FALLS)  # the first one's seed again, with warn
     made, again = (alarm_check.alarm_table(tracker, "rlhf-ppo", name) for name in ("check-", "again-"))
-    shipped = alarm_kept.shipped_table(made, again).set_index("run")
+    shipped = alarm_shipped.shipped_table(made, again).set_index("run")
     falls, healthy = shipped.loc["check-falls/ppo"], shipped.loc["check-healthy/ppo"]
     # stop kept update 30's policy (0.8) of a best of 0.9 passed through; warn ends at -0.5 after the same best
     assert (falls["alarm"], falls["sft"], falls["best"], falls["stop"]) == (40, 0.1, 0.9, 0.8)
@@ -292,9 +292,9 @@ def test_the_shipped_stop_beside_warn_at_the_same_seed(tmp_path, capsys):
     alarm_check.main(["--tracking-uri", uri, "--experiment", "rlhf-ppo", "--filter", "check-", "--shipped", "again-"])
     printed = capsys.readouterr().out
     assert "what the shipped stop kept, 2 runs" in printed and "| all runs " in printed
-    summary = alarm_kept.shipped_summary(alarm_kept.shipped_table(made)).loc["all runs"]
+    summary = alarm_shipped.shipped_summary(alarm_shipped.shipped_table(made)).loc["all runs"]
     assert (summary["runs"], summary["alarms"], summary["stop: collapsed"]) == (2, 1, 0)
-    assert math.isnan(alarm_kept.shipped_table(made).set_index("run").loc["check-falls/ppo", "warn"])  # no warn run
+    assert math.isnan(alarm_shipped.shipped_table(made).set_index("run").loc["check-falls/ppo", "warn"])  # no warn run
 
 
 def test_the_alarmed_stop_runs_are_made_again_with_warn(tmp_path, capsys):

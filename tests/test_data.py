@@ -12,7 +12,8 @@ import pytest
 from rlhf.checkpoints import is_complete, read_manifest
 from rlhf.config import ConfigError, DataConfig, load_config
 from rlhf.data import synthetic
-from rlhf.data.prepare import check_source, prepare_preferences
+from rlhf.data.prepare import prepare_preferences
+from rlhf.data.source_checks import check_source
 from rlhf.errors import DataError
 
 
@@ -285,7 +286,7 @@ def test_hub_example_configs_are_valid(name):
 
 
 def test_source_fingerprint_follows_file_content(tmp_path):
-    from rlhf.data.prepare import source_fingerprint
+    from rlhf.data.source_checks import source_fingerprint
 
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n')

@@ -13,7 +13,8 @@ import pytest
 
 from rlhf.config import DataConfig, load_config
 from rlhf.data.files import file_kind
-from rlhf.data.prepare import check_source, prepare_preferences
+from rlhf.data.prepare import prepare_preferences
+from rlhf.data.source_checks import check_source
 from rlhf.data.sources import peek_columns, read_table
 from rlhf.errors import DataError
 

@@ -15,7 +15,8 @@ import pytest
 
 from rlhf.config import DataConfig, ReasoningTaskConfig
 from rlhf.data import reasoning_gym as rg
-from rlhf.data.prepare import check_source, prepare_preferences, source_fingerprint
+from rlhf.data.prepare import prepare_preferences
+from rlhf.data.source_checks import check_source, source_fingerprint
 from rlhf.errors import ConfigError
 from rlhf.rollout.rows import PromptRows, RowColumns
 

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 from rlhf.config import DataConfig, EvalConfig, PipelineConfig, PPOConfig, RewardConfig, RuntimeConfig
-from rlhf.data.prepare import check_source, gold_scorer, prepare_preferences
+from rlhf.data.prepare import gold_scorer, prepare_preferences
+from rlhf.data.source_checks import check_source
 from rlhf.errors import ConfigError, DataError
 from rlhf.eval.evaluate import evaluate_policies
 from rlhf.ppo.run import PolicyInputs

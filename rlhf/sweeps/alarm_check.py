@@ -12,7 +12,8 @@ the tuning half and reported on the held-out one.
 
 Runs logged before the periodic evaluation measured the reference's surprisal (periodic_eval/ref_surprisal) get it
 from their training statistics (`with_training_surprisal`). The surprisal threshold, set on the tuning half:
-`rlhf.sweeps.alarm_threshold`.
+`rlhf.sweeps.alarm_threshold`. How well each signal separates the runs that fall (AUCs, ROC curves):
+`rlhf.sweeps.alarm_signals`.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from rlhf.eval.overoptimisation import (
     replay,
 )
 from rlhf.metrics import PERIODIC_EVAL, PERIODIC_GOLD, PERIODIC_REF_SURPRISAL, PERIODIC_SCORE
-from rlhf.sweeps import alarm_kept
+from rlhf.sweeps import alarm_kept, alarm_shipped
 from rlhf.sweeps.alarm_kept import keep_best_index
+from rlhf.sweeps.alarm_signals import roc_picture, separation_table
 from rlhf.sweeps.alarm_threshold import (
     alarm_counts,
     confirmed_alarms,
@@ -225,33 +227,6 @@ def alarm_table(tracker: Tracker, experiment: str, name_filter: str = "") -> pd.
     return pd.DataFrame(rows)
 
 
-def auc(scores: pd.Series, positive: pd.Series) -> float:
-    """The area under the ROC curve of `scores` for telling the positive runs from the others (ties count half;
-    NaN scores left out): the chance that a random positive run scores above a random negative one."""
-    known = scores.notna()
-    pos, neg = scores[known & positive].tolist(), scores[known & ~positive].tolist()
-    if not pos or not neg:
-        return float("nan")
-    wins = sum((p > n) + 0.5 * (p == n) for p in pos for n in neg)
-    return wins / (len(pos) * len(neg))
-
-
-def separation_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Each signal's AUC for the runs whose gold falls, and its mean on falling and on healthy runs."""
-    falls = table["falls"].astype(bool)
-    rows = []
-    for column in [c for c in table.columns if c.startswith("signal: ")]:
-        rows.append(
-            {
-                "signal": column.removeprefix("signal: "),
-                "auc": auc(table[column], falls),
-                "mean (falls)": table.loc[falls, column].mean(),
-                "mean (healthy)": table.loc[~falls, column].mean(),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
 def choice_table(table: pd.DataFrame) -> pd.DataFrame:
     """The mean gold of what each ppo.on_overoptimisation keeps, per objective and over all runs."""
     modes = {"warn": "gold_final", "stop": "gold_if_stopped", "keep_best": "gold_if_kept_best", "(peak)": "gold_peak"}
@@ -294,38 +269,6 @@ def _counts(counts: dict) -> str:
     )
 
 
-def roc_picture(table: pd.DataFrame, path: Path, title: str) -> None:
-    """The ROC curves of the rule's score and of each signal against "gold fell GOLD_FALL or more", as a PNG."""
-    from matplotlib.figure import Figure
-
-    falls = table["falls"].astype(bool)
-    figure = Figure(figsize=(6.4, 5.6))
-    ax = figure.subplots()
-    for column in [c for c in table.columns if c.startswith("signal: ")]:
-        scores = table[column]
-        known = scores.notna()
-        if not (known & falls).any() or not (known & ~falls).any():
-            continue
-        thresholds = sorted(set(scores[known]), reverse=True)
-        points = [(0.0, 0.0)]
-        for t in thresholds:
-            flagged = known & (scores >= t)
-            points.append(
-                ((flagged & ~falls).sum() / (known & ~falls).sum(), (flagged & falls).sum() / (known & falls).sum())
-            )
-        name = column.removeprefix("signal: ")
-        width = 2.5 if name == "rule" else 1.0
-        ax.plot(*zip(*points, strict=True), label=f"{name} (AUC {auc(scores, falls):.2f})", linewidth=width)
-    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=0.8)
-    ax.set_xlabel("false-alarm rate (healthy runs flagged)")
-    ax.set_ylabel(f"recall (runs whose gold fell {GOLD_FALL} or more)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tracking-uri", default="sqlite:///mlruns/mlflow.db")
@@ -342,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         "trained_to_end), as markdown tables, and draw their share of the best gain into this PNG file if named",
     )
     alarm_kept.add_lever_arguments(parser)
-    alarm_kept.add_shipped_arguments(parser)
+    alarm_shipped.add_shipped_arguments(parser)
     args = parser.parse_args(argv)
     experiments = args.experiment or ["rlhf-ppo"]
     filters = args.filter or [""]
@@ -351,12 +294,12 @@ def main(argv: list[str] | None = None) -> None:
         made = pd.concat(made, ignore_index=True)
         if args.warn_reruns:
             try:
-                print(yaml.safe_dump(alarm_kept.warn_reruns(made, load_space(args.warn_reruns)), sort_keys=False))
+                print(yaml.safe_dump(alarm_shipped.warn_reruns(made, load_space(args.warn_reruns)), sort_keys=False))
             except ConfigError as err:  # one sentence, exit code 2
                 parser.exit(2, f"error: {err}\n")
             return
         warn = [alarm_table(Tracker(args.tracking_uri, n), n, args.shipped) for n in experiments]
-        print(alarm_kept.shipped_report(made, pd.concat(warn, ignore_index=True)))
+        print(alarm_shipped.shipped_report(made, pd.concat(warn, ignore_index=True)))
         return
     tables = [alarm_table(Tracker(args.tracking_uri, name), name, part) for name in experiments for part in filters]
     table = every = pd.concat([t for t in tables if not t.empty] or [pd.DataFrame()], ignore_index=True)
