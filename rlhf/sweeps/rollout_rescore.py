@@ -33,7 +33,8 @@ from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenize
 from rlhf.models.reward_ensemble import member_paths
 from rlhf.ops import logprobs_from_logits
 from rlhf.rollout.batching import encode_prompt_response
-from rlhf.sweeps.alarm_check import alarm_table, separation_table
+from rlhf.sweeps.alarm_check import alarm_table
+from rlhf.sweeps.alarm_signals import separation_table
 from rlhf.tracking.client import Tracker
 from rlhf.train.reward import score_texts
 
