@@ -41,7 +41,8 @@ from prefect.client.orchestration import get_client
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.settings import PREFECT_API_URL
 
-from flows.crashed_runs import HEARTBEAT_S, ensure_zombie_automation
+from flows import HEARTBEAT_S
+from flows.crashed_runs import ensure_zombie_automation
 from flows.form import form_parameters, rlhf_run, rlhf_sweep_run, sweep_form_parameters
 from flows.pipeline import rlhf_pipeline
 from flows.sweep import rlhf_sweep

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from flows.crashed_runs import HEARTBEAT_S
+from flows import HEARTBEAT_S
 from flows.form import PipelineRun, SweepRun, form_parameters, sweep_form_parameters
 from rlhf.config import PipelineConfig, load_config
 from rlhf.sweeps.space import load_space
