@@ -240,4 +240,18 @@ def limited_tags(tags: Iterable[str]) -> set[str]:
             except ObjectNotFound:
                 continue
             limited.add(tag)
+    if limited:
+        _forget_no_limit({f"tag:{tag}" for tag in limited})
     return limited
+
+
+def _forget_no_limit(names: set[str]) -> None:
+    """Drop Prefect's memory that `names` had no limit. Its task engine, having found no limit for a task's tags,
+    skips asking again for 5 s in that process, so a stage started within 5 s of a limit's creation (serve's `gpu`
+    limit, one a user sets) would run without taking its slot."""
+    from prefect.concurrency import services  # the engine's per-process cache: private, hence looked up with care
+
+    remembered, lock = getattr(services, "_no_limits_cache", None), getattr(services, "_cache_lock", None)
+    if remembered is not None and lock is not None:
+        with lock:
+            remembered.pop(frozenset(names), None)
