@@ -21,7 +21,7 @@ from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
-from prefect.context import TaskRunContext
+from prefect.context import TagsContext, TaskRunContext
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.callables import get_call_parameters
 from pydantic import BaseModel
@@ -240,8 +240,8 @@ def limited_tags(tags: Iterable[str]) -> set[str]:
             except ObjectNotFound:
                 continue
             limited.add(tag)
-    if limited:
-        _forget_no_limit({f"tag:{tag}" for tag in limited})
+    if limited:  # the task run's tags: these and those of any `prefect.tags` block around the stage
+        _forget_no_limit({f"tag:{tag}" for tag in limited | set(TagsContext.get().current_tags)})
     return limited
 
 

@@ -94,7 +94,7 @@ def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_th
     """Without a `gpu` limit a GPU stage runs untagged (Prefect's check of a limit that does not exist can wait 2 s
     on a SQLite server); with one (as `flows/serve.py` sets) it keeps the tag and holds a slot while it runs, also
     when the limit was created within the 5 s Prefect remembers that the tag had none."""
-    from prefect import flow, task
+    from prefect import flow, tags, task
     from prefect.client.orchestration import get_client
     from prefect.context import TaskRunContext
     from prefect.exceptions import ObjectNotFound
@@ -112,23 +112,30 @@ def test_a_stage_runs_with_the_tags_that_have_a_concurrency_limit_and_honours_th
         return {"tags": sorted(run.tags), "holds_gpu_slot": str(run.id) in holders}
 
     @flow
-    def two_stages() -> list[dict]:
+    def three_stages() -> list[dict]:
         runtime = RuntimeConfig(output_dir=str(tmp_path))
-        # a task tagged `gpu` run while no limit exists: Prefect then skips asking for that tag for 5 s (this process)
-        assert tagged_stage.with_options(tags=["gpu"])(runtime=runtime, attempt=0)["holds_gpu_slot"] is False
+        # tasks tagged `gpu`, alone and in a `tags` block, run while no limit exists: Prefect then skips asking for
+        # those tags for 5 s (in this process)
+        gpu_only = tagged_stage.with_options(tags=["gpu"])
+        assert gpu_only(runtime=runtime, attempt=-1)["holds_gpu_slot"] is False
+        with tags("team"):
+            assert gpu_only(runtime=runtime, attempt=0)["holds_gpu_slot"] is False
         first = caching.run_stage(tagged_stage, runtime=runtime, attempt=1)
         with get_client(sync_client=True) as client:
             client.create_concurrency_limit(tag="gpu", concurrency_limit=1)
         try:
             second = caching.run_stage(tagged_stage, runtime=runtime, attempt=2)
+            with tags("team"):
+                third = caching.run_stage(tagged_stage, runtime=runtime, attempt=3)
         finally:
             with get_client(sync_client=True) as client:
                 client.delete_concurrency_limit_by_tag("gpu")
-        return [first, second]
+        return [first, second, third]
 
-    first, second = two_stages()
+    first, second, third = three_stages()
     assert first == {"tags": [], "holds_gpu_slot": False}  # no limit: nothing to ask the server for
     assert second == {"tags": ["gpu"], "holds_gpu_slot": True}  # the limit is honoured; `data` has none
+    assert third == {"tags": ["gpu", "team"], "holds_gpu_slot": True}  # also with the block's tag
     assert caching.limited_tags([]) == set()
 
 
