@@ -184,6 +184,8 @@ def run_stage(task, **parameters: Any) -> Any:
         runtime = parameters.get("runtime")
         slot = getattr(runtime, "device_slot", None) if GPU_TAG in task.tags and not complete else None
         tags = limited_tags(task.tags)
+        if tags:
+            _forget_no_limit(tags)
         busy, held = busy_server_in_one_sentence(task.name), device_slot(slot, task.name)
         with busy, held, watch_slots(task.name, tags, task_logger()):
             state = task.with_options(refresh_cache=not complete, tags=tags)(**parameters, return_state=True)
@@ -240,17 +242,17 @@ def limited_tags(tags: Iterable[str]) -> set[str]:
             except ObjectNotFound:
                 continue
             limited.add(tag)
-    if limited:  # the task run's tags: these and those of any `prefect.tags` block around the stage
-        _forget_no_limit({f"tag:{tag}" for tag in limited | set(TagsContext.get().current_tags)})
     return limited
 
 
-def _forget_no_limit(names: set[str]) -> None:
-    """Drop Prefect's memory that `names` had no limit. Its task engine, having found no limit for a task's tags,
-    skips asking again for 5 s in that process, so a stage started within 5 s of a limit's creation (serve's `gpu`
-    limit, one a user sets) would run without taking its slot."""
+def _forget_no_limit(tags: set[str]) -> None:
+    """Drop Prefect's memory that a task run with `tags` (and those of any `prefect.tags` block around it) had no
+    limit. Its task engine, having found no limit for a task's tags, skips asking again for 5 s in that process, so a
+    stage started within 5 s of a limit's creation (serve's `gpu` limit, one a user sets) would run without taking
+    its slot."""
     from prefect.concurrency import services  # the engine's per-process cache: private, hence looked up with care
 
+    names = {f"tag:{tag}" for tag in tags | set(TagsContext.get().current_tags)}
     remembered, lock = getattr(services, "_no_limits_cache", None), getattr(services, "_cache_lock", None)
     if remembered is not None and lock is not None:
         with lock:
